@@ -1,0 +1,354 @@
+"""The backend's multi-entry prompt cache and its policy (one file, on purpose).
+
+Entries are token sequences with the KV cache (mlx-lm per-layer cache objects)
+holding exactly those tokens. Semantics follow mlx-lm's ``LRUPromptCache``
+(reuse the longest entry that is a prefix of the prompt, or trim a longer
+trimmable one), with these rules on top (``docs/cache-policy.md``):
+
+1. An exact hit leaves one token to prefill: reuse is capped at
+   ``len(prompt) - 1`` (ml-explore/mlx-lm PR 625).
+2. ``reused`` is the number of prompt tokens actually served from the cache;
+   the server reports it as ``cached_tokens`` (same PR).
+3. An entry is replaced by the request that reused it only on a *good hit*:
+   ``reused > max(min_hit_tokens, system_tokens)`` and
+   ``reused / prompt_len > min_hit_ratio`` (exo PR 1817 / issue 1816); a
+   ``system`` entry is never replaced, so a shared system prompt survives
+   every conversation built on it.
+4. Non-trimmable caches (rotating windows, SSM state) are reused only when the
+   entry is an exact prefix of the prompt (mlx-lm ``can_trim_prompt_cache``).
+5. Budgets: an entry count and a byte budget; eviction picks the least
+   recently used entry of the largest type group among assistant, user,
+   system (mlx-lm's ``CacheOrder``), and ``trim_to`` lets the engine count
+   in-flight requests' KV against the byte budget.
+
+Every insert and every removal goes through `_add` / `_remove`, which call
+the listener, so Redis sees each one (nothing leaves silently).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+import numpy as np
+
+CACHE_TYPES = ("assistant", "user", "system")
+
+
+class CacheListener(Protocol):
+    """Receives every change of the cache's contents (the reporter implements it)."""
+
+    def on_saved(self, entry: "CacheEntry") -> None: ...
+
+    def on_evicted(self, entry: "CacheEntry") -> None: ...
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    """One cached prompt.
+
+    Attributes:
+        tokens: int32 array, the tokens whose keys/values ``kv`` holds.
+        kv: mlx-lm per-layer cache objects (``make_prompt_cache`` shape).
+        nbytes: bytes held by ``kv``.
+        cache_type: ``"system"`` (a shared system-prompt segment),
+            ``"user"`` (a prompt saved before its answer) or ``"assistant"``
+            (prompt plus generated tokens).
+        trimmable: whether ``kv`` can be trimmed (reused for a shorter prefix).
+        servable_tokens: the longest prefix of ``tokens`` this entry can serve:
+            all of it when trimmable, else only the whole entry.
+    """
+
+    tokens: np.ndarray
+    kv: Any
+    nbytes: int
+    cache_type: str
+    trimmable: bool
+    id: int = 0
+    last_used: int = 0
+    hits: int = 0
+    meta: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class CacheHit:
+    """What `PromptCache.fetch` found for a prompt.
+
+    ``kv`` is a private copy already trimmed to ``reused`` tokens (None on a
+    miss); ``entry_id`` names the entry it came from.
+    """
+
+    kv: Any
+    reused: int
+    entry_id: Optional[int]
+    entry_len: int = 0
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two int arrays, in tokens."""
+    n = min(a.shape[0], b.shape[0])
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def kv_nbytes(kv) -> int:
+    return int(sum(c.nbytes for c in kv))
+
+
+def kv_trimmable(kv) -> bool:
+    from mlx_lm.models.cache import can_trim_prompt_cache
+
+    return bool(can_trim_prompt_cache(kv))
+
+
+def kv_trim(kv, n: int) -> None:
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    if n > 0:
+        trim_prompt_cache(kv, n)
+
+
+class PromptCache:
+    """Multi-entry prompt cache with the policy described in the module docstring.
+
+    Args:
+        max_entries: most entries kept (>= 1).
+        max_bytes: byte budget of all entries' KV.
+        min_hit_tokens: floor of a good hit, in tokens (exo uses 1000).
+        min_hit_ratio: reused/prompt ratio a good hit must exceed.
+        listener: told of every save and eviction.
+        ops: KV operations (nbytes, trimmable, trim, copy); the defaults call
+            mlx-lm; the simulated engine passes its own.
+
+    Not thread-safe: the engine thread owns it.
+    """
+
+    def __init__(
+        self,
+        max_entries: int = 16,
+        max_bytes: int = 1 << 62,
+        min_hit_tokens: int = 1000,
+        min_hit_ratio: float = 0.5,
+        listener: Optional[CacheListener] = None,
+        ops: Optional["KVOps"] = None,
+    ):
+        if max_entries < 1:
+            raise ValueError("max_entries must be >= 1")
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.min_hit_tokens = min_hit_tokens
+        self.min_hit_ratio = min_hit_ratio
+        self.listener = listener
+        self.ops = ops or KVOps()
+        self._entries: dict[int, CacheEntry] = {}
+        self._ids = itertools.count(1)
+        self._clock = itertools.count(1)
+        self.nbytes = 0
+
+    # -- queries ---------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> list[CacheEntry]:
+        return list(self._entries.values())
+
+    def get(self, entry_id: int) -> Optional[CacheEntry]:
+        return self._entries.get(entry_id)
+
+    def best_match(self, prompt) -> tuple[Optional[CacheEntry], int]:
+        """The entry serving the longest prefix of ``prompt`` and that length.
+
+        The length is capped at ``len(prompt) - 1`` (rule 1). Ties go to the
+        shorter entry (no trim needed, and a shared system entry wins over a
+        conversation that extends it).
+        """
+        p = np.asarray(prompt, dtype=np.int32)
+        cap = len(p) - 1
+        best, best_n = None, 0
+        for e in self._entries.values():
+            c = common_prefix(e.tokens, p)
+            if e.trimmable:
+                n = min(c, cap)
+            else:
+                # Rule 4: only an exact prefix, and never the whole prompt.
+                n = len(e) if (c == len(e) and len(e) <= cap) else 0
+            if n > best_n or (n == best_n and n > 0 and best is not None and len(e) < len(best)):
+                best, best_n = e, n
+        return best, best_n
+
+    def fetch(self, prompt) -> CacheHit:
+        """Find the best entry for ``prompt`` and return a trimmed private copy.
+
+        Returns a `CacheHit` with ``reused`` tokens (0 and ``kv=None`` on a
+        miss). The entry's recency is refreshed.
+        """
+        e, n = self.best_match(prompt)
+        if e is None or n == 0:
+            return CacheHit(None, 0, None)
+        kv = self.ops.copy(e.kv)
+        self.ops.trim(kv, len(e) - n)
+        e.last_used = next(self._clock)
+        e.hits += 1
+        return CacheHit(kv, n, e.id, len(e))
+
+    def is_good_hit(self, reused: int, prompt_len: int, system_tokens: int) -> bool:
+        """Rule 3 (exo PR 1817): may the request that reused an entry replace it?"""
+        if prompt_len <= 0:
+            return False
+        return (
+            reused > max(self.min_hit_tokens, system_tokens)
+            and reused / prompt_len > self.min_hit_ratio
+        )
+
+    # -- updates ---------------------------------------------------------
+    def insert(
+        self,
+        tokens,
+        kv,
+        cache_type: str = "assistant",
+        *,
+        reused_from: Optional[int] = None,
+        reused: int = 0,
+        prompt_len: int = 0,
+        system_tokens: int = 0,
+    ) -> Optional[CacheEntry]:
+        """Save ``kv`` (holding exactly ``tokens``) as an entry.
+
+        Args:
+            tokens: token ids held by ``kv`` (prompt, plus generated tokens for
+                ``assistant`` entries).
+            kv: the request's KV cache; the cache takes ownership.
+            cache_type: one of `CACHE_TYPES`.
+            reused_from / reused / prompt_len / system_tokens: how the request
+                used the cache; decides rule 3.
+
+        Returns:
+            The new entry, or None when nothing was saved (empty tokens or an
+            entry larger than the whole byte budget).
+        """
+        if cache_type not in CACHE_TYPES:
+            raise ValueError(f"unknown cache type {cache_type!r}")
+        t = np.asarray(tokens, dtype=np.int32)
+        if t.shape[0] == 0:
+            return None
+        nbytes = self.ops.nbytes(kv)
+        trimmable = self.ops.trimmable(kv)
+        if nbytes > self.max_bytes:
+            return None
+
+        # Same tokens already cached: keep one entry, refresh it.
+        for e in self._entries.values():
+            if len(e) == len(t) and common_prefix(e.tokens, t) == len(t):
+                e.last_used = next(self._clock)
+                if e.cache_type != "system" and cache_type == "system":
+                    e.cache_type = "system"
+                return e
+
+        # Rule 3: replace the reused entry only on a good hit.
+        if reused_from is not None and reused_from in self._entries:
+            old = self._entries[reused_from]
+            if old.cache_type != "system" and self.is_good_hit(reused, prompt_len, system_tokens):
+                self._remove(old)
+
+        # A trimmable entry serves every prefix of itself, so conversation
+        # entries it extends only take space (mlx-lm drops them too). System
+        # entries stay: they outlive any one conversation in the LRU.
+        if trimmable:
+            for e in list(self._entries.values()):
+                if (
+                    e.cache_type != "system"
+                    and len(e) < len(t)
+                    and common_prefix(e.tokens, t) == len(e)
+                ):
+                    self._remove(e)
+
+        entry = CacheEntry(
+            tokens=t,
+            kv=kv,
+            nbytes=nbytes,
+            cache_type=cache_type,
+            trimmable=trimmable,
+            id=next(self._ids),
+            last_used=next(self._clock),
+        )
+        self._add(entry)
+        self.trim_to(max_entries=self.max_entries, max_bytes=self.max_bytes, keep=entry)
+        return entry if entry.id in self._entries else None
+
+    def trim_to(
+        self,
+        *,
+        max_entries: Optional[int] = None,
+        max_bytes: Optional[int] = None,
+        keep: Optional[CacheEntry] = None,
+    ) -> int:
+        """Evict until within ``max_entries`` and ``max_bytes``; returns entries evicted.
+
+        ``keep`` is evicted last (the entry just saved). The engine calls this
+        with ``max_bytes = budget - in_flight_bytes`` so live requests' KV
+        counts against the budget.
+        """
+        n = 0
+        max_entries = self.max_entries if max_entries is None else max_entries
+        max_bytes = self.max_bytes if max_bytes is None else max_bytes
+        while self._entries and (len(self._entries) > max_entries or self.nbytes > max_bytes):
+            victim = self._pick_victim(keep)
+            if victim is None:
+                break
+            self._remove(victim)
+            n += 1
+        return n
+
+    def clear(self) -> None:
+        """Evict everything (each eviction reported)."""
+        for e in list(self._entries.values()):
+            self._remove(e)
+
+    def _pick_victim(self, keep: Optional[CacheEntry]) -> Optional[CacheEntry]:
+        # mlx-lm's CacheOrder: take from the largest group, ties in the order
+        # assistant, user, system; within a group the least recently used.
+        groups = {t: [] for t in CACHE_TYPES}
+        for e in self._entries.values():
+            if e is not keep:
+                groups[e.cache_type].append(e)
+        if not any(groups.values()):
+            return keep
+        kind = max(CACHE_TYPES, key=lambda t: (len(groups[t]), -CACHE_TYPES.index(t)))
+        return min(groups[kind], key=lambda e: e.last_used)
+
+    def _add(self, e: CacheEntry) -> None:
+        self._entries[e.id] = e
+        self.nbytes += e.nbytes
+        if self.listener is not None:
+            self.listener.on_saved(e)
+
+    def _remove(self, e: CacheEntry) -> None:
+        if self._entries.pop(e.id, None) is None:
+            return
+        self.nbytes -= e.nbytes
+        if self.listener is not None:
+            self.listener.on_evicted(e)
+        e.kv = None
+
+
+class KVOps:
+    """KV-cache operations the cache needs, backed by mlx-lm's cache functions."""
+
+    def nbytes(self, kv) -> int:
+        return kv_nbytes(kv)
+
+    def trimmable(self, kv) -> bool:
+        return kv_trimmable(kv)
+
+    def trim(self, kv, n: int) -> None:
+        kv_trim(kv, n)
+
+    def copy(self, kv):
+        return copy.deepcopy(kv)

@@ -1,0 +1,419 @@
+"""Engines: what turns prompt token ids into generated tokens.
+
+The HTTP server drives an engine through `Engine.submit` / `Engine.cancel`
+and reads `GenEvent` objects from the request's queue. `MLXEngine` runs
+mlx-lm's own continuous-batching ``BatchGenerator`` in one thread (MLX work
+stays on one thread and one stream, as in ``mlx_lm.server``). The prompt
+cache (`backend.cache.PromptCache`) lives outside the engine's model code, so
+the simulated engine (issue: sim engine) can share it.
+
+Cache saves happen on every way a request ends after its prefill started
+(SharpAI/SwiftLM issue 245, PR 253): end of sequence, ``max_tokens``, a
+cancel (client disconnect, text stop sequence, server timeout), and at the
+end of the system-prompt segment (mlx-lm's segment save).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from .cache import PromptCache
+
+log = logging.getLogger("mlxgw.backend.engine")
+
+
+@dataclass
+class GenParams:
+    """Sampling and stopping parameters of one request (OpenAI meanings)."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    logit_bias: Optional[dict[int, float]] = None
+    repetition_penalty: float = 0.0
+    seed: Optional[int] = None
+
+
+@dataclass
+class GenEvent:
+    """One event on a request's stream.
+
+    kind:
+        ``"start"``: prefill begins; ``cached`` tokens were reused.
+        ``"progress"``: ``done``/``total`` prompt tokens processed.
+        ``"token"``: one generated ``token`` with its detokenized ``text``.
+        ``"end"``: ``finish_reason`` in {"stop", "length", "cancelled", "error"}.
+    """
+
+    kind: str
+    token: int = -1
+    text: str = ""
+    finish_reason: Optional[str] = None
+    cached: int = 0
+    done: int = 0
+    total: int = 0
+    error: Optional[str] = None
+
+
+@dataclass(eq=False)
+class GenRequest:
+    """A request as the engine sees it: token ids in, events out.
+
+    ``system_tokens`` is the length of the leading system prompt (saved as its
+    own cache entry; the floor of a good hit).
+    """
+
+    rid: str
+    prompt: list[int]
+    params: GenParams
+    system_tokens: int = 0
+    loop: Optional[asyncio.AbstractEventLoop] = None
+    events: Optional[asyncio.Queue] = None
+    cached: int = 0
+    generated: int = 0
+    submitted_at: float = field(default_factory=time.monotonic)
+
+    def emit(self, ev: GenEvent) -> None:
+        """Thread-safe: hand an event to the request's asyncio queue."""
+        if self.loop is not None and self.events is not None:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+
+
+class Engine:
+    """The interface the server drives (real and simulated engines implement it)."""
+
+    tokenizer: Any = None
+    context_length: int = 0
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        raise NotImplementedError
+
+    def submit(self, req: GenRequest) -> None:
+        raise NotImplementedError
+
+    def cancel(self, rid: str) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class _Live:
+    req: GenRequest
+    reused_from: Optional[int]
+    detok: Any
+    prompt_left: int
+    save_system_at: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class MLXEngine(Engine):
+    """mlx-lm ``BatchGenerator`` in a dedicated thread, with our prompt cache.
+
+    Args:
+        model_path: local path or repo id for ``mlx_lm.load``.
+        cache: the prompt cache (owned by the engine thread after start).
+        cache_bytes: byte budget; in-flight requests' KV counts against it.
+        decode_concurrency / prefill_concurrency / prefill_step_size: passed to
+            ``BatchGenerator`` (completion_batch_size, prefill_batch_size,
+            prefill_step_size).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        cache: PromptCache,
+        cache_bytes: int,
+        decode_concurrency: int = 8,
+        prefill_concurrency: int = 2,
+        prefill_step_size: int = 512,
+        on_change: Optional[Callable[[], None]] = None,
+    ):
+        self.model_path = model_path
+        self.cache = cache
+        self.cache_bytes = cache_bytes
+        self.decode_concurrency = decode_concurrency
+        self.prefill_concurrency = prefill_concurrency
+        self.prefill_step_size = prefill_step_size
+        self.on_change = on_change
+        self._incoming: "queue.Queue[GenRequest]" = queue.Queue()
+        self._cancels: "queue.Queue[str]" = queue.Queue()
+        self._ready = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self.load_error: Optional[BaseException] = None
+        self.failed = False
+        # Stats read by the heartbeat (plain ints: atomic enough under the GIL).
+        self.active = 0
+        self.queued_prefill_tokens = 0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.prefill_tokens_total = 0
+        self.generated_tokens_total = 0
+        self.requests_total = 0
+        self.hits = 0
+        self.misses = 0
+        self.prefill_tps = 0.0
+        self.decode_tps = 0.0
+
+    # -- public API (any thread) ------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout=None) -> bool:
+        return self._ready.wait(timeout)
+
+    def submit(self, req: GenRequest) -> None:
+        self.active += 1
+        self.queued_prefill_tokens += len(req.prompt)
+        self._incoming.put(req)
+
+    def cancel(self, rid: str) -> None:
+        self._cancels.put(rid)
+
+    def stop(self) -> None:
+        self._stop = True
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def stats(self) -> dict:
+        return {
+            "active": self.active,
+            "queued_prefill_tokens": max(0, self.queued_prefill_tokens),
+            "cache_entries": len(self.cache),
+            "cache_bytes": self.cache.nbytes,
+            "cache_tokens": sum(len(e) for e in self.cache.entries()),
+            "requests": self.requests_total,
+            "hits": self.hits,
+            "misses": self.misses,
+            "prompt_tokens": self.prompt_tokens_total,
+            "cached_tokens": self.cached_tokens_total,
+            "prefill_tokens": self.prefill_tokens_total,
+            "generated_tokens": self.generated_tokens_total,
+            "prefill_tps": round(self.prefill_tps, 1),
+            "decode_tps": round(self.decode_tps, 1),
+        }
+
+    # -- engine thread ----------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._load()
+        except BaseException as e:  # reported by the server as a startup failure
+            log.exception("model load failed")
+            self.load_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop()
+        except Exception:
+            log.exception("engine thread died")
+            self.failed = True
+            self._fail_all("engine failure")
+
+    def _load(self) -> None:
+        import mlx.core as mx
+        from mlx_lm import load
+        from mlx_lm.generate import BatchGenerator
+
+        self._mx = mx
+        self.model, self.tokenizer = load(self.model_path)
+        cfg = getattr(self.model, "args", None)
+        self.context_length = int(
+            getattr(cfg, "max_position_embeddings", 0) or getattr(cfg, "context_length", 0) or 32768
+        )
+        self._stream = mx.default_stream(mx.default_device())
+        self._bg = BatchGenerator(
+            self.model,
+            completion_batch_size=self.decode_concurrency,
+            prefill_batch_size=self.prefill_concurrency,
+            prefill_step_size=self.prefill_step_size,
+            stream=self._stream,
+        )
+        self._live: dict[int, _Live] = {}
+        self._by_rid: dict[str, int] = {}
+        self._pending_cancel: set[str] = set()
+
+    def _fail_all(self, msg: str) -> None:
+        for live in list(getattr(self, "_live", {}).values()):
+            live.req.emit(GenEvent("end", finish_reason="error", error=msg))
+        while True:
+            try:
+                r = self._incoming.get_nowait()
+            except queue.Empty:
+                break
+            r.emit(GenEvent("end", finish_reason="error", error=msg))
+
+    def _loop(self) -> None:
+        while not self._stop:
+            idle = not self._live
+            try:
+                req = self._incoming.get(timeout=0.05) if idle else self._incoming.get_nowait()
+                self._admit(req)
+                continue
+            except queue.Empty:
+                pass
+            self._drain_cancels()
+            if self._live:
+                self._step()
+
+    def _drain_cancels(self) -> None:
+        rids = []
+        while True:
+            try:
+                rids.append(self._cancels.get_nowait())
+            except queue.Empty:
+                break
+        uids = [self._by_rid[r] for r in rids if r in self._by_rid]
+        # Not admitted yet: cancel on admission.
+        self._pending_cancel.update(r for r in rids if r not in self._by_rid)
+        if len(self._pending_cancel) > 10_000:
+            self._pending_cancel.clear()
+        if not uids:
+            return
+        caches = self._bg.remove(uids, return_prompt_caches=True)
+        for uid in uids:
+            live = self._live.pop(uid)
+            self._by_rid.pop(live.req.rid, None)
+            kv_tokens = caches.get(uid)
+            if kv_tokens is not None:
+                kv, tokens = kv_tokens
+                self._save(live, list(tokens), kv)
+            self._finish(live, "cancelled")
+
+    def _admit(self, req: GenRequest) -> None:
+        from mlx_lm.generate import make_stop_sequences
+        from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+        p = req.params
+        prompt = req.prompt
+        hit = self.cache.fetch(prompt)
+        req.cached = hit.reused
+        self.requests_total += 1
+        self.prompt_tokens_total += len(prompt)
+        self.cached_tokens_total += hit.reused
+        if hit.reused:
+            self.hits += 1
+        else:
+            self.misses += 1
+        self.queued_prefill_tokens -= hit.reused
+        rest = prompt[hit.reused :]
+        segments = [rest]
+        save_system_at = 0
+        # mlx-lm's segment save: stop at the end of the system prompt and save
+        # it as its own entry, so other conversations share it.
+        if hit.reused < req.system_tokens < len(prompt) - 1:
+            cut = req.system_tokens - hit.reused
+            segments = [rest[:cut], rest[cut:]]
+            save_system_at = req.system_tokens
+        sampler = make_sampler(p.temperature, p.top_p, p.min_p, 1, p.top_k)
+        processors = make_logits_processors(p.logit_bias, p.repetition_penalty or None)
+        stop = make_stop_sequences(self.tokenizer, [])
+        (uid,) = self._bg.insert_segments(
+            segments=[segments],
+            max_tokens=[p.max_tokens],
+            caches=[hit.kv],
+            all_tokens=[list(prompt[: hit.reused])],
+            samplers=[sampler],
+            logits_processors=[processors],
+            stop_sequences=[stop],
+        )
+        live = _Live(req, hit.entry_id, self.tokenizer.detokenizer, len(rest), save_system_at)
+        self._live[uid] = live
+        self._by_rid[req.rid] = uid
+        req.emit(GenEvent("start", cached=hit.reused, total=len(prompt)))
+        if req.rid in self._pending_cancel:
+            self._pending_cancel.discard(req.rid)
+            self._cancels.put(req.rid)
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        prompt_resps, gen_resps = self._bg.next()
+        dt = time.perf_counter() - t0
+        prefilled = 0
+        for r in prompt_resps:
+            live = self._live.get(r.uid)
+            if live is None:
+                continue
+            done, total = r.progress
+            cached = live.req.cached
+            live.req.emit(GenEvent("progress", done=cached + done, total=cached + total))
+            if r.end_of_prompt:
+                self.queued_prefill_tokens -= live.prompt_left
+                prefilled += live.prompt_left
+                live.prompt_left = 0
+            if r.end_of_segment and not r.end_of_prompt and live.save_system_at:
+                extracted = self._bg.extract_cache([r.uid])
+                if r.uid in extracted:
+                    kv, tokens = extracted[r.uid]
+                    if len(tokens) == live.save_system_at:
+                        self.cache.insert(list(tokens), kv, "system")
+                        self._changed()
+                live.save_system_at = 0
+        if prefilled and dt > 0:
+            self.prefill_tps = prefilled / dt
+        if gen_resps and dt > 0 and not prompt_resps:
+            self.decode_tps = len(gen_resps) / dt
+        for r in gen_resps:
+            live = self._live.get(r.uid)
+            if live is None:
+                continue
+            req = live.req
+            req.generated += 1
+            self.generated_tokens_total += 1
+            if r.finish_reason == "stop":
+                live.detok.finalize()
+                text = live.detok.last_segment
+            else:
+                live.detok.add_token(r.token)
+                if r.finish_reason is not None:
+                    live.detok.finalize()
+                text = live.detok.last_segment
+            req.emit(GenEvent("token", token=r.token, text=text))
+            if r.finish_reason is not None:
+                del self._live[r.uid]
+                self._by_rid.pop(req.rid, None)
+                self._save(live, list(r.all_tokens), r.prompt_cache)
+                self._finish(live, r.finish_reason)
+
+    def _save(self, live: _Live, tokens: list[int], kv) -> None:
+        req = live.req
+        kind = "assistant" if len(tokens) > len(req.prompt) else "user"
+        self.cache.insert(
+            tokens,
+            kv,
+            kind,
+            reused_from=live.reused_from,
+            reused=req.cached,
+            prompt_len=len(req.prompt),
+            system_tokens=req.system_tokens,
+        )
+        # Live requests' KV counts against the byte budget.
+        self.cache.trim_to(max_bytes=self.cache_bytes - self._bg.prompt_cache_nbytes)
+        self._changed()
+
+    def _finish(self, live: _Live, reason: str) -> None:
+        self.active -= 1
+        if live.prompt_left:
+            self.queued_prefill_tokens -= live.prompt_left
+            live.prompt_left = 0
+        live.req.emit(GenEvent("end", finish_reason=reason))
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()

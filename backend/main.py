@@ -1,0 +1,147 @@
+"""``mlxgw backend``: one backend process (engine + prompt cache + reporter + HTTP)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+from aiohttp import web
+
+from mlxgw import schema
+from mlxgw.util import parse_bytes, redact_url
+
+from .cache import PromptCache
+from .report import Reporter
+from .server import BackendConfig, make_app
+
+log = logging.getLogger("mlxgw.backend")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model path or repo id (default: the demo model)")
+    p.add_argument("--served-name", help="model name clients use (default: the model dir name)")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--host", default="127.0.0.1", help="listen address (loopback by default)")
+    p.add_argument("--id", dest="backend_id", help="backend name, stable across restarts (default: host:port)")
+    p.add_argument("--url", help="URL gateways reach this backend at (default: http://host:port)")
+    p.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--namespace", default=schema.DEFAULT_NAMESPACE)
+    p.add_argument("--block-size", type=int, default=schema.DEFAULT_BLOCK_SIZE, help="tokens per block")
+    p.add_argument("--cache-entries", type=int, default=16, help="most prompt-cache entries")
+    p.add_argument("--cache-bytes", type=str, default="4GB", help="prompt-cache byte budget, e.g. 512MB, 8GB")
+    p.add_argument("--min-hit-tokens", type=int, default=1000, help="floor of a good hit (exo PR 1817)")
+    p.add_argument("--min-hit-ratio", type=float, default=0.5, help="reused/prompt ratio of a good hit")
+    p.add_argument("--decode-concurrency", type=int, default=8)
+    p.add_argument("--prefill-concurrency", type=int, default=2)
+    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--heartbeat-interval", type=float, default=schema.DEFAULT_HEARTBEAT_INTERVAL)
+    p.add_argument("--heartbeat-ttl", type=float, default=schema.DEFAULT_HEARTBEAT_TTL)
+    p.add_argument("--engine", choices=["mlx"], default="mlx")
+    p.add_argument(
+        "--internal-token",
+        default=os.environ.get("MLXGW_INTERNAL_TOKEN"),
+        help="require 'Authorization: Bearer TOKEN' (set by the launcher; env MLXGW_INTERNAL_TOKEN)",
+    )
+
+
+def looks_loadable(model: str) -> bool:
+    """True for an existing local path or a hub repo id of the form ``org/name``."""
+    if Path(model).expanduser().exists():
+        return True
+    return not model.startswith(("/", ".", "~")) and model.count("/") == 1
+
+def run(args: argparse.Namespace) -> int:
+    """Run one backend until SIGINT/SIGTERM; returns the process exit code."""
+    from .engine import MLXEngine
+
+    if not args.model:
+        from mlxgw.demo_model import ensure_demo_model
+
+        args.model = str(ensure_demo_model("tiny"))
+    model_path = args.model
+    if not looks_loadable(model_path):
+        log.error("model path %s does not exist", model_path)
+        return 2
+    name = args.served_name or Path(model_path.rstrip("/")).name
+    backend_id = args.backend_id or f"{socket.gethostname()}:{args.port}"
+    url = args.url or f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    budget = parse_bytes(args.cache_bytes)
+
+    reporter = Reporter(
+        args.redis_url,
+        args.namespace,
+        name,
+        backend_id,
+        url,
+        block_size=args.block_size,
+        heartbeat_interval=args.heartbeat_interval,
+        ttl=args.heartbeat_ttl,
+        extra={"model_path": str(model_path), "cache_budget_bytes": budget},
+    )
+    cache = PromptCache(
+        max_entries=args.cache_entries,
+        max_bytes=budget,
+        min_hit_tokens=args.min_hit_tokens,
+        min_hit_ratio=args.min_hit_ratio,
+        listener=reporter,
+    )
+    engine = MLXEngine(
+        model_path,
+        cache,
+        budget,
+        decode_concurrency=args.decode_concurrency,
+        prefill_concurrency=args.prefill_concurrency,
+        prefill_step_size=args.prefill_step_size,
+    )
+    reporter.info = engine.stats
+    cfg = BackendConfig(backend_id, name, str(model_path), internal_token=args.internal_token)
+    return asyncio.run(_serve(engine, reporter, cfg, args))
+
+
+async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
+    # Bind first so a port in use fails before the model loads.
+    app = make_app(engine, reporter, cfg)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    try:
+        await site.start()
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, e)
+        await runner.cleanup()
+        return 3
+    engine.start()
+    loop = asyncio.get_running_loop()
+    ready = await loop.run_in_executor(None, engine.wait_ready, None)
+    if engine.load_error is not None or not ready:
+        log.error("model load failed: %s", engine.load_error)
+        await runner.cleanup()
+        return 2
+    try:
+        await reporter.start()
+    except Exception as e:
+        log.error("Redis unreachable at %s: %s", redact_url(args.redis_url), e)
+        engine.stop()
+        await runner.cleanup()
+        return 4
+    reporter.state = "ready"
+    await reporter.heartbeat()
+    log.info("backend %s ready at %s (model %s, epoch %d)", cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except NotImplementedError:  # pragma: no cover (Windows)
+            pass
+    await stop.wait()
+    reporter.state = "draining"
+    await runner.cleanup()
+    await reporter.stop()
+    engine.stop()
+    return 0
+

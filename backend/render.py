@@ -1,0 +1,172 @@
+"""Turn an engine's token stream into OpenAI chat/completions answers.
+
+Reasoning and tool-call text are separated with mlx-lm's own
+``TextStateMachine`` and tool parser (``ToolCallFormatter``), as
+``mlx_lm.server`` does; text stop sequences are matched on the decoded text
+(a stop string can tokenize differently from how it was generated), and a
+match cancels generation, which still saves the prompt cache.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+from mlx_lm.generate import TextStateMachine, make_text_state_machine
+from mlx_lm.server import ToolCallFormatter
+
+
+@dataclass
+class Piece:
+    """What one step of generation adds to the answer."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list = field(default_factory=list)
+
+
+class AnswerBuilder:
+    """Stateful decoder of generated text into content, reasoning and tool calls.
+
+    Args:
+        tokenizer: mlx-lm ``TokenizerWrapper``.
+        tools: the request's tools (for the tool parser).
+        stop: text stop sequences.
+        streaming: tool calls get an ``index`` when streaming.
+        initial_state: ``"normal"`` or ``"reasoning"``.
+    """
+
+    def __init__(self, tokenizer, tools, stop: list[str], streaming: bool, initial_state="normal"):
+        self.sm = make_text_state_machine(tokenizer, [])
+        self.state = self.sm.make_state(initial_state)
+        self.prev = initial_state
+        self.formatter = ToolCallFormatter(tokenizer.tool_parser, tools, streaming)
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=0)
+        self.buf = ""  # normal text held back while it could start a stop string
+        self.tool_text = ""
+        self.made_tool_call = False
+        self.stopped = False
+
+    def feed(self, text: str, final: Optional[str] = None) -> Piece:
+        """Consume decoded text; ``final`` is the engine's finish reason when ending."""
+        out = Piece()
+        if final == "stop":
+            self.state, _ = TextStateMachine.discard(self.state)
+            segments = [(self.state[0], "")]
+        else:
+            self.state, segments = TextStateMachine.split(self.state, text)
+            if final is not None:
+                self.state, flushed, cur = TextStateMachine.flush(self.state)
+                segments.append((cur, flushed))
+        raw_calls = []
+        for st, t in segments:
+            if st == "reasoning":
+                out.reasoning += t
+            elif st == "tool":
+                self.tool_text += t
+            elif st == "normal":
+                if self.prev == "tool":
+                    raw_calls.append(self.tool_text)
+                    self.tool_text = ""
+                    self.made_tool_call = True
+                self.buf += t
+            self.prev = st
+        if final is not None and self.prev == "tool" and self.tool_text:
+            raw_calls.append(self.tool_text)
+            self.tool_text = ""
+            self.made_tool_call = True
+        out.tool_calls = self.formatter(raw_calls)
+        out.content = self._release(final is not None)
+        return out
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        for s in self.stop:
+            i = self.buf.find(s)
+            if i >= 0:
+                self.stopped = True
+                text, self.buf = self.buf[:i], ""
+                return text
+        if final or self.hold == 0:
+            text, self.buf = self.buf, ""
+            return text
+        keep = self.hold - 1
+        if len(self.buf) <= keep:
+            return ""
+        text, self.buf = self.buf[:-keep] if keep else self.buf, self.buf[-keep:] if keep else ""
+        return text
+
+    def finish_reason(self, engine_reason: str) -> str:
+        if self.stopped:
+            return "stop"
+        if engine_reason in ("stop", "cancelled") and self.made_tool_call:
+            return "tool_calls"
+        return "length" if engine_reason == "length" else "stop"
+
+
+class OpenAIRenderer:
+    """Builds OpenAI JSON objects for one answer (chat or text completion)."""
+
+    def __init__(self, kind: str, model: str, stream: bool):
+        self.kind = kind
+        self.model = model
+        self.stream = stream
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        if kind == "chat":
+            self.object = "chat.completion.chunk" if stream else "chat.completion"
+        else:
+            self.object = "text_completion"
+
+    def _base(self) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        }
+
+    def chunk(self, piece: Piece, finish_reason: Optional[str] = None, first: bool = False) -> dict:
+        out = self._base()
+        if self.kind == "chat":
+            delta = {}
+            if first:
+                delta["role"] = "assistant"
+            if piece.content:
+                delta["content"] = piece.content
+            if piece.reasoning:
+                delta["reasoning_content"] = piece.reasoning
+            if piece.tool_calls:
+                delta["tool_calls"] = piece.tool_calls
+            out["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+        else:
+            out["choices"] = [{"index": 0, "text": piece.content, "finish_reason": finish_reason, "logprobs": None}]
+        return out
+
+    def usage_chunk(self, usage: dict) -> dict:
+        out = self._base()
+        out["choices"] = []
+        out["usage"] = usage
+        return out
+
+    def full(self, content: str, reasoning: str, tool_calls: list, finish_reason: str, usage: dict) -> dict:
+        out = self._base()
+        if self.kind == "chat":
+            msg = {"role": "assistant", "content": content or (None if tool_calls else "")}
+            if reasoning:
+                msg["reasoning_content"] = reasoning
+            if tool_calls:
+                msg["tool_calls"] = tool_calls
+            out["choices"] = [{"index": 0, "message": msg, "finish_reason": finish_reason, "logprobs": None}]
+        else:
+            out["choices"] = [{"index": 0, "text": content, "finish_reason": finish_reason, "logprobs": None}]
+        out["usage"] = usage
+        return out

@@ -1,0 +1,344 @@
+"""The backend's reporter: mirrors the prompt cache into Redis.
+
+* Ownership: each cache entry covers the full blocks of its tokens; the
+  reporter keeps a reference count per block, and a block's ownership is
+  written when its count goes 0 -> 1 and removed when it goes 1 -> 0, so it
+  disappears exactly when the last entry covering it is evicted.
+* Writes are batched: the engine thread records transitions under a lock and
+  wakes the flusher; `Reporter.flush` sends them in one pipeline. The server
+  awaits `flush` before it finishes an answer, so Redis is current before the
+  next request to this backend is answered.
+* Heartbeat: the registry hash (URL, model, epoch, load, cache figures) is
+  refreshed with a TTL; if Redis was down or flushed (the record is gone),
+  the whole ownership is re-published from the reference counts.
+* Epochs: each start INCRs the backend's epoch; claims carry it, and old
+  epochs are cleaned up in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from typing import Callable, Optional
+
+import redis.asyncio as aioredis
+
+from mlxgw import schema
+
+from .cache import CacheEntry
+
+log = logging.getLogger("mlxgw.backend.report")
+
+
+def servable_blocks(entry: CacheEntry, model: str, block_size: int) -> list[str]:
+    """Block keys an entry may claim.
+
+    A trimmable entry serves every prefix of its tokens, so it claims all its
+    full blocks. A non-trimmable one (rotating window, SSM state) serves only
+    prompts that extend the whole entry; claiming its blocks would send
+    requests that diverge inside it to a backend that cannot reuse it, so it
+    claims none (conservative; see docs/cache-policy.md).
+    """
+    if not entry.trimmable:
+        return []
+    return schema.block_keys(model, entry.tokens, block_size)
+
+
+class Reporter:
+    """Keeps Redis in step with one backend's prompt cache.
+
+    Args:
+        redis_url: ``redis://`` or ``rediss://`` URL (password/ACL user allowed).
+        namespace / model: select the `schema.Keys`.
+        backend_id: stable name of this backend (the same across restarts).
+        url: the URL gateways reach this backend at.
+        block_size: tokens per block (must equal the gateways').
+        info: callable returning the engine's load/cache figures for the
+            heartbeat.
+        heartbeat_interval / ttl: seconds.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        namespace: str,
+        model: str,
+        backend_id: str,
+        url: str,
+        block_size: int = schema.DEFAULT_BLOCK_SIZE,
+        info: Optional[Callable[[], dict]] = None,
+        heartbeat_interval: float = schema.DEFAULT_HEARTBEAT_INTERVAL,
+        ttl: float = schema.DEFAULT_HEARTBEAT_TTL,
+        extra: Optional[dict] = None,
+    ):
+        self.redis_url = redis_url
+        self.keys = schema.Keys(namespace, model)
+        self.namespace = namespace
+        self.model = model
+        self.backend_id = backend_id
+        self.url = url
+        self.block_size = block_size
+        self.info = info or (lambda: {})
+        self.heartbeat_interval = heartbeat_interval
+        self.ttl = ttl
+        self.extra = extra or {}
+        self.epoch = 0
+        self.state = "starting"
+        self.started_at = time.time()
+        self.redis: Optional[aioredis.Redis] = None
+        self._lock = threading.Lock()
+        self._refs: Counter[str] = Counter()
+        self._pending: dict[str, bool] = {}  # block -> owned after the change
+        self._events: list[dict] = []
+        self._dirty = True  # needs a full re-publish
+        self._registered = False
+        self._flush_lock = asyncio.Lock()
+        self._wake: Optional[asyncio.Event] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._tasks: list[asyncio.Task] = []
+        self.redis_ok = False
+        self.write_failures = 0
+        self.republishes = 0
+
+    # -- engine-thread side (CacheListener) --------------------------------
+    def on_saved(self, entry: CacheEntry) -> None:
+        blocks = servable_blocks(entry, self.model, self.block_size)
+        with self._lock:
+            for b in blocks:
+                self._refs[b] += 1
+                if self._refs[b] == 1:
+                    self._pending[b] = True
+            self._events.append(
+                schema.event_fields(
+                    schema.EVENT_SAVED,
+                    self.backend_id,
+                    self.epoch,
+                    {"tokens": len(entry), "blocks": len(blocks), "cache_type": entry.cache_type},
+                )
+            )
+        self._notify()
+
+    def on_evicted(self, entry: CacheEntry) -> None:
+        blocks = servable_blocks(entry, self.model, self.block_size)
+        with self._lock:
+            for b in blocks:
+                self._refs[b] -= 1
+                if self._refs[b] <= 0:
+                    del self._refs[b]
+                    self._pending[b] = False
+            self._events.append(
+                schema.event_fields(
+                    schema.EVENT_EVICTED,
+                    self.backend_id,
+                    self.epoch,
+                    {"tokens": len(entry), "blocks": len(blocks), "cache_type": entry.cache_type},
+                )
+            )
+        self._notify()
+
+    def owned_blocks(self) -> set[str]:
+        """The blocks this backend owns now (from its own reference counts)."""
+        with self._lock:
+            return set(self._refs)
+
+    def _notify(self) -> None:
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    # -- asyncio side ----------------------------------------------------------
+    async def start(self) -> None:
+        """Connect, take a new epoch, register, and start heartbeat and flusher.
+
+        Raises:
+            redis.exceptions.ConnectionError: Redis unreachable at start (the
+                launcher reports it; later outages only degrade).
+        """
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self.redis = aioredis.Redis.from_url(
+            self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
+        )
+        self.epoch = int(await self.redis.incr(self.keys.epoch_counter(self.backend_id)))
+        await self.heartbeat()
+        self._tasks = [
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._flush_loop(), name="flusher"),
+            asyncio.create_task(self._cleanup_old_epochs(), name="cleanup"),
+        ]
+
+    async def stop(self) -> None:
+        """Withdraw ownership and the registry record (clean shutdown)."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.redis is None:
+            return
+        try:
+            await self.cleanup_epoch(self.backend_id, self.epoch)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.delete(self.keys.backend(self.backend_id))
+            pipe.zrem(self.keys.backends, self.backend_id)
+            pipe.xadd(
+                self.keys.events,
+                schema.event_fields(schema.EVENT_CLEARED, self.backend_id, self.epoch, {}),
+                maxlen=schema.EVENT_STREAM_MAXLEN,
+                approximate=True,
+            )
+            await pipe.execute()
+        except Exception as e:
+            log.warning("could not withdraw from Redis at shutdown: %s", e)
+        await self.redis.aclose()
+
+    async def flush(self) -> None:
+        """Send pending ownership changes and events in one pipeline.
+
+        Never raises: on failure the backend marks itself for a full
+        re-publish and keeps serving.
+        """
+        if self.redis is None:
+            return
+        async with self._flush_lock:
+            if self._dirty:
+                await self._republish()
+                return
+            with self._lock:
+                pending, self._pending = self._pending, {}
+                events, self._events = self._events, []
+            if not pending and not events:
+                return
+            owned = self.keys.owned(self.backend_id, self.epoch)
+            adds = [self.keys.block(b) for b, v in pending.items() if v]
+            dels = [self.keys.block(b) for b, v in pending.items() if not v]
+            pipe = self.redis.pipeline(transaction=False)
+            for k in adds:
+                pipe.hset(k, self.backend_id, self.epoch)
+            for k in dels:
+                pipe.hdel(k, self.backend_id)
+            if adds:
+                pipe.sadd(owned, *adds)
+            if dels:
+                pipe.srem(owned, *dels)
+            for ev in events:
+                pipe.xadd(self.keys.events, ev, maxlen=schema.EVENT_STREAM_MAXLEN, approximate=True)
+            try:
+                await pipe.execute()
+                self.redis_ok = True
+            except Exception as e:
+                self._mark_dirty(e)
+
+    def _mark_dirty(self, e: BaseException) -> None:
+        if not self._dirty:
+            log.warning("Redis write failed (%s); will re-publish ownership", e)
+        self._dirty = True
+        self.redis_ok = False
+        self.write_failures += 1
+
+    async def _republish(self) -> None:
+        """Write this backend's whole ownership again (after an outage or a flush)."""
+        with self._lock:
+            blocks = list(self._refs)
+            self._pending = {}
+            self._events = []
+        owned = self.keys.owned(self.backend_id, self.epoch)
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.delete(owned)
+            for i in range(0, len(blocks), 2000):
+                chunk = self.keys.blocks(blocks[i : i + 2000])
+                for k in chunk:
+                    pipe.hset(k, self.backend_id, self.epoch)
+                pipe.sadd(owned, *chunk)
+            await pipe.execute()
+        except Exception as e:
+            self._mark_dirty(e)
+            return
+        self._dirty = False
+        self.redis_ok = True
+        self.republishes += 1
+        log.info("published ownership of %d blocks (epoch %d)", len(blocks), self.epoch)
+
+    async def heartbeat(self) -> None:
+        """Refresh the registry record; detect a lost record and re-publish."""
+        info = dict(self.info())
+        now = time.time()
+        fields = {
+            "id": self.backend_id,
+            "url": self.url,
+            "model": self.model,
+            "epoch": self.epoch,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "state": self.state,
+            "block_size": self.block_size,
+            "started_at": f"{self.started_at:.3f}",
+            "last_heartbeat": f"{now:.3f}",
+            "blocks_owned": len(self._refs),
+            "redis_write_failures": self.write_failures,
+            **self.extra,
+            **info,
+        }
+        fields = {k: (str(v) if not isinstance(v, (int, float, str, bytes)) else v) for k, v in fields.items()}
+        key = self.keys.backend(self.backend_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.exists(key)
+        pipe.hset(key, mapping=fields)
+        pipe.pexpire(key, int(self.ttl * 1000))
+        pipe.zadd(self.keys.backends, {self.backend_id: now})
+        pipe.sadd(schema.models_key(self.namespace), self.model)
+        existed = (await pipe.execute())[0]
+        if self._registered and not existed:
+            # Flushed, or expired while we could not reach Redis.
+            log.warning("registry record was gone; re-publishing ownership")
+            self._dirty = True
+        self._registered = True
+        self.redis_ok = True
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            try:
+                await self.heartbeat()
+                if self._dirty:
+                    await self.flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._mark_dirty(e)
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self.flush()
+
+    async def cleanup_epoch(self, backend_id: str, epoch: int) -> None:
+        """Remove one (backend, epoch)'s claims, in chunks (never blocks Redis long)."""
+        key = self.keys.owned(backend_id, epoch)
+        while True:
+            left = await self.redis.eval(schema.CLEANUP_LUA, 1, key, backend_id, epoch, 500)
+            if int(left) == 0:
+                break
+        await self.redis.delete(key)
+
+    async def _cleanup_old_epochs(self) -> None:
+        """Background: drop claims of this backend's earlier epochs."""
+        try:
+            pattern = self.keys.owned(self.backend_id, "*")
+            async for k in self.redis.scan_iter(match=pattern, count=500):
+                k = k.decode() if isinstance(k, bytes) else k
+                ep = int(k.rsplit(":", 1)[1])
+                if ep != self.epoch:
+                    await self.cleanup_epoch(self.backend_id, ep)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("old-epoch cleanup failed: %s", e)

@@ -1,0 +1,298 @@
+"""The backend's HTTP server (aiohttp): OpenAI endpoints over one engine.
+
+Accepts plain OpenAI JSON (it then tokenizes itself, exactly as the gateway
+would, through `mlxgw.prompt`) or the gateway's msgpack forward, which
+carries the token ids in the ``_mlxgw`` field so nothing is tokenized twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+import msgpack
+from aiohttp import web
+
+from mlxgw import prompt as prompt_mod
+from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, parse_openai
+
+from .engine import Engine, GenEvent, GenParams, GenRequest
+from .render import AnswerBuilder, OpenAIRenderer, Piece
+from .report import Reporter
+
+log = logging.getLogger("mlxgw.backend")
+
+MSGPACK = "application/x-msgpack"
+DEFAULT_MAX_TOKENS = 512
+
+
+@dataclass
+class BackendConfig:
+    """Settings of one backend process (see ``mlxgw backend --help``)."""
+
+    backend_id: str
+    model_name: str
+    model_path: str
+    max_body_bytes: int = 64 * 1024 * 1024
+    request_timeout: float = 600.0
+    internal_token: Optional[str] = None
+
+
+ENGINE = web.AppKey("engine", Engine)
+REPORTER = web.AppKey("reporter", Reporter)
+CONFIG = web.AppKey("config", BackendConfig)
+
+
+def json_error(err: RequestError) -> web.Response:
+    return web.json_response(err.body(), status=err.status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except RequestError as e:
+        return json_error(e)
+    except web.HTTPException as e:
+        if e.status >= 400 and e.content_type != "application/json":
+            return json_error(RequestError(e.reason, status=e.status, type="invalid_request_error"))
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error")
+        return json_error(RequestError("internal error", status=500, type="server_error"))
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    token = request.app[CONFIG].internal_token
+    if token and request.path not in ("/health",):
+        import hmac
+
+        got = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+            raise RequestError("missing or invalid internal token", status=401, type="authentication_error")
+    return await handler(request)
+
+
+async def read_body(request: web.Request) -> dict:
+    cfg = request.app[CONFIG]
+    if request.content_length is not None and request.content_length > cfg.max_body_bytes:
+        raise RequestError("request body too large", status=413)
+    raw = await request.read()
+    if request.content_type == MSGPACK:
+        try:
+            body = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        except Exception:
+            raise RequestError("invalid msgpack body")
+        if not isinstance(body, dict):
+            raise RequestError("request body must be an object")
+        return body
+    body = loads_body(raw)
+    body.pop(INTERNAL_FIELD, None)  # only the gateway's msgpack forward may set it
+    return body
+
+
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, "chat")
+
+
+async def handle_text(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, "text")
+
+
+def _tokenize(engine: Engine, pr, internal: dict) -> tuple[list[int], int]:
+    ids = internal.get("prompt_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not ids:
+            raise RequestError("internal prompt_ids must be a non-empty list")
+        return ids, int(internal.get("system_tokens", 0))
+    tok = engine.tokenizer
+    if pr.kind == "chat":
+        cp = prompt_mod.render_chat(tok, pr.messages, pr.tools, pr.template_kwargs)
+        return cp.token_ids, cp.system_tokens
+    if pr.prompt_ids is not None:
+        return pr.prompt_ids, 0
+    return prompt_mod.encode_text(tok, pr.prompt), 0
+
+
+async def _complete(request: web.Request, kind: str) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    reporter = request.app[REPORTER]
+    cfg = request.app[CONFIG]
+    body = await read_body(request)
+    internal = body.pop(INTERNAL_FIELD, None) or {}
+    pr = parse_openai(body, kind)
+    if engine.failed:
+        raise RequestError("backend engine failed", status=503, type="server_error")
+    ids, system_tokens = _tokenize(engine, pr, internal)
+    ctx = engine.context_length
+    vocab = getattr(engine.tokenizer, "vocab_size", None) or 0
+    if pr.prompt_ids is not None and vocab and any(t >= len(engine.tokenizer) for t in ids):
+        raise RequestError("prompt contains token ids outside the vocabulary", param="prompt")
+    if len(ids) >= ctx:
+        raise RequestError(
+            f"prompt is {len(ids)} tokens; the model's context is {ctx} tokens",
+            param="messages" if kind == "chat" else "prompt",
+            code="context_length_exceeded",
+        )
+    max_tokens = min(pr.max_tokens or DEFAULT_MAX_TOKENS, ctx - len(ids))
+    # Redis must reflect earlier saves before this request is answered.
+    await reporter.flush()
+
+    rid = internal.get("request_id") or uuid.uuid4().hex
+    loop = asyncio.get_running_loop()
+    req = GenRequest(
+        rid=rid,
+        prompt=list(ids),
+        params=GenParams(
+            max_tokens=max_tokens,
+            temperature=pr.temperature,
+            top_p=pr.top_p,
+            top_k=pr.top_k,
+            min_p=pr.min_p,
+            logit_bias=pr.logit_bias,
+            repetition_penalty=pr.repetition_penalty,
+            seed=pr.seed,
+        ),
+        system_tokens=system_tokens,
+        loop=loop,
+        events=asyncio.Queue(),
+    )
+    renderer = OpenAIRenderer(kind, pr.model or cfg.model_name, pr.stream)
+    builder = AnswerBuilder(engine.tokenizer, pr.tools, pr.stop, pr.stream)
+    engine.submit(req)
+    finished = False
+    try:
+        if pr.stream:
+            resp = await _stream(request, req, renderer, builder, pr, reporter, engine)
+        else:
+            resp = await _collect(req, renderer, builder, reporter, engine)
+        finished = True
+        return resp
+    finally:
+        if not finished:
+            # Client went away or the handler failed: stop generating; the
+            # engine still saves the prompt cache.
+            engine.cancel(rid)
+
+
+async def _next_event(req: GenRequest, timeout: float) -> GenEvent:
+    try:
+        return await asyncio.wait_for(req.events.get(), timeout)
+    except asyncio.TimeoutError:
+        raise RequestError("generation timed out", status=504, type="server_error")
+
+
+async def _collect(req, renderer, builder, reporter, engine) -> web.Response:
+    content, reasoning, calls = [], [], []
+    reason = None
+    while True:
+        ev = await _next_event(req, 600)
+        if ev.kind == "token" or ev.kind == "end":
+            piece = builder.feed(ev.text, ev.finish_reason if ev.kind == "end" else None)
+            content.append(piece.content)
+            reasoning.append(piece.reasoning)
+            calls.extend(piece.tool_calls)
+            if builder.stopped and reason is None:
+                reason = "stop"
+                engine.cancel(req.rid)
+            if ev.kind == "end":
+                if ev.finish_reason == "error":
+                    raise RequestError(ev.error or "generation failed", status=500, type="server_error")
+                reason = builder.finish_reason(ev.finish_reason)
+                break
+    await reporter.flush()
+    usage = renderer.usage(len(req.prompt), req.generated, req.cached)
+    return web.json_response(renderer.full("".join(content), "".join(reasoning), calls, reason, usage))
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _stream(request, req, renderer, builder, pr, reporter, engine) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            "X-Mlxgw-Cached-Tokens": "0",
+        }
+    )
+    first = True
+    reason = None
+    started = False
+    while True:
+        ev = await _next_event(req, 600)
+        if ev.kind == "start":
+            resp.headers["X-Mlxgw-Cached-Tokens"] = str(ev.cached)
+            await resp.prepare(request)
+            started = True
+            continue
+        if not started:
+            await resp.prepare(request)
+            started = True
+        if ev.kind == "progress":
+            await resp.write(f": keepalive {ev.done}/{ev.total}\n\n".encode())
+            continue
+        final = ev.finish_reason if ev.kind == "end" else None
+        if ev.kind == "end" and ev.finish_reason == "error":
+            await resp.write(_sse({"error": {"message": ev.error or "generation failed", "type": "server_error", "param": None, "code": None}}))
+            break
+        piece = builder.feed(ev.text, final)
+        if builder.stopped and reason is None:
+            reason = "stop"
+            engine.cancel(req.rid)
+        if piece.content or piece.reasoning or piece.tool_calls or first:
+            await resp.write(_sse(renderer.chunk(piece, None, first=first)))
+            first = False
+        if ev.kind == "end":
+            reason = builder.finish_reason(ev.finish_reason)
+            await reporter.flush()
+            await resp.write(_sse(renderer.chunk(Piece(), reason)))
+            if pr.include_usage:
+                usage = renderer.usage(len(req.prompt), req.generated, req.cached)
+                await resp.write(_sse(renderer.usage_chunk(usage)))
+            break
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    cfg = request.app[CONFIG]
+    item = {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "mlxgw"}
+    return web.json_response({"object": "list", "data": [item]})
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    reporter = request.app[REPORTER]
+    ok = not engine.failed
+    body = {
+        "status": "ok" if ok else "failed",
+        "backend": request.app[CONFIG].backend_id,
+        "epoch": reporter.epoch,
+        "redis": reporter.redis_ok,
+        **engine.stats(),
+    }
+    return web.json_response(body, status=200 if ok else 503)
+
+
+def make_app(engine: Engine, reporter: Reporter, cfg: BackendConfig) -> web.Application:
+    """Build the backend aiohttp app around a started engine and reporter."""
+    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=cfg.max_body_bytes)
+    app[ENGINE] = engine
+    app[REPORTER] = reporter
+    app[CONFIG] = cfg
+    app.router.add_post("/v1/chat/completions", handle_chat)
+    app.router.add_post("/v1/completions", handle_text)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/health", handle_health)
+    return app

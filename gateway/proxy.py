@@ -1,0 +1,148 @@
+"""Forwarding to backends: connection pool, retries before the first byte,
+pass-through streaming, and cancellation on client disconnect.
+
+A request is retried on the next-best backend only while nothing has been
+sent to the client (connection refused or reset, or a 5xx before any body),
+so retries are idempotent. Once streaming, a backend failure becomes a
+well-formed SSE error event and end of stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import aiohttp
+from aiohttp import web
+
+log = logging.getLogger("mlxgw.gateway.proxy")
+
+# Hop-by-hop and length headers are not passed through.
+_SKIP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "date", "server"}
+
+
+@dataclass
+class InFlight:
+    """This gateway's own in-flight work per backend: requests and prefill tokens not yet started."""
+
+    requests: dict[str, int] = field(default_factory=dict)
+    prefill_tokens: dict[str, int] = field(default_factory=dict)
+
+    def add(self, b: str, req: int, tok: int) -> None:
+        self.requests[b] = self.requests.get(b, 0) + req
+        self.prefill_tokens[b] = self.prefill_tokens.get(b, 0) + tok
+
+    def view(self) -> dict[str, tuple[int, int]]:
+        return {b: (self.requests.get(b, 0), self.prefill_tokens.get(b, 0)) for b in self.requests}
+
+
+@dataclass
+class Attempt:
+    backend_id: str
+    url: str
+    prefill_tokens: int
+    headers: dict
+
+
+class BackendUnavailable(Exception):
+    """Every candidate failed before the first byte."""
+
+
+class Proxy:
+    """Forwards requests to backends over one pooled ``aiohttp.ClientSession``.
+
+    Args:
+        internal_token: bearer token the backends require (None: none).
+        connect_timeout: seconds to open a connection.
+        read_timeout: seconds without a byte from the backend before giving up
+            (a hung backend; covers long prefills since backends send
+            keep-alives while streaming).
+    """
+
+    def __init__(self, internal_token: Optional[str] = None, connect_timeout: float = 2.0, read_timeout: float = 300.0):
+        self.internal_token = internal_token
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.session: Optional[aiohttp.ClientSession] = None
+        self.inflight = InFlight()
+        self.retries = 0
+        self.failures: dict[str, float] = {}  # backend -> time of last connect failure
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            auto_decompress=False,
+        )
+
+    async def close(self) -> None:
+        if self.session:
+            await self.session.close()
+
+    def recently_failed(self, backend_id: str, window: float = 2.0) -> bool:
+        t = self.failures.get(backend_id)
+        return t is not None and time.monotonic() - t < window
+
+    async def forward(
+        self,
+        request: web.Request,
+        attempts: list[Attempt],
+        path: str,
+        payload: bytes,
+        content_type: str,
+        stream: bool,
+    ) -> web.StreamResponse:
+        """Send ``payload`` to the first attempt that answers; stream its answer back.
+
+        Raises:
+            BackendUnavailable: every attempt failed before the first byte.
+        """
+        headers = {"Content-Type": content_type}
+        if self.internal_token:
+            headers["Authorization"] = f"Bearer {self.internal_token}"
+        last_err = None
+        for i, a in enumerate(attempts):
+            if i > 0:
+                self.retries += 1
+            self.inflight.add(a.backend_id, 1, a.prefill_tokens)
+            prefill_open = True
+            try:
+                timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout)
+                async with self.session.post(a.url + path, data=payload, headers=headers, timeout=timeout) as up:
+                    if up.status >= 500:
+                        last_err = f"backend {a.backend_id} answered {up.status}"
+                        await up.read()
+                        continue
+                    out = web.StreamResponse(status=up.status)
+                    for k, v in up.headers.items():
+                        if k.lower() not in _SKIP:
+                            out.headers[k] = v
+                    out.headers.update(a.headers)
+                    await out.prepare(request)
+                    is_sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
+                    try:
+                        async for chunk in up.content.iter_any():
+                            if prefill_open and (not is_sse or b"data:" in chunk):
+                                self.inflight.add(a.backend_id, 0, -a.prefill_tokens)
+                                prefill_open = False
+                            await out.write(chunk)
+                    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                        log.warning("backend %s failed mid-answer: %s", a.backend_id, e)
+                        self.failures[a.backend_id] = time.monotonic()
+                        if is_sse:
+                            err = {"error": {"message": f"backend failed mid-stream: {type(e).__name__}", "type": "server_error", "param": None, "code": "backend_failed"}}
+                            await out.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+                    await out.write_eof()
+                    return out
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                # Nothing reached the client yet: try the next backend.
+                last_err = f"{a.backend_id}: {type(e).__name__}: {e}"
+                self.failures[a.backend_id] = time.monotonic()
+                log.warning("backend %s unavailable before first byte: %s", a.backend_id, e)
+                continue
+            finally:
+                self.inflight.add(a.backend_id, -1, -a.prefill_tokens if prefill_open else 0)
+        raise BackendUnavailable(last_err or "no backend")

@@ -1,0 +1,1 @@
+"""mlxgw: a prefix-cache-aware gateway for mlx-lm serving."""

@@ -1,0 +1,261 @@
+"""``mlxgw serve``: config + flags -> Redis -> N backends per model -> gateway -> supervise.
+
+Backends and the gateway are child processes (``python -m mlxgw backend`` /
+``gateway``). A crashed backend is restarted with exponential backoff and
+registers itself under a new epoch. Ctrl-C / SIGTERM stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from . import config as config_mod
+from .util import redact_url
+
+log = logging.getLogger("mlxgw.serve")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file (flags override it)")
+    p.add_argument("--model", help="model path or repo id (default: the offline demo model)")
+    p.add_argument("--served-name", help="model name clients use (default: the dir name)")
+    p.add_argument("--backends", type=int, help="backend processes for the model (default 2)")
+    p.add_argument("--redis-url", help="Redis URL; default: start a private embedded redis-server")
+    p.add_argument("--host", help="gateway listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="gateway port (default 8000)")
+    p.add_argument("--backend-port", type=int, help="first backend port (default 8100)")
+    p.add_argument("--cache-bytes", help="prompt-cache budget per backend (default 2GB)")
+    p.add_argument("--cache-entries", type=int, help="prompt-cache entries per backend (default 16)")
+    p.add_argument("--block-size", type=int, help="tokens per block")
+    p.add_argument("--namespace", help="Redis key namespace (default mlxgw)")
+    p.add_argument("--no-memory-check", action="store_true", help="skip the memory estimate")
+
+
+@dataclass
+class Child:
+    name: str
+    cmd: list[str]
+    env: dict
+    health_url: str
+    proc: Optional[subprocess.Popen] = None
+    restarts: int = 0
+    next_start: float = 0.0
+    started_at: float = 0.0
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def available_memory_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def weights_bytes(model_path: str) -> int:
+    """Bytes of the model's safetensors files (0 if not a local directory)."""
+    p = Path(model_path).expanduser()
+    if not p.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in p.glob("*.safetensors"))
+
+
+def check_memory(models: list[config_mod.ModelConfig]) -> Optional[str]:
+    """An error message when N copies of the weights (plus 20%) exceed available memory."""
+    need = sum(int(weights_bytes(m.path) * 1.2) * m.backends for m in models)
+    have = available_memory_bytes()
+    if need > have:
+        detail = ", ".join(f"{m.name}: {m.backends} x {weights_bytes(m.path) / 2**30:.2f} GiB" for m in models)
+        return (f"not enough memory: the backends need about {need / 2**30:.1f} GiB of weights ({detail}) "
+                f"but {have / 2**30:.1f} GiB is available; use fewer --backends or a smaller model")
+    return None
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start and supervise the whole stack; returns the exit code."""
+    try:
+        cfg = config_mod.load(args.config) if args.config else config_mod.ServeConfig()
+    except (OSError, ValueError) as e:
+        log.error("config: %s", e)
+        return 2
+    cfg = config_mod.apply_flags(cfg, args)
+    for m in cfg.models:
+        if not m.path:
+            from .demo_model import ensure_demo_model
+
+            print("building the demo model (once)...", file=sys.stderr)
+            m.path = str(ensure_demo_model("tiny"))
+            m.name = m.name or "demo-tiny"
+        from backend.main import looks_loadable
+
+        if not looks_loadable(m.path):
+            log.error("model path %s does not exist", m.path)
+            return 2
+        m.name = m.name or Path(m.path.rstrip("/")).name
+    if not args.no_memory_check:
+        err = check_memory(cfg.models)
+        if err:
+            log.error("%s", err)
+            return 5
+    ports = [cfg.port] + [p for m in cfg.models for p in range(m.port, m.port + m.backends)]
+    for p in ports:
+        if not port_free(cfg.host if p == cfg.port else "127.0.0.1", p):
+            log.error("port %d is in use; pick another with --port / --backend-port", p)
+            return 3
+
+    embedded = None
+    redis_url = cfg.redis_url
+    if not redis_url:
+        from .redis_embed import EmbeddedRedis
+
+        try:
+            embedded = EmbeddedRedis().start()
+        except FileNotFoundError as e:
+            log.error("%s", e)
+            return 4
+        redis_url = embedded.url
+    else:
+        import redis
+
+        try:
+            redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2).ping()
+        except Exception as e:
+            log.error("Redis unreachable at %s: %s", redact_url(redis_url), e)
+            return 4
+
+    token = os.environ.get("MLXGW_INTERNAL_TOKEN") or secrets.token_hex(16)
+    env = {**os.environ, "MLXGW_REDIS_URL": redis_url, "MLXGW_INTERNAL_TOKEN": token}
+    py = [sys.executable, "-m", "mlxgw"]
+    children: list[Child] = []
+    for m in cfg.models:
+        for i in range(m.backends):
+            port = m.port + i
+            cmd = py + ["backend", "--model", m.path, "--served-name", m.name, "--port", str(port),
+                        "--id", f"{m.name}-{i}", "--namespace", cfg.namespace, "--block-size", str(cfg.block_size),
+                        "--cache-bytes", str(m.cache_bytes), "--cache-entries", str(m.cache_entries),
+                        "--min-hit-tokens", str(m.min_hit_tokens)]
+            children.append(Child(f"{m.name}-{i}", cmd, env, f"http://127.0.0.1:{port}/health"))
+    gw_cmd = py + ["gateway", "--host", cfg.host, "--port", str(cfg.port), "--namespace", cfg.namespace,
+                   "--block-size", str(cfg.block_size), "--load-weight", str(cfg.load_weight),
+                   "--decode-weight", str(cfg.decode_weight)]
+    for m in cfg.models:
+        gw_cmd += ["--model", f"{m.name}={m.path}"]
+    gateway = Child("gateway", gw_cmd, env, f"http://127.0.0.1:{cfg.port}/health")
+
+    stopping = False
+
+    def _stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        for c in children:
+            _spawn(c)
+        if not _wait_ready(children, lambda: stopping):
+            return 1 if not stopping else 0
+        _spawn(gateway)
+        if not _wait_ready([gateway], lambda: stopping):
+            return 1 if not stopping else 0
+        _summary(cfg, redis_url, embedded is not None, children)
+        while not stopping:
+            time.sleep(0.5)
+            for c in children + [gateway]:
+                if c.proc.poll() is None:
+                    continue
+                if c.next_start == 0.0:
+                    if time.time() - c.started_at > 60:
+                        c.restarts = 0  # it ran a while: reset the backoff
+                    delay = min(30.0, 0.5 * 2 ** c.restarts)
+                    log.warning("%s exited with code %s; restarting in %.1fs", c.name, c.proc.returncode, delay)
+                    c.next_start = time.time() + delay
+                elif time.time() >= c.next_start:
+                    c.restarts += 1
+                    _spawn(c)
+        return 0
+    finally:
+        for c in [gateway] + children:
+            if c.proc and c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        for c in [gateway] + children:
+            if c.proc:
+                try:
+                    c.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+        if embedded:
+            embedded.stop()
+        print("mlxgw stopped.", file=sys.stderr)
+
+
+def _spawn(c: Child) -> None:
+    c.proc = subprocess.Popen(c.cmd, env=c.env)
+    c.started_at = time.time()
+    c.next_start = 0.0
+
+
+def _wait_ready(children: list[Child], stopping, timeout: float = 600.0) -> bool:
+    t0 = time.time()
+    pending = {c.name: c for c in children}
+    last = ""
+    while pending and time.time() - t0 < timeout:
+        if stopping():
+            return False
+        for name, c in list(pending.items()):
+            if c.proc.poll() is not None:
+                log.error("%s exited during start-up with code %s", name, c.proc.returncode)
+                return False
+            if _healthy(c.health_url):
+                del pending[name]
+        msg = f"starting: {len(children) - len(pending)}/{len(children)} ready ({time.time() - t0:.0f}s)"
+        if msg != last and sys.stderr.isatty():
+            print("\r" + msg, end="", file=sys.stderr, flush=True)
+            last = msg
+        time.sleep(0.2)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    return not pending
+
+
+def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None:
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    lines = [
+        "",
+        "mlxgw is ready",
+        f"  endpoint   http://{host}:{cfg.port}/v1   (OpenAI-compatible)",
+        f"  models     {', '.join(m.name for m in cfg.models)}",
+        f"  backends   {', '.join(c.name + ' ' + c.health_url.rsplit('/', 1)[0] for c in children)}",
+        f"  redis      {redact_url(redis_url)}{' (embedded)' if embedded else ''}",
+        f"  status     mlxgw status --redis-url {redact_url(redis_url)}",
+        "  stop       Ctrl-C",
+        "",
+    ]
+    print("\n".join(lines), file=sys.stderr, flush=True)

@@ -1,0 +1,104 @@
+"""Prompt rendering shared by gateway and backend, so both tokenize identically.
+
+Both sides load the tokenizer through mlx-lm's own `load_tokenizer` (a
+transformers tokenizer wrapped with mlx-lm's per-model template arguments,
+such as the thinking switch), and render chats through `render_chat` here.
+`tests/test_tokenize.py` pins the result to mlx-lm's own
+``TokenizerWrapper.apply_chat_template`` output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+# Roles whose text counts as the system prompt (exo PR 1817 counts system and
+# developer messages).
+SYSTEM_ROLES = ("system", "developer")
+
+
+@dataclass
+class ChatPrompt:
+    """A rendered prompt.
+
+    Attributes:
+        token_ids: the full prompt, generation prompt included.
+        system_tokens: length in tokens of the leading system/developer part
+            (0 when there is none); the backend saves it as its own cache
+            entry and the cache policy uses it as the floor of a good hit.
+    """
+
+    token_ids: list[int]
+    system_tokens: int = 0
+
+
+def render_chat(
+    tokenizer,
+    messages: list[dict],
+    tools: Optional[list[dict]] = None,
+    template_kwargs: Optional[dict[str, Any]] = None,
+) -> ChatPrompt:
+    """Render a chat with the model's template and tokenize it as mlx-lm does.
+
+    Args:
+        tokenizer: an mlx-lm ``TokenizerWrapper`` (``mlx_lm.utils.load_tokenizer``).
+        messages: OpenAI-style messages (already validated).
+        tools: OpenAI-style tool definitions or None.
+        template_kwargs: extra chat-template arguments (``chat_template_kwargs``).
+
+    Returns:
+        `ChatPrompt` with the token ids and the system-prompt length in tokens.
+
+    Raises:
+        ValueError: the template failed to render these messages (a template
+            error is a client error: e.g. roles out of order).
+    """
+    kwargs = dict(template_kwargs or {})
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, **kwargs
+        )
+    except Exception as e:  # jinja2 TemplateError, TypeError from bad content...
+        raise ValueError(f"chat template failed to render the messages: {e}") from e
+    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return ChatPrompt(ids, system_prefix_tokens(tokenizer, messages, tools, kwargs, ids))
+
+
+def system_prefix_tokens(tokenizer, messages, tools, kwargs, ids) -> int:
+    """Tokens of the leading system/developer messages within ``ids``.
+
+    The method is mlx-lm's (server ``_tokenize``): render the system messages
+    followed by an empty user turn and take the common prefix with the full
+    prompt. Returns 0 when there is no leading system message or the template
+    fails on the probe.
+    """
+    n = 0
+    for m in messages:
+        if m.get("role") in SYSTEM_ROLES:
+            n += 1
+        else:
+            break
+    if n == 0:
+        return 0
+    try:
+        probe = tokenizer.apply_chat_template(
+            messages[:n] + [{"role": "user", "content": ""}],
+            tools=tools or None,
+            add_generation_prompt=False,
+            tokenize=True,
+            **kwargs,
+        )
+    except Exception:
+        return 0
+    probe = list(probe["input_ids"] if isinstance(probe, dict) else probe)
+    end = 0
+    for a, b in zip(probe, ids):
+        if a != b:
+            break
+        end += 1
+    return end if end < len(ids) else 0
+
+
+def encode_text(tokenizer, prompt: str) -> list[int]:
+    """Tokenize a text-completion prompt as mlx-lm's server does (``tokenizer.encode``)."""
+    return list(tokenizer.encode(prompt))

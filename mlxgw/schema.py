@@ -1,0 +1,284 @@
+"""The Redis schema: the one contract between gateway and backends.
+
+Both sides import this module; it imports neither. It holds:
+
+* block hashing (`block_hashes`, `block_keys`): prompts are cut into fixed-size
+  token blocks and each *full* block gets a chained 64-bit xxh3 hash of the
+  model id, the previous block's hash and the block's token ids as
+  little-endian u32 (the layout NVIDIA Dynamo's KV router uses). Equal keys
+  mean equal prefixes, so owning block ``i`` implies owning blocks ``0..i``.
+* key names (`Keys`): everything lives under one namespace and a per-model
+  Redis Cluster hash tag ``{model}`` so the one-round-trip lookup touches a
+  single slot.
+* the Lua scripts for the lookup and for cleaning up a dead epoch.
+* event types written to the capped event stream.
+
+The human-readable description of every key is in ``docs/redis-schema.md``;
+``tests/test_schema_doc.py`` walks that document against a live stack.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import msgpack
+import numpy as np
+import xxhash
+
+DEFAULT_NAMESPACE = "mlxgw"
+# Tokens per block. 64 is the measured sweet spot on agent-style prompts:
+# lookups of a 32k-token prompt stay under a millisecond of Redis work while a
+# divergence costs at most 63 tokens of lost matching (docs/redis-schema.md).
+DEFAULT_BLOCK_SIZE = 64
+# Registry records expire this many seconds after the last heartbeat.
+DEFAULT_HEARTBEAT_TTL = 5.0
+DEFAULT_HEARTBEAT_INTERVAL = 1.0
+# The event stream is capped (approximately, MAXLEN ~) at this many entries.
+EVENT_STREAM_MAXLEN = 10_000
+
+_TAG_UNSAFE = re.compile(r"[{}\s]")
+
+
+def block_hashes(model_id: str, token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained xxh3-64 hashes of the full blocks of ``token_ids``.
+
+    Args:
+        model_id: served model name; seeds the chain so two models never share
+            a key.
+        token_ids: the prompt, token ids in ``[0, 2**32)``.
+        block_size: tokens per block (> 0). A trailing partial block is not
+            hashed: only full blocks are keyed.
+
+    Returns:
+        ``len(token_ids) // block_size`` unsigned 64-bit integers; element ``i``
+        depends on every token of blocks ``0..i``.
+
+    Raises:
+        ValueError: ``block_size`` is not positive.
+    """
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    n = len(token_ids) // block_size
+    if n == 0:
+        return []
+    raw = np.asarray(token_ids[: n * block_size], dtype="<u4").tobytes()
+    step = 4 * block_size
+    prev = xxhash.xxh3_64_intdigest(model_id.encode("utf-8"))
+    out = []
+    for i in range(n):
+        prev = xxhash.xxh3_64_intdigest(
+            prev.to_bytes(8, "little") + raw[i * step : (i + 1) * step]
+        )
+        out.append(prev)
+    return out
+
+
+def block_keys(model_id: str, token_ids: Sequence[int], block_size: int) -> list[str]:
+    """`block_hashes` rendered as 16-digit lowercase hex strings (Redis key suffixes)."""
+    return [f"{h:016x}" for h in block_hashes(model_id, token_ids, block_size)]
+
+
+def model_tag(model_id: str) -> str:
+    """The Redis Cluster hash tag for a model: its name with ``{``, ``}`` and blanks replaced."""
+    return _TAG_UNSAFE.sub("_", model_id)
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names for one model under one namespace.
+
+    Every key of a model carries the hash tag ``{model}`` so scripts that touch
+    a model's blocks and registry stay in one Cluster slot.
+    """
+
+    namespace: str
+    model: str
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.namespace}:{{{model_tag(self.model)}}}"
+
+    def block(self, block_hex: str) -> str:
+        """HASH backend id -> epoch: who holds the prefix ending at this block."""
+        return f"{self.prefix}:blk:{block_hex}"
+
+    def blocks(self, block_hexes: Iterable[str]) -> list[str]:
+        p = f"{self.prefix}:blk:"
+        return [p + h for h in block_hexes]
+
+    def backend(self, backend_id: str) -> str:
+        """HASH, expires with the heartbeat: the backend's registry record."""
+        return f"{self.prefix}:backend:{backend_id}"
+
+    @property
+    def backend_prefix(self) -> str:
+        return f"{self.prefix}:backend:"
+
+    @property
+    def backends(self) -> str:
+        """ZSET backend id -> unix time (s) of its last heartbeat."""
+        return f"{self.prefix}:backends"
+
+    def owned(self, backend_id: str, epoch: int) -> str:
+        """SET of block keys owned by one backend epoch (for cleanup and re-publish)."""
+        return f"{self.prefix}:owned:{backend_id}:{epoch}"
+
+    def epoch_counter(self, backend_id: str) -> str:
+        """STRING counter; INCR gives a (re)started backend its new epoch."""
+        return f"{self.prefix}:epoch:{backend_id}"
+
+    @property
+    def events(self) -> str:
+        """STREAM (capped): saves, evictions, clears, routing decisions."""
+        return f"{self.prefix}:events"
+
+    @property
+    def stats(self) -> str:
+        """HASH of gateway counters for this model (requests, hits, fallbacks...)."""
+        return f"{self.prefix}:stats"
+
+    def inflight(self) -> str:
+        """HASH ``<gateway>|<backend>`` -> in-flight requests and prefill tokens (gateways' view)."""
+        return f"{self.prefix}:inflight"
+
+
+def models_key(namespace: str) -> str:
+    """SET of served model names (cross-model, so no hash tag)."""
+    return f"{namespace}:models"
+
+
+def gateways_key(namespace: str) -> str:
+    """ZSET gateway id -> unix time of its last heartbeat."""
+    return f"{namespace}:gateways"
+
+
+# Lookup: KEYS[1] = backends zset, KEYS[2..] = block keys in prompt order.
+# ARGV[1] = backend hash key prefix.
+# Returns one row per live backend: {id, epoch, url, active, queued_prefill,
+# state, cache_bytes, cache_budget_bytes, depth_in_blocks}. A backend is live while its registry hash exists
+# (the heartbeat TTL); ownership counts only when the stored epoch equals the
+# live epoch, so a restarted backend's old claims never route a request.
+# The walk stops at the first block nobody live owns: with chained hashes,
+# nobody can own a later one.
+LOOKUP_LUA = """
+local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
+local rows = {}
+local cids = {}
+for _, id in ipairs(ids) do
+  local h = redis.call('HMGET', ARGV[1] .. id, 'epoch', 'url', 'active', 'queued_prefill_tokens', 'state',
+                      'cache_bytes', 'cache_budget_bytes')
+  if h[1] then
+    table.insert(rows, {id, h[1], h[2] or '', h[3] or '0', h[4] or '0', h[5] or '', h[6] or '0', h[7] or '0', 0})
+    table.insert(cids, id)
+  end
+end
+if #cids > 0 then
+  for i = 2, #KEYS do
+    local owners = redis.call('HMGET', KEYS[i], unpack(cids))
+    local any = false
+    for j, row in ipairs(rows) do
+      if row[9] == i - 2 and owners[j] == row[2] then
+        row[9] = i - 1
+        any = true
+      end
+    end
+    if not any then break end
+  end
+end
+return rows
+"""
+
+# Cleanup of one dead epoch: KEYS[1] = owned set of (backend, epoch).
+# ARGV[1] = backend id, ARGV[2] = epoch, ARGV[3] = max keys this call.
+# Removes the backend's field from each block only if it still holds that
+# epoch, so a newer epoch's claims survive. Returns keys left to clean.
+CLEANUP_LUA = """
+local keys = redis.call('SPOP', KEYS[1], tonumber(ARGV[3]))
+for _, k in ipairs(keys) do
+  if redis.call('HGET', k, ARGV[1]) == ARGV[2] then
+    redis.call('HDEL', k, ARGV[1])
+  end
+end
+return redis.call('SCARD', KEYS[1])
+"""
+
+
+@dataclass
+class Candidate:
+    """One live backend as the lookup saw it.
+
+    ``depth_blocks`` is the longest prefix of the request it owns, in blocks;
+    ``matched_tokens = depth_blocks * block_size``.
+    """
+
+    backend_id: str
+    epoch: int
+    url: str
+    active: int
+    queued_prefill_tokens: int
+    state: str
+    cache_bytes: int = 0
+    cache_budget_bytes: int = 0
+    depth_blocks: int = 0
+
+    @property
+    def free_cache_bytes(self) -> int:
+        return max(0, self.cache_budget_bytes - self.cache_bytes)
+
+
+def parse_lookup(rows: list) -> list[Candidate]:
+    """Decode the rows `LOOKUP_LUA` returns (bytes or str) into `Candidate` objects."""
+
+    def s(x):
+        return x.decode() if isinstance(x, bytes) else str(x)
+
+    out = []
+    for r in rows:
+        out.append(
+            Candidate(
+                backend_id=s(r[0]),
+                epoch=int(s(r[1])),
+                url=s(r[2]),
+                active=int(float(s(r[3]) or 0)),
+                queued_prefill_tokens=int(float(s(r[4]) or 0)),
+                state=s(r[5]),
+                cache_bytes=int(float(s(r[6]) or 0)),
+                cache_budget_bytes=int(float(s(r[7]) or 0)),
+                depth_blocks=int(r[8]),
+            )
+        )
+    return out
+
+
+# Event types in the stream. Each entry has the plain fields `type`,
+# `backend`, `epoch`, `ts` (unix s) and a msgpack `data` field.
+EVENT_SAVED = "saved"  # data: {"tokens": n, "blocks": [u64...], "cache_type": str}
+EVENT_EVICTED = "evicted"  # data: {"tokens": n, "blocks": [u64...]}
+EVENT_CLEARED = "cleared"  # data: {} (backend re-publishes or shut down)
+EVENT_ROUTED = "routed"  # data: {"request": id, "matched": n, "candidates": [...], ...}
+
+
+def event_fields(kind: str, backend: str, epoch: int, data: dict) -> dict:
+    """The field map of one stream entry (see the EVENT_* constants)."""
+    return {
+        "type": kind,
+        "backend": backend,
+        "epoch": str(epoch),
+        "ts": f"{time.time():.3f}",
+        "data": msgpack.packb(data, use_bin_type=True),
+    }
+
+
+def decode_event(fields: dict) -> dict:
+    """Inverse of `event_fields` for a raw XRANGE entry (bytes keys/values accepted)."""
+    out = {}
+    for k, v in fields.items():
+        k = k.decode() if isinstance(k, bytes) else k
+        if k == "data":
+            out[k] = msgpack.unpackb(v, raw=False) if v else {}
+        else:
+            out[k] = v.decode() if isinstance(v, bytes) else v
+    return out

@@ -1,0 +1,34 @@
+"""Small helpers shared by every process."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (safe to log or print)."""
+    try:
+        u = urlsplit(url)
+        if u.password:
+            user = u.username or ""
+            host = u.hostname or ""
+            port = f":{u.port}" if u.port else ""
+            return urlunsplit(u._replace(netloc=f"{user}:***@{host}{port}"))
+    except ValueError:
+        return "<unparseable url>"
+    return url
+
+
+def parse_bytes(s: str | int) -> int:
+    """``'512MB'``, ``'8GB'``, ``'1.5GiB'``, ``'1000000'`` -> bytes.
+
+    Raises:
+        ValueError: unparseable size.
+    """
+    if isinstance(s, int):
+        return s
+    t = s.strip().upper().replace("IB", "B")
+    for unit, mult in (("KB", 1 << 10), ("MB", 1 << 20), ("GB", 1 << 30), ("TB", 1 << 40), ("B", 1)):
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * mult)
+    return int(float(t))

@@ -1,0 +1,193 @@
+"""Real processes for tests: redis-server, mlxgw backends and gateways.
+
+Nothing here is mocked: each piece is the same command a user runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import redis
+import requests_shim as http  # noqa: F401  (tiny urllib helpers, see below)
+
+ROOT = Path(__file__).resolve().parent.parent
+LOG_DIR = Path(os.environ.get("MLXGW_TEST_LOGS", ROOT / "test-output"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A private redis-server on a free loopback port (no persistence)."""
+
+    def __init__(self, port: Optional[int] = None):
+        self.port = port or free_port()
+        self.dir = tempfile.mkdtemp(prefix="mlxgw-test-redis-")
+        self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        exe = shutil.which("redis-server")
+        assert exe, "redis-server is required (the test command installs it)"
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", self.dir],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis.from_url(self.url)
+        for _ in range(200):
+            try:
+                client.ping()
+                return self
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, decode_responses=True)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    port: int
+    log_path: Path
+    proc: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, env: dict) -> "Proc":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log: {self.log_path}\n" + self.tail())
+            if http.get_status(self.url + "/health") == 200:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} not healthy after {timeout}s\n" + self.tail())
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def signal(self, sig) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        if self.proc:
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+@dataclass
+class Stack:
+    """Backends + gateway of one model on one Redis, under a private namespace."""
+
+    redis_url: str
+    model_path: str
+    model_name: str = "demo-tiny"
+    namespace: str = field(default_factory=lambda: "t" + uuid.uuid4().hex[:8])
+    backends: list[Proc] = field(default_factory=list)
+    gateways: list[Proc] = field(default_factory=list)
+    block_size: int = 16
+    env_extra: dict = field(default_factory=dict)
+
+    def env(self) -> dict:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLXGW_INTERNAL")}
+        env.update({"PYTHONUNBUFFERED": "1", **self.env_extra})
+        return env
+
+    def add_backend(self, backend_id: Optional[str] = None, port: Optional[int] = None, *extra: str, start=True) -> Proc:
+        port = port or free_port()
+        bid = backend_id or f"b{len(self.backends)}"
+        cmd = [sys.executable, "-m", "mlxgw", "backend", "--model", self.model_path, "--served-name", self.model_name,
+               "--port", str(port), "--id", bid, "--redis-url", self.redis_url, "--namespace", self.namespace,
+               "--block-size", str(self.block_size), "--heartbeat-interval", "0.5", "--heartbeat-ttl", "2",
+               "--min-hit-tokens", "64", *extra]
+        p = Proc(bid, cmd, port, LOG_DIR / f"{self.namespace}-{bid}.log")
+        self.backends.append(p)
+        if start:
+            p.start(self.env())
+        return p
+
+    def add_gateway(self, *extra: str, port: Optional[int] = None) -> Proc:
+        port = port or free_port()
+        name = f"gw{len(self.gateways)}"
+        cmd = [sys.executable, "-m", "mlxgw", "gateway", "--model", f"{self.model_name}={self.model_path}",
+               "--port", str(port), "--redis-url", self.redis_url, "--namespace", self.namespace,
+               "--block-size", str(self.block_size), *extra]
+        p = Proc(name, cmd, port, LOG_DIR / f"{self.namespace}-{name}.log")
+        self.gateways.append(p)
+        p.start(self.env())
+        return p
+
+    def wait(self) -> "Stack":
+        for p in self.backends + self.gateways:
+            if p.proc is not None and p.proc.poll() is None:
+                p.wait_healthy()
+        # Gateways see backends through the registry refresh (1 s).
+        deadline = time.time() + 15
+        want = {b.name for b in self.backends if b.proc and b.proc.poll() is None}
+        for g in self.gateways:
+            while time.time() < deadline:
+                body = http.get_json(g.url + "/health") or {}
+                if set((body.get("backends") or {}).get(self.model_name, [])) >= want:
+                    break
+                time.sleep(0.1)
+        return self
+
+    @property
+    def gateway(self) -> Proc:
+        return self.gateways[0]
+
+    def stop(self) -> None:
+        for p in self.gateways + self.backends:
+            p.stop()
