@@ -128,8 +128,9 @@ async def _complete(request: web.Request, kind: str) -> web.StreamResponse:
     body = await read_body(request)
     internal = body.pop(INTERNAL_FIELD, None) or {}
     pr = parse_openai(body, kind)
-    if engine.failed:
-        raise RequestError("backend engine failed", status=503, type="server_error")
+    if engine.failed or reporter.state != "ready":
+        raise RequestError(f"backend not ready ({'failed' if engine.failed else reporter.state})",
+                           status=503, type="server_error")
     ids, system_tokens = _tokenize(engine, pr, internal)
     ctx = engine.context_length
     vocab = getattr(engine.tokenizer, "vocab_size", None) or 0
@@ -274,15 +275,31 @@ async def handle_models(request: web.Request) -> web.Response:
 async def handle_health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     reporter = request.app[REPORTER]
-    ok = not engine.failed
+    ok = not engine.failed and reporter.state == "ready"
     body = {
-        "status": "ok" if ok else "failed",
+        "status": "ok" if ok else ("failed" if engine.failed else reporter.state),
         "backend": request.app[CONFIG].backend_id,
         "epoch": reporter.epoch,
         "redis": reporter.redis_ok,
         **engine.stats(),
     }
     return web.json_response(body, status=200 if ok else 503)
+
+
+async def handle_cache(request: web.Request) -> web.Response:
+    """The live cache entries and the blocks they cover (for tests and debugging)."""
+    from .report import servable_blocks
+
+    engine = request.app[ENGINE]
+    reporter = request.app[REPORTER]
+    entries = []
+    for e in engine.cache.entries():
+        entries.append({
+            "id": e.id, "tokens": len(e), "cache_type": e.cache_type, "nbytes": e.nbytes,
+            "trimmable": e.trimmable,
+            "blocks": servable_blocks(e, reporter.model, reporter.block_size),
+        })
+    return web.json_response({"entries": entries, "owned": sorted(reporter.owned_blocks()), "epoch": reporter.epoch})
 
 
 def make_app(engine: Engine, reporter: Reporter, cfg: BackendConfig) -> web.Application:
@@ -295,4 +312,5 @@ def make_app(engine: Engine, reporter: Reporter, cfg: BackendConfig) -> web.Appl
     app.router.add_post("/v1/completions", handle_text)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)
+    app.router.add_get("/internal/cache", handle_cache)
     return app

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .protocol import RequestError
+
 # Roles whose text counts as the system prompt (exo PR 1817 counts system and
 # developer messages).
 SYSTEM_ROLES = ("system", "developer")
@@ -50,8 +52,8 @@ def render_chat(
         `ChatPrompt` with the token ids and the system-prompt length in tokens.
 
     Raises:
-        ValueError: the template failed to render these messages (a template
-            error is a client error: e.g. roles out of order).
+        RequestError: 400, the template failed to render these messages (a
+            template error is a client error: e.g. roles out of order).
     """
     kwargs = dict(template_kwargs or {})
     try:
@@ -59,7 +61,7 @@ def render_chat(
             messages, tools=tools or None, add_generation_prompt=True, tokenize=True, **kwargs
         )
     except Exception as e:  # jinja2 TemplateError, TypeError from bad content...
-        raise ValueError(f"chat template failed to render the messages: {e}") from e
+        raise RequestError(f"the chat template failed to render the messages: {e}", param="messages") from e
     ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
     return ChatPrompt(ids, system_prefix_tokens(tokenizer, messages, tools, kwargs, ids))
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs what mlxgw needs on a fresh machine: redis-server (Homebrew on
+# macOS, apt-get on Debian/Ubuntu) and a virtualenv in .venv with the package.
+# Usage: scripts/setup.sh [pip extras, e.g. test]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "installing redis-server..." >&2
+  if [[ "$(uname)" == "Darwin" ]]; then
+    command -v brew >/dev/null || { echo "install Homebrew (https://brew.sh) or redis-server yourself" >&2; exit 1; }
+    brew install redis
+  elif command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "please install redis-server with your package manager" >&2; exit 1
+  fi
+fi
+
+PY=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  "$PY" -m venv .venv
+fi
+extras=${1:-}
+spec="."
+[[ -n "$extras" ]] && spec=".[$extras]"
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/python -m pip install -q -e "$spec" 2>&1 | grep -v -E "^(WARNING: Location|  )" >&2 || true
+.venv/bin/python -c "import mlxgw, mlx_lm, aiohttp, redis" || { echo "install failed" >&2; exit 1; }

@@ -1,0 +1,64 @@
+"""Acceptance: bad input gets an OpenAI-style 4xx and the gateway keeps serving."""
+
+import pytest
+
+from requests_shim import post
+from texts import words
+
+
+@pytest.fixture(scope="module")
+def stack1(redis_server, demo_model):
+    from stack import Stack
+
+    s = Stack(redis_server.url, demo_model)
+    s.add_backend("b0")
+    s.add_gateway()
+    s.wait()
+    yield s
+    s.stop()
+
+
+def _err(resp):
+    import json
+
+    status, _, body = resp
+    return status, json.loads(body)["error"]
+
+
+CASES = [
+    (b"{not json", 400, None, None),
+    ({"model": "demo-tiny"}, 400, "messages", None),
+    ({"model": "demo-tiny", "messages": []}, 400, "messages", None),
+    ({"model": "demo-tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", None),
+    ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model", "model_not_found"),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400, "max_tokens", None),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature", None),
+    (b"[1, 2]", 400, None, None),
+    (b"\xff\xfe", 400, None, None),
+]
+
+
+@pytest.mark.parametrize("body,status,param,code", CASES)
+def test_bad_requests_get_openai_errors(stack1, body, status, param, code):
+    got_status, err = _err(post(stack1.gateway.url + "/v1/chat/completions", body))
+    assert got_status == status
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param
+    assert err["code"] == code
+
+
+def test_prompt_longer_than_context(stack1):
+    text = words(9000, seed=3)  # the demo model's context is 8192 tokens
+    status, err = _err(post(stack1.gateway.url + "/v1/chat/completions",
+                            {"model": "demo-tiny", "messages": [{"role": "user", "content": text}]}))
+    assert status == 400 and err["code"] == "context_length_exceeded"
+
+
+def test_still_serving_after_bad_input(stack1):
+    for body, *_ in CASES:
+        post(stack1.gateway.url + "/v1/chat/completions", body)
+    status, _, _ = post(stack1.gateway.url + "/v1/chat/completions",
+                        {"model": "demo-tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2})
+    assert status == 200
+    status, _, body = post(stack1.gateway.url + "/v1/nothing", {"a": 1})
+    assert status == 404 and b"error" in body

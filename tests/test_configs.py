@@ -1,0 +1,39 @@
+"""Every shipped config loads, and flags override it."""
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from mlxgw import config
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+
+
+def test_configs_exist():
+    assert {p.name for p in CONFIGS} >= {"single-mac.toml", "multi-model.toml", "multi-mac.toml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_loads(path):
+    cfg = config.load(str(path))
+    assert cfg.models and all(m.name and m.path and m.backends >= 1 for m in cfg.models)
+    ports = [p for m in cfg.models for p in range(m.port, m.port + m.backends)]
+    assert len(ports) == len(set(ports)) and cfg.port not in ports
+
+
+def test_flags_override_file():
+    cfg = config.load(str(CONFIGS[0]))
+    args = argparse.Namespace(model="/tmp/m", served_name="x", backends=5, port=9000, redis_url=None,
+                              host=None, namespace=None, block_size=None, backend_port=None,
+                              cache_bytes="1GB", cache_entries=None)
+    cfg = config.apply_flags(cfg, args)
+    m = cfg.models[0]
+    assert (cfg.port, m.path, m.name, m.backends, m.cache_bytes) == (9000, "/tmp/m", "x", 5, "1GB")
+
+
+def test_unknown_keys_are_errors(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("[gateway]\nprot = 1\n")
+    with pytest.raises(ValueError, match="prot"):
+        config.load(str(p))

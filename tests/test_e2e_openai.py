@@ -1,0 +1,82 @@
+"""Acceptance: the running stack, driven by the official openai SDK."""
+
+import openai
+import pytest
+
+from texts import words
+
+
+@pytest.fixture(scope="module")
+def stack2(redis_server, demo_model):
+    from stack import Stack
+
+    s = Stack(redis_server.url, demo_model)
+    s.add_backend("b0")
+    s.add_backend("b1")
+    s.add_gateway()
+    s.wait()
+    yield s
+    s.stop()
+
+
+def _turn(client, msgs, stream):
+    if stream:
+        raw = client.chat.completions.with_raw_response.create(
+            model="demo-tiny", messages=msgs, max_tokens=8, stream=True, stream_options={"include_usage": True})
+        text, usage = "", None
+        for chunk in raw.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+            if chunk.usage:
+                usage = chunk.usage
+        return raw.headers, text, usage
+    raw = client.chat.completions.with_raw_response.create(model="demo-tiny", messages=msgs, max_tokens=8)
+    c = raw.parse()
+    return raw.headers, c.choices[0].message.content or "", c.usage
+
+
+def test_conversation_sticks_to_its_backend_and_reuses_cache(stack2):
+    client = openai.OpenAI(base_url=stack2.gateway.url + "/v1", api_key="unused")
+    bs = stack2.block_size
+    msgs = [{"role": "system", "content": words(900, seed=1)}, {"role": "user", "content": words(30, seed=2)}]
+    first_backend, prev_prompt = None, 0
+    for turn in range(4):
+        headers, text, usage = _turn(client, msgs, stream=turn % 2 == 1)
+        backend = headers["x-mlxgw-backend"]
+        if turn == 0:
+            assert usage.prompt_tokens >= 1000, "the system prompt must be 1,000+ tokens"
+            assert usage.prompt_tokens_details.cached_tokens == 0
+            first_backend = backend
+        else:
+            assert backend == first_backend
+            assert usage.prompt_tokens_details.cached_tokens >= prev_prompt - bs
+            assert int(headers["x-mlxgw-matched-tokens"]) >= prev_prompt - bs
+            assert usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens - 1
+        prev_prompt = usage.prompt_tokens
+        msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": words(20, seed=10 + turn)}]
+
+    # Another system prompt: a cold prompt goes to the other, idle backend.
+    other = [{"role": "system", "content": words(900, seed=99)}, {"role": "user", "content": "hi"}]
+    headers, _, usage = _turn(client, other, stream=False)
+    assert headers["x-mlxgw-backend"] != first_backend
+    assert usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_models_and_health(stack2):
+    client = openai.OpenAI(base_url=stack2.gateway.url + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["demo-tiny"]
+    from requests_shim import get_json
+
+    h = get_json(stack2.gateway.url + "/health")
+    assert h["status"] == "ok" and sorted(h["backends"]["demo-tiny"]) == ["b0", "b1"]
+
+
+def test_text_completion_through_gateway(stack2):
+    client = openai.OpenAI(base_url=stack2.gateway.url + "/v1", api_key="unused")
+    prompt = words(200, seed=5)
+    a = client.completions.create(model="demo-tiny", prompt=prompt, max_tokens=4)
+    b = client.completions.with_raw_response.create(model="demo-tiny", prompt=prompt, max_tokens=4)
+    assert a.usage.completion_tokens == 4
+    c = b.parse()
+    # Same prompt twice: exact hit, all but one token reused (mlx-lm PR 625).
+    assert c.usage.prompt_tokens_details.cached_tokens == c.usage.prompt_tokens - 1

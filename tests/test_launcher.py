@@ -1,0 +1,78 @@
+"""`mlxgw serve`: the whole stack from one command, and its clear start-up errors."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from requests_shim import get_json
+from stack import free_port
+
+MLXGW = [sys.executable, "-m", "mlxgw"]
+
+
+def _run(args, timeout=60):
+    return subprocess.run(MLXGW + args, capture_output=True, text=True, timeout=timeout)
+
+
+def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
+    port, bport = free_port(), free_port()
+    while bport + 1 == port:
+        bport = free_port()
+    log = open(tmp_path / "serve.log", "wb")
+    p = subprocess.Popen(MLXGW + ["serve", "--backends", "2", "--port", str(port), "--backend-port", str(bport)],
+                         stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        h = None
+        while time.time() < deadline:
+            h = get_json(f"http://127.0.0.1:{port}/health")
+            if h and len(h.get("backends", {}).get("demo-tiny", [])) == 2:
+                break
+            assert p.poll() is None, (tmp_path / "serve.log").read_text()
+            time.sleep(0.3)
+        assert sorted(h["backends"]["demo-tiny"]) == ["demo-tiny-0", "demo-tiny-1"]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        r = client.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert r.usage.completion_tokens == 3
+        # Backends demand the launcher's internal token: nobody skips the gateway.
+        assert get_json(f"http://127.0.0.1:{bport}/v1/models")["error"]["type"] == "authentication_error"
+        out = (tmp_path / "serve.log").read_text()
+        assert "mlxgw is ready" in out and f"http://127.0.0.1:{port}/v1" in out
+    finally:
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(30)
+    assert rc == 0
+    for prt in (port, bport, bport + 1):
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", prt)) != 0, f"port {prt} still open after stop"
+
+
+def test_missing_model_path():
+    r = _run(["serve", "--model", "/nonexistent/model", "--port", str(free_port())])
+    assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_port_in_use(demo_model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = _run(["serve", "--model", demo_model, "--port", str(s.getsockname()[1])])
+    assert r.returncode == 3 and "in use" in r.stderr
+
+
+def test_redis_unreachable(demo_model):
+    r = _run(["serve", "--model", demo_model, "--port", str(free_port()), "--backend-port", str(free_port()),
+              "--redis-url", f"redis://127.0.0.1:{free_port()}/0"])
+    assert r.returncode == 4 and "Redis unreachable" in r.stderr
+
+
+def test_not_enough_memory_is_refused_before_loading(demo_model):
+    r = _run(["serve", "--model", demo_model, "--backends", "100000", "--port", str(free_port()),
+              "--backend-port", "20000"])
+    assert r.returncode == 5 and "not enough memory" in r.stderr

@@ -1,0 +1,106 @@
+"""Acceptance: Redis state matches the backend's real cache, and liveness expires."""
+
+import time
+
+import redis
+
+from mlxgw import schema
+from requests_shim import get_json, post
+from texts import words
+
+
+def _chat(url, text, max_tokens=4):
+    status, headers, body = post(url + "/v1/chat/completions",
+                                 {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens})
+    assert status == 200, body
+    return headers
+
+
+def _prompt_blocks(stack, text):
+    from gateway.tokenize import load_model_info
+    from mlxgw.prompt import render_chat
+
+    info = load_model_info(stack.model_name, stack.model_path)
+    ids = render_chat(info.tokenizer, [{"role": "user", "content": text}]).token_ids
+    return schema.block_keys(stack.model_name, ids, stack.block_size)
+
+
+def _owners(r, stack, blocks):
+    k = schema.Keys(stack.namespace, stack.model_name)
+    return [r.hgetall(k.block(b)) for b in blocks]
+
+
+def test_ownership_follows_saves_and_evictions(make_stack, redis_server):
+    r = redis_server.client()
+    # Measure one entry's size on a backend with room, then give another a budget of 1.5 entries.
+    probe = make_stack()
+    b = probe.add_backend("probe")
+    b.wait_healthy()
+    p1, p2 = words(300, seed=11), words(300, seed=12)
+    _chat(b.url, p1)
+    entry_bytes = get_json(b.url + "/internal/cache")["entries"][0]["nbytes"]
+    assert entry_bytes > 0
+
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--cache-bytes", str(int(entry_bytes * 1.5)))
+    b0.wait_healthy()
+    blocks1, blocks2 = _prompt_blocks(s, p1), _prompt_blocks(s, p2)
+    assert len(blocks1) >= 15
+
+    _chat(b0.url, p1)
+    epoch = str(get_json(b0.url + "/internal/cache")["epoch"])
+    assert all(o == {"b0": epoch} for o in _owners(r, s, blocks1))
+
+    _chat(b0.url, p2)  # does not fit beside p1: p1's entry is evicted
+    cache = get_json(b0.url + "/internal/cache")
+    assert len(cache["entries"]) == 1
+    only1 = [b for b in blocks1 if b not in set(blocks2)]  # the first block (template header) is shared
+    assert len(only1) >= len(blocks1) - 1
+    assert _owners(r, s, only1) == [{}] * len(only1)
+    assert all(o == {"b0": epoch} for o in _owners(r, s, blocks2))
+    # Redis holds exactly the blocks the live entries cover.
+    k = schema.Keys(s.namespace, s.model_name)
+    assert r.smembers(k.owned("b0", epoch)) == set(k.blocks(cache["entries"][0]["blocks"]))
+    assert sorted(cache["owned"]) == sorted(cache["entries"][0]["blocks"])
+    events = [schema.decode_event(f)["type"] for _, f in redis.Redis.from_url(redis_server.url).xrange(k.events)]
+    assert "saved" in events and "evicted" in events
+
+
+def test_registry_heartbeat_expires_when_killed(make_stack, redis_server):
+    r = redis_server.client()
+    s = make_stack()
+    b0 = s.add_backend("b0")
+    b0.wait_healthy()
+    k = schema.Keys(s.namespace, s.model_name)
+    rec = r.hgetall(k.backend("b0"))
+    assert rec["state"] == "ready" and rec["url"] == b0.url and int(rec["pid"]) == b0.proc.pid
+    assert 0 < r.pttl(k.backend("b0")) <= 2000
+    hb1 = float(rec["last_heartbeat"])
+    time.sleep(1.2)
+    assert float(r.hget(k.backend("b0"), "last_heartbeat")) > hb1
+    b0.kill()
+    time.sleep(2.5)  # TTL 2 s
+    assert r.exists(k.backend("b0")) == 0
+
+
+def test_restart_gets_new_epoch_and_old_claims_never_route(make_stack, redis_server):
+    r = redis_server.client()
+    s = make_stack()
+    b0 = s.add_backend("b0")
+    b0.wait_healthy()
+    text = words(200, seed=21)
+    _chat(b0.url, text)
+    k = schema.Keys(s.namespace, s.model_name)
+    blocks = _prompt_blocks(s, text)
+    assert r.hget(k.block(blocks[0]), "b0") == "1"
+    b0.kill()
+    b0 = s.add_backend("b0", b0.port)
+    b0.wait_healthy()
+    assert r.hget(k.backend("b0"), "epoch") == "2"
+    rows = r.eval(schema.LOOKUP_LUA, 1 + len(blocks), k.backends, *k.blocks(blocks), k.backend_prefix)
+    assert [(c.backend_id, c.depth_blocks) for c in schema.parse_lookup(rows)] == [("b0", 0)]
+    # The old epoch's claims are cleaned up in the background.
+    deadline = time.time() + 5
+    while time.time() < deadline and r.hget(k.block(blocks[0]), "b0") is not None:
+        time.sleep(0.1)
+    assert r.hget(k.block(blocks[0]), "b0") is None

@@ -1,0 +1,88 @@
+"""The Redis schema contract: block hashing known answers and the lookup script."""
+
+import time
+
+import numpy as np
+import pytest
+
+from mlxgw import schema
+
+
+def test_block_keys_known_answer():
+    # Pinned vector: changing hashing breaks every deployed index, so it must be deliberate.
+    ids = list(range(40))
+    assert schema.block_keys("demo-tiny", ids, 16) == KNOWN
+
+
+def _reference(model, ids, bs):
+    import xxhash
+
+    prev = xxhash.xxh3_64_intdigest(model.encode())
+    out = []
+    for i in range(len(ids) // bs):
+        blk = b"".join(int(t).to_bytes(4, "little") for t in ids[i * bs:(i + 1) * bs])
+        prev = xxhash.xxh3_64_intdigest(prev.to_bytes(8, "little") + blk)
+        out.append(f"{prev:016x}")
+    return out
+
+
+KNOWN = ["4d4003ed7686570e", "61a93fbeef11ffab"]
+
+
+def test_block_keys_match_reference_and_chain():
+    ids = list(np.random.default_rng(0).integers(0, 50000, 300))
+    assert schema.block_keys("m", ids, 64) == _reference("m", ids, 64)
+    a = schema.block_keys("m", ids, 64)
+    b = schema.block_keys("m", ids[:100] + [1] + ids[101:], 64)
+    # Equal up to the changed block, different from it on (chained).
+    assert a[0] == b[0] and all(x != y for x, y in zip(a[1:], b[1:]))
+    assert len(a) == 300 // 64
+    assert schema.block_keys("other", ids, 64)[0] != a[0]
+    assert schema.block_keys("m", ids[:63], 64) == []
+    with pytest.raises(ValueError):
+        schema.block_keys("m", ids, 0)
+
+
+def test_keys_carry_hash_tag():
+    k = schema.Keys("ns", "my{model} x")
+    assert k.block("ab") == "ns:{my_model__x}:blk:ab"
+    assert k.backend("b0").startswith("ns:{my_model__x}:")
+
+
+def test_lookup_counts_live_epoch_only(redis_server):
+    r = redis_server.client()
+    k = schema.Keys("tlookup", "m")
+    blocks = ["a1", "a2", "a3"]
+    # b0 live at epoch 2 owns 3 blocks; b1 live owns 1 block; b2 owns all but under an old epoch;
+    # b3 owns all but its registry record is gone (dead).
+    for bid, ep in (("b0", 2), ("b1", 1), ("b2", 5)):
+        r.hset(k.backend(bid), mapping={"epoch": ep, "url": f"http://{bid}", "state": "ready", "active": 1,
+                                         "queued_prefill_tokens": 7, "cache_bytes": 10, "cache_budget_bytes": 100})
+        r.zadd(k.backends, {bid: time.time()})
+    r.zadd(k.backends, {"b3": time.time()})
+    for i, b in enumerate(blocks):
+        r.hset(k.block(b), mapping={"b0": 2, "b2": 4, "b3": 1, **({"b1": 1} if i == 0 else {})})
+    rows = r.eval(schema.LOOKUP_LUA, 1 + len(blocks), k.backends, *k.blocks(blocks), k.backend_prefix)
+    got = {c.backend_id: c.depth_blocks for c in schema.parse_lookup(rows)}
+    assert got == {"b0": 3, "b1": 1, "b2": 0}
+    c = [c for c in schema.parse_lookup(rows) if c.backend_id == "b0"][0]
+    assert (c.url, c.active, c.queued_prefill_tokens, c.free_cache_bytes) == ("http://b0", 1, 7, 90)
+
+
+def test_cleanup_keeps_newer_epoch(redis_server):
+    r = redis_server.client()
+    k = schema.Keys("tclean", "m")
+    r.hset(k.block("x"), mapping={"b0": 1})
+    r.hset(k.block("y"), mapping={"b0": 2})  # re-claimed by the new epoch
+    r.sadd(k.owned("b0", 1), k.block("x"), k.block("y"))
+    left = r.eval(schema.CLEANUP_LUA, 1, k.owned("b0", 1), "b0", 1, 10)
+    assert left == 0
+    assert r.hgetall(k.block("x")) == {}
+    assert r.hgetall(k.block("y")) == {"b0": "2"}
+
+
+def test_event_roundtrip():
+    f = schema.event_fields(schema.EVENT_SAVED, "b0", 3, {"tokens": 5, "blocks": 1})
+    d = schema.decode_event({k.encode(): (v.encode() if isinstance(v, str) else v) for k, v in f.items()})
+    assert d["type"] == "saved" and d["backend"] == "b0" and d["epoch"] == "3"
+    assert d["data"] == {"tokens": 5, "blocks": 1}

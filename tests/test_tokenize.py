@@ -1,0 +1,52 @@
+"""The gateway tokenizes exactly as mlx-lm does (same ids, so block keys match)."""
+
+import json
+
+import pytest
+
+from gateway.tokenize import load_model_info
+from mlxgw.prompt import render_chat
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "hello"}],
+    [{"role": "system", "content": "You are terse. " * 50}, {"role": "user", "content": "What is 2+2?"}],
+    [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "List files"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": json.dumps({"temp": 21})},
+        {"role": "assistant", "content": "It is 21 degrees."},
+        {"role": "user", "content": "And tomorrow? ünïcødé ✓"},
+    ],
+]
+
+
+@pytest.mark.parametrize("i", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_gateway_ids_equal_mlx_lm(demo_model, i, tools):
+    from mlx_lm import load
+
+    _, mlx_tok = load(demo_model)
+    info = load_model_info("demo-tiny", demo_model)
+    msgs = CONVERSATIONS[i]
+    ours = render_chat(info.tokenizer, msgs, tools)
+    theirs = mlx_tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True)
+    assert ours.token_ids == list(theirs)
+    assert len(ours.token_ids) > 5
+
+
+def test_system_tokens_is_the_system_prefix(demo_model):
+    info = load_model_info("demo-tiny", demo_model)
+    msgs = CONVERSATIONS[1]
+    cp = render_chat(info.tokenizer, msgs)
+    sys_only = render_chat(info.tokenizer, msgs[:1] + [{"role": "user", "content": "something else entirely"}])
+    # The system part is shared with any conversation that has the same system prompt...
+    assert cp.token_ids[: cp.system_tokens] == sys_only.token_ids[: cp.system_tokens]
+    # ...and it is the whole rendered system message (50 repetitions are well over 100 tokens).
+    assert cp.system_tokens > 100
+    assert cp.token_ids[cp.system_tokens] != sys_only.token_ids[cp.system_tokens] or cp.system_tokens == sys_only.system_tokens
+    assert render_chat(info.tokenizer, CONVERSATIONS[0]).system_tokens == 0
