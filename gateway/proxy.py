@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import aiohttp
@@ -25,19 +25,41 @@ log = logging.getLogger("mlxgw.gateway.proxy")
 _SKIP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "date", "server"}
 
 
-@dataclass
 class InFlight:
-    """This gateway's own in-flight work per backend: requests and prefill tokens not yet started."""
+    """This gateway's in-flight work per backend.
 
-    requests: dict[str, int] = field(default_factory=dict)
-    prefill_tokens: dict[str, int] = field(default_factory=dict)
+    ``view()`` gives (requests, prefill tokens); prefill tokens count only
+    requests sent within the last ``fresh`` seconds and not yet answering:
+    older ones already show in the backend's own heartbeat figure, and
+    counting them twice would push traffic off the backends that own the
+    prefixes.
+    """
 
-    def add(self, b: str, req: int, tok: int) -> None:
-        self.requests[b] = self.requests.get(b, 0) + req
-        self.prefill_tokens[b] = self.prefill_tokens.get(b, 0) + tok
+    def __init__(self, fresh: float = 1.0):
+        self.fresh = fresh
+        self._live: dict[str, dict[int, tuple[float, int]]] = {}
+        self._n = 0
+
+    def begin(self, backend: str, prefill_tokens: int) -> int:
+        self._n += 1
+        self._live.setdefault(backend, {})[self._n] = (time.monotonic(), prefill_tokens)
+        return self._n
+
+    def started(self, backend: str, handle: int) -> None:
+        """The backend began answering: its prefill is done."""
+        d = self._live.get(backend, {})
+        if handle in d:
+            d[handle] = (d[handle][0], 0)
+
+    def end(self, backend: str, handle: int) -> None:
+        self._live.get(backend, {}).pop(handle, None)
 
     def view(self) -> dict[str, tuple[int, int]]:
-        return {b: (self.requests.get(b, 0), self.prefill_tokens.get(b, 0)) for b in self.requests}
+        now = time.monotonic()
+        return {
+            b: (len(d), sum(tok for t, tok in d.values() if now - t < self.fresh))
+            for b, d in self._live.items()
+        }
 
 
 @dataclass
@@ -107,7 +129,7 @@ class Proxy:
         for i, a in enumerate(attempts):
             if i > 0:
                 self.retries += 1
-            self.inflight.add(a.backend_id, 1, a.prefill_tokens)
+            handle = self.inflight.begin(a.backend_id, a.prefill_tokens)
             prefill_open = True
             try:
                 timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout)
@@ -126,7 +148,7 @@ class Proxy:
                     try:
                         async for chunk in up.content.iter_any():
                             if prefill_open and (not is_sse or b"data:" in chunk):
-                                self.inflight.add(a.backend_id, 0, -a.prefill_tokens)
+                                self.inflight.started(a.backend_id, handle)
                                 prefill_open = False
                             await out.write(chunk)
                     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -144,5 +166,5 @@ class Proxy:
                 log.warning("backend %s unavailable before first byte: %s", a.backend_id, e)
                 continue
             finally:
-                self.inflight.add(a.backend_id, -1, -a.prefill_tokens if prefill_open else 0)
+                self.inflight.end(a.backend_id, handle)
         raise BackendUnavailable(last_err or "no backend")

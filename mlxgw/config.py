@@ -47,8 +47,8 @@ class ServeConfig:
     redis_url: Optional[str] = None
     namespace: str = schema.DEFAULT_NAMESPACE
     block_size: int = schema.DEFAULT_BLOCK_SIZE
-    load_weight: float = 1.0
-    decode_weight: float = 64.0
+    load_weight: float = 0.0
+    decode_weight: float = 0.0
     models: list[ModelConfig] = field(default_factory=lambda: [ModelConfig()])
     remote_backends: list[RemoteBackend] = field(default_factory=list)
 

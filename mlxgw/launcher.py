@@ -108,9 +108,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_mod.apply_flags(cfg, args)
     for m in cfg.models:
         if not m.path:
-            from .demo_model import ensure_demo_model
+            from .demo_model import demo_model_dir, ensure_demo_model
 
-            print("building the demo model (once)...", file=sys.stderr)
+            if not demo_model_dir("tiny").exists():
+                print("building the demo model (once)...", file=sys.stderr)
             m.path = str(ensure_demo_model("tiny"))
             m.name = m.name or "demo-tiny"
         from backend.main import looks_loadable

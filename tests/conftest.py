@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from stack import RedisServer, Stack  # noqa: E402
+from mlxgw.harness import RedisServer, Stack  # noqa: E402
 
 
 @pytest.fixture(scope="session")

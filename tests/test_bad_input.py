@@ -2,13 +2,13 @@
 
 import pytest
 
-from requests_shim import post
+from mlxgw.httpget import post
 from texts import words
 
 
 @pytest.fixture(scope="module")
 def stack1(redis_server, demo_model):
-    from stack import Stack
+    from mlxgw.harness import Stack
 
     s = Stack(redis_server.url, demo_model)
     s.add_backend("b0")

@@ -8,7 +8,7 @@ from texts import words
 
 @pytest.fixture(scope="module")
 def stack2(redis_server, demo_model):
-    from stack import Stack
+    from mlxgw.harness import Stack
 
     s = Stack(redis_server.url, demo_model)
     s.add_backend("b0")
@@ -65,7 +65,7 @@ def test_conversation_sticks_to_its_backend_and_reuses_cache(stack2):
 def test_models_and_health(stack2):
     client = openai.OpenAI(base_url=stack2.gateway.url + "/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == ["demo-tiny"]
-    from requests_shim import get_json
+    from mlxgw.httpget import get_json
 
     h = get_json(stack2.gateway.url + "/health")
     assert h["status"] == "ok" and sorted(h["backends"]["demo-tiny"]) == ["b0", "b1"]

@@ -10,8 +10,8 @@ import time
 import openai
 import pytest
 
-from requests_shim import get_json
-from stack import free_port
+from mlxgw.httpget import get_json
+from mlxgw.harness import free_port
 
 MLXGW = [sys.executable, "-m", "mlxgw"]
 
@@ -42,6 +42,9 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
         assert r.usage.completion_tokens == 3
         # Backends demand the launcher's internal token: nobody skips the gateway.
         assert get_json(f"http://127.0.0.1:{bport}/v1/models")["error"]["type"] == "authentication_error"
+        deadline = time.time() + 10
+        while "mlxgw is ready" not in (tmp_path / "serve.log").read_text() and time.time() < deadline:
+            time.sleep(0.1)
         out = (tmp_path / "serve.log").read_text()
         assert "mlxgw is ready" in out and f"http://127.0.0.1:{port}/v1" in out
     finally:

@@ -5,7 +5,7 @@ import time
 import redis
 
 from mlxgw import schema
-from requests_shim import get_json, post
+from mlxgw.httpget import get_json, post
 from texts import words
 
 

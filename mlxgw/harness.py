@@ -1,6 +1,7 @@
-"""Real processes for tests: redis-server, mlxgw backends and gateways.
+"""Real processes for tests and benchmarks: redis-server, mlxgw backends and gateways.
 
-Nothing here is mocked: each piece is the same command a user runs.
+Nothing here is mocked: each piece is the same command a user runs
+(``python -m mlxgw backend|gateway``), logging to ``LOG_DIR``.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from pathlib import Path
 from typing import Optional
 
 import redis
-import requests_shim as http  # noqa: F401  (tiny urllib helpers, see below)
+from . import httpget as http
 
-ROOT = Path(__file__).resolve().parent.parent
-LOG_DIR = Path(os.environ.get("MLXGW_TEST_LOGS", ROOT / "test-output"))
+LOG_DIR = Path(os.environ.get("MLXGW_TEST_LOGS", Path.cwd() / "test-output"))
 
 
 def free_port() -> int:
@@ -163,7 +163,7 @@ class Stack:
         name = f"gw{len(self.gateways)}"
         cmd = [sys.executable, "-m", "mlxgw", "gateway", "--model", f"{self.model_name}={self.model_path}",
                "--port", str(port), "--redis-url", self.redis_url, "--namespace", self.namespace,
-               "--block-size", str(self.block_size), *extra]
+               "--block-size", str(self.block_size), "--lookup-deadline-ms", "2000", *extra]
         p = Proc(name, cmd, port, LOG_DIR / f"{self.namespace}-{name}.log")
         self.gateways.append(p)
         p.start(self.env())
