@@ -11,9 +11,11 @@ trimmable one), with these rules on top (``docs/cache-policy.md``):
    the server reports it as ``cached_tokens`` (same PR).
 3. An entry is replaced by the request that reused it only on a *good hit*:
    ``reused > max(min_hit_tokens, system_tokens)`` and
-   ``reused / prompt_len > min_hit_ratio`` (exo PR 1817 / issue 1816); a
-   ``system`` entry is never replaced, so a shared system prompt survives
-   every conversation built on it.
+   ``reused / prompt_len > min_hit_ratio`` (exo PR 1817 / issue 1816), and
+   the new prompt continues the entry's own prompt (``reused >= the entry's
+   prompt tokens``: the same conversation, not a sibling that shares the
+   system prompt plus a few tokens). A ``system`` entry is never replaced,
+   so a shared system prompt survives every conversation built on it.
 4. Non-trimmable caches (rotating windows, SSM state) are reused only when the
    entry is an exact prefix of the prompt (mlx-lm ``can_trim_prompt_cache``).
 5. Budgets: an entry count and a byte budget; eviction picks the least
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 import numpy as np
@@ -57,8 +59,8 @@ class CacheEntry:
             ``"user"`` (a prompt saved before its answer) or ``"assistant"``
             (prompt plus generated tokens).
         trimmable: whether ``kv`` can be trimmed (reused for a shorter prefix).
-        servable_tokens: the longest prefix of ``tokens`` this entry can serve:
-            all of it when trimmable, else only the whole entry.
+        prompt_tokens: how many of ``tokens`` were the request's prompt (the
+            rest were generated).
     """
 
     tokens: np.ndarray
@@ -69,7 +71,7 @@ class CacheEntry:
     id: int = 0
     last_used: int = 0
     hits: int = 0
-    meta: dict = field(default_factory=dict)
+    prompt_tokens: int = 0
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -227,7 +229,8 @@ class PromptCache:
             kv: the request's KV cache; the cache takes ownership.
             cache_type: one of `CACHE_TYPES`.
             reused_from / reused / prompt_len / system_tokens: how the request
-                used the cache; decides rule 3.
+                used the cache (decides rule 3); ``prompt_len`` also records
+                how much of ``tokens`` was prompt.
 
         Returns:
             The new entry, or None when nothing was saved (empty tokens or an
@@ -254,7 +257,11 @@ class PromptCache:
         # Rule 3: replace the reused entry only on a good hit.
         if reused_from is not None and reused_from in self._entries:
             old = self._entries[reused_from]
-            if old.cache_type != "system" and self.is_good_hit(reused, prompt_len, system_tokens):
+            if (
+                old.cache_type != "system"
+                and reused >= old.prompt_tokens
+                and self.is_good_hit(reused, prompt_len, system_tokens)
+            ):
                 self._remove(old)
 
         # A trimmable entry serves every prefix of itself, so conversation
@@ -277,6 +284,7 @@ class PromptCache:
             trimmable=trimmable,
             id=next(self._ids),
             last_used=next(self._clock),
+            prompt_tokens=min(prompt_len, len(t)) if prompt_len else len(t),
         )
         self._add(entry)
         self.trim_to(max_entries=self.max_entries, max_bytes=self.max_bytes, keep=entry)

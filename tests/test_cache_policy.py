@@ -1,0 +1,180 @@
+"""The prompt-cache rules (docs/cache-policy.md), on real mlx-lm KV caches and real backends."""
+
+import json
+import socket
+import time
+
+import pytest
+
+from backend.cache import PromptCache
+from mlxgw.httpget import get_json, post
+from texts import words
+
+
+class Recorder:
+    def __init__(self):
+        self.saved, self.evicted = [], []
+
+    def on_saved(self, e):
+        self.saved.append(len(e))
+
+    def on_evicted(self, e):
+        self.evicted.append(len(e))
+
+
+@pytest.fixture(scope="module")
+def model(demo_model):
+    from mlx_lm import load
+
+    return load(demo_model)[0]
+
+
+def kv_for(model, tokens):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    kv = make_prompt_cache(model)
+    model(mx.array([tokens]), cache=kv)
+    mx.eval([c.state for c in kv])
+    return kv
+
+
+def test_exact_hit_leaves_one_token(model):
+    c = PromptCache()
+    t = list(range(10, 60))
+    c.insert(t, kv_for(model, t))
+    hit = c.fetch(t)
+    assert hit.reused == 49 and hit.kv[0].offset == 49
+    hit = c.fetch(t + [7, 8])
+    assert hit.reused == 50 and hit.kv[0].offset == 50
+    hit = c.fetch(t[:20] + [1, 2, 3])  # trimmed back from a longer entry
+    assert hit.reused == 20 and hit.kv[0].offset == 20
+    assert c.fetch([5, 6, 7]).reused == 0
+
+
+def test_good_hit_rule(model):
+    rec = Recorder()
+    c = PromptCache(min_hit_tokens=10, min_hit_ratio=0.5, listener=rec)
+    sys_p = list(range(100, 130))  # 30-token system prompt
+    a = sys_p + list(range(200, 240))
+    ea = c.insert(a, kv_for(model, a), prompt_len=len(a))
+    # Another conversation shares only the system prompt: a bad hit, so E stays.
+    b = sys_p + list(range(300, 340))
+    hit = c.fetch(b)
+    assert hit.reused == 30 and hit.entry_id == ea.id
+    c.insert(b, kv_for(model, b), reused_from=hit.entry_id, reused=hit.reused, prompt_len=len(b), system_tokens=30)
+    assert sorted(len(e) for e in c.entries()) == [70, 70]
+    # A sibling sharing the system prompt and a few more tokens is not a continuation either.
+    b2 = sys_p + list(range(200, 205)) + list(range(500, 530))
+    hit = c.fetch(b2)
+    assert hit.reused == 35 and c.is_good_hit(35, len(b2), 30)
+    c.insert(b2, kv_for(model, b2), reused_from=hit.entry_id, reused=35, prompt_len=len(b2), system_tokens=30)
+    assert sorted(len(e) for e in c.entries()) == [65, 70, 70]
+    # The same conversation grows (a good hit): its entry is replaced, not duplicated.
+    a2 = a + list(range(400, 420))
+    hit = c.fetch(a2)
+    assert hit.reused == 70 and c.is_good_hit(70, len(a2), 30)
+    c.insert(a2, kv_for(model, a2), reused_from=hit.entry_id, reused=70, prompt_len=len(a2), system_tokens=30)
+    assert sorted(len(e) for e in c.entries()) == [65, 70, 90]
+    assert rec.evicted == [70] and rec.saved == [70, 70, 65, 90]
+    assert not c.is_good_hit(30, 70, 30)  # exactly the system prompt is never a good hit
+
+
+def test_trimmable_drops_redundant_prefixes(model):
+    c = PromptCache()
+    s = list(range(10, 30))
+    c.insert(s, kv_for(model, s), "system")
+    u = s + list(range(40, 60))
+    c.insert(u, kv_for(model, u), "user")
+    longer = u + [1, 2, 3]
+    c.insert(longer, kv_for(model, longer))
+    assert sorted((len(e), e.cache_type) for e in c.entries()) == [(20, "system"), (43, "assistant")]
+
+
+def test_eviction_order(model):
+    rec = Recorder()
+    c = PromptCache(max_entries=3, listener=rec)
+    for i, kind in enumerate(["system", "assistant", "assistant"]):
+        t = [1000 + i] + list(range(10, 20))
+        c.insert(t, kv_for(model, t), kind)
+    t = [2000] + list(range(10, 20))
+    c.insert(t, kv_for(model, t), "user")
+    # The largest group (assistant) loses its least recently used entry.
+    assert rec.evicted == [11]
+    assert sorted(int(e.tokens[0]) for e in c.entries()) == [1000, 1002, 2000]
+
+
+def test_untrimmable_exact_prefix_only():
+    from mlx_lm import load
+
+    from mlxgw.demo_model import ensure_demo_model
+
+    model = load(str(ensure_demo_model("swa")))[0]
+    c = PromptCache()
+    t = list(range(10, 310))  # longer than the 128-token window: not trimmable
+    e = c.insert(t, kv_for(model, t))
+    assert e is not None and not e.trimmable
+    assert c.fetch(t + [5, 6]).reused == 300  # an exact prefix is reused
+    assert c.fetch(t[:200] + [5, 6]).reused == 0  # a diverging prompt cannot trim it
+    assert c.fetch(t).reused == 0  # and an exact hit cannot leave one token
+
+
+def _chat(url, msgs, **kw):
+    status, headers, body = post(url + "/v1/chat/completions", {"messages": msgs, "max_tokens": 3, **kw})
+    assert status == 200, body
+    return json.loads(body)
+
+
+def test_shared_system_prompt_survives_ten_conversations(make_stack):
+    s = make_stack()
+    b = s.add_backend("b0")
+    b.wait_healthy()
+    system = {"role": "system", "content": words(300, seed=7)}
+    for i in range(10):
+        r = _chat(b.url, [system, {"role": "user", "content": words(40, seed=100 + i)}])
+    entries = get_json(b.url + "/internal/cache")["entries"]
+    sys_entries = [e for e in entries if e["cache_type"] == "system"]
+    assert len(sys_entries) == 1
+    sys_len = sys_entries[0]["tokens"]
+    assert len(entries) == 11  # the system prompt + ten conversations, none overwritten
+    r = _chat(b.url, [system, {"role": "user", "content": words(40, seed=999)}])
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= sys_len
+
+
+def test_system_segment_saved(make_stack):
+    s = make_stack()
+    b = s.add_backend("b0")
+    b.wait_healthy()
+    msgs = [{"role": "system", "content": words(200, seed=8)}, {"role": "user", "content": "hello"}]
+    r = _chat(b.url, msgs)
+    kinds = sorted((e["cache_type"], e["tokens"]) for e in get_json(b.url + "/internal/cache")["entries"])
+    assert [k for k, _ in kinds] == ["assistant", "system"]
+    # The KV holds the prompt and every token returned (each step feeds the token it returns).
+    assert kinds[0][1] == r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == r["usage"]["prompt_tokens"] + 3
+    from gateway.tokenize import load_model_info
+    from mlxgw.prompt import render_chat
+
+    cp = render_chat(load_model_info(s.model_name, s.model_path).tokenizer, msgs)
+    assert kinds[1][1] == cp.system_tokens and 200 < cp.system_tokens < r["usage"]["prompt_tokens"]
+
+
+def test_save_on_disconnect(make_stack):
+    s = make_stack()
+    b = s.add_backend("b0")
+    b.wait_healthy()
+    msgs = [{"role": "user", "content": words(400, seed=9)}]
+    body = json.dumps({"messages": msgs, "max_tokens": 2000, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", b.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        buf = b""
+        while b"data:" not in buf:  # wait for the first token, then hang up mid-decode
+            buf += sock.recv(4096)
+    deadline = time.time() + 10
+    while time.time() < deadline and get_json(b.url + "/health")["active"] != 0:
+        time.sleep(0.05)
+    entries = get_json(b.url + "/internal/cache")["entries"]
+    assert len(entries) == 1
+    r = _chat(b.url, msgs + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}])
+    prompt_len = entries[0]["tokens"]
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= min(prompt_len, r["usage"]["prompt_tokens"]) - 5

@@ -1,0 +1,60 @@
+"""docs/redis-schema.md cannot drift from the code: walk it against a live stack."""
+
+import re
+from pathlib import Path
+
+from mlxgw.httpget import post
+from texts import words
+
+DOC = (Path(__file__).parent.parent / "docs" / "redis-schema.md").read_text()
+
+
+def _documented_keys():
+    """(regex, type) for each key row of the first table."""
+    rows = []
+    for line in DOC.splitlines():
+        m = re.match(r"\| `(NS:[^`]+)` \| (\w+)", line)
+        if m:
+            pat = re.escape(m.group(1))
+            pat = pat.replace("NS", "(?P<ns>[^:]+)", 1).replace(r"\{M\}", r"\{[^}]+\}")
+            pat = pat.replace("B:E", "[^:]+:[0-9]+").replace(":B", ":[^:]+").replace("<hex>", "[0-9a-f]{16}")
+            rows.append((re.compile("^" + pat + "$"), m.group(2).lower()))
+    return rows
+
+
+def _documented_record_fields():
+    section = DOC.split("## The registry record", 1)[1].split("##", 1)[0]
+    fields = set()
+    for line in section.splitlines():
+        m = re.match(r"\| (`.*?`(?:, `.*?`)*) \|", line)
+        if m:
+            fields |= set(re.findall(r"`(\w+)`", m.group(1)))
+    return fields
+
+
+def test_live_keys_are_all_documented(make_stack, redis_server):
+    s = make_stack()
+    s.add_backend("b0")
+    s.add_gateway()
+    s.wait()
+    status, _, _ = post(s.gateway.url + "/v1/chat/completions",
+                        {"model": s.model_name, "messages": [{"role": "user", "content": words(100, seed=4)}],
+                         "max_tokens": 2})
+    assert status == 200
+    r = redis_server.client()
+    docs = _documented_keys()
+    assert len(docs) == 7
+    keys = [k for k in r.scan_iter(match="*") if k.startswith(s.namespace + ":") or k == f"{s.namespace}:models"]
+    seen_patterns = set()
+    for k in keys:
+        matches = [(p, t) for p, t in docs if p.match(k)]
+        assert matches, f"undocumented key {k}"
+        p, t = matches[0]
+        assert r.type(k) == ("zset" if t == "zset" else t), (k, r.type(k), t)
+        seen_patterns.add(p.pattern)
+    assert seen_patterns == {p.pattern for p, _ in docs}  # every documented key exists on a live stack
+
+    record = r.hgetall(f"{s.namespace}:{{{s.model_name}}}:backend:b0")
+    documented = _documented_record_fields()
+    assert set(record) <= documented, set(record) - documented
+    assert {"epoch", "url", "active", "queued_prefill_tokens", "blocks_owned"} <= set(record)
