@@ -232,6 +232,15 @@ async def handle_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data, "models": [{"id": n, "name": n} for n in sorted(names)]})
 
 
+async def handle_model(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    name = request.match_info["name"]
+    names = set(st.tokenizers.models) | {m for m, c in st.index.snapshot.items() if c}
+    if name not in names:
+        raise RequestError(f"the model '{name}' does not exist", status=404, param="model", code="model_not_found")
+    return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "mlxgw"})
+
+
 async def handle_health(request: web.Request) -> web.Response:
     st = request.app[STATE]
     live = {m: [c.backend_id for c in cs] for m, cs in st.index.snapshot.items()}
@@ -278,5 +287,6 @@ def make_app(cfg: GatewayConfig) -> web.Application:
     app.router.add_post("/chat/completions", handle_chat)
     app.router.add_post("/v1/completions", handle_text)
     app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/v1/models/{name:.+}", handle_model)
     app.router.add_get("/health", handle_health)
     return app

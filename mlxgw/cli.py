@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("dir", nargs="?", help="output dir (default: the cache dir; prints the path)")
     sp.add_argument("--variant", default="tiny", help="tiny | bench | swa")
     sp = sub.add_parser("status", help="cluster state from Redis")
-    sp.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    sp.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL"),
+                    help="default: the URL the last `mlxgw serve` wrote, else redis://127.0.0.1:6379/0")
     sp.add_argument("--namespace", default="mlxgw")
     sp.add_argument("--json", action="store_true")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import config as config_mod
-from .util import redact_url
+from .util import redact_url, serve_url_file
 
 log = logging.getLogger("mlxgw.serve")
 
@@ -186,6 +186,11 @@ def run(args: argparse.Namespace) -> int:
         _spawn(gateway)
         if not _wait_ready([gateway], lambda: stopping):
             return 1 if not stopping else 0
+        f = serve_url_file()
+        f.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(redis_url + "\n")
         _summary(cfg, redis_url, embedded is not None, children)
         while not stopping:
             time.sleep(0.5)
@@ -255,7 +260,7 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
         f"  models     {', '.join(m.name for m in cfg.models)}",
         f"  backends   {', '.join(c.name + ' ' + c.health_url.rsplit('/', 1)[0] for c in children)}",
         f"  redis      {redact_url(redis_url)}{' (embedded)' if embedded else ''}",
-        f"  status     mlxgw status --redis-url {redact_url(redis_url)}",
+        f"  status     mlxgw status        (reads the Redis URL from {serve_url_file()})",
         "  stop       Ctrl-C",
         "",
     ]

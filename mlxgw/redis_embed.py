@@ -54,7 +54,9 @@ class EmbeddedRedis:
                "--dir", self.dir, "--protected-mode", "yes"]
         if self.password:
             cmd += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Own session: a terminal Ctrl-C reaches the backends first, and the
+        # launcher stops Redis last, after they withdrew their ownership.
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         import redis
 
         deadline = time.time() + timeout

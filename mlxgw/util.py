@@ -32,3 +32,11 @@ def parse_bytes(s: str | int) -> int:
         if t.endswith(unit):
             return int(float(t[: -len(unit)]) * mult)
     return int(float(t))
+
+
+def serve_url_file():
+    """Where ``mlxgw serve`` leaves its Redis URL (mode 0600) for ``mlxgw status``."""
+    import os
+    from pathlib import Path
+
+    return Path(os.environ.get("MLXGW_CACHE_DIR", Path.home() / ".cache" / "mlxgw")) / "serve-redis-url"

@@ -58,3 +58,24 @@ def test_live_keys_are_all_documented(make_stack, redis_server):
     documented = _documented_record_fields()
     assert set(record) <= documented, set(record) - documented
     assert {"epoch", "url", "active", "queued_prefill_tokens", "blocks_owned"} <= set(record)
+
+
+def test_status_cli_reads_redis_alone(make_stack, redis_server):
+    import json as _json
+    import subprocess
+    import sys
+
+    s = make_stack()
+    s.add_backend("b0")
+    s.wait()
+    post(s.backends[0].url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--json", "--redis-url", redis_server.url,
+                          "--namespace", s.namespace], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    data = _json.loads(out.stdout)
+    (b,) = data[s.model_name]["backends"]
+    assert b["id"] == "b0" and b["state"] == "ready" and int(b["requests"]) >= 1
+    assert {e["type"] for e in data[s.model_name]["recent_events"]} >= {"saved"}
+    txt = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", redis_server.url,
+                          "--namespace", s.namespace], capture_output=True, text=True, timeout=60)
+    assert txt.returncode == 0 and "b0" in txt.stdout
