@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from .cache import PromptCache
 
@@ -142,7 +142,6 @@ class MLXEngine(Engine):
         decode_concurrency: int = 8,
         prefill_concurrency: int = 2,
         prefill_step_size: int = 512,
-        on_change: Optional[Callable[[], None]] = None,
     ):
         self.model_path = model_path
         self.cache = cache
@@ -150,7 +149,6 @@ class MLXEngine(Engine):
         self.decode_concurrency = decode_concurrency
         self.prefill_concurrency = prefill_concurrency
         self.prefill_step_size = prefill_step_size
-        self.on_change = on_change
         self._incoming: "queue.Queue[GenRequest]" = queue.Queue()
         self._cancels: "queue.Queue[str]" = queue.Queue()
         self._ready = threading.Event()
@@ -363,7 +361,6 @@ class MLXEngine(Engine):
                     kv, tokens = extracted[r.uid]
                     if len(tokens) == live.save_system_at:
                         self.cache.insert(list(tokens), kv, "system")
-                        self._changed()
                 live.save_system_at = 0
         if prefilled and dt > 0:
             self.prefill_tps = prefilled / dt
@@ -405,7 +402,6 @@ class MLXEngine(Engine):
         )
         # Live requests' KV counts against the byte budget.
         self.cache.trim_to(max_bytes=self.cache_bytes - self._bg.prompt_cache_nbytes)
-        self._changed()
 
     def _finish(self, live: _Live, reason: str) -> None:
         self.active -= 1
@@ -413,7 +409,3 @@ class MLXEngine(Engine):
             self.queued_prefill_tokens -= live.prompt_left
             live.prompt_left = 0
         live.req.emit(GenEvent("end", finish_reason=reason))
-
-    def _changed(self) -> None:
-        if self.on_change is not None:
-            self.on_change()

@@ -135,24 +135,10 @@ class Keys:
         """STREAM (capped): saves, evictions, clears, routing decisions."""
         return f"{self.prefix}:events"
 
-    @property
-    def stats(self) -> str:
-        """HASH of gateway counters for this model (requests, hits, fallbacks...)."""
-        return f"{self.prefix}:stats"
-
-    def inflight(self) -> str:
-        """HASH ``<gateway>|<backend>`` -> in-flight requests and prefill tokens (gateways' view)."""
-        return f"{self.prefix}:inflight"
-
 
 def models_key(namespace: str) -> str:
     """SET of served model names (cross-model, so no hash tag)."""
     return f"{namespace}:models"
-
-
-def gateways_key(namespace: str) -> str:
-    """ZSET gateway id -> unix time of its last heartbeat."""
-    return f"{namespace}:gateways"
 
 
 # Lookup: KEYS[1] = backends zset, KEYS[2..] = block keys in prompt order.
