@@ -133,8 +133,7 @@ async def _complete(request: web.Request, kind: str) -> web.StreamResponse:
                            status=503, type="server_error")
     ids, system_tokens = _tokenize(engine, pr, internal)
     ctx = engine.context_length
-    vocab = getattr(engine.tokenizer, "vocab_size", None) or 0
-    if pr.prompt_ids is not None and vocab and any(t >= len(engine.tokenizer) for t in ids):
+    if pr.prompt_ids is not None and any(t >= len(engine.tokenizer) for t in ids):
         raise RequestError("prompt contains token ids outside the vocabulary", param="prompt")
     if len(ids) >= ctx:
         raise RequestError(
