@@ -142,8 +142,10 @@ class MLXEngine(Engine):
         decode_concurrency: int = 8,
         prefill_concurrency: int = 2,
         prefill_step_size: int = 512,
+        finish_prefill_on_cancel: bool = True,
     ):
         self.model_path = model_path
+        self.finish_prefill_on_cancel = finish_prefill_on_cancel
         self.cache = cache
         self.cache_bytes = cache_bytes
         self.decode_concurrency = decode_concurrency
@@ -246,6 +248,7 @@ class MLXEngine(Engine):
         self._live: dict[int, _Live] = {}
         self._by_rid: dict[str, int] = {}
         self._pending_cancel: set[str] = set()
+        self._cancel_after_prefill: set[int] = set()
 
     def _fail_all(self, msg: str) -> None:
         for live in list(getattr(self, "_live", {}).values()):
@@ -278,6 +281,11 @@ class MLXEngine(Engine):
             except queue.Empty:
                 break
         uids = [self._by_rid[r] for r in rids if r in self._by_rid]
+        if self.finish_prefill_on_cancel:
+            # Still prefilling: finish the prompt first (saved when it ends).
+            later = {u for u in uids if self._live[u].prompt_left > 0}
+            self._cancel_after_prefill |= later
+            uids = [u for u in uids if u not in later]
         # Not admitted yet: cancel on admission.
         self._pending_cancel.update(r for r in rids if r not in self._by_rid)
         if len(self._pending_cancel) > 10_000:
@@ -286,6 +294,7 @@ class MLXEngine(Engine):
             return
         caches = self._bg.remove(uids, return_prompt_caches=True)
         for uid in uids:
+            self._cancel_after_prefill.discard(uid)
             live = self._live.pop(uid)
             self._by_rid.pop(live.req.rid, None)
             kv_tokens = caches.get(uid)
@@ -355,6 +364,9 @@ class MLXEngine(Engine):
                 self.queued_prefill_tokens -= live.prompt_left
                 prefilled += live.prompt_left
                 live.prompt_left = 0
+                if r.uid in self._cancel_after_prefill:
+                    self._cancel_after_prefill.discard(r.uid)
+                    self._cancels.put(live.req.rid)
             if r.end_of_segment and not r.end_of_prompt and live.save_system_at:
                 extracted = self._bg.extract_cache([r.uid])
                 if r.uid in extracted:
@@ -383,6 +395,7 @@ class MLXEngine(Engine):
                 text = live.detok.last_segment
             req.emit(GenEvent("token", token=r.token, text=text))
             if r.finish_reason is not None:
+                self._cancel_after_prefill.discard(r.uid)
                 del self._live[r.uid]
                 self._by_rid.pop(req.rid, None)
                 self._save(live, list(r.all_tokens), r.prompt_cache)

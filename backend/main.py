@@ -41,6 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--heartbeat-interval", type=float, default=schema.DEFAULT_HEARTBEAT_INTERVAL)
     p.add_argument("--heartbeat-ttl", type=float, default=schema.DEFAULT_HEARTBEAT_TTL)
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may run (prefill + decode) before it is cancelled with a 504 / SSE error; "
+                        "its prompt cache is still saved")
+    p.add_argument("--cancel-prefill", action="store_true",
+                   help="on client disconnect or timeout, stop a running prefill at once (default: finish the "
+                        "prefill and save it, so the client's retry reuses the whole prompt)")
     p.add_argument("--engine", choices=["mlx"], default="mlx")
     p.add_argument(
         "--internal-token",
@@ -97,9 +103,11 @@ def run(args: argparse.Namespace) -> int:
         decode_concurrency=args.decode_concurrency,
         prefill_concurrency=args.prefill_concurrency,
         prefill_step_size=args.prefill_step_size,
+        finish_prefill_on_cancel=not args.cancel_prefill,
     )
     reporter.info = engine.stats
-    cfg = BackendConfig(backend_id, name, str(model_path), internal_token=args.internal_token)
+    cfg = BackendConfig(backend_id, name, str(model_path), internal_token=args.internal_token,
+                        request_timeout=args.request_timeout)
     return asyncio.run(_serve(engine, reporter, cfg, args))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Optional
@@ -170,9 +171,9 @@ async def _complete(request: web.Request, kind: str) -> web.StreamResponse:
     finished = False
     try:
         if pr.stream:
-            resp = await _stream(request, req, renderer, builder, pr, reporter, engine)
+            resp = await _stream(request, req, renderer, builder, pr, reporter, engine, cfg.request_timeout)
         else:
-            resp = await _collect(req, renderer, builder, reporter, engine)
+            resp = await _collect(req, renderer, builder, reporter, engine, cfg.request_timeout)
         finished = True
         return resp
     finally:
@@ -182,18 +183,30 @@ async def _complete(request: web.Request, kind: str) -> web.StreamResponse:
             engine.cancel(rid)
 
 
+class GenerationTimeout(RequestError):
+    """The request ran past the backend's ``--request-timeout`` (504)."""
+
+    def __init__(self, seconds: float):
+        super().__init__(f"generation timed out after {seconds:g} s (backend --request-timeout)",
+                         status=504, type="server_error", code="timeout")
+
+
 async def _next_event(req: GenRequest, timeout: float) -> GenEvent:
+    """The request's next engine event, or GenerationTimeout once ``timeout``
+    seconds have passed since it was submitted (a server-side cancel: the
+    caller's ``finally`` cancels generation and the engine saves the cache)."""
+    left = req.submitted_at + timeout - time.monotonic()
     try:
-        return await asyncio.wait_for(req.events.get(), timeout)
+        return await asyncio.wait_for(req.events.get(), max(left, 0.0))
     except asyncio.TimeoutError:
-        raise RequestError("generation timed out", status=504, type="server_error")
+        raise GenerationTimeout(timeout) from None
 
 
-async def _collect(req, renderer, builder, reporter, engine) -> web.Response:
+async def _collect(req, renderer, builder, reporter, engine, timeout: float) -> web.Response:
     content, reasoning, calls = [], [], []
     reason = None
     while True:
-        ev = await _next_event(req, 600)
+        ev = await _next_event(req, timeout)
         if ev.kind == "token" or ev.kind == "end":
             piece = builder.feed(ev.text, ev.finish_reason if ev.kind == "end" else None)
             content.append(piece.content)
@@ -216,7 +229,7 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def _stream(request, req, renderer, builder, pr, reporter, engine) -> web.StreamResponse:
+async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout: float) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
@@ -229,7 +242,14 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine) -> web.
     reason = None
     started = False
     while True:
-        ev = await _next_event(req, 600)
+        try:
+            ev = await _next_event(req, timeout)
+        except GenerationTimeout as e:
+            if not started:
+                raise  # nothing sent yet: a plain 504
+            engine.cancel(req.rid)
+            await resp.write(_sse(e.body()))
+            break
         if ev.kind == "start":
             resp.headers["X-Mlxgw-Cached-Tokens"] = str(ev.cached)
             await resp.prepare(request)
