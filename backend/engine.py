@@ -374,6 +374,7 @@ class MLXEngine(Engine):
                     if len(tokens) == live.save_system_at:
                         self.cache.insert(list(tokens), kv, "system")
                 live.save_system_at = 0
+        self.prefill_tokens_total += prefilled
         if prefilled and dt > 0:
             self.prefill_tps = prefilled / dt
         if gen_resps and dt > 0 and not prompt_resps:

@@ -22,6 +22,7 @@ from mlxgw import schema
 from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, parse_openai
 
 from .index import OwnershipIndex
+from .load import LoadPublisher
 from .proxy import Attempt, BackendUnavailable, Proxy
 from .route import RoutingConfig, rank
 from .tokenize import ModelInfo, Tokenizers
@@ -44,6 +45,7 @@ class GatewayConfig:
     read_timeout: float = 300.0
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     models: dict[str, str] = field(default_factory=dict)  # served name -> local path
+    gateway_id: str = "gateway"
 
 
 @dataclass
@@ -148,6 +150,15 @@ async def _route(request: web.Request, kind: str, path: str) -> web.StreamRespon
     return await route_and_forward(request, st, info, body, ids, system_tokens, path, pr.stream, t0)
 
 
+def session_key(request: web.Request, body: dict) -> Optional[str]:
+    """The client's session key for affinity: header ``X-Session-Id``, else the
+    body's ``prompt_cache_key`` (OpenAI) or ``user``; None when absent."""
+    for v in (request.headers.get("X-Session-Id"), body.get("prompt_cache_key"), body.get("user")):
+        if isinstance(v, str) and v:
+            return v[:256]
+    return None
+
+
 async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: dict, ids: list[int],
                             system_tokens: int, path: str, stream: bool, t0: float) -> web.StreamResponse:
     """Look up ownership, rank backends, forward; shared by every dialect."""
@@ -161,6 +172,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         st.proxy.inflight.view(),
         blocks[0] if blocks else "",
         cfg.routing,
+        session_key(request, body),
     )
     ranked = [s for s in decision.ranked if not st.proxy.recently_failed(s.cand.backend_id)] or decision.ranked
     if not ranked:
@@ -185,12 +197,13 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
                 "X-Mlxgw-Prompt-Tokens": str(len(ids)),
                 "X-Mlxgw-Lookup": lk.status,
                 "X-Mlxgw-Candidates": explain,
+                "X-Mlxgw-Route-Reason": decision.reason,
                 "X-Mlxgw-Request-Id": rid,
             },
         )
         for s in ranked[: 1 + cfg.max_retries]
     ]
-    log.debug("route %s: %s (lookup %s, %.2f ms)", rid, explain, lk.status, route_ms)
+    log.debug("route %s: %s (reason %s, lookup %s, %.2f ms)", rid, explain, decision.reason, lk.status, route_ms)
     asyncio.ensure_future(
         st.index.record_routed(
             info.name,
@@ -203,6 +216,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
                     "matched": ranked[0].matched,
                     "prompt_tokens": len(ids),
                     "lookup": lk.status,
+                    "reason": decision.reason,
                     "candidates": [[s.cand.backend_id, s.matched, s.queued, s.active] for s in ranked],
                 },
             ),
@@ -269,7 +283,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         toks = Tokenizers()
         for name, path in cfg.models.items():
             toks.add(name, path)
-        index = OwnershipIndex(cfg.redis_url, cfg.namespace, cfg.lookup_deadline)
+        index = OwnershipIndex(cfg.redis_url, cfg.namespace, cfg.lookup_deadline, cfg.gateway_id)
         try:
             await index.refresh()
         except Exception as e:
@@ -278,7 +292,10 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout)
         await proxy.start()
         app[STATE] = GatewayState(cfg, toks, index, proxy)
+        publisher = LoadPublisher(index, proxy.inflight.view)
+        publisher.start()
         yield
+        await publisher.close()
         await proxy.close()
         await index.close()
 

@@ -10,6 +10,7 @@ snapshot). A failed lookup never writes anything.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Optional
 import redis.asyncio as aioredis
 
 from mlxgw import schema
-from mlxgw.schema import Candidate
+from mlxgw.schema import Candidate  # noqa: F401 (re-exported for callers)
 
 log = logging.getLogger("mlxgw.gateway.index")
 
@@ -41,8 +42,10 @@ class OwnershipIndex:
         deadline: seconds a lookup may take before routing falls back to load.
     """
 
-    def __init__(self, redis_url: str, namespace: str = schema.DEFAULT_NAMESPACE, deadline: float = 0.05):
+    def __init__(self, redis_url: str, namespace: str = schema.DEFAULT_NAMESPACE, deadline: float = 0.05,
+                 gateway_id: str = ""):
         self.namespace = namespace
+        self.gateway_id = gateway_id
         self.deadline = deadline
         self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self._lookup = self.redis.register_script(schema.LOOKUP_LUA)
@@ -61,7 +64,7 @@ class OwnershipIndex:
         t0 = time.perf_counter()
         try:
             rows = await asyncio.wait_for(
-                self._lookup(keys=[k.backends, *k.blocks(block_hexes)], args=[k.backend_prefix]),
+                self._lookup(keys=[k.backends, *k.blocks(block_hexes)], args=self._args(k)),
                 self.deadline,
             )
         except asyncio.TimeoutError:
@@ -77,13 +80,12 @@ class OwnershipIndex:
         self.lookups["ok"] += 1
         return Lookup("ok", cands, time.perf_counter() - t0)
 
+    def _args(self, k: schema.Keys) -> list[str]:
+        return [k.backend_prefix, k.gateways, k.gateway_load_prefix, self.gateway_id]
+
     def _fallback(self, model: str) -> list[Candidate]:
         # Last known live backends, ownership unknown (depth 0): load-only routing.
-        return [
-            Candidate(c.backend_id, c.epoch, c.url, c.active, c.queued_prefill_tokens, c.state,
-                      c.cache_bytes, c.cache_budget_bytes, 0)
-            for c in self.snapshot.get(model, [])
-        ]
+        return [dataclasses.replace(c, depth_blocks=0) for c in self.snapshot.get(model, [])]
 
     async def refresh(self) -> None:
         """Re-read every model's live backends (the registry snapshot)."""
@@ -92,7 +94,7 @@ class OwnershipIndex:
         for m in models:
             m = m.decode() if isinstance(m, bytes) else m
             k = self.keys(m)
-            rows = await self._lookup(keys=[k.backends], args=[k.backend_prefix])
+            rows = await self._lookup(keys=[k.backends], args=self._args(k))
             snap[m] = schema.parse_lookup(rows)
         self.snapshot = snap
         self.snapshot_at = time.time()

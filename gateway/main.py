@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 from pathlib import Path
 
 from aiohttp import web
@@ -12,7 +13,7 @@ from aiohttp import web
 from mlxgw import schema
 
 from .app import GatewayConfig, make_app
-from .route import RoutingConfig
+from .route import POLICIES, RoutingConfig
 
 log = logging.getLogger("mlxgw.gateway")
 
@@ -28,8 +29,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup-deadline-ms", type=float, default=50.0,
                    help="abandon the Redis lookup after this long and route on load")
     p.add_argument("--max-retries", type=int, default=2, help="other backends tried before the first byte")
-    p.add_argument("--load-weight", type=float, default=RoutingConfig.load_weight)
-    p.add_argument("--decode-weight", type=float, default=RoutingConfig.decode_weight)
+    p.add_argument("--gateway-id", default=None,
+                   help="name of this gateway in Redis (default: host:port); gateways publish in-flight load under it")
+    p.add_argument("--routing-policy", choices=POLICIES, default=RoutingConfig.policy)
+    p.add_argument("--load-weight", type=float, default=RoutingConfig.load_weight,
+                   help="cost per token of backend load (docs/routing.md)")
+    p.add_argument("--decode-weight", type=float, default=RoutingConfig.decode_weight,
+                   help="tokens of load per running decode")
+    p.add_argument("--balance-abs-tokens", type=int, default=RoutingConfig.balance_abs_tokens,
+                   help="balance guard: load above the least-loaded backend's by more than this ...")
+    p.add_argument("--balance-rel", type=float, default=RoutingConfig.balance_rel,
+                   help="... and more than this factor makes a backend overloaded")
+    p.add_argument("--affinity-slack-tokens", type=int, default=RoutingConfig.affinity_slack_tokens,
+                   help="a session's backend may cost this much more than the best and still be chosen")
     p.add_argument("--internal-token", default=os.environ.get("MLXGW_INTERNAL_TOKEN"))
     p.add_argument("--read-timeout", type=float, default=300.0, help="seconds of backend silence before failing")
 
@@ -57,7 +69,10 @@ def config_from_args(args) -> GatewayConfig:
         max_retries=args.max_retries,
         internal_token=args.internal_token,
         read_timeout=args.read_timeout,
-        routing=RoutingConfig(load_weight=args.load_weight, decode_weight=args.decode_weight),
+        routing=RoutingConfig(policy=args.routing_policy, load_weight=args.load_weight,
+                              decode_weight=args.decode_weight, balance_abs_tokens=args.balance_abs_tokens,
+                              balance_rel=args.balance_rel, affinity_slack_tokens=args.affinity_slack_tokens),
+        gateway_id=args.gateway_id or f"{socket.gethostname()}:{args.port}",
         models=models,
     )
 

@@ -1,27 +1,38 @@
 """The routing policy: a pure function from candidates to a ranked choice.
 
-Cost of sending a request to backend ``b`` (in tokens of work):
+Cost of sending a request to backend ``b``, in tokens of work:
 
-    cost(b) = prefill(b) + load_weight * queued(b) + decode_weight * active(b)
+    load(b) = queued(b) + decode_weight * active(b)
+    cost(b) = prefill(b) + load_weight * load(b)
 
 * ``prefill(b) = prompt_tokens - matched(b)``: the prompt tokens ``b`` would
   still have to compute, ``matched(b)`` being its owned prefix from Redis
   (capped at ``prompt_tokens - 1``: one token is always prefilled).
-* ``queued(b)``: prefill tokens already waiting on ``b`` (its heartbeat, or
-  the gateways' own in-flight counters when those are larger: they are
-  fresher).
-* ``active(b)``: running requests; each decode step is shared, so a running
-  request costs ``decode_weight`` tokens of prefill-equivalent delay.
+* ``queued(b)``: prefill tokens waiting on ``b``: the larger of its heartbeat
+  figure and the in-flight prefill tokens every gateway sent it in the last
+  second (this gateway's own counters, fresher, plus the others' published
+  ones; see `gateway.load`).
+* ``active(b)``: running requests, same sources.
 
-Ties (cold prompts especially) go to the backend with fewer active requests,
-then the one with the most free cache (so cold prompts spread over every
-backend's memory instead of piling onto the first; sglang issue 32983), then
-a rendezvous hash of the prompt's first block, stable across gateways.
-Weights: ``docs/routing.md``.
+Balance guard (SGLang router's ``balance_abs_threshold`` /
+``balance_rel_threshold``, counted in tokens of work rather than requests):
+a backend whose load exceeds the least-loaded backend's by more than
+``balance_abs_tokens`` and by a factor of more than ``balance_rel`` is
+*overloaded* and ranks after every backend that is not, whatever prefix it
+owns. Below those thresholds the owned prefix decides.
+
+Ties: a client session key (header ``X-Session-Id``, or the body's
+``prompt_cache_key`` / ``user``) picks its rendezvous-hash backend among the
+candidates within ``affinity_slack_tokens`` of the cheapest (never a much
+costlier one). Then fewer active requests, then the most free cache (cold
+prompts spread over every backend's memory instead of piling onto the
+first; sglang issue 32983), then a rendezvous hash of the prompt's first
+block, stable across gateways. Weights and measurements: ``docs/routing.md``.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,25 +40,31 @@ import xxhash
 
 from mlxgw.schema import Candidate
 
+POLICIES = ("cache_aware", "longest_prefix", "least_loaded", "round_robin")
+
 
 @dataclass
 class RoutingConfig:
-    """Weights of the cost function.
+    """Routing policy and weights.
 
-    load_weight: cost per queued prefill token on the backend. 1.0 means a
-        queued token delays us as much as one we must compute ourselves.
-        Default 0: longest owned prefix wins and load only breaks ties. On
-        the 300-request replay (README) any positive weight we tried moved
-        requests off their prefix owners on a saturated 2-core machine and
-        cost 13-30% of the oracle hit ratio, because diverting adds the
-        matched tokens to the total work; a load-aware default needs the
-        balance thresholds of the routing issue, measured, not guessed.
-    decode_weight: prefill-token equivalent of one running decode (default 0,
-        same reason).
+    policy: ``cache_aware`` (default: cost above with the balance guard),
+        ``longest_prefix`` (owned prefix only, no load and no guard; the
+        baseline), ``least_loaded`` (load only), ``round_robin``.
+    load_weight: cost per token of load on the backend (0: load only breaks
+        ties and trips the guard; see docs/routing.md for the measurements).
+    decode_weight: prefill-token equivalent of one running decode, in the
+        load figure.
+    balance_abs_tokens / balance_rel: the balance guard's thresholds.
+    affinity_slack_tokens: how much costlier than the best a session's own
+        backend may be and still be chosen.
     """
 
+    policy: str = "cache_aware"
     load_weight: float = 0.0
-    decode_weight: float = 0.0
+    decode_weight: float = 256.0
+    balance_abs_tokens: int = 8192
+    balance_rel: float = 2.0
+    affinity_slack_tokens: int = 256
 
 
 @dataclass
@@ -60,13 +77,16 @@ class Scored:
     queued: int
     active: int
     cost: float
+    load: float = 0.0
+    overloaded: bool = False
     free_cache: int = 0
     tiebreak: int = 0
 
     def explain(self) -> str:
+        flag = ",overloaded" if self.overloaded else ""
         return (
             f"{self.cand.backend_id}:matched={self.matched},queued={self.queued},"
-            f"active={self.active},cost={self.cost:.0f}"
+            f"active={self.active},load={self.load:.0f},cost={self.cost:.0f}{flag}"
         )
 
 
@@ -75,10 +95,18 @@ class Decision:
     """Candidates ranked best first (empty when none is live)."""
 
     ranked: list[Scored] = field(default_factory=list)
+    reason: str = ""  # "prefix", "load", "affinity", "balance", "round_robin"
 
     @property
     def best(self) -> Optional[Scored]:
         return self.ranked[0] if self.ranked else None
+
+
+_rr = itertools.count()
+
+
+def _hash(key: str, backend_id: str) -> int:
+    return xxhash.xxh3_64_intdigest(f"{key}|{backend_id}".encode())
 
 
 def rank(
@@ -88,33 +116,65 @@ def rank(
     inflight: Optional[dict[str, tuple[int, int]]] = None,
     first_block: str = "",
     cfg: Optional[RoutingConfig] = None,
+    session: Optional[str] = None,
 ) -> Decision:
-    """Rank live backends by cost for one request.
+    """Rank live backends for one request.
 
     Args:
-        candidates: from the Redis lookup (``depth_blocks`` may be 0 when the
-            lookup was skipped or failed: load-only routing).
+        candidates: from the Redis lookup (``depth_blocks`` is 0 when the
+            lookup was skipped or failed: load-only routing; ``gw_*`` carry
+            the other gateways' published in-flight work).
         prompt_tokens: request length in tokens.
         block_size: tokens per block.
-        inflight: backend id -> (requests, prefill tokens) in flight from
-            this gateway's view (all gateways' when published).
-        first_block: hex key of the prompt's first block (for the stable
-            tie-break), "" if the prompt is shorter than a block.
-        cfg: weights.
+        inflight: backend id -> (requests, fresh prefill tokens) in flight
+            from this gateway.
+        first_block: hex key of the prompt's first block (stable tie-break),
+            "" if the prompt is shorter than a block.
+        cfg: policy and weights.
+        session: the client's session key, if any (affinity tie-break).
     """
     cfg = cfg or RoutingConfig()
     inflight = inflight or {}
-    out = []
+    out: list[Scored] = []
     for c in candidates:
         if c.state not in ("ready", ""):
             continue
         matched = min(c.depth_blocks * block_size, max(prompt_tokens - 1, 0))
-        gw_req, gw_tok = inflight.get(c.backend_id, (0, 0))
-        queued = max(c.queued_prefill_tokens, gw_tok)
-        active = max(c.active, gw_req)
+        own_req, own_tok = inflight.get(c.backend_id, (0, 0))
+        queued = max(c.queued_prefill_tokens, own_tok + c.gw_prefill_tokens)
+        active = max(c.active, own_req + c.gw_requests)
+        load = queued + cfg.decode_weight * active
         prefill = prompt_tokens - matched
-        cost = prefill + cfg.load_weight * queued + cfg.decode_weight * active
-        tb = xxhash.xxh3_64_intdigest(f"{first_block}|{c.backend_id}".encode())
-        out.append(Scored(c, matched, prefill, queued, active, cost, c.free_cache_bytes, tb))
-    out.sort(key=lambda s: (s.cost, s.active, -s.free_cache, s.tiebreak))
-    return Decision(out)
+        cost = prefill + cfg.load_weight * load
+        tb = _hash(first_block, c.backend_id)
+        out.append(Scored(c, matched, prefill, queued, active, cost, load, False, c.free_cache_bytes, tb))
+    if not out:
+        return Decision([], "none")
+
+    if cfg.policy == "round_robin":
+        out.sort(key=lambda s: s.cand.backend_id)
+        i = next(_rr) % len(out)
+        return Decision(out[i:] + out[:i], "round_robin")
+    if cfg.policy == "least_loaded":
+        out.sort(key=lambda s: (s.load, s.active, -s.free_cache, s.tiebreak))
+        return Decision(out, "load")
+    if cfg.policy == "longest_prefix":
+        out.sort(key=lambda s: (-s.matched, s.tiebreak))
+        return Decision(out, "prefix" if out[0].matched else "hash")
+
+    least = min(s.load for s in out)
+    for s in out:
+        s.overloaded = s.load - least > cfg.balance_abs_tokens and s.load > cfg.balance_rel * least
+    out.sort(key=lambda s: (s.overloaded, s.cost, s.active, -s.free_cache, s.tiebreak))
+    reason = "prefix" if out[0].matched else "load"
+    if any(s.overloaded for s in out) and max(out, key=lambda s: s.matched).overloaded and not out[0].overloaded:
+        reason = "balance"
+    if session:
+        best = out[0]
+        near = [s for s in out if not s.overloaded and s.cost <= best.cost + cfg.affinity_slack_tokens]
+        pick = max(near, key=lambda s: _hash(session, s.cand.backend_id)) if near else best
+        if pick is not best:
+            out.remove(pick)
+            out.insert(0, pick)
+            reason = "affinity"
+    return Decision(out, reason)

@@ -47,8 +47,7 @@ class ServeConfig:
     redis_url: Optional[str] = None
     namespace: str = schema.DEFAULT_NAMESPACE
     block_size: int = schema.DEFAULT_BLOCK_SIZE
-    load_weight: float = 0.0
-    decode_weight: float = 0.0
+    routing: dict = field(default_factory=dict)  # RoutingConfig fields (gateway/route.py)
     models: list[ModelConfig] = field(default_factory=lambda: [ModelConfig()])
     remote_backends: list[RemoteBackend] = field(default_factory=list)
 
@@ -87,10 +86,15 @@ def load(path: str) -> ServeConfig:
         if k not in ("url", "namespace"):
             raise ValueError(f"{path} [redis]: unknown key {k!r}")
         setattr(cfg, "redis_url" if k == "url" else k, v)
+    from gateway.route import POLICIES, RoutingConfig
+
+    known = {f.name: f.type for f in fields(RoutingConfig)}
     for k, v in routing.items():
-        if k not in ("load_weight", "decode_weight"):
-            raise ValueError(f"{path} [routing]: unknown key {k!r}")
-        setattr(cfg, k, float(v))
+        if k not in known:
+            raise ValueError(f"{path} [routing]: unknown key {k!r} (known: {', '.join(sorted(known))})")
+        if k == "policy" and v not in POLICIES:
+            raise ValueError(f"{path} [routing]: policy must be one of {', '.join(POLICIES)}")
+        cfg.routing[k] = v
     return cfg
 
 

@@ -164,8 +164,9 @@ def run(args: argparse.Namespace) -> int:
                         "--min-hit-tokens", str(m.min_hit_tokens)]
             children.append(Child(f"{m.name}-{i}", cmd, env, f"http://127.0.0.1:{port}/health"))
     gw_cmd = py + ["gateway", "--host", cfg.host, "--port", str(cfg.port), "--namespace", cfg.namespace,
-                   "--block-size", str(cfg.block_size), "--load-weight", str(cfg.load_weight),
-                   "--decode-weight", str(cfg.decode_weight)]
+                   "--block-size", str(cfg.block_size)]
+    for k, v in cfg.routing.items():
+        gw_cmd += [("--routing-policy" if k == "policy" else "--" + k.replace("_", "-")), str(v)]
     for m in cfg.models:
         gw_cmd += ["--model", f"{m.name}={m.path}"]
     gateway = Child("gateway", gw_cmd, env, f"http://127.0.0.1:{cfg.port}/health")

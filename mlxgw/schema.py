@@ -135,6 +135,19 @@ class Keys:
         """STREAM (capped): saves, evictions, clears, routing decisions."""
         return f"{self.prefix}:events"
 
+    @property
+    def gateways(self) -> str:
+        """ZSET gateway id -> unix time (s) of its last in-flight publish."""
+        return f"{self.prefix}:gateways"
+
+    def gateway_load(self, gateway_id: str) -> str:
+        """HASH backend id -> "requests:prefill_tokens" in flight from one gateway (expires in 3 s)."""
+        return f"{self.prefix}:gwload:{gateway_id}"
+
+    @property
+    def gateway_load_prefix(self) -> str:
+        return f"{self.prefix}:gwload:"
+
 
 def models_key(namespace: str) -> str:
     """SET of served model names (cross-model, so no hash tag)."""
@@ -142,9 +155,12 @@ def models_key(namespace: str) -> str:
 
 
 # Lookup: KEYS[1] = backends zset, KEYS[2..] = block keys in prompt order.
-# ARGV[1] = backend hash key prefix.
+# ARGV[1] = backend hash key prefix; ARGV[2] = gateways zset ('' to skip the
+# other gateways' in-flight load); ARGV[3] = gateway-load hash prefix;
+# ARGV[4] = the calling gateway's id (its own load it knows fresher).
 # Returns one row per live backend: {id, epoch, url, active, queued_prefill,
-# state, cache_bytes, cache_budget_bytes, depth_in_blocks}. A backend is live while its registry hash exists
+# state, cache_bytes, cache_budget_bytes, depth_in_blocks, gw_requests,
+# gw_prefill_tokens} (the last two summed over the other live gateways). A backend is live while its registry hash exists
 # (the heartbeat TTL); ownership counts only when the stored epoch equals the
 # live epoch, so a restarted backend's old claims never route a request.
 # The walk stops at the first block nobody live owns: with chained hashes,
@@ -157,8 +173,23 @@ for _, id in ipairs(ids) do
   local h = redis.call('HMGET', ARGV[1] .. id, 'epoch', 'url', 'active', 'queued_prefill_tokens', 'state',
                       'cache_bytes', 'cache_budget_bytes')
   if h[1] then
-    table.insert(rows, {id, h[1], h[2] or '', h[3] or '0', h[4] or '0', h[5] or '', h[6] or '0', h[7] or '0', 0})
+    table.insert(rows, {id, h[1], h[2] or '', h[3] or '0', h[4] or '0', h[5] or '', h[6] or '0', h[7] or '0', 0, 0, 0})
     table.insert(cids, id)
+  end
+end
+if ARGV[2] and ARGV[2] ~= '' and #cids > 0 then
+  local gws = redis.call('ZRANGE', ARGV[2], 0, -1)
+  for _, g in ipairs(gws) do
+    if g ~= ARGV[4] then
+      local loads = redis.call('HMGET', ARGV[3] .. g, unpack(cids))
+      for j, row in ipairs(rows) do
+        if loads[j] then
+          local r, t = string.match(loads[j], '(%d+):(%d+)')
+          row[10] = row[10] + tonumber(r or 0)
+          row[11] = row[11] + tonumber(t or 0)
+        end
+      end
+    end
   end
 end
 if #cids > 0 then
@@ -209,6 +240,8 @@ class Candidate:
     cache_bytes: int = 0
     cache_budget_bytes: int = 0
     depth_blocks: int = 0
+    gw_requests: int = 0  # in flight to it from the other gateways (published)
+    gw_prefill_tokens: int = 0
 
     @property
     def free_cache_bytes(self) -> int:
@@ -234,6 +267,8 @@ def parse_lookup(rows: list) -> list[Candidate]:
                 cache_bytes=int(float(s(r[6]) or 0)),
                 cache_budget_bytes=int(float(s(r[7]) or 0)),
                 depth_blocks=int(r[8]),
+                gw_requests=int(r[9]) if len(r) > 9 else 0,
+                gw_prefill_tokens=int(r[10]) if len(r) > 10 else 0,
             )
         )
     return out

@@ -193,3 +193,11 @@ def test_server_timeout_saves(backend, tok, stream):
     else:  # the client retries the same request
         st, out = chat(backend, msgs, max_tokens=2)
         assert st == 200 and cached(out) == len(p1) - 1
+
+
+def test_prefill_accounting(backend):
+    """Every request above ran its whole prefill: computed = prompt - reused, exactly."""
+    wait_idle(backend)
+    h = get_json(backend.url + "/health")
+    assert h["requests"] >= 10
+    assert h["prefill_tokens"] == h["prompt_tokens"] - h["cached_tokens"] > 0
