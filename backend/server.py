@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -299,6 +300,7 @@ async def handle_health(request: web.Request) -> web.Response:
         "status": "ok" if ok else ("failed" if engine.failed else reporter.state),
         "backend": request.app[CONFIG].backend_id,
         "epoch": reporter.epoch,
+        "pid": os.getpid(),
         "redis": reporter.redis_ok,
         **engine.stats(),
     }

@@ -143,6 +143,33 @@ def table(res: dict) -> str:
     return "\n".join(rows)
 
 
+def share_ratio(res: dict) -> float:
+    """max/mean requests per backend (1.0 = perfectly even)."""
+    share = list(res["per_backend"].values())
+    return max(share) / (sum(share) / len(share)) if share else 0.0
+
+
+def compare(args) -> int:
+    """Replay once per routing policy (fresh stack each) and print them side by side."""
+    base = args.gateway_args
+    runs = {}
+    for pol in [x.strip() for x in args.policies.split(",") if x.strip()]:
+        args.gateway_args = f"{base} --routing-policy {pol}".strip()
+        runs[pol] = asyncio.run(replay(args))
+    cmd = "python bench/replay.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    lines = [f"`{cmd}`", "", "| policy | errors | hit ratio | oracle | hit/oracle | max/mean share | per backend | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for pol, r in runs.items():
+        lines.append(
+            f"| {pol} | {r['errors']} | {r['backend_hit_ratio']:.3f} | {r['oracle_hit_ratio']:.3f} | "
+            f"{r['backend_hit_ratio'] / max(1e-9, r['oracle_hit_ratio']):.3f} | {share_ratio(r):.2f} | "
+            f"{', '.join(f'{k}: {v}' for k, v in r['per_backend'].items())} | {r['wall_seconds']:.1f} |")
+    print("\n".join(lines))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": cmd, "runs": runs}, indent=2) + "\n")
+    return 0 if all(r["errors"] == 0 for r in runs.values()) else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
@@ -156,8 +183,12 @@ def main(argv=None) -> int:
     p.add_argument("--cache-entries", type=int, default=1000)
     p.add_argument("--model", help="model dir (default: the tiny demo model)")
     p.add_argument("--gateway-args", default="", help="extra flags for mlxgw gateway, one string")
+    p.add_argument("--policies", default="",
+                   help="comma-separated routing policies to replay side by side (e.g. longest_prefix,cache_aware)")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args(argv)
+    if args.policies:
+        return compare(args)
     res = asyncio.run(replay(args))
     print(table(res))
     if res["error_samples"]:

@@ -22,6 +22,7 @@ from mlxgw import schema
 from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, parse_openai
 
 from .index import OwnershipIndex
+from .janitor import Janitor
 from .load import LoadPublisher
 from .proxy import Attempt, BackendUnavailable, Proxy
 from .route import RoutingConfig, rank
@@ -46,6 +47,7 @@ class GatewayConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     models: dict[str, str] = field(default_factory=dict)  # served name -> local path
     gateway_id: str = "gateway"
+    janitor_grace: float = 300.0  # seconds without heartbeat before a backend's leftovers are removed
 
 
 @dataclass
@@ -227,6 +229,8 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         return await st.proxy.forward(request, attempts, path, payload, "application/x-msgpack", stream)
     except BackendUnavailable as e:
         outcome = "unavailable"
+        if e.timed_out:
+            raise RequestError(f"backend timed out: {e}", status=504, type="server_error", code="backend_timeout")
         raise RequestError(f"no backend could take the request: {e}", status=503, type="server_error", code="backend_unavailable")
     except asyncio.CancelledError:
         outcome = "client_disconnected"
@@ -266,6 +270,7 @@ async def handle_health(request: web.Request) -> web.Response:
         "backends": live,
         "lookups": st.index.lookups,
         "retries": st.proxy.retries,
+        "circuit_open": sorted(st.proxy.open),
         **st.counters,
     }
     return web.json_response(body, status=200 if ok else 503)
@@ -294,7 +299,10 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         app[STATE] = GatewayState(cfg, toks, index, proxy)
         publisher = LoadPublisher(index, proxy.inflight.view)
         publisher.start()
+        janitor = Janitor(index, grace=cfg.janitor_grace, interval=min(10.0, max(1.0, cfg.janitor_grace / 2)))
+        janitor.start()
         yield
+        await janitor.close()
         await publisher.close()
         await proxy.close()
         await index.close()

@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-retries", type=int, default=2, help="other backends tried before the first byte")
     p.add_argument("--gateway-id", default=None,
                    help="name of this gateway in Redis (default: host:port); gateways publish in-flight load under it")
+    p.add_argument("--janitor-grace", type=float, default=300.0,
+                   help="seconds without a heartbeat before a dead backend's claims are deleted from Redis")
     p.add_argument("--routing-policy", choices=POLICIES, default=RoutingConfig.policy)
     p.add_argument("--load-weight", type=float, default=RoutingConfig.load_weight,
                    help="cost per token of backend load (docs/routing.md)")
@@ -73,6 +75,7 @@ def config_from_args(args) -> GatewayConfig:
                               decode_weight=args.decode_weight, balance_abs_tokens=args.balance_abs_tokens,
                               balance_rel=args.balance_rel, affinity_slack_tokens=args.affinity_slack_tokens),
         gateway_id=args.gateway_id or f"{socket.gethostname()}:{args.port}",
+        janitor_grace=args.janitor_grace,
         models=models,
     )
 

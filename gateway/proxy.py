@@ -71,7 +71,15 @@ class Attempt:
 
 
 class BackendUnavailable(Exception):
-    """Every candidate failed before the first byte."""
+    """Every candidate failed before the first byte.
+
+    ``timed_out`` is True when the last failure was a read timeout (a hung
+    backend) rather than a refused or reset connection.
+    """
+
+    def __init__(self, msg: str, timed_out: bool = False):
+        super().__init__(msg)
+        self.timed_out = timed_out
 
 
 class Proxy:
@@ -92,21 +100,51 @@ class Proxy:
         self.session: Optional[aiohttp.ClientSession] = None
         self.inflight = InFlight()
         self.retries = 0
-        self.failures: dict[str, float] = {}  # backend -> time of last connect failure
+        self.failures: dict[str, float] = {}  # backend -> time of last failure
+        # Circuit breaker: a backend that failed (refused, reset, hung) is
+        # skipped until its /health answers again (probed every second).
+        self.open: dict[str, str] = {}  # backend id -> url, while its circuit is open
+        self._prober: Optional[asyncio.Task] = None
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
             auto_decompress=False,
         )
+        self._prober = asyncio.create_task(self._probe_loop(), name="circuit-prober")
 
     async def close(self) -> None:
+        if self._prober:
+            self._prober.cancel()
+            try:
+                await self._prober
+            except (asyncio.CancelledError, Exception):
+                pass
         if self.session:
             await self.session.close()
 
-    def recently_failed(self, backend_id: str, window: float = 2.0) -> bool:
-        t = self.failures.get(backend_id)
-        return t is not None and time.monotonic() - t < window
+    def recently_failed(self, backend_id: str) -> bool:
+        """True while the backend's circuit is open (failed, not yet healthy again)."""
+        return backend_id in self.open
+
+    def _trip(self, backend_id: str, url: str) -> None:
+        self.failures[backend_id] = time.monotonic()
+        if backend_id not in self.open:
+            log.warning("circuit open for backend %s", backend_id)
+        self.open[backend_id] = url
+
+    async def _probe_loop(self, interval: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            for bid, url in list(self.open.items()):
+                try:
+                    async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                        ok = r.status == 200
+                except Exception:
+                    ok = False
+                if ok:
+                    self.open.pop(bid, None)
+                    log.info("circuit closed for backend %s (healthy again)", bid)
 
     async def forward(
         self,
@@ -153,7 +191,7 @@ class Proxy:
                             await out.write(chunk)
                     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                         log.warning("backend %s failed mid-answer: %s", a.backend_id, e)
-                        self.failures[a.backend_id] = time.monotonic()
+                        self._trip(a.backend_id, a.url)
                         if is_sse:
                             err = {"error": {"message": f"backend failed mid-stream: {type(e).__name__}", "type": "server_error", "param": None, "code": "backend_failed"}}
                             await out.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
@@ -161,10 +199,12 @@ class Proxy:
                     return out
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 # Nothing reached the client yet: try the next backend.
-                last_err = f"{a.backend_id}: {type(e).__name__}: {e}"
-                self.failures[a.backend_id] = time.monotonic()
-                log.warning("backend %s unavailable before first byte: %s", a.backend_id, e)
+                timed_out = isinstance(e, asyncio.TimeoutError)
+                what = f"no answer within {self.read_timeout:g} s" if timed_out else f"{type(e).__name__}: {e}"
+                last_err = f"{a.backend_id}: {what}"
+                self._trip(a.backend_id, a.url)
+                log.warning("backend %s unavailable before first byte: %s", a.backend_id, what)
                 continue
             finally:
                 self.inflight.end(a.backend_id, handle)
-        raise BackendUnavailable(last_err or "no backend")
+        raise BackendUnavailable(last_err or "no backend", timed_out)

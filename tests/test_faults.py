@@ -87,3 +87,124 @@ def test_redis_outage_and_flush_recovery(demo_model):
     finally:
         s.stop()
         r.cleanup()
+
+
+def _busy(b) -> bool:
+    return (get_json(b.url + "/health") or {}).get("active", 0) > 0
+
+
+def test_backend_killed_before_first_byte_is_retried(make_stack):
+    import threading
+
+    s = make_stack()
+    b0, b1 = s.add_backend("b0"), s.add_backend("b1")
+    s.add_gateway()
+    s.wait()
+    out = {}
+
+    def call():  # non-streaming: nothing reaches the client before the answer is complete
+        out["r"] = _ask(s.gateway.url, words(3500, seed=52), max_tokens=4)
+
+    t = threading.Thread(target=call)
+    t.start()
+    deadline = time.time() + 20
+    victim = None
+    while victim is None and time.time() < deadline:  # the chosen backend is prefilling
+        victim = next((b for b in (b0, b1) if _busy(b)), None)
+        time.sleep(0.02)
+    assert victim is not None
+    victim.kill()
+    t.join(60)
+    status, h, body = out["r"]
+    assert status == 200, body
+    assert h["X-Mlxgw-Backend"] != victim.name
+    assert json.loads(body)["usage"]["completion_tokens"] == 4
+    assert get_json(s.gateway.url + "/health")["retries"] >= 1
+
+
+def test_hung_backend_times_out_then_circuit_breaker(make_stack):
+    s = make_stack()
+    # Long heartbeat TTL: the stopped backend stays in the registry, so only
+    # the gateway's own circuit breaker can keep requests away from it.
+    b0 = s.add_backend("b0", None, "--heartbeat-ttl", "60")
+    b1 = s.add_backend("b1", None, "--heartbeat-ttl", "60")
+    s.add_gateway("--read-timeout", "2")
+    s.wait()
+    text = words(300, seed=53)
+    owner_name = _ask(s.gateway.url, text)[1]["X-Mlxgw-Backend"]
+    owner, other = (b0, b1) if owner_name == "b0" else (b1, b0)
+    owner.signal(signal.SIGSTOP)
+    try:
+        t0 = time.time()
+        status, h, body = _ask(s.gateway.url, text + " more")  # its prefix lives on the hung backend
+        took = time.time() - t0
+        assert status == 200 and h["X-Mlxgw-Backend"] == other.name, body
+        assert 1.9 < took < 8
+        assert get_json(s.gateway.url + "/health")["circuit_open"] == [owner.name]
+        t0 = time.time()
+        status, h, _ = _ask(s.gateway.url, text + " again")  # skipped at once while the circuit is open
+        assert status == 200 and h["X-Mlxgw-Backend"] == other.name and time.time() - t0 < 1.9
+        other.signal(signal.SIGSTOP)  # every backend hung: a clear 504 within the configured time
+        t0 = time.time()
+        status, h, body = _ask(s.gateway.url, words(50, seed=54))
+        assert status == 504 and json.loads(body)["error"]["code"] == "backend_timeout"
+        assert time.time() - t0 < 2 * 2 + 3
+    finally:
+        owner.signal(signal.SIGCONT)
+        other.signal(signal.SIGCONT)
+    deadline = time.time() + 10
+    while get_json(s.gateway.url + "/health")["circuit_open"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert get_json(s.gateway.url + "/health")["circuit_open"] == []
+    assert _ask(s.gateway.url, text + " more")[1]["X-Mlxgw-Backend"] == owner.name
+
+
+def test_client_disconnect_cancels_upstream_and_saves(make_stack):
+    import socket
+
+    s = make_stack()
+    b0 = s.add_backend("b0")
+    s.add_gateway()
+    s.wait()
+    msgs = [{"role": "user", "content": words(100, seed=55)}]
+    data = json.dumps({"messages": msgs, "max_tokens": 4000, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", s.gateway.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        buf = b""
+        while buf.count(b"data:") < 3:
+            buf += sock.recv(4096)
+    t0 = time.time()
+    while _busy(b0) and time.time() - t0 < 5:
+        time.sleep(0.02)
+    assert not _busy(b0) and time.time() - t0 < 2  # cancelled promptly, not run to 4000 tokens
+    h = get_json(b0.url + "/health")
+    assert 3 <= h["generated_tokens"] < 1000
+    entries = get_json(b0.url + "/internal/cache")["entries"]
+    assert len(entries) == 1 and entries[0]["tokens"] > h["prompt_tokens"]  # prompt + what was generated
+    status, hh, body = _ask(s.gateway.url, msgs[0]["content"])  # the retry reuses the saved prompt
+    assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == h["prompt_tokens"] - 1
+
+
+def test_janitor_removes_a_dead_backends_claims(make_stack, redis_server):
+    from mlxgw import schema
+
+    s = make_stack()
+    b0 = s.add_backend("b0")
+    b1 = s.add_backend("b1")
+    s.add_gateway("--janitor-grace", "2")
+    s.wait()
+    r = redis_server.client()
+    k = schema.Keys(s.namespace, s.model_name)
+    for i in range(2):
+        _ask(b0.url, words(200, seed=56 + i))
+    epoch = get_json(b0.url + "/internal/cache")["epoch"]
+    assert r.scard(k.owned("b0", epoch)) > 10
+    b0.kill()  # dies and never comes back
+    deadline = time.time() + 15
+    while r.zscore(k.backends, "b0") is not None and time.time() < deadline:
+        time.sleep(0.2)
+    assert r.zscore(k.backends, "b0") is None and r.zscore(k.backends, "b1") is not None
+    assert not r.exists(k.owned("b0", epoch))
+    leftovers = [key for key in r.scan_iter(match=k.prefix + ":blk:*") if r.hget(key, "b0") is not None]
+    assert leftovers == []

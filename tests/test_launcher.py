@@ -42,6 +42,24 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
         assert r.usage.completion_tokens == 3
         # Backends demand the launcher's internal token: nobody skips the gateway.
         assert get_json(f"http://127.0.0.1:{bport}/v1/models")["error"]["type"] == "authentication_error"
+        # A crashed backend is restarted by the launcher and registers a new epoch.
+        before = get_json(f"http://127.0.0.1:{bport}/health")
+        os.kill(before["pid"], signal.SIGKILL)
+        deadline = time.time() + 60
+        after = None
+        while time.time() < deadline:
+            after = get_json(f"http://127.0.0.1:{bport}/health")
+            if after and after.get("status") == "ok" and after["pid"] != before["pid"]:
+                break
+            time.sleep(0.3)
+        assert after["pid"] != before["pid"] and after["epoch"] == before["epoch"] + 1
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            if sorted(get_json(f"http://127.0.0.1:{port}/health")["backends"]["demo-tiny"]) == ["demo-tiny-0", "demo-tiny-1"]:
+                break
+            time.sleep(0.2)
+        r = client.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert r.usage.completion_tokens == 3
         deadline = time.time() + 10
         while "mlxgw is ready" not in (tmp_path / "serve.log").read_text() and time.time() < deadline:
             time.sleep(0.1)

@@ -1,0 +1,134 @@
+"""The routing policy (gateway/route.py, docs/routing.md): pure-function cases,
+then several gateways sharing one Redis, and session affinity when Redis is gone."""
+
+import json
+import threading
+import time
+
+from gateway.route import RoutingConfig, rank
+from mlxgw.harness import RedisServer, Stack
+from mlxgw.httpget import get_json, post
+from mlxgw.schema import Candidate
+from texts import words
+
+
+def cand(bid, depth=0, queued=0, active=0, gw_req=0, gw_tok=0, used=0):
+    return Candidate(bid, 1, f"http://{bid}", active, queued, "ready", used, 10**9, depth, gw_req, gw_tok)
+
+
+def test_longest_prefix_wins_below_the_balance_thresholds():
+    d = rank([cand("a", depth=10, queued=3000), cand("b", depth=0)], 1000, 64)
+    assert [s.cand.backend_id for s in d.ranked] == ["a", "b"] and d.reason == "prefix"
+    assert d.best.matched == 640 and d.best.prefill == 360
+
+
+def test_balance_guard_moves_work_off_an_overloaded_owner():
+    cfg = RoutingConfig()  # abs 8192 tokens, rel 2.0, 256 tokens per running decode
+    busy = cand("a", depth=10, queued=9000)  # 9000 tokens of queued work vs 0: over both thresholds
+    d = rank([busy, cand("b")], 1000, 64, cfg=cfg)
+    assert d.best.cand.backend_id == "b" and d.reason == "balance" and d.ranked[1].overloaded
+    # Relative threshold: both busy, neither twice the other, so the prefix still wins.
+    d = rank([cand("a", depth=10, queued=12000), cand("b", queued=8000)], 1000, 64, cfg=cfg)
+    assert d.best.cand.backend_id == "a" and not any(s.overloaded for s in d.ranked)
+    # Running decodes count too: 40 x 256 = 10240 tokens of load.
+    d = rank([cand("a", depth=10, active=40), cand("b")], 1000, 64, cfg=cfg)
+    assert d.best.cand.backend_id == "b"
+
+
+def test_other_gateways_load_counts():
+    # Another gateway has 9000 prefill tokens in flight to "a" that the heartbeat does not show yet.
+    d = rank([cand("a", depth=10, gw_req=3, gw_tok=9000), cand("b")], 1000, 64)
+    assert d.best.cand.backend_id == "b" and d.ranked[1].queued == 9000 and d.ranked[1].active == 3
+    # This gateway's own fresh counters add to the published ones.
+    d = rank([cand("a", gw_req=1, gw_tok=100), cand("b")], 1000, 64, inflight={"a": (2, 50)})
+    assert {s.cand.backend_id: (s.active, s.queued) for s in d.ranked}["a"] == (3, 150)
+
+
+def test_cold_prompts_spread_and_session_affinity_is_only_a_tie_break():
+    cands = [cand("a", used=500), cand("b", used=100), cand("c", used=300)]
+    assert rank(cands, 500, 64).best.cand.backend_id == "b"  # most free cache first
+    picks = {rank(cands, 500, 64, session=f"s{i}").best.cand.backend_id for i in range(30)}
+    assert picks == {"a", "b", "c"}  # sessions spread over every backend
+    one = [rank(cands, 500, 64, session="s7").best.cand.backend_id for _ in range(5)]
+    assert len(set(one)) == 1  # and stick
+    # A backend that owns 400 of 500 tokens is much cheaper: affinity never overrides it.
+    owner = [cand("a"), cand("b"), cand("c", depth=25)]
+    for i in range(30):
+        assert rank(owner, 500, 16, session=f"s{i}").best.cand.backend_id == "c"
+
+
+def test_baseline_policies():
+    cands = [cand("a", depth=10, queued=50000), cand("b", queued=10), cand("c", queued=0, active=1)]
+    assert rank(cands, 1000, 64, cfg=RoutingConfig(policy="longest_prefix")).best.cand.backend_id == "a"
+    assert rank(cands, 1000, 64, cfg=RoutingConfig(policy="least_loaded")).best.cand.backend_id == "b"
+    rr = [rank(cands, 1000, 64, cfg=RoutingConfig(policy="round_robin")).best.cand.backend_id for _ in range(3)]
+    assert sorted(rr) == ["a", "b", "c"]
+
+
+def _ask(url, text, max_tokens=3, **kw):
+    status, h, body = post(url + "/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, **kw})
+    assert status == 200, body
+    return h
+
+
+def test_two_gateways_share_load_and_decisions(make_stack, redis_server):
+    s = make_stack()
+    # Heartbeats every 30 s: the backends' own load figures stay stale, so
+    # what a gateway knows of the other's traffic comes from the published load.
+    for b in ("b0", "b1"):
+        s.add_backend(b, None, "--heartbeat-interval", "30", "--heartbeat-ttl", "90")
+    g0, g1 = s.add_gateway(), s.add_gateway()
+    s.wait()
+    text = words(200, seed=61)
+    first = _ask(g0.url, text)["X-Mlxgw-Backend"]
+    # Same Redis state, same decision on every gateway (prefix owner; cold prompt by stable hash).
+    assert _ask(g1.url, text + " x")["X-Mlxgw-Backend"] == first
+    cold = words(30, seed=62)
+    assert _ask(g0.url, cold)["X-Mlxgw-Backend"] == _ask(g1.url, cold + " y")["X-Mlxgw-Backend"]
+    # A long request in flight through g0 ...
+    done = {}
+    t = threading.Thread(target=lambda: done.setdefault("h", _ask(g0.url, words(3500, seed=63), max_tokens=2)))
+    t.start()
+    deadline = time.time() + 5
+    h = None
+    while time.time() < deadline:
+        h = _ask(g1.url, words(20, seed=int(time.time() * 1000) % 100000))
+        if "active=1" in h["X-Mlxgw-Candidates"]:
+            break
+    t.join(60)
+    busy = done["h"]["X-Mlxgw-Backend"]
+    # ... is visible to g1: published in Redis by g0 (the backends' own heartbeats are stale).
+    seen = dict(c.split(":", 1) for c in h["X-Mlxgw-Candidates"].split())
+    assert "active=1" in seen[busy] and "active=0" in seen[{"b0": "b1", "b1": "b0"}[busy]]
+    r = redis_server.client()
+    from mlxgw import schema
+
+    assert len(r.zrange(schema.Keys(s.namespace, s.model_name).gateways, 0, -1)) == 2
+
+
+def test_session_affinity_keeps_routing_without_redis(demo_model):
+    r = RedisServer().start()
+    s = Stack(r.url, demo_model)
+    try:
+        for b in ("b0", "b1", "b2"):
+            s.add_backend(b)
+        s.add_gateway()
+        s.wait()
+        r.stop()  # no ownership lookups from here on: load + affinity only
+        seen = {}
+        for sess in ("alice", "bob", "carol", "dave"):
+            picks = set()
+            for turn in range(3):
+                h = _ask(s.gateway.url, words(40, seed=70 + turn), user=sess)
+                assert h["X-Mlxgw-Lookup"] == "error"
+                picks.add(h["X-Mlxgw-Backend"])
+            assert len(picks) == 1, (sess, picks)
+            seen[sess] = picks.pop()
+        assert len(set(seen.values())) >= 2  # different sessions spread
+        h = _ask(s.gateway.url, words(40, seed=99), prompt_cache_key="alice")
+        assert h["X-Mlxgw-Backend"] == seen["alice"]  # prompt_cache_key is the same session key as user
+        assert get_json(s.gateway.url + "/health")["degraded"] is True
+    finally:
+        s.stop()
+        r.cleanup()
