@@ -34,6 +34,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -90,12 +91,24 @@ def wait_idle_ours(url: str) -> None:
         time.sleep(0.05)
 
 
-def run_script(url: str, port: int, tok, args, system: str, ours: bool, model_field: str) -> dict:
-    """Send the whole workload; return the prompts sent (token ids) and usage seen."""
+def prefill_so_far(url: str, ours: bool, log_path: Optional[Path]) -> int:
+    """Prefill tokens the server computed up to now (ours: its counter; mlx_lm.server: its log)."""
+    if ours:
+        wait_idle_ours(url)
+        return httpget.get_json(url + "/health")["prefill_tokens"]
+    time.sleep(0.2)  # let the server finish logging the request
+    return sum(int(b) for a, b in PROGRESS.findall(log_path.read_text(errors="replace")) if a == b)
+
+
+def run_script(url: str, port: int, tok, args, system: str, ours: bool, model_field: str,
+               log_path: Optional[Path] = None) -> dict:
+    """Send the whole workload; return the prompts sent (token ids), usage seen and
+    the prefill tokens each request cost."""
     from mlxgw.prompt import render_chat
 
     hist = [[{"role": "system", "content": system}] for _ in range(args.sessions)]
-    prompts, usage = [], []
+    prompts, usage, per_request = [], [], []
+    done = 0
     for t in range(args.turns):
         for s in range(args.sessions):
             h = hist[s]
@@ -110,10 +123,16 @@ def run_script(url: str, port: int, tok, args, system: str, ours: bool, model_fi
             if kind == "disconnect":
                 disconnect_after_first_token(port, {**body, "max_tokens": 1000})
                 time.sleep(0.3)
-                if ours:
-                    wait_idle_ours(url)
+                now = prefill_so_far(url, ours, log_path)
+                per_request.append({"session": s, "turn": t, "kind": kind, "prompt": len(prompts[-1]),
+                                    "prefill": now - done})
+                done = now
                 continue
             out = post_chat(url, body)
+            now = prefill_so_far(url, ours, log_path)
+            per_request.append({"session": s, "turn": t, "kind": kind, "prompt": len(prompts[-1]),
+                                "prefill": now - done})
+            done = now
             usage.append(out["usage"])
             reply = out["choices"][0]["message"].get("content") or ""
             if kind == "tool":
@@ -123,7 +142,7 @@ def run_script(url: str, port: int, tok, args, system: str, ours: bool, model_fi
                 h.append({"role": "tool", "tool_call_id": f"call_{s}_{t}", "content": words(150, seed=77 * s + t)})
             else:
                 h.append({"role": "assistant", "content": reply})
-    return {"prompts": prompts, "usage": usage}
+    return {"prompts": prompts, "usage": usage, "per_request": per_request}
 
 
 def floor_tokens(prompts: list[list[int]]) -> int:
@@ -169,7 +188,7 @@ def run_mlx_lm(model: str, budget: int, entries: int, tok, args, system: str, ta
     p = Proc("mlx_lm", cmd, port, log_path).start(_env())
     try:
         p.wait_healthy()
-        res = run_script(p.url, port, tok, args, system, ours=False, model_field=model)
+        res = run_script(p.url, port, tok, args, system, ours=False, model_field=model, log_path=log_path)
         time.sleep(1.0)
     finally:
         p.stop()
@@ -220,6 +239,8 @@ def main() -> int:
             "mlx_lm_server_vs_floor": round(mlx["prefill"] / floor, 4),
             "mlx_lm_requests_logged": mlx["requests_logged"], "same_prompt_lengths": same_prompts,
         }
+        row["per_request"] = [{**a, "mlx_lm_prefill": b["prefill"]} for a, b in
+                              zip(ours["per_request"], mlx["per_request"])]
         rows.append(row)
         print(f"budget {b:>6}: prompt {row['prompt_tokens']:>7}  floor {floor:>6}  ours {row['ours']:>7} "
               f"({row['ours_vs_floor']:.3f}x floor)  mlx_lm.server {row['mlx_lm_server']:>7} "
