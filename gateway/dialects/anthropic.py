@@ -137,9 +137,12 @@ def convert_tools(tools) -> Optional[list[dict]]:
             continue  # server tools (web_search, bash, ...) are the client's or Anthropic's business
         if not isinstance(t.get("name"), str):
             raise RequestError("every tool needs a 'name'", param="tools")
-        fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
+        # OpenAI's key order (name, description, parameters): templates dump tools with
+        # tojson unsorted, and the same tools must give the same tokens in every dialect.
+        fn = {"name": t["name"]}
         if t.get("description"):
             fn["description"] = t["description"]
+        fn["parameters"] = t.get("input_schema") or {"type": "object", "properties": {}}
         out.append({"type": "function", "function": fn})
     return out or None
 

@@ -91,9 +91,10 @@ def convert_tools(tools) -> Optional[list[dict]]:
     for t in tools:
         if t.get("type") != "function":
             continue
-        fn = {"name": t.get("name"), "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
+        fn = {"name": t.get("name")}  # OpenAI's key order: same tools, same tokens in every dialect
         if t.get("description"):
             fn["description"] = t["description"]
+        fn["parameters"] = t.get("parameters") or {"type": "object", "properties": {}}
         out.append({"type": "function", "function": fn})
     return out or None
 
