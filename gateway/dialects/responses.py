@@ -9,7 +9,7 @@ Shapes follow OpenAI's API reference ("Responses", "Streaming events"):
   message) or items: messages (``input_text`` / ``output_text`` parts),
   ``function_call`` (merged into the preceding assistant message, as chat
   clients send it), ``function_call_output`` -> ``tool`` message,
-  ``reasoning`` dropped;
+  ``reasoning`` dropped; ``developer`` messages become ``system`` ones;
 * ``tools``: ``function`` tools kept, built-in tool types ignored;
 * ``previous_response_id`` / ``item_reference``: 400, the gateway keeps no
   state (send the whole conversation, as Codex does with ``store: false``);
@@ -60,7 +60,9 @@ def convert_input(instructions, items) -> list[dict]:
                     if isinstance(part, dict) and part.get("type") not in ("input_text", "output_text", "text", "refusal"):
                         raise RequestError(f"content part type '{part.get('type')}' is not supported (text models)",
                                            param=f"{p}.content")
-            out.append({"role": role, "content": text_of(content)})
+            # Codex sends its instructions as developer messages; chat templates only know
+            # system (ChatML drops other roles), and OpenAI treats the two alike.
+            out.append({"role": "system" if role == "developer" else role, "content": text_of(content)})
         elif kind == "function_call":
             call = {"id": it.get("call_id") or it.get("id"), "type": "function",
                     "function": {"name": it.get("name"), "arguments": it.get("arguments") or "{}"}}
