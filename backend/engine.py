@@ -40,6 +40,7 @@ class GenParams:
     logit_bias: Optional[dict[int, float]] = None
     repetition_penalty: float = 0.0
     seed: Optional[int] = None
+    processors: list = field(default_factory=list)  # extra logits processors (e.g. backend.toolchoice)
 
 
 @dataclass
@@ -329,7 +330,7 @@ class MLXEngine(Engine):
             segments = [rest[:cut], rest[cut:]]
             save_system_at = req.system_tokens
         sampler = make_sampler(p.temperature, p.top_p, p.min_p, 1, p.top_k)
-        processors = make_logits_processors(p.logit_bias, p.repetition_penalty or None)
+        processors = make_logits_processors(p.logit_bias, p.repetition_penalty or None) + list(p.processors)
         stop = make_stop_sequences(self.tokenizer, [])
         (uid,) = self._bg.insert_segments(
             segments=[segments],

@@ -151,6 +151,27 @@ class OpenAIRenderer:
             out["choices"] = [{"index": 0, "text": piece.content, "finish_reason": finish_reason, "logprobs": None}]
         return out
 
+    def stream_chunks(self, piece: Piece, first: bool = False) -> list[dict]:
+        """The chunks of one step; each tool call becomes a header chunk then an arguments chunk.
+
+        OpenAI's streamed shape: a call's first delta carries ``index``,
+        ``id``, ``type`` and ``function.name`` (arguments ``""``); later
+        deltas carry the same ``index`` and ``arguments`` fragments. mlx-lm
+        parses a call when it is complete, so its arguments come in one fragment.
+        """
+        calls = piece.tool_calls
+        out = [self.chunk(Piece(piece.content, piece.reasoning), None, first=first)] if (
+            piece.content or piece.reasoning or first or not calls) else []
+        for tc in calls:
+            fn = tc.get("function") or {}
+            head = {"index": tc.get("index", 0), "id": tc.get("id"), "type": "function",
+                    "function": {"name": fn.get("name"), "arguments": ""}}
+            out.append(self.chunk(Piece(tool_calls=[head]), None, first=first and not out))
+            if fn.get("arguments"):
+                out.append(self.chunk(Piece(tool_calls=[{"index": head["index"],
+                                                         "function": {"arguments": fn["arguments"]}}])))
+        return out
+
     def usage_chunk(self, usage: dict) -> dict:
         out = self._base()
         out["choices"] = []

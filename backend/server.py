@@ -25,6 +25,7 @@ from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, parse_opena
 from .engine import Engine, GenEvent, GenParams, GenRequest
 from .render import AnswerBuilder, OpenAIRenderer, Piece
 from .report import Reporter
+from .toolchoice import tool_choice_processors
 
 log = logging.getLogger("mlxgw.backend")
 
@@ -161,6 +162,7 @@ async def _complete(request: web.Request, kind: str) -> web.StreamResponse:
             logit_bias=pr.logit_bias,
             repetition_penalty=pr.repetition_penalty,
             seed=pr.seed,
+            processors=tool_choice_processors(engine.tokenizer, pr.tools, pr.tool_choice),
         ),
         system_tokens=system_tokens,
         loop=loop,
@@ -271,7 +273,8 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
             reason = "stop"
             engine.cancel(req.rid)
         if piece.content or piece.reasoning or piece.tool_calls or first:
-            await resp.write(_sse(renderer.chunk(piece, None, first=first)))
+            for obj in renderer.stream_chunks(piece, first=first):
+                await resp.write(_sse(obj))
             first = False
         if ev.kind == "end":
             reason = builder.finish_reason(ev.finish_reason)

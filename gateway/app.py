@@ -21,11 +21,13 @@ from aiohttp import web
 from mlxgw import schema
 from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, parse_openai
 
+from . import dialects
 from .index import OwnershipIndex
 from .janitor import Janitor
 from .load import LoadPublisher
 from .proxy import Attempt, BackendUnavailable, Proxy
 from .route import RoutingConfig, rank
+from .stability import DEFAULT_STRIP, DriftDetector, compile_patterns, strip_volatile
 from .tokenize import ModelInfo, Tokenizers
 
 log = logging.getLogger("mlxgw.gateway")
@@ -48,6 +50,8 @@ class GatewayConfig:
     models: dict[str, str] = field(default_factory=dict)  # served name -> local path
     gateway_id: str = "gateway"
     janitor_grace: float = 300.0  # seconds without heartbeat before a backend's leftovers are removed
+    strip_lines: tuple = DEFAULT_STRIP  # regexes of volatile system-prompt lines (gateway.stability)
+    keepalive: float = 5.0  # seconds of stream silence before an SSE keep-alive
 
 
 @dataclass
@@ -56,7 +60,10 @@ class GatewayState:
     tokenizers: Tokenizers
     index: OwnershipIndex
     proxy: Proxy
-    counters: dict = field(default_factory=lambda: {"requests": 0, "errors": 0, "routed_prefix": 0, "routed_load": 0})
+    counters: dict = field(default_factory=lambda: {"requests": 0, "errors": 0, "routed_prefix": 0, "routed_load": 0,
+                                                    "prefix_drift": 0})
+    drift: DriftDetector = field(default_factory=DriftDetector)
+    strip: list = field(default_factory=list)
 
 
 STATE = web.AppKey("state", GatewayState)
@@ -68,7 +75,7 @@ async def error_middleware(request: web.Request, handler):
         return await handler(request)
     except RequestError as e:
         request.app[STATE].counters["errors"] += 1
-        return web.json_response(e.body(), status=e.status)
+        return dialects.error_response(request, e)
     except web.HTTPException as e:
         if e.status >= 400:
             err = RequestError(e.reason or "error", status=e.status)
@@ -76,15 +83,13 @@ async def error_middleware(request: web.Request, handler):
                 err = RequestError(f"no route for {request.method} {request.path}", status=404, code="not_found")
             elif e.status == 413:
                 err = RequestError("request body too large", status=413, code="body_too_large")
-            return web.json_response(err.body(), status=e.status)
+            return dialects.error_response(request, err)
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unhandled gateway error")
-        return web.json_response(
-            RequestError("internal gateway error", status=500, type="server_error").body(), status=500
-        )
+        return dialects.error_response(request, RequestError("internal gateway error", status=500, type="server_error"))
 
 
 async def _read_json(request: web.Request) -> dict:
@@ -125,16 +130,33 @@ async def handle_text(request: web.Request) -> web.StreamResponse:
     return await _route(request, "text", "/v1/completions")
 
 
-async def _route(request: web.Request, kind: str, path: str) -> web.StreamResponse:
+async def _render_chat(st: GatewayState, info: ModelInfo, pr) -> tuple[list[int], int]:
+    pr.messages = strip_volatile(pr.messages, st.strip)
+    cp = await st.tokenizers.render_chat(info, pr.messages, pr.tools, pr.template_kwargs)
+    return cp.token_ids, cp.system_tokens
+
+
+async def count_chat_tokens(request: web.Request, body: dict) -> int:
+    """Prompt tokens of an internal chat request, rendered exactly as `_route` renders it."""
+    st = request.app[STATE]
+    pr = parse_openai(body, "chat")
+    ids, _ = await _render_chat(st, resolve_model(st, pr.model), pr)
+    return len(ids)
+
+
+async def _route(request: web.Request, kind: str, path: str, body: Optional[dict] = None,
+                 transform=None) -> web.StreamResponse:
+    """Validate, tokenize and forward one OpenAI request; dialects pass their translated ``body``."""
     st = request.app[STATE]
     st.counters["requests"] += 1
     t0 = time.perf_counter()
-    body = await _read_json(request)
+    body = await _read_json(request) if body is None else body
     pr = parse_openai(body, kind)
     info = resolve_model(st, pr.model)
     if kind == "chat":
-        cp = await st.tokenizers.render_chat(info, pr.messages, pr.tools, pr.template_kwargs)
-        ids, system_tokens = cp.token_ids, cp.system_tokens
+        ids, system_tokens = await _render_chat(st, info, pr)
+        if st.drift.observe(info.name, pr.messages, ids):
+            st.counters["prefix_drift"] += 1
     elif pr.prompt_ids is not None:
         ids, system_tokens = pr.prompt_ids, 0
     else:
@@ -149,7 +171,7 @@ async def _route(request: web.Request, kind: str, path: str) -> web.StreamRespon
         body["max_tokens"] = info.context_length - len(ids)
         body.pop("max_completion_tokens", None)
 
-    return await route_and_forward(request, st, info, body, ids, system_tokens, path, pr.stream, t0)
+    return await route_and_forward(request, st, info, body, ids, system_tokens, path, pr.stream, t0, transform)
 
 
 def session_key(request: web.Request, body: dict) -> Optional[str]:
@@ -162,7 +184,8 @@ def session_key(request: web.Request, body: dict) -> Optional[str]:
 
 
 async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: dict, ids: list[int],
-                            system_tokens: int, path: str, stream: bool, t0: float) -> web.StreamResponse:
+                            system_tokens: int, path: str, stream: bool, t0: float,
+                            transform=None) -> web.StreamResponse:
     """Look up ownership, rank backends, forward; shared by every dialect."""
     cfg = st.cfg
     blocks = schema.block_keys(info.name, ids, cfg.block_size)
@@ -226,7 +249,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
     )
     outcome = "ok"
     try:
-        return await st.proxy.forward(request, attempts, path, payload, "application/x-msgpack", stream)
+        return await st.proxy.forward(request, attempts, path, payload, "application/x-msgpack", stream, transform)
     except BackendUnavailable as e:
         outcome = "unavailable"
         if e.timed_out:
@@ -294,9 +317,9 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         except Exception as e:
             log.warning("Redis not reachable at start (%s); routing on load until it is", type(e).__name__)
         index.start()
-        proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout)
+        proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout, keepalive=cfg.keepalive)
         await proxy.start()
-        app[STATE] = GatewayState(cfg, toks, index, proxy)
+        app[STATE] = GatewayState(cfg, toks, index, proxy, strip=compile_patterns(cfg.strip_lines))
         publisher = LoadPublisher(index, proxy.inflight.view)
         publisher.start()
         janitor = Janitor(index, grace=cfg.janitor_grace, interval=min(10.0, max(1.0, cfg.janitor_grace / 2)))
@@ -314,4 +337,5 @@ def make_app(cfg: GatewayConfig) -> web.Application:
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/v1/models/{name:.+}", handle_model)
     app.router.add_get("/health", handle_health)
+    dialects.register(app, _route, _read_json, count_chat_tokens)
     return app

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from mlxgw import schema
 
 from .app import GatewayConfig, make_app
 from .route import POLICIES, RoutingConfig
+from .stability import DEFAULT_STRIP, compile_patterns
 
 log = logging.getLogger("mlxgw.gateway")
 
@@ -46,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a session's backend may cost this much more than the best and still be chosen")
     p.add_argument("--internal-token", default=os.environ.get("MLXGW_INTERNAL_TOKEN"))
     p.add_argument("--read-timeout", type=float, default=300.0, help="seconds of backend silence before failing")
+    p.add_argument("--keepalive", type=float, default=5.0,
+                   help="seconds of silence on a streamed answer before the gateway sends an SSE keep-alive (0: off)")
+    p.add_argument("--strip-line", action="append", default=None, metavar="REGEX",
+                   help="volatile system-prompt lines to remove before templating (repeatable; "
+                        "default: Claude Code's x-anthropic-billing-header line)")
+    p.add_argument("--no-strip", action="store_true", help="remove no system-prompt lines")
 
 
 def parse_models(specs: list[str]) -> dict[str, str]:
@@ -77,11 +85,18 @@ def config_from_args(args) -> GatewayConfig:
         gateway_id=args.gateway_id or f"{socket.gethostname()}:{args.port}",
         janitor_grace=args.janitor_grace,
         models=models,
+        keepalive=args.keepalive,
+        strip_lines=() if args.no_strip else tuple(args.strip_line or DEFAULT_STRIP),
     )
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    try:
+        compile_patterns(cfg.strip_lines)
+    except re.error as e:
+        log.error("--strip-line: invalid regex: %s", e)
+        return 2
     for name, path in cfg.models.items():
         if not (Path(path).expanduser() / "config.json").exists():
             log.error("model %s: no model directory at %s", name, path)

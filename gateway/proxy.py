@@ -1,6 +1,11 @@
 """Forwarding to backends: connection pool, retries before the first byte,
 pass-through streaming, and cancellation on client disconnect.
 
+A response can be rewritten on its way (``transform``: the Anthropic and
+Responses dialects turn the backend's OpenAI answer into their own), and a
+streamed answer that falls silent for ``keepalive`` seconds (a long prefill,
+a queue) gets an SSE comment so clients with idle timeouts keep waiting.
+
 A request is retried on the next-best backend only while nothing has been
 sent to the client (connection refused or reset, or a 5xx before any body),
 so retries are idempotent. Once streaming, a backend failure becomes a
@@ -14,7 +19,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -70,6 +75,26 @@ class Attempt:
     headers: dict
 
 
+class Transform(Protocol):
+    """Rewrites one backend answer into another dialect (see ``gateway.dialects``).
+
+    ``begin`` gets the backend's status and headers and the routing headers,
+    and returns the headers to set (e.g. ``Content-Type``); ``feed`` gets raw
+    body bytes and returns bytes to send; ``end`` flushes at end of body;
+    ``fail`` renders a mid-stream backend failure; ``keepalive`` is what a
+    silent stream gets.
+    """
+
+    def begin(self, status: int, headers: Mapping[str, str], route: Mapping[str, str]) -> dict: ...
+    def feed(self, data: bytes) -> bytes: ...
+    def end(self) -> bytes: ...
+    def fail(self, message: str) -> bytes: ...
+    def keepalive(self) -> bytes: ...
+
+
+KEEPALIVE = b": keepalive\n\n"
+
+
 class BackendUnavailable(Exception):
     """Every candidate failed before the first byte.
 
@@ -91,10 +116,15 @@ class Proxy:
         read_timeout: seconds without a byte from the backend before giving up
             (a hung backend; covers long prefills since backends send
             keep-alives while streaming).
+        keepalive: seconds of silence on a streamed answer before the
+            gateway sends an SSE keep-alive itself (0: never). Clients abort
+            idle streams after 30-300 s; 10 s or less keeps them all waiting.
     """
 
-    def __init__(self, internal_token: Optional[str] = None, connect_timeout: float = 2.0, read_timeout: float = 300.0):
+    def __init__(self, internal_token: Optional[str] = None, connect_timeout: float = 2.0, read_timeout: float = 300.0,
+                 keepalive: float = 5.0):
         self.internal_token = internal_token
+        self.keepalive = keepalive
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.session: Optional[aiohttp.ClientSession] = None
@@ -154,8 +184,12 @@ class Proxy:
         payload: bytes,
         content_type: str,
         stream: bool,
+        transform: Optional[Transform] = None,
     ) -> web.StreamResponse:
         """Send ``payload`` to the first attempt that answers; stream its answer back.
+
+        ``transform`` (optional) rewrites the answer; without it the bytes
+        pass through untouched.
 
         Raises:
             BackendUnavailable: every attempt failed before the first byte.
@@ -164,6 +198,7 @@ class Proxy:
         if self.internal_token:
             headers["Authorization"] = f"Bearer {self.internal_token}"
         last_err = None
+        timed_out = False
         for i, a in enumerate(attempts):
             if i > 0:
                 self.retries += 1
@@ -174,6 +209,7 @@ class Proxy:
                 async with self.session.post(a.url + path, data=payload, headers=headers, timeout=timeout) as up:
                     if up.status >= 500:
                         last_err = f"backend {a.backend_id} answered {up.status}"
+                        timed_out = False
                         await up.read()
                         continue
                     out = web.StreamResponse(status=up.status)
@@ -181,19 +217,38 @@ class Proxy:
                         if k.lower() not in _SKIP:
                             out.headers[k] = v
                     out.headers.update(a.headers)
+                    if transform is not None:
+                        out.headers.update(transform.begin(up.status, up.headers, a.headers))
                     await out.prepare(request)
                     is_sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
+                    t_feed = transform.feed if transform else (lambda b: b)
                     try:
-                        async for chunk in up.content.iter_any():
+                        first = t_feed(b"")
+                        if first:
+                            await out.write(first)
+                        while True:
+                            chunk = await self._read(up, is_sse)
+                            if chunk is None:
+                                await out.write(transform.keepalive() if transform else KEEPALIVE)
+                                continue
+                            if not chunk:
+                                break
                             if prefill_open and (not is_sse or b"data:" in chunk):
                                 self.inflight.started(a.backend_id, handle)
                                 prefill_open = False
-                            await out.write(chunk)
+                            data = t_feed(chunk)
+                            if data:
+                                await out.write(data)
+                        if transform is not None:
+                            await out.write(transform.end())
                     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                         log.warning("backend %s failed mid-answer: %s", a.backend_id, e)
                         self._trip(a.backend_id, a.url)
-                        if is_sse:
-                            err = {"error": {"message": f"backend failed mid-stream: {type(e).__name__}", "type": "server_error", "param": None, "code": "backend_failed"}}
+                        msg = f"backend failed mid-stream: {type(e).__name__}"
+                        if transform is not None:
+                            await out.write(transform.fail(msg))
+                        elif is_sse:
+                            err = {"error": {"message": msg, "type": "server_error", "param": None, "code": "backend_failed"}}
                             await out.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
                     await out.write_eof()
                     return out
@@ -208,3 +263,18 @@ class Proxy:
             finally:
                 self.inflight.end(a.backend_id, handle)
         raise BackendUnavailable(last_err or "no backend", timed_out)
+
+    async def _read(self, up: aiohttp.ClientResponse, is_sse: bool) -> Optional[bytes]:
+        """The next body bytes (b"" at end), or None after ``keepalive`` s of silence on a stream.
+
+        Cancelling ``readany`` while it waits loses no data (it only waits
+        for the buffer to fill), so the timeout is safe.
+        """
+        if not is_sse or self.keepalive <= 0:
+            return await up.content.readany()
+        try:
+            return await asyncio.wait_for(up.content.readany(), self.keepalive)
+        except aiohttp.ClientError:  # aiohttp's own read timeout: a hung backend
+            raise
+        except asyncio.TimeoutError:
+            return None

@@ -1,0 +1,144 @@
+"""Forced tool calls (``tool_choice`` "required" or a named function) by constrained decoding.
+
+A logits processor masks every token the grammar of a well-formed tool call
+does not allow, so the model itself writes the call and mlx-lm's own tool
+parser (``ToolCallFormatter`` in ``backend.render``) reads it back, exactly
+as for an unforced call. The grammar is the model's tool-call syntax around
+the tool's JSON schema; masks come from llguidance (the Rust engine behind
+Guidance, also used by vLLM/SGLang), which handles any tokenizer and JSON
+schema at a few microseconds per token.
+
+Only mlx-lm's ``json_tools`` syntax (``<tool_call>\\n{"name": ..., "arguments":
+...}\\n</tool_call>``, Qwen/Hermes style; the demo model's) is built here; for
+another tool parser the request is answered unforced (logged once).
+Once the call is complete the processor allows only the end-of-turn token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Optional
+
+import numpy as np
+
+from mlxgw.protocol import RequestError
+
+log = logging.getLogger("mlxgw.backend.toolchoice")
+
+_LLTOK: dict[int, Any] = {}
+_WARNED: set[str] = set()
+
+
+def _lltokenizer(tokenizer):
+    import llguidance.hf
+
+    key = id(tokenizer)
+    if key not in _LLTOK:
+        _LLTOK[key] = llguidance.hf.from_tokenizer(tokenizer._tokenizer)
+    return _LLTOK[key]
+
+
+def forced_tools(tools: Optional[list], tool_choice) -> Optional[list[dict]]:
+    """The tools a ``tool_choice`` forces a call to (None: nothing is forced).
+
+    Raises:
+        RequestError: 400, ``tool_choice`` names a function not in ``tools``
+            or forces a call with no tools.
+    """
+    if tool_choice in (None, "auto", "none"):
+        return None
+    fns = [t.get("function") or {} for t in tools or [] if t.get("type", "function") == "function"]
+    if tool_choice == "required":
+        if not fns:
+            raise RequestError("tool_choice 'required' needs 'tools'", param="tool_choice")
+        return fns
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        chosen = [f for f in fns if f.get("name") == name]
+        if not chosen:
+            raise RequestError(f"tool_choice names '{name}', which is not in 'tools'", param="tool_choice")
+        return chosen
+    raise RequestError("'tool_choice' must be 'none', 'auto', 'required' or a named function", param="tool_choice")
+
+
+def _token_or_text(tokenizer, text: str) -> str:
+    """A lark item for ``text``: its single token when it is one (e.g. ``<tool_call>``), else the literal."""
+    tid = tokenizer._tokenizer.convert_tokens_to_ids(text)
+    if isinstance(tid, int) and tid != tokenizer._tokenizer.unk_token_id and tid is not None:
+        return f"<[{tid}]>"
+    return json.dumps(text)
+
+
+def call_grammar(tokenizer, fns: list[dict]) -> str:
+    """A lark grammar (llguidance dialect) of one json_tools call to any of ``fns``."""
+    start = _token_or_text(tokenizer, tokenizer.tool_call_start)
+    end = _token_or_text(tokenizer, tokenizer.tool_call_end)
+    lines, alts = [], []
+    for i, f in enumerate(fns):
+        schema = dict(f.get("parameters") or {"type": "object"})
+        # Compact, deterministic JSON, as models write it.
+        schema["x-guidance"] = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+        head = json.dumps('\n{"name": ' + json.dumps(f.get("name")) + ', "arguments": ')
+        lines.append(f"args{i}: %json {json.dumps(schema)}")
+        alts.append(f"{head} args{i}")
+    return "\n".join([f"start: {start} call {end}", "call: (" + " | ".join(alts) + ') "}\\n"', *lines])
+
+
+class ForcedToolCall:
+    """mlx-lm logits processor: ``(tokens, logits) -> logits`` with disallowed tokens at -inf.
+
+    ``tokens`` ends with the previous step's token (the last prompt token on
+    the first call), as mlx-lm's generators pass it.
+    """
+
+    def __init__(self, tokenizer, grammar: str):
+        from llguidance import LLMatcher
+        import llguidance.numpy as lln
+
+        self._lln = lln
+        lt = _lltokenizer(tokenizer)
+        self.matcher = LLMatcher(lt, LLMatcher.grammar_from_lark(grammar))
+        if self.matcher.is_error():
+            raise RequestError(f"cannot force this tool call: {self.matcher.get_error()}", param="tools")
+        self.mask = lln.allocate_token_bitmask(1, lt.vocab_size)
+        self.eos = list(tokenizer.eos_token_ids)
+        self.calls = 0
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+
+        if self.calls:
+            self.matcher.consume_token(int(tokens[-1].item()))
+        self.calls += 1
+        vocab = logits.shape[-1]
+        if self.matcher.is_stopped() or self.matcher.is_error():
+            allowed = np.zeros(vocab, dtype=bool)
+            allowed[[e for e in self.eos if e < vocab]] = True
+        else:
+            self._lln.fill_next_token_bitmask(self.matcher, self.mask, 0)
+            bits = np.unpackbits(self.mask[0].view(np.uint8), bitorder="little").astype(bool)
+            allowed = np.zeros(vocab, dtype=bool)
+            n = min(vocab, bits.shape[0])
+            allowed[:n] = bits[:n]
+        return mx.where(mx.array(allowed), logits, -mx.inf)
+
+
+def tool_choice_processors(tokenizer, tools, tool_choice) -> list:
+    """The logits processors a request's ``tool_choice`` needs ([] when nothing is forced).
+
+    Raises:
+        RequestError: 400 for an impossible ``tool_choice``.
+    """
+    fns = forced_tools(tools, tool_choice)
+    if not fns:
+        return []
+    parser = getattr(tokenizer, "tool_parser", None)
+    module = getattr(parser, "__module__", "") or ""
+    if not module.endswith(".json_tools") or not tokenizer.tool_call_start:
+        if module not in _WARNED:
+            _WARNED.add(module)
+            log.warning("tool_choice forcing is only built for mlx-lm's json_tools syntax; this model uses %r: "
+                        "answering unforced", module or None)
+        return []
+    return [ForcedToolCall(tokenizer, call_grammar(tokenizer, fns))]

@@ -1,0 +1,66 @@
+"""The gateway's non-OpenAI dialects: Anthropic Messages and OpenAI Responses.
+
+Each dialect request becomes one internal OpenAI chat request and goes
+through the same route as ``/v1/chat/completions`` (``gateway.app._route``),
+so the same conversation gives the same token ids, backend and cached prefix
+in every dialect; the answer is rewritten on its way back by the dialect's
+transform. Errors are rendered in the endpoint's dialect (`error_response`).
+See docs/api.md.
+"""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+from mlxgw.protocol import RequestError
+
+from . import anthropic, responses
+
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+def error_response(request: web.Request, err: RequestError) -> web.Response:
+    """``err`` as a JSON error in the dialect of ``request``'s endpoint (OpenAI's unless Anthropic's)."""
+    if request.path in ANTHROPIC_PATHS:
+        return web.json_response(anthropic.error_body(err.message, err.status), status=err.status)
+    return web.json_response(err.body(), status=err.status)
+
+
+Route = Callable[..., Awaitable[web.StreamResponse]]
+
+
+def register(app: web.Application, route: Route, read_json, count_tokens) -> None:
+    """Add the dialect endpoints to the gateway app.
+
+    Args:
+        route: ``gateway.app._route`` (``(request, kind, path, body=, transform=)``).
+        read_json: reads and size-checks a request's JSON body.
+        count_tokens: ``(request, chat_body) -> int`` renders and tokenizes an
+            internal chat request exactly as ``route`` would.
+    """
+
+    async def messages(request: web.Request) -> web.StreamResponse:
+        body = await read_json(request)
+        chat = anthropic.to_chat(body)
+        t = anthropic.MessagesTransform(chat["stream"], chat["model"])
+        return await route(request, "chat", "/v1/chat/completions", body=chat, transform=t)
+
+    async def count(request: web.Request) -> web.Response:
+        body = await read_json(request)
+        n = await count_tokens(request, anthropic.to_chat(body, count_only=True))
+        return web.json_response({"input_tokens": n})
+
+    async def respond(request: web.Request) -> web.StreamResponse:
+        body = await read_json(request)
+        chat = responses.to_chat(body)
+        t = responses.ResponsesTransform(chat["stream"], chat["model"], body)
+        return await route(request, "chat", "/v1/chat/completions", body=chat, transform=t)
+
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count)
+    app.router.add_post("/v1/responses", respond)
+
+
+__all__ = ["register", "error_response", "anthropic", "responses"]

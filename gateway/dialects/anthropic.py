@@ -1,0 +1,295 @@
+"""Anthropic Messages (``POST /v1/messages``, used by Claude Code) over OpenAI chat backends.
+
+`to_chat` turns a Messages request into the internal OpenAI chat request;
+`MessagesTransform` turns the backend's answer (streamed or not) into a
+Messages answer. Shapes follow Anthropic's API reference ("Messages",
+"Streaming Messages", "Errors"):
+
+* system: a string or text blocks (joined with ``"\\n"``; empty blocks, e.g.
+  a stripped billing-header line, dropped);
+* content blocks: ``text``; ``tool_use`` (assistant) -> OpenAI ``tool_calls``;
+  ``tool_result`` (user) -> a ``tool`` message; ``thinking`` /
+  ``redacted_thinking`` dropped (chat templates drop old reasoning too);
+  ``image`` / ``document`` -> 400 (text models);
+* tools ``{name, description, input_schema}`` -> OpenAI function tools;
+  server tools (a ``type`` other than ``custom``) ignored;
+* ``tool_choice`` auto/any/tool/none -> auto/required/named function/none;
+* usage: ``input_tokens`` excludes the reused prefix, which is
+  ``cache_read_input_tokens``; ``cache_creation_input_tokens`` is 0 (the
+  backend caches without being asked).
+
+A text stop sequence ends the answer with ``stop_reason`` ``end_turn`` (the
+backend reports it as ``stop`` like an end of sequence).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from mlxgw.protocol import RequestError
+
+from .base import ChatTransform, chat_message, new_id, sse_event, text_of
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+# HTTP status -> Anthropic error type (Anthropic "Errors" page).
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+               503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_type(status: int) -> str:
+    """Anthropic's error ``type`` for an HTTP status (``api_error`` for other 5xx)."""
+    return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
+def error_body(message: str, status: int) -> dict:
+    """``{"type": "error", "error": {"type", "message"}}``."""
+    return {"type": "error", "error": {"type": error_type(status), "message": message}}
+
+
+def _blocks(content, p: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
+        raise RequestError(f"'{p}' must be a string or an array of content blocks", param=p)
+    return content
+
+
+def _tool_result_text(content) -> str:
+    if isinstance(content, list):
+        for b in content:
+            if isinstance(b, dict) and b.get("type") not in (None, "text"):
+                raise RequestError(f"tool_result content of type '{b.get('type')}' is not supported (text models)")
+    return text_of(content)
+
+
+def system_messages(system) -> list[dict]:
+    """The system prompt as OpenAI system messages (0 or 1)."""
+    if system is None:
+        return []
+    if isinstance(system, str):
+        text = system
+    elif isinstance(system, list):
+        text = "\n".join(t for t in (text_of([b]) for b in system if isinstance(b, dict)) if t.strip())
+    else:
+        raise RequestError("'system' must be a string or an array of text blocks", param="system")
+    return [{"role": "system", "content": text}] if text else []
+
+
+def convert_messages(system, messages) -> list[dict]:
+    """Anthropic ``system`` + ``messages`` -> OpenAI chat messages.
+
+    Raises:
+        RequestError: malformed messages or unsupported block types.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty array", param="messages")
+    out = system_messages(system)
+    for i, m in enumerate(messages):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise RequestError(f"'{p}.role' must be 'user' or 'assistant'", param=f"{p}.role")
+        blocks = _blocks(m.get("content"), f"{p}.content")
+        if m["role"] == "assistant":
+            text, calls = [], []
+            for b in blocks:
+                t = b.get("type")
+                if t == "text":
+                    text.append(b.get("text", ""))
+                elif t in ("tool_use", "server_tool_use"):
+                    calls.append({"id": b.get("id"), "type": "function",
+                                  "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {})}})
+                elif t in ("thinking", "redacted_thinking"):
+                    continue
+                else:
+                    raise RequestError(f"assistant content block type '{t}' is not supported", param=f"{p}.content")
+            msg = {"role": "assistant", "content": "".join(text)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+        else:
+            text = []
+            for b in blocks:
+                t = b.get("type")
+                if t == "text":
+                    text.append(b.get("text", ""))
+                elif t == "tool_result":
+                    out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                                "content": _tool_result_text(b.get("content"))})
+                else:
+                    raise RequestError(f"user content block type '{t}' is not supported (text models)", param=f"{p}.content")
+            if text or not any(b.get("type") == "tool_result" for b in blocks):
+                out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def convert_tools(tools) -> Optional[list[dict]]:
+    """Anthropic custom tools -> OpenAI function tools; server tools are ignored."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RequestError("'tools' must be an array of objects", param="tools")
+    out = []
+    for t in tools:
+        if t.get("type") not in (None, "custom"):
+            continue  # server tools (web_search, bash, ...) are the client's or Anthropic's business
+        if not isinstance(t.get("name"), str):
+            raise RequestError("every tool needs a 'name'", param="tools")
+        # OpenAI's key order (name, description, parameters): templates dump tools with
+        # tojson unsorted, and the same tools must give the same tokens in every dialect.
+        fn = {"name": t["name"]}
+        if t.get("description"):
+            fn["description"] = t["description"]
+        fn["parameters"] = t.get("input_schema") or {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def convert_tool_choice(tc):
+    """Anthropic ``tool_choice`` -> OpenAI's."""
+    if tc is None:
+        return None
+    if not isinstance(tc, dict):
+        raise RequestError("'tool_choice' must be an object", param="tool_choice")
+    kind = tc.get("type")
+    if kind == "tool":
+        return {"type": "function", "function": {"name": tc.get("name")}}
+    choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if choice is None:
+        raise RequestError("'tool_choice.type' must be auto, any, tool or none", param="tool_choice")
+    return choice
+
+
+def to_chat(body: dict, count_only: bool = False) -> dict:
+    """A Messages request -> the internal OpenAI chat request (always ``include_usage``).
+
+    Raises:
+        RequestError: 400 with ``param`` naming the field.
+    """
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise RequestError("'model' is required", param="model")
+    out = {"model": model, "messages": convert_messages(body.get("system"), body.get("messages"))}
+    tools = convert_tools(body.get("tools"))
+    if tools:
+        out["tools"] = tools
+        tc = convert_tool_choice(body.get("tool_choice"))
+        if tc is not None:
+            out["tool_choice"] = tc
+    if count_only:
+        return out
+    mt = body.get("max_tokens")
+    if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
+        raise RequestError("'max_tokens' is required and must be a positive integer", param="max_tokens")
+    out["max_tokens"] = mt
+    for k in ("temperature", "top_p", "top_k"):
+        if body.get(k) is not None:
+            out[k] = body[k]
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        out["stop"] = stops
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("'stream' must be a boolean", param="stream")
+    out["stream"] = stream
+    if stream:
+        out["stream_options"] = {"include_usage": True}
+    return out
+
+
+def usage_of(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+class MessagesTransform(ChatTransform):
+    """The backend's OpenAI chat answer -> an Anthropic Messages answer or event stream."""
+
+    def __init__(self, stream: bool, model: str):
+        super().__init__(stream, model)
+        self.id = new_id("msg_")
+        self.block = -1          # index of the open content block
+        self.block_kind = None   # "text" | "thinking" | ("tool", openai index)
+
+    def keepalive(self) -> bytes:
+        if self._started:
+            return sse_event("ping", {"type": "ping"})
+        return b": keepalive\n\n"
+
+    def on_open(self) -> bytes:
+        msg = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+               "stop_reason": None, "stop_sequence": None,
+               "usage": usage_of(self.prompt_tokens, self.cached_tokens, 0)}
+        return sse_event("message_start", {"type": "message_start", "message": msg}) + sse_event("ping", {"type": "ping"})
+
+    def _switch(self, kind, start_block: dict) -> bytes:
+        if self.block_kind == kind:
+            return b""
+        out = self._close()
+        self.block += 1
+        self.block_kind = kind
+        return out + sse_event("content_block_start", {"type": "content_block_start", "index": self.block,
+                                                       "content_block": start_block})
+
+    def _close(self) -> bytes:
+        if self.block_kind is None:
+            return b""
+        out = b""
+        if self.block_kind == "thinking":
+            out = sse_event("content_block_delta", {"type": "content_block_delta", "index": self.block,
+                                                    "delta": {"type": "signature_delta", "signature": ""}})
+        self.block_kind = None
+        return out + sse_event("content_block_stop", {"type": "content_block_stop", "index": self.block})
+
+    def _delta(self, delta: dict) -> bytes:
+        return sse_event("content_block_delta", {"type": "content_block_delta", "index": self.block, "delta": delta})
+
+    def on_text(self, text: str) -> bytes:
+        return self._switch("text", {"type": "text", "text": ""}) + self._delta({"type": "text_delta", "text": text})
+
+    def on_reasoning(self, text: str) -> bytes:
+        out = self._switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        return out + self._delta({"type": "thinking_delta", "thinking": text})
+
+    def on_tool_start(self, index: int, call_id: str, name: str) -> bytes:
+        return self._switch(("tool", index), {"type": "tool_use", "id": call_id, "name": name, "input": {}})
+
+    def on_tool_args(self, index: int, fragment: str) -> bytes:
+        return self._delta({"type": "input_json_delta", "partial_json": fragment})
+
+    def on_done(self) -> bytes:
+        reason = STOP_REASONS.get(self.finish_reason or "stop", "end_turn")
+        usage = usage_of(self.prompt_tokens, self.cached_tokens, self.output_tokens)
+        return (self._close()
+                + sse_event("message_delta", {"type": "message_delta",
+                                              "delta": {"stop_reason": reason, "stop_sequence": None},
+                                              "usage": usage})
+                + sse_event("message_stop", {"type": "message_stop"}))
+
+    def on_error(self, err: dict) -> bytes:
+        return sse_event("error", error_body(err.get("message") or "backend error", 500))
+
+    def convert_full(self, completion: dict) -> dict:
+        msg, reason, usage = chat_message(completion)
+        content = []
+        if msg.get("reasoning_content"):
+            content.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
+        if msg.get("content"):
+            content.append({"type": "text", "text": msg["content"]})
+        for tc in msg.get("tool_calls") or []:
+            fn = tc.get("function") or {}
+            try:
+                args = json.loads(fn.get("arguments") or "{}")
+            except ValueError:
+                args = {}
+            content.append({"type": "tool_use", "id": tc.get("id") or new_id("toolu_"), "name": fn.get("name"),
+                            "input": args})
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": STOP_REASONS.get(reason or "stop", "end_turn"), "stop_sequence": None,
+                "usage": usage_of(int(usage.get("prompt_tokens", 0)), cached, int(usage.get("completion_tokens", 0)))}
+
+    def convert_error(self, err: dict, status: int) -> dict:
+        return error_body(err.get("message") or "error", status)

@@ -1,0 +1,193 @@
+"""What every dialect shares: reading the backend's OpenAI answer back.
+
+A dialect (Anthropic Messages, OpenAI Responses) is translated into one
+internal OpenAI chat request in the gateway, so routing, tokenization and the
+cache see the same tokens whatever the dialect; the backend answers in OpenAI
+chat form and a `ChatTransform` subclass turns that answer into the dialect's
+own, as the bytes arrive (``gateway.proxy.Proxy.forward(transform=...)``).
+
+The streamed OpenAI chat chunks are reduced to a few events (`on_text`,
+`on_reasoning`, `on_tool_start`, `on_tool_args`, `on_finish`, `on_usage`), so
+each dialect only says how it renders them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Mapping, Optional
+
+import uuid
+
+
+def new_id(prefix: str) -> str:
+    """A fresh id such as ``msg_0123...`` (24 hex digits)."""
+    return prefix + uuid.uuid4().hex[:24]
+
+
+def sse_event(event: str, data: dict) -> bytes:
+    """One named SSE event (``event:`` + ``data:`` lines), as Anthropic and Responses send them."""
+    return b"event: " + event.encode() + b"\ndata: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+class ChatTransform:
+    """Base of the dialect transforms (implements ``gateway.proxy.Transform``).
+
+    Args:
+        stream: the client asked for a stream (the backend then answers SSE).
+        model: the model name to echo back.
+
+    Non-streamed and error answers are buffered and converted whole at
+    `end` (`convert_full`, `convert_error`); streamed ones go chunk by chunk.
+    """
+
+    def __init__(self, stream: bool, model: str):
+        self.stream = stream
+        self.model = model
+        self.status = 200
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.buffered = not stream
+        self._buf = b""
+        self._body = bytearray()
+        self._tools: dict[int, dict] = {}
+        self.finish_reason: Optional[str] = None
+        self.usage: Optional[dict] = None
+        self.done = False
+
+    # -- gateway.proxy.Transform -------------------------------------------
+    def begin(self, status: int, headers: Mapping[str, str], route: Mapping[str, str]) -> dict:
+        self.status = status
+        self.prompt_tokens = int(route.get("X-Mlxgw-Prompt-Tokens", "0") or 0)
+        self.cached_tokens = int(headers.get("X-Mlxgw-Cached-Tokens", "0") or 0)
+        if status >= 400 or not headers.get("Content-Type", "").startswith("text/event-stream"):
+            self.buffered = True
+            return {"Content-Type": "application/json"}
+        return {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+    def feed(self, data: bytes) -> bytes:
+        if self.buffered:
+            self._body += data
+            return b""
+        out = []
+        if not self._started:
+            self._started = True
+            out.append(self.on_open())
+        self._buf += data
+        while b"\n\n" in self._buf:
+            raw, self._buf = self._buf.split(b"\n\n", 1)
+            out.append(self._event(raw.decode("utf-8", errors="replace")))
+        return b"".join(out)
+
+    def end(self) -> bytes:
+        if self.buffered:
+            try:
+                obj = json.loads(bytes(self._body) or b"{}")
+            except ValueError:
+                obj = {"error": {"message": "backend answered with invalid JSON", "type": "server_error"}}
+            if self.status >= 400 or "error" in obj:
+                body = self.convert_error(obj.get("error") or {}, self.status)
+            else:
+                body = self.convert_full(obj)
+            return json.dumps(body, ensure_ascii=False).encode()
+        if not self._started:
+            return self.feed(b"") + self.on_done()
+        return b"" if self.done else self.on_done()
+
+    def fail(self, message: str) -> bytes:
+        if self.buffered:
+            return json.dumps(self.convert_error({"message": message, "type": "server_error"}, 502)).encode()
+        return self.on_error({"message": message, "type": "server_error", "code": "backend_failed"})
+
+    def keepalive(self) -> bytes:
+        return b": keepalive\n\n"
+
+    # -- OpenAI SSE -> events ---------------------------------------------------
+    _started = False
+
+    def _event(self, raw: str) -> bytes:
+        data = [ln[5:].lstrip() for ln in raw.split("\n") if ln.startswith("data:")]
+        if not data:
+            return b": keepalive\n\n" if raw.startswith(":") else b""  # backend prefill progress
+        payload = "\n".join(data)
+        if payload == "[DONE]":
+            self.done = True
+            return self.on_done()
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            return b""
+        if "error" in obj:
+            self.done = True
+            return self.on_error(obj["error"] or {})
+        out = []
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+            details = self.usage.get("prompt_tokens_details") or {}
+            self.cached_tokens = int(details.get("cached_tokens", self.cached_tokens))
+        for ch in obj.get("choices") or []:
+            delta = ch.get("delta") or {}
+            if delta.get("reasoning_content"):
+                out.append(self.on_reasoning(delta["reasoning_content"]))
+            if delta.get("content"):
+                out.append(self.on_text(delta["content"]))
+            for tc in delta.get("tool_calls") or []:
+                idx = tc.get("index", 0)
+                fn = tc.get("function") or {}
+                if idx not in self._tools:
+                    self._tools[idx] = {"id": tc.get("id") or new_id("call_"), "name": fn.get("name", ""), "arguments": ""}
+                    out.append(self.on_tool_start(idx, self._tools[idx]["id"], self._tools[idx]["name"]))
+                if fn.get("arguments"):
+                    self._tools[idx]["arguments"] += fn["arguments"]
+                    out.append(self.on_tool_args(idx, fn["arguments"]))
+            if ch.get("finish_reason"):
+                self.finish_reason = ch["finish_reason"]
+        return b"".join(out)
+
+    @property
+    def output_tokens(self) -> int:
+        return int((self.usage or {}).get("completion_tokens", 0))
+
+    # -- what a dialect implements ----------------------------------------------
+    def on_open(self) -> bytes:
+        return b""
+
+    def on_text(self, text: str) -> bytes:
+        raise NotImplementedError
+
+    def on_reasoning(self, text: str) -> bytes:
+        raise NotImplementedError
+
+    def on_tool_start(self, index: int, call_id: str, name: str) -> bytes:
+        raise NotImplementedError
+
+    def on_tool_args(self, index: int, fragment: str) -> bytes:
+        raise NotImplementedError
+
+    def on_done(self) -> bytes:
+        raise NotImplementedError
+
+    def on_error(self, err: dict) -> bytes:
+        raise NotImplementedError
+
+    def convert_full(self, completion: dict) -> dict:
+        raise NotImplementedError
+
+    def convert_error(self, err: dict, status: int) -> dict:
+        raise NotImplementedError
+
+
+def chat_message(completion: dict) -> tuple[dict, Optional[str], dict]:
+    """(message, finish_reason, usage) of a non-streamed OpenAI chat completion."""
+    ch = (completion.get("choices") or [{}])[0]
+    return ch.get("message") or {}, ch.get("finish_reason"), completion.get("usage") or {}
+
+
+def text_of(content, types=("text", "input_text", "output_text")) -> str:
+    """Concatenated text of a string or an array of text parts/blocks."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") in types)
+    return ""

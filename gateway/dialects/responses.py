@@ -1,0 +1,260 @@
+"""OpenAI Responses (``POST /v1/responses``, used by Codex CLI), stateless, over chat backends.
+
+`to_chat` turns a Responses request into the internal OpenAI chat request;
+`ResponsesTransform` turns the backend's answer into a Response object or
+the Responses event stream (``response.created`` ... ``response.completed``).
+Shapes follow OpenAI's API reference ("Responses", "Streaming events"):
+
+* ``instructions`` -> a leading system message; ``input`` a string (one user
+  message) or items: messages (``input_text`` / ``output_text`` parts),
+  ``function_call`` (merged into the preceding assistant message, as chat
+  clients send it), ``function_call_output`` -> ``tool`` message,
+  ``reasoning`` dropped; ``developer`` messages become ``system`` ones;
+* ``tools``: ``function`` tools kept, built-in tool types ignored;
+* ``previous_response_id`` / ``item_reference``: 400, the gateway keeps no
+  state (send the whole conversation, as Codex does with ``store: false``);
+* ``max_output_tokens`` -> ``max_tokens``; a length stop ends with status
+  ``incomplete`` (``response.incomplete``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from mlxgw.protocol import RequestError
+
+from .base import ChatTransform, chat_message, new_id, sse_event, text_of
+
+ROLES = ("user", "assistant", "system", "developer")
+
+
+def convert_input(instructions, items) -> list[dict]:
+    """``instructions`` + ``input`` -> OpenAI chat messages.
+
+    Raises:
+        RequestError: malformed items, or stateful references.
+    """
+    out: list[dict] = []
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise RequestError("'instructions' must be a string", param="instructions")
+        if instructions:
+            out.append({"role": "system", "content": instructions})
+    if isinstance(items, str):
+        return out + [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise RequestError("'input' must be a string or a non-empty array of items", param="input")
+    for i, it in enumerate(items):
+        p = f"input[{i}]"
+        if not isinstance(it, dict):
+            raise RequestError(f"'{p}' must be an object", param=p)
+        kind = it.get("type", "message")
+        if kind == "message":
+            role = it.get("role")
+            if role not in ROLES:
+                raise RequestError(f"'{p}.role' must be one of {', '.join(ROLES)}", param=f"{p}.role")
+            content = it.get("content")
+            if isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and part.get("type") not in ("input_text", "output_text", "text", "refusal"):
+                        raise RequestError(f"content part type '{part.get('type')}' is not supported (text models)",
+                                           param=f"{p}.content")
+            # Codex sends its instructions as developer messages; chat templates only know
+            # system (ChatML drops other roles), and OpenAI treats the two alike.
+            out.append({"role": "system" if role == "developer" else role, "content": text_of(content)})
+        elif kind == "function_call":
+            call = {"id": it.get("call_id") or it.get("id"), "type": "function",
+                    "function": {"name": it.get("name"), "arguments": it.get("arguments") or "{}"}}
+            prev = out[-1] if out else None
+            if prev is not None and prev["role"] == "assistant":
+                prev.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": text_of(it.get("output"))})
+        elif kind == "reasoning":
+            continue
+        elif kind == "item_reference":
+            raise RequestError("item references need stored responses; this gateway is stateless: send the items",
+                               param=p)
+        else:
+            raise RequestError(f"input item type '{kind}' is not supported", param=f"{p}.type")
+    return out
+
+
+def convert_tools(tools) -> Optional[list[dict]]:
+    """Responses function tools -> chat tools; built-in tools (web_search, ...) ignored."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RequestError("'tools' must be an array of objects", param="tools")
+    out = []
+    for t in tools:
+        if t.get("type") != "function":
+            continue
+        fn = {"name": t.get("name")}  # OpenAI's key order: same tools, same tokens in every dialect
+        if t.get("description"):
+            fn["description"] = t["description"]
+        fn["parameters"] = t.get("parameters") or {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def convert_tool_choice(tc):
+    if tc is None or tc in ("auto", "none", "required"):
+        return tc
+    if isinstance(tc, dict) and tc.get("type") == "function":
+        return {"type": "function", "function": {"name": tc.get("name")}}
+    if isinstance(tc, dict):
+        return "auto"  # a built-in tool: not ours to force
+    raise RequestError("'tool_choice' must be auto, none, required or a function", param="tool_choice")
+
+
+def to_chat(body: dict) -> dict:
+    """A Responses request -> the internal OpenAI chat request.
+
+    Raises:
+        RequestError: 400 (``previous_response_id`` included: stateless).
+    """
+    if body.get("previous_response_id") is not None:
+        raise RequestError("'previous_response_id' is not supported: this gateway is stateless; "
+                           "send the whole conversation in 'input' (store: false)", param="previous_response_id",
+                           code="unsupported_parameter")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise RequestError("'model' is required", param="model")
+    out = {"model": model, "messages": convert_input(body.get("instructions"), body.get("input"))}
+    tools = convert_tools(body.get("tools"))
+    if tools:
+        out["tools"] = tools
+        tc = convert_tool_choice(body.get("tool_choice"))
+        if tc is not None:
+            out["tool_choice"] = tc
+    if body.get("max_output_tokens") is not None:
+        out["max_tokens"] = body["max_output_tokens"]
+    for k in ("temperature", "top_p"):
+        if body.get(k) is not None:
+            out[k] = body[k]
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("'stream' must be a boolean", param="stream")
+    out["stream"] = stream
+    if stream:
+        out["stream_options"] = {"include_usage": True}
+    return out
+
+
+def usage_of(prompt: int, cached: int, output: int) -> dict:
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": output,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + output}
+
+
+class ResponsesTransform(ChatTransform):
+    """The backend's OpenAI chat answer -> a Response object or Responses events."""
+
+    def __init__(self, stream: bool, model: str, request: dict):
+        super().__init__(stream, model)
+        self.id = new_id("resp_")
+        self.created = int(time.time())
+        self.request = request
+        self.seq = 0
+        self.items: list[dict] = []  # output items so far
+        self.open: Optional[dict] = None  # the output item being streamed
+
+    def _response(self, status: str, usage: Optional[dict] = None) -> dict:
+        r = {"id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
+             "output": self.items, "parallel_tool_calls": True, "tool_choice": self.request.get("tool_choice", "auto"),
+             "tools": self.request.get("tools") or [], "temperature": self.request.get("temperature"),
+             "top_p": self.request.get("top_p"), "max_output_tokens": self.request.get("max_output_tokens"),
+             "previous_response_id": None, "instructions": self.request.get("instructions"),
+             "error": None, "incomplete_details": None, "metadata": self.request.get("metadata") or {},
+             "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": False, "usage": usage}
+        if status == "incomplete":
+            r["incomplete_details"] = {"reason": "max_output_tokens"}
+        return r
+
+    def _ev(self, kind: str, **fields) -> bytes:
+        self.seq += 1
+        return sse_event(kind, {"type": kind, "sequence_number": self.seq - 1, **fields})
+
+    def on_open(self) -> bytes:
+        return (self._ev("response.created", response=self._response("in_progress"))
+                + self._ev("response.in_progress", response=self._response("in_progress")))
+
+    def _close(self) -> bytes:
+        it, self.open = self.open, None
+        if it is None:
+            return b""
+        idx = len(self.items)
+        self.items.append(it)
+        it["status"] = "completed"
+        if it["type"] == "message":
+            part = it["content"][0]
+            return (self._ev("response.output_text.done", item_id=it["id"], output_index=idx, content_index=0,
+                             text=part["text"], logprobs=[])
+                    + self._ev("response.content_part.done", item_id=it["id"], output_index=idx, content_index=0,
+                               part=part)
+                    + self._ev("response.output_item.done", output_index=idx, item=it))
+        return (self._ev("response.function_call_arguments.done", item_id=it["id"], output_index=idx,
+                         name=it["name"], arguments=it["arguments"])
+                + self._ev("response.output_item.done", output_index=idx, item=it))
+
+    def on_text(self, text: str) -> bytes:
+        out = b""
+        if self.open is None or self.open["type"] != "message":
+            out = self._close()
+            self.open = {"id": new_id("msg_"), "type": "message", "status": "in_progress", "role": "assistant",
+                         "content": []}
+            idx = len(self.items)
+            out += self._ev("response.output_item.added", output_index=idx, item={**self.open, "content": []})
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            out += self._ev("response.content_part.added", item_id=self.open["id"], output_index=idx,
+                            content_index=0, part=dict(part))
+            self.open["content"].append(part)
+        self.open["content"][0]["text"] += text
+        return out + self._ev("response.output_text.delta", item_id=self.open["id"], output_index=len(self.items),
+                              content_index=0, delta=text, logprobs=[])
+
+    def on_reasoning(self, text: str) -> bytes:
+        return b""  # reasoning is not surfaced in this dialect (counted in output tokens)
+
+    def on_tool_start(self, index: int, call_id: str, name: str) -> bytes:
+        out = self._close()
+        self.open = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress", "call_id": call_id,
+                     "name": name, "arguments": ""}
+        return out + self._ev("response.output_item.added", output_index=len(self.items), item=dict(self.open))
+
+    def on_tool_args(self, index: int, fragment: str) -> bytes:
+        self.open["arguments"] += fragment
+        return self._ev("response.function_call_arguments.delta", item_id=self.open["id"],
+                        output_index=len(self.items), delta=fragment)
+
+    def on_done(self) -> bytes:
+        out = self._close()
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        usage = usage_of(self.prompt_tokens, self.cached_tokens, self.output_tokens)
+        return out + self._ev(f"response.{status}", response=self._response(status, usage))
+
+    def on_error(self, err: dict) -> bytes:
+        return self._ev("error", code=err.get("code") or "server_error", message=err.get("message") or "error",
+                        param=None)
+
+    def convert_full(self, completion: dict) -> dict:
+        msg, reason, usage = chat_message(completion)
+        if msg.get("content"):
+            self.items.append({"id": new_id("msg_"), "type": "message", "status": "completed", "role": "assistant",
+                               "content": [{"type": "output_text", "text": msg["content"], "annotations": [],
+                                            "logprobs": []}]})
+        for tc in msg.get("tool_calls") or []:
+            fn = tc.get("function") or {}
+            self.items.append({"id": new_id("fc_"), "type": "function_call", "status": "completed",
+                               "call_id": tc.get("id"), "name": fn.get("name"), "arguments": fn.get("arguments", "{}")})
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        status = "incomplete" if reason == "length" else "completed"
+        return self._response(status, usage_of(int(usage.get("prompt_tokens", 0)), cached,
+                                               int(usage.get("completion_tokens", 0))))
+
+    def convert_error(self, err: dict, status: int) -> dict:
+        return {"error": {"message": err.get("message") or "error", "type": err.get("type") or "invalid_request_error",
+                          "param": err.get("param"), "code": err.get("code")}}

@@ -1,0 +1,319 @@
+"""Acceptance (issue 6): chat with tools, Anthropic Messages and OpenAI Responses through
+the running stack, driven by the official openai and anthropic SDKs."""
+
+import json
+import time
+
+import anthropic
+import http.client
+from urllib.parse import urlsplit
+import openai
+import pytest
+
+from texts import words
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                   "required": ["city"], "additionalProperties": False},
+}
+CHAT_TOOLS = [{"type": "function", "function": WEATHER}]
+ANTHROPIC_TOOLS = [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}]
+RESPONSES_TOOLS = [{"type": "function", **WEATHER}, {"type": "web_search_preview"}]
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server, demo_model):
+    from mlxgw.harness import Stack
+
+    s = Stack(redis_server.url, demo_model)
+    s.add_backend("b0")
+    s.add_backend("b1")
+    s.add_gateway()
+    s.wait()
+    yield s
+    s.stop()
+
+
+def _oai(stack):
+    return openai.OpenAI(base_url=stack.gateway.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _ant(stack, **kw):
+    return anthropic.Anthropic(base_url=stack.gateway.url, api_key="unused", max_retries=0, **kw)
+
+
+def _health(stack):
+    from mlxgw.httpget import get_json
+
+    return get_json(stack.gateway.url + "/health")
+
+
+def test_chat_forced_tool_call_not_streamed(stack):
+    c = _oai(stack).chat.completions.create(
+        model="demo-tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=CHAT_TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=64)
+    ch = c.choices[0]
+    assert ch.finish_reason == "tool_calls"
+    assert ch.message.content is None
+    (call,) = ch.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    assert c.usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_chat_forced_tool_call_streamed_deltas(stack):
+    chunks = list(_oai(stack).chat.completions.create(
+        model="demo-tiny", messages=[{"role": "user", "content": "Weather?"}], tools=CHAT_TOOLS,
+        tool_choice="required", max_tokens=64, stream=True, stream_options={"include_usage": True}))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert all("<tool_call>" not in (c.choices[0].delta.content or "") for c in chunks if c.choices)
+    first, rest = deltas[0], deltas[1:]
+    assert first.index == 0 and first.id and first.type == "function"
+    assert first.function.name == "get_weather" and first.function.arguments == ""
+    assert rest and all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
+    args = json.loads("".join(d.function.arguments for d in rest))
+    assert args["city"] in ("Paris", "Oslo")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens > 0
+    assert last.usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_anthropic_messages_streamed_and_not(stack):
+    client = _ant(stack)
+    system = [{"type": "text", "text": words(300, seed=41)}]
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]
+    raw = client.messages.with_raw_response.create(model="demo-tiny", max_tokens=8, system=system, messages=msgs,
+                                                   extra_headers={"anthropic-beta": "prompt-caching-2024-07-31"})
+    m = raw.parse()
+    prompt = int(raw.headers["x-mlxgw-prompt-tokens"])
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 8
+    assert m.content[0].type == "text" and m.content[0].text
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == prompt
+
+    # Turn 2 streamed: the reused prefix is cache_read_input_tokens, not input_tokens.
+    msgs += [{"role": "assistant", "content": m.content[0].text}, {"role": "user", "content": "and then?"}]
+    with client.messages.stream(model="demo-tiny", max_tokens=8, system=system, messages=msgs) as s:
+        kinds = [ev.type for ev in s]
+        final = s.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_start" in kinds and "content_block_delta" in kinds and "message_delta" in kinds
+    assert final.content[0].type == "text" and final.content[0].text
+    assert final.usage.output_tokens == 8
+    assert final.usage.cache_read_input_tokens >= prompt - stack.block_size
+    assert final.usage.input_tokens > 0 and final.usage.input_tokens < 40
+
+
+def test_anthropic_tool_use_round_trip(stack):
+    client = _ant(stack)
+    msgs = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    m = client.messages.create(model="demo-tiny", max_tokens=64, messages=msgs, tools=ANTHROPIC_TOOLS,
+                               tool_choice={"type": "tool", "name": "get_weather"})
+    assert m.stop_reason == "tool_use"
+    (use,) = [b for b in m.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.input["city"] in ("Paris", "Oslo") and use.id
+
+    msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"}]}]
+    with client.messages.stream(model="demo-tiny", max_tokens=8, messages=msgs, tools=ANTHROPIC_TOOLS) as s:
+        final = s.get_final_message()
+    assert final.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert final.usage.cache_read_input_tokens > 0
+
+    # Streamed forced call: input_json_delta pieces assemble into the input.
+    with client.messages.stream(model="demo-tiny", max_tokens=64, messages=msgs[:1], tools=ANTHROPIC_TOOLS,
+                                tool_choice={"type": "any"}) as s:
+        deltas = [ev.delta.type for ev in s if ev.type == "content_block_delta"]
+        final = s.get_final_message()
+    assert "input_json_delta" in deltas
+    assert final.stop_reason == "tool_use" and final.content[-1].input["city"] in ("Paris", "Oslo")
+
+
+def test_count_tokens_is_the_real_prompt(stack, demo_model):
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(__import__("pathlib").Path(demo_model))
+    system, user = words(50, seed=3), "count me"
+    n = _ant(stack).messages.count_tokens(model="demo-tiny", system=system,
+                                          messages=[{"role": "user", "content": user}], tools=ANTHROPIC_TOOLS)
+    want = tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": user}],
+                                   tools=CHAT_TOOLS, add_generation_prompt=True)
+    assert n.input_tokens == len(want)
+
+
+def test_same_conversation_in_three_dialects_shares_one_prefix(stack):
+    """Three turns (text, a tool call and its result) in each dialect: same tokens, backend and cache."""
+    oai, ant = _oai(stack), _ant(stack)
+    system, u1, a1, u2 = words(600, seed=77), words(20, seed=78), "Noted.", "Weather in Paris?"
+    drift0 = _health(stack)["prefix_drift"]
+
+    def chat(turn):
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": u1}]
+        if turn >= 2:
+            msgs += [{"role": "assistant", "content": a1}, {"role": "user", "content": u2}]
+        if turn >= 3:
+            msgs += [{"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+        raw = oai.chat.completions.with_raw_response.create(model="demo-tiny", messages=msgs, tools=CHAT_TOOLS,
+                                                            max_tokens=4)
+        u = raw.parse().usage
+        return raw.headers, u.prompt_tokens, u.prompt_tokens_details.cached_tokens
+
+    def messages(turn):
+        msgs = [{"role": "user", "content": u1}]
+        if turn >= 2:
+            msgs += [{"role": "assistant", "content": a1}, {"role": "user", "content": u2}]
+        if turn >= 3:
+            msgs += [{"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather",
+                                                        "input": {"city": "Paris"}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "sunny"}]}]
+        raw = ant.messages.with_raw_response.create(model="demo-tiny", max_tokens=4, system=system, messages=msgs,
+                                                    tools=ANTHROPIC_TOOLS)
+        u = raw.parse().usage
+        return raw.headers, u.input_tokens + u.cache_read_input_tokens, u.cache_read_input_tokens
+
+    def responses(turn):
+        items = [{"role": "user", "content": u1}]
+        if turn >= 2:
+            items += [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": a1}]},
+                      {"role": "user", "content": [{"type": "input_text", "text": u2}]}]
+        if turn >= 3:
+            items += [{"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                      {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+        raw = oai.responses.with_raw_response.create(model="demo-tiny", instructions=system, input=items,
+                                                     tools=RESPONSES_TOOLS, max_output_tokens=4)
+        u = raw.parse().usage
+        return raw.headers, u.input_tokens, u.input_tokens_details.cached_tokens
+
+    backends, prev = set(), 0
+    for turn in (1, 2, 3):
+        results = [f(turn) for f in (chat, messages, responses)]
+        prompts = {p for _, p, _ in results}
+        assert len(prompts) == 1, f"turn {turn}: dialects rendered different prompts {prompts}"
+        (prompt,) = prompts
+        for i, (headers, p, cached) in enumerate(results):
+            backends.add(headers["x-mlxgw-backend"])
+            assert int(headers["x-mlxgw-prompt-tokens"]) == prompt
+            if i == 0:  # first time this prompt is seen: the previous turn's prompt is reused
+                assert (cached >= prev - stack.block_size) if turn > 1 else cached < 20, (turn, results)
+            else:  # the same prompt again from another dialect: all but one token reused
+                assert cached == prompt - 1
+                assert int(headers["x-mlxgw-matched-tokens"]) >= prompt - stack.block_size
+        assert prompt > prev
+        prev = prompt
+    assert len(backends) == 1
+    assert _health(stack)["prefix_drift"] == drift0
+
+
+def test_responses_stream_and_function_call(stack):
+    client = _oai(stack)
+    events = list(client.responses.create(model="demo-tiny", input="hello", max_output_tokens=6, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-1] == "response.incomplete"  # max_output_tokens reached
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    done = events[-1].response
+    assert done.output[0].content[0].text == text and text
+    assert done.usage.output_tokens == 6 and done.usage.input_tokens_details.cached_tokens is not None
+
+    with client.responses.stream(model="demo-tiny", input="Weather?", tools=RESPONSES_TOOLS,
+                                 tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=64) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_response()
+    assert kinds[-1] == "response.completed" and "response.function_call_arguments.delta" in kinds
+    (call,) = final.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Oslo")
+
+
+def test_errors_in_each_dialect(stack):
+    with pytest.raises(anthropic.NotFoundError) as e:
+        _ant(stack).messages.create(model="nope", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body == {"type": "error", "error": {"type": "not_found_error",
+                                                       "message": "the model 'nope' does not exist"}}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        _ant(stack).messages.create(model="demo-tiny", max_tokens=4, messages=[{"role": "user", "content": "x"}],
+                                    tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "missing"})
+    # Raised by the backend in OpenAI form, normalized by the gateway.
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert "missing" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        _ant(stack).messages.create(model="demo-tiny", max_tokens=0, messages=[{"role": "user", "content": "x"}])
+    assert "max_tokens" in e.value.body["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        _oai(stack).responses.create(model="demo-tiny", input="x", previous_response_id="resp_123")
+    assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "unsupported_parameter"
+    conn = http.client.HTTPConnection(urlsplit(stack.gateway.url).netloc, timeout=30)
+    conn.request("POST", "/v1/messages", body=b"{not json", headers={"x-api-key": "k"})
+    r = conn.getresponse()
+    assert r.status == 400 and json.loads(r.read())["type"] == "error"
+
+
+def test_billing_header_stripped_and_drift_counted(stack):
+    client = _ant(stack)
+    body = words(200, seed=55)
+
+    def system(cch):
+        return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.0; cc_entrypoint=cli; cch={cch};"},
+                {"type": "text", "text": body}]
+
+    msgs = [{"role": "user", "content": "hi"}]
+    n_plain = client.messages.count_tokens(model="demo-tiny", system=body, messages=msgs).input_tokens
+    assert client.messages.count_tokens(model="demo-tiny", system=system("a1b2"), messages=msgs).input_tokens == n_plain
+    m1 = client.messages.create(model="demo-tiny", max_tokens=4, system=system("a1b2"), messages=msgs)
+    m2 = client.messages.create(model="demo-tiny", max_tokens=4, system=system("ffff"), messages=msgs)
+    assert m1.usage.cache_read_input_tokens < 20  # at most the ChatML opening other prompts share
+    assert m2.usage.cache_read_input_tokens == n_plain - 1
+
+    # A date in the system prompt re-rendered on the next turn: counted as drift at its token.
+    drift0 = _health(stack)["prefix_drift"]
+    hist = [{"role": "user", "content": "first question"}, {"role": "assistant", "content": "first answer"}]
+    client.messages.create(model="demo-tiny", max_tokens=2, system="Today is 2025-01-01. " + body,
+                           messages=hist + [{"role": "user", "content": "q2"}])
+    client.messages.create(model="demo-tiny", max_tokens=2, system="Today is 2025-01-02. " + body,
+                           messages=hist + [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
+                                            {"role": "user", "content": "q3"}])
+    assert _health(stack)["prefix_drift"] == drift0 + 1
+    assert "prefix drift model=demo-tiny" in stack.gateway.tail(200)
+
+
+def test_long_prefill_stream_sends_keepalives_before_first_token(redis_server, demo_model):
+    """One 8192-token prefill step, so only the gateway's own keep-alives (every 0.25 s here) can fill it."""
+    from mlxgw.harness import Stack
+
+    s = Stack(redis_server.url, demo_model)
+    try:
+        s.add_backend("b0", None, "--prefill-step-size", "8192")
+        s.add_gateway("--keepalive", "0.25")
+        s.wait()
+        body = {"model": "demo-tiny", "max_tokens": 2, "stream": True,
+                "messages": [{"role": "user", "content": words(4500, seed=9)}]}
+        lines, t0 = [], time.monotonic()
+        conn = http.client.HTTPConnection(urlsplit(s.gateway.url).netloc, timeout=120)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.getheader("content-type").startswith("text/event-stream")
+        assert r.getheader("cache-control") == "no-cache" and r.getheader("x-accel-buffering") == "no"
+        prompt = int(r.getheader("x-mlxgw-prompt-tokens"))
+        while True:
+            line = r.readline().decode().strip()
+            if line:
+                lines.append((time.monotonic() - t0, line))
+            if line.startswith("data:"):
+                break
+        conn.close()
+        first_data = lines[-1][0]
+        before = [(t, ln) for t, ln in lines[:-1] if ln.startswith(":")]
+        assert prompt > 6000
+        assert first_data > 1.0, f"prefill took {first_data:.2f}s: too short to test keep-alives"
+        assert len(before) >= 3
+        gaps = [b - a for (a, _), (b, _) in zip([(0.0, "")] + before, before + [lines[-1]])]
+        assert max(gaps) < 1.0, f"silence of {max(gaps):.2f}s before the first token"
+    finally:
+        s.stop()
