@@ -2,9 +2,7 @@
 
 Names follow vLLM's ``vllm:*`` metrics (docs.vllm.ai, "Production Metrics")
 with the ``mlxgw:`` prefix, so existing vLLM dashboards chart a backend after
-a prefix rename; bucket edges are vLLM's too, extended down to 1 ms for
-inter-token latency since small models on Apple silicon decode faster than
-vLLM's lowest bucket. Every metric is listed in ``docs/metrics.md``
+a prefix rename; bucket edges are vLLM's too (`mlxgw.metric_buckets`). Every metric is listed in ``docs/metrics.md``
 (``tests/test_metrics.py`` checks the list against a live scrape).
 
 The engine thread calls the ``on_*`` hooks; prometheus-client's metric
@@ -24,13 +22,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 # No ``*_created`` series (vLLM turns them off too): they double the output and nobody charts them.
 disable_created_metrics()
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
+from mlxgw import metric_buckets as B
 
 
 class BackendMetrics:
@@ -66,12 +58,12 @@ class BackendMetrics:
         self.prefix_queries = counter("mlxgw:prefix_cache_queries", "Prompt tokens looked up in the prompt cache.")
         self.prefix_hits = counter("mlxgw:prefix_cache_hits", "Prompt tokens reused from the prompt cache.")
         self.success = counter("mlxgw:request_success", "Finished requests by finish reason.", ["finished_reason"])
-        self.ttft = hist("mlxgw:time_to_first_token_seconds", "Submit to first generated token.", TTFT_BUCKETS)
-        self.itl = hist("mlxgw:inter_token_latency_seconds", "Time between consecutive generated tokens.", ITL_BUCKETS)
-        self.e2e = hist("mlxgw:e2e_request_latency_seconds", "Submit to end of generation.", E2E_BUCKETS)
-        self.queue_time = hist("mlxgw:request_queue_time_seconds", "Submit to admission into the batch.", TTFT_BUCKETS)
-        self.req_prompt = hist("mlxgw:request_prompt_tokens", "Prompt length of each request.", TOKEN_BUCKETS)
-        self.req_gen = hist("mlxgw:request_generation_tokens", "Generated tokens of each request.", TOKEN_BUCKETS)
+        self.ttft = hist("mlxgw:time_to_first_token_seconds", "Submit to first generated token.", B.TTFT)
+        self.itl = hist("mlxgw:inter_token_latency_seconds", "Time between consecutive generated tokens.", B.ITL)
+        self.e2e = hist("mlxgw:e2e_request_latency_seconds", "Submit to end of generation.", B.E2E)
+        self.queue_time = hist("mlxgw:request_queue_time_seconds", "Submit to admission into the batch.", B.TTFT)
+        self.req_prompt = hist("mlxgw:request_prompt_tokens", "Prompt length of each request.", B.TOKENS)
+        self.req_gen = hist("mlxgw:request_generation_tokens", "Generated tokens of each request.", B.TOKENS)
         for c in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits, self.ttft,
                   self.itl, self.e2e, self.queue_time, self.req_prompt, self.req_gen):
             c.labels(model_name)  # export zeros before the first request

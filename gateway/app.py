@@ -22,12 +22,12 @@ from mlxgw import schema
 from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, parse_openai
 
 from .index import OwnershipIndex
+from .metrics import GatewayMetrics, request_done
 from .proxy import Attempt, BackendUnavailable, Proxy
 from .route import RoutingConfig, rank
 from .tokenize import ModelInfo, Tokenizers
 
 log = logging.getLogger("mlxgw.gateway")
-reqlog = logging.getLogger("mlxgw.requests")
 
 
 @dataclass
@@ -53,6 +53,7 @@ class GatewayState:
     index: OwnershipIndex
     proxy: Proxy
     counters: dict = field(default_factory=lambda: {"requests": 0, "errors": 0, "routed_prefix": 0, "routed_load": 0})
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
 
 
 STATE = web.AppKey("state", GatewayState)
@@ -208,9 +209,10 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
             ),
         )
     )
-    outcome = "ok"
+    outcome, resp = "ok", None
     try:
-        return await st.proxy.forward(request, attempts, path, payload, "application/x-msgpack", stream)
+        resp = await st.proxy.forward(request, attempts, path, payload, "application/x-msgpack", stream)
+        return resp
     except BackendUnavailable as e:
         outcome = "unavailable"
         raise RequestError(f"no backend could take the request: {e}", status=503, type="server_error", code="backend_unavailable")
@@ -218,11 +220,8 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         outcome = "client_disconnected"
         raise
     finally:
-        reqlog.info(
-            "request id=%s model=%s backend=%s prompt_tokens=%d matched=%d lookup=%s duration_ms=%.1f outcome=%s",
-            rid, info.name, ranked[0].cand.backend_id, len(ids), ranked[0].matched, lk.status,
-            (time.perf_counter() - t0) * 1000, outcome,
-        )
+        request_done(st.metrics, rid=rid, model=info.name, prompt_tokens=len(ids), lookup=lk, t0=t0,
+                     route_s=route_ms / 1000, attempts=attempts, resp=resp, outcome=outcome)
 
 
 async def handle_models(request: web.Request) -> web.Response:
@@ -278,6 +277,9 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout)
         await proxy.start()
         app[STATE] = GatewayState(cfg, toks, index, proxy)
+        app[STATE].metrics.bind(app[STATE])
+        for name in cfg.models:
+            app[STATE].metrics.prime(name)
         yield
         await proxy.close()
         await index.close()
@@ -289,4 +291,5 @@ def make_app(cfg: GatewayConfig) -> web.Application:
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/v1/models/{name:.+}", handle_model)
     app.router.add_get("/health", handle_health)
+    app.router.add_get("/metrics", lambda r: r.app[STATE].metrics.handler(r))
     return app

@@ -68,6 +68,7 @@ class Attempt:
     url: str
     prefill_tokens: int
     headers: dict
+    first_byte_at: float = 0.0  # perf_counter() of the first answer byte (SSE: first data event)
 
 
 class BackendUnavailable(Exception):
@@ -149,6 +150,7 @@ class Proxy:
                         async for chunk in up.content.iter_any():
                             if prefill_open and (not is_sse or b"data:" in chunk):
                                 self.inflight.started(a.backend_id, handle)
+                                a.first_byte_at = time.perf_counter()
                                 prefill_open = False
                             await out.write(chunk)
                     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
