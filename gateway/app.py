@@ -21,6 +21,7 @@ from aiohttp import web
 from mlxgw import schema
 from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, parse_openai
 
+from . import dashboard
 from .index import OwnershipIndex
 from .metrics import GatewayMetrics, request_done
 from .proxy import Attempt, BackendUnavailable, Proxy
@@ -292,4 +293,5 @@ def make_app(cfg: GatewayConfig) -> web.Application:
     app.router.add_get("/v1/models/{name:.+}", handle_model)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", lambda r: r.app[STATE].metrics.handler(r))
+    dashboard.install(app, cfg.redis_url, cfg.namespace)
     return app
