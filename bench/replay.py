@@ -103,6 +103,11 @@ async def replay(args) -> dict:
             ])
         wall = time.perf_counter() - t0
         tot = _backend_totals(stack)
+        if args.screenshot:
+            from mlxgw import browser
+
+            time.sleep(2.5)  # the dashboard samples Redis every second; let it see the last heartbeat
+            browser.screenshot(stack.gateway.url + "/dashboard", Path(args.screenshot), size=(1280, 860))
     finally:
         stack.stop()
         redis.cleanup()
@@ -157,6 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="model dir (default: the tiny demo model)")
     p.add_argument("--gateway-args", default="", help="extra flags for mlxgw gateway, one string")
     p.add_argument("--out", help="write the JSON result here")
+    p.add_argument("--screenshot", help="after the run, save a PNG of the gateway's /dashboard here (needs chromium)")
     args = p.parse_args(argv)
     res = asyncio.run(replay(args))
     print(table(res))
