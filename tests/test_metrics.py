@@ -99,3 +99,18 @@ def test_metrics_move_with_traffic(make_stack):
         assert int(f["prompt_tokens"]) == prompt and int(f["cached_tokens"]) == c
         assert int(f["matched_tokens"]) == int(hdr["X-Mlxgw-Matched-Tokens"])
         assert 0 < float(f["ttft_ms"]) <= float(f["duration_ms"])
+
+
+def test_grafana_dashboard_charts_only_documented_metrics():
+    dash = json.loads((Path(__file__).parent.parent / "configs" / "grafana-dashboard.json").read_text())
+    documented = _documented("## Backend") | _documented("## Gateway")
+    used = set()
+    for p in dash["panels"]:
+        for t in p["targets"]:
+            for name in re.findall(r"mlxgw:[a-z0-9_:]+", t["expr"]):
+                used.add(re.sub(r"_(bucket|sum|count)$", "", name))
+    assert used <= documented, used - documented
+    # Every key figure of the issue is charted.
+    assert {"mlxgw:time_to_first_token_seconds", "mlxgw:inter_token_latency_seconds", "mlxgw:prefix_cache_hits_total",
+            "mlxgw:routing_decisions_total", "mlxgw:redis_lookup_duration_seconds", "mlxgw:gateway_degraded",
+            "mlxgw:gateway_retries_total", "mlxgw:backend_up"} <= used
