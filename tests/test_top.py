@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-import threading
 import time
 
 from mlxgw.httpget import post
@@ -21,21 +20,17 @@ def test_top_live_against_stack(make_stack, redis_server):
     msg = {"model": s.model_name, "messages": [{"role": "user", "content": words(200, seed=21)}], "max_tokens": 8}
     assert post(s.gateway.url + "/v1/chat/completions", msg)[0] == 200
 
-    def traffic():  # the same prompt again while top runs: hits land between frames
-        for _ in range(8):
-            post(s.gateway.url + "/v1/chat/completions", msg)
-            time.sleep(0.2)
-
-    th = threading.Thread(target=traffic)
-    th.start()
+    top = subprocess.Popen([sys.executable, "-m", "mlxgw", "top", "--redis-url", redis_server.url, "--namespace",
+                            s.namespace, "--iterations", "4", "--interval", "0.6"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-m", "mlxgw", "top", "--redis-url", redis_server.url, "--namespace",
-                          s.namespace, "--iterations", "4", "--interval", "0.6"],
-                         capture_output=True, text=True, timeout=60)
-    th.join()
-    assert out.returncode == 0, out.stderr
+    while top.poll() is None and time.time() - t0 < 60:  # the same prompt again for as long as top runs
+        post(s.gateway.url + "/v1/chat/completions", msg)
+        time.sleep(0.1)
+    stdout, stderr = top.communicate(timeout=30)
+    assert top.returncode == 0, stderr
     assert time.time() - t0 < 30
-    frames = out.stdout.split("mlxgw top  namespace")[1:]
+    frames = stdout.split("mlxgw top  namespace")[1:]
     assert len(frames) == 4  # bounded: exactly --iterations frames
     last = frames[-1]
     assert "model demo-tiny: 2 backends" in last
