@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .cache import PromptCache
+from .metrics import BackendMetrics
 
 log = logging.getLogger("mlxgw.backend.engine")
 
@@ -144,6 +145,7 @@ class MLXEngine(Engine):
         prefill_concurrency: int = 2,
         prefill_step_size: int = 512,
         finish_prefill_on_cancel: bool = True,
+        metrics: Optional[BackendMetrics] = None,
     ):
         self.model_path = model_path
         self.finish_prefill_on_cancel = finish_prefill_on_cancel
@@ -171,6 +173,7 @@ class MLXEngine(Engine):
         self.misses = 0
         self.prefill_tps = 0.0
         self.decode_tps = 0.0
+        self.metrics = metrics or BackendMetrics()
 
     # -- public API (any thread) ------------------------------------------
     def start(self) -> None:
@@ -315,6 +318,7 @@ class MLXEngine(Engine):
         self.requests_total += 1
         self.prompt_tokens_total += len(prompt)
         self.cached_tokens_total += hit.reused
+        self.metrics.on_admit(req.rid, req.submitted_at, len(prompt), hit.reused)
         if hit.reused:
             self.hits += 1
         else:
@@ -387,6 +391,7 @@ class MLXEngine(Engine):
             req = live.req
             req.generated += 1
             self.generated_tokens_total += 1
+            self.metrics.on_token(req.rid, req.submitted_at)
             if r.finish_reason == "stop":
                 live.detok.finalize()
                 text = live.detok.last_segment
@@ -423,4 +428,5 @@ class MLXEngine(Engine):
         if live.prompt_left:
             self.queued_prefill_tokens -= live.prompt_left
             live.prompt_left = 0
+        self.metrics.on_finish(live.req.rid, live.req.submitted_at, live.req.generated, reason)
         live.req.emit(GenEvent("end", finish_reason=reason))

@@ -16,6 +16,7 @@ from mlxgw import schema
 from mlxgw.util import parse_bytes, redact_url
 
 from .cache import PromptCache
+from .metrics import BackendMetrics
 from .report import Reporter
 from .server import BackendConfig, make_app
 
@@ -96,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         min_hit_ratio=args.min_hit_ratio,
         listener=reporter,
     )
+    metrics = BackendMetrics(name)
     engine = MLXEngine(
         model_path,
         cache,
@@ -104,8 +106,10 @@ def run(args: argparse.Namespace) -> int:
         prefill_concurrency=args.prefill_concurrency,
         prefill_step_size=args.prefill_step_size,
         finish_prefill_on_cancel=not args.cancel_prefill,
+        metrics=metrics,
     )
-    reporter.info = engine.stats
+    metrics.bind(engine.stats, budget)
+    reporter.info = lambda: {**engine.stats(), **metrics.record_fields()}
     cfg = BackendConfig(backend_id, name, str(model_path), internal_token=args.internal_token,
                         request_timeout=args.request_timeout)
     return asyncio.run(_serve(engine, reporter, cfg, args))

@@ -74,7 +74,7 @@ async def error_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     token = request.app[CONFIG].internal_token
-    if token and request.path not in ("/health",):
+    if token and request.path not in ("/health", "/metrics"):  # no prompts in either
         import hmac
 
         got = request.headers.get("Authorization", "")
@@ -225,7 +225,8 @@ async def _collect(req, renderer, builder, reporter, engine, timeout: float) -> 
                 break
     await reporter.flush()
     usage = renderer.usage(len(req.prompt), req.generated, req.cached)
-    return web.json_response(renderer.full("".join(content), "".join(reasoning), calls, reason, usage))
+    return web.json_response(renderer.full("".join(content), "".join(reasoning), calls, reason, usage),
+                             headers={"X-Mlxgw-Cached-Tokens": str(req.cached)})
 
 
 def _sse(obj: dict) -> bytes:
@@ -337,4 +338,6 @@ def make_app(engine: Engine, reporter: Reporter, cfg: BackendConfig) -> web.Appl
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/internal/cache", handle_cache)
+    if getattr(engine, "metrics", None) is not None:
+        app.router.add_get("/metrics", engine.metrics.handler)
     return app

@@ -103,6 +103,11 @@ async def replay(args) -> dict:
             ])
         wall = time.perf_counter() - t0
         tot = _backend_totals(stack)
+        if args.screenshot:
+            from mlxgw import browser
+
+            time.sleep(2.5)  # the dashboard samples Redis every second; let it see the last heartbeat
+            browser.screenshot(stack.gateway.url + "/dashboard", Path(args.screenshot), size=(1280, 860))
     finally:
         stack.stop()
         redis.cleanup()
@@ -186,6 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("--policies", default="",
                    help="comma-separated routing policies to replay side by side (e.g. longest_prefix,cache_aware)")
     p.add_argument("--out", help="write the JSON result here")
+    p.add_argument("--screenshot", help="after the run, save a PNG of the gateway's /dashboard here (needs chromium)")
     args = p.parse_args(argv)
     if args.policies:
         return compare(args)

@@ -21,17 +21,17 @@ from aiohttp import web
 from mlxgw import schema
 from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, parse_openai
 
-from . import dialects
+from . import dashboard, dialects
 from .index import OwnershipIndex
 from .janitor import Janitor
 from .load import LoadPublisher
+from .metrics import GatewayMetrics, request_done
 from .proxy import Attempt, BackendUnavailable, Proxy
 from .route import RoutingConfig, rank
 from .stability import DEFAULT_STRIP, DriftDetector, compile_patterns, strip_volatile
 from .tokenize import ModelInfo, Tokenizers
 
 log = logging.getLogger("mlxgw.gateway")
-reqlog = logging.getLogger("mlxgw.requests")
 
 
 @dataclass
@@ -64,6 +64,7 @@ class GatewayState:
                                                     "prefix_drift": 0})
     drift: DriftDetector = field(default_factory=DriftDetector)
     strip: list = field(default_factory=list)
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
 
 
 STATE = web.AppKey("state", GatewayState)
@@ -247,9 +248,10 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
             ),
         )
     )
-    outcome = "ok"
+    outcome, resp = "ok", None
     try:
-        return await st.proxy.forward(request, attempts, path, payload, "application/x-msgpack", stream, transform)
+        resp = await st.proxy.forward(request, attempts, path, payload, "application/x-msgpack", stream, transform)
+        return resp
     except BackendUnavailable as e:
         outcome = "unavailable"
         if e.timed_out:
@@ -259,11 +261,8 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         outcome = "client_disconnected"
         raise
     finally:
-        reqlog.info(
-            "request id=%s model=%s backend=%s prompt_tokens=%d matched=%d lookup=%s duration_ms=%.1f outcome=%s",
-            rid, info.name, ranked[0].cand.backend_id, len(ids), ranked[0].matched, lk.status,
-            (time.perf_counter() - t0) * 1000, outcome,
-        )
+        request_done(st.metrics, rid=rid, model=info.name, prompt_tokens=len(ids), lookup=lk, t0=t0,
+                     route_s=route_ms / 1000, attempts=attempts, resp=resp, outcome=outcome)
 
 
 async def handle_models(request: web.Request) -> web.Response:
@@ -320,6 +319,9 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout, keepalive=cfg.keepalive)
         await proxy.start()
         app[STATE] = GatewayState(cfg, toks, index, proxy, strip=compile_patterns(cfg.strip_lines))
+        app[STATE].metrics.bind(app[STATE])
+        for name in cfg.models:
+            app[STATE].metrics.prime(name)
         publisher = LoadPublisher(index, proxy.inflight.view)
         publisher.start()
         janitor = Janitor(index, grace=cfg.janitor_grace, interval=min(10.0, max(1.0, cfg.janitor_grace / 2)))
@@ -337,5 +339,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/v1/models/{name:.+}", handle_model)
     app.router.add_get("/health", handle_health)
+    app.router.add_get("/metrics", lambda r: r.app[STATE].metrics.handler(r))
+    dashboard.install(app, cfg.redis_url, cfg.namespace)
     dialects.register(app, _route, _read_json, count_chat_tokens)
     return app

@@ -73,6 +73,7 @@ class Attempt:
     url: str
     prefill_tokens: int
     headers: dict
+    first_byte_at: float = 0.0  # perf_counter() of the first answer byte (SSE: first data event)
 
 
 class Transform(Protocol):
@@ -235,6 +236,7 @@ class Proxy:
                                 break
                             if prefill_open and (not is_sse or b"data:" in chunk):
                                 self.inflight.started(a.backend_id, handle)
+                                a.first_byte_at = time.perf_counter()
                                 prefill_open = False
                             data = t_feed(chunk)
                             if data:

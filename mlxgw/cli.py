@@ -1,4 +1,4 @@
-"""``mlxgw``: the one console command (serve, backend, gateway, demo-model, status)."""
+"""``mlxgw``: the one console command (serve, backend, gateway, demo-model, status, top)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="default: the URL the last `mlxgw serve` wrote, else redis://127.0.0.1:6379/0")
     sp.add_argument("--namespace", default="mlxgw")
     sp.add_argument("--json", action="store_true")
+    sp = sub.add_parser("top", help="status, live-refreshing, sorted by load")
+    sp.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL"),
+                    help="default: the URL the last `mlxgw serve` wrote, else redis://127.0.0.1:6379/0")
+    sp.add_argument("--namespace", default="mlxgw")
+    sp.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    sp.add_argument("--iterations", type=int, default=0, help="stop after N frames (0: until Ctrl-C)")
+    sp.add_argument("--events", type=int, default=5, help="recent events shown per model")
 
     args = p.parse_args(argv)
     _logging(args.log_level)
@@ -62,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         from .status import run as status_run
 
         return status_run(args)
+    if args.cmd == "top":
+        from .top import run as top_run
+
+        return top_run(args)
     return 2
 
 

@@ -261,7 +261,8 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
         f"  models     {', '.join(m.name for m in cfg.models)}",
         f"  backends   {', '.join(c.name + ' ' + c.health_url.rsplit('/', 1)[0] for c in children)}",
         f"  redis      {redact_url(redis_url)}{' (embedded)' if embedded else ''}",
-        f"  status     mlxgw status        (reads the Redis URL from {serve_url_file()})",
+        f"  dashboard  http://{host}:{cfg.port}/dashboard   metrics  http://{host}:{cfg.port}/metrics",
+        f"  status     mlxgw status | mlxgw top   (read the Redis URL from {serve_url_file()})",
         "  stop       Ctrl-C",
         "",
     ]

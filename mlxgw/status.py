@@ -1,43 +1,186 @@
-"""``mlxgw status``: the cluster at a glance, from Redis alone (no gateway needed)."""
+"""``mlxgw status``: the cluster at a glance, from Redis alone (no gateway needed).
+
+`collect` reads one snapshot; `backend_view` derives the per-backend figures
+people look at; `History` turns successive snapshots into rates. ``mlxgw top``
+(`mlxgw.top`) and the gateway's dashboard (`gateway.dashboard`) use the same
+three, so every view computes a hit ratio the same way.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
+from collections import deque
+from typing import Optional
 
 import redis
 
 from . import schema
 from .util import redact_url
 
+# Event data fields worth showing (block lists are long and meaningless to people).
+_EVENT_FIELDS = ("request", "matched", "prompt_tokens", "lookup", "tokens", "cache_type")
 
-def collect(r: redis.Redis, namespace: str) -> dict:
-    """Live backends per model with their registry records, and recent events."""
+
+def _s(x) -> str:
+    return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
+
+
+def collect(r: redis.Redis, namespace: str, events: int = 10) -> dict:
+    """One snapshot of the cluster from Redis.
+
+    Args:
+        r: a client (``decode_responses`` either way).
+        namespace: key namespace.
+        events: how many recent events per model.
+
+    Returns:
+        ``{model: {"backends": [registry record (str -> str)], "recent_events":
+        [{"type", "backend", "epoch", "ts", <data fields>}]}}``, models sorted,
+        backends in heartbeat order, events newest first.
+
+    Raises:
+        redis.RedisError: Redis unreachable or failing.
+    """
     out = {}
-    for m in sorted(r.smembers(schema.models_key(namespace))):
+    for m in sorted(_s(x) for x in r.smembers(schema.models_key(namespace))):
         k = schema.Keys(namespace, m)
         backends = []
         for bid in r.zrange(k.backends, 0, -1):
-            rec = r.hgetall(k.backend(bid))
+            rec = r.hgetall(k.backend(_s(bid)))
             if rec:
-                backends.append(rec)
-        events = [{kk: vv for kk, vv in f.items() if kk != "data"}
-                  for _, f in r.xrevrange(k.events, count=10)]
-        out[m] = {"backends": backends, "recent_events": events}
+                backends.append({_s(a): _s(b) for a, b in rec.items()})
+        evs = []
+        for _, f in r.xrevrange(k.events, count=events):
+            try:
+                e = schema.decode_event(f)
+            except Exception:  # a foreign or corrupt entry: show its plain fields only
+                e = {_s(a): _s(b) for a, b in f.items() if _s(a) != "data"}
+            data = e.pop("data", {}) or {}
+            e.update({kk: data[kk] for kk in _EVENT_FIELDS if kk in data})
+            evs.append(e)
+        out[m] = {"backends": backends, "recent_events": evs}
     return out
 
 
-def run(args) -> int:
+def _f(rec: dict, key: str) -> float:
+    try:
+        return float(rec.get(key, 0) or 0)
+    except ValueError:
+        return 0.0
+
+
+def backend_view(rec: dict, now: Optional[float] = None) -> dict:
+    """Derived figures of one registry record.
+
+    Returns ``id, state, url, active, queued (prefill tokens), entries,
+    cache_mb, cache_use (bytes / budget, 0..1, 0 without a budget),
+    requests, hit_ratio (cached / prompt tokens since start), age_s (since the
+    last heartbeat), load`` where ``load`` (active requests, then queued
+    tokens) is the sort key of ``mlxgw top``.
+    """
+    now = time.time() if now is None else now
+    pt = _f(rec, "prompt_tokens")
+    budget = _f(rec, "cache_budget_bytes")
+    active, queued = int(_f(rec, "active")), int(_f(rec, "queued_prefill_tokens"))
+    return {
+        "id": rec.get("id", "?"),
+        "state": rec.get("state", "?"),
+        "url": rec.get("url", "?"),
+        "active": active,
+        "queued": queued,
+        "entries": int(_f(rec, "cache_entries")),
+        "cache_mb": round(_f(rec, "cache_bytes") / 2**20, 2),
+        "cache_use": round(_f(rec, "cache_bytes") / budget, 4) if budget else 0.0,
+        "requests": int(_f(rec, "requests")),
+        "hits": int(_f(rec, "hits")),
+        "hit_ratio": round(_f(rec, "cached_tokens") / pt, 4) if pt else 0.0,
+        "decode_tps": _f(rec, "decode_tps"),
+        "age_s": round(now - _f(rec, "last_heartbeat"), 1),
+        "load": (active, queued),
+    }
+
+
+_COUNTERS = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_seconds_sum", "ttft_count")
+
+
+def _rates(prev: dict, cur: dict, dt: float) -> dict:
+    """Rates between two sets of counters (a counter that went down restarted: count it from 0)."""
+    d = {k: (cur[k] - prev[k]) if cur[k] >= prev[k] else cur[k] for k in _COUNTERS}
+    return {
+        "rps": round(d["requests"] / dt, 3),
+        "hit_ratio": round(d["cached_tokens"] / d["prompt_tokens"], 4) if d["prompt_tokens"] else None,
+        "gen_tps": round(d["generated_tokens"] / dt, 2),
+        "ttft_ms": round(1000 * d["ttft_seconds_sum"] / d["ttft_count"], 2) if d["ttft_count"] else None,
+    }
+
+
+class History:
+    """Rates over time from successive `collect` snapshots.
+
+    Each `add` after the first appends one point per model and per backend:
+    ``{"t": unix s, "rps": requests/s, "hit_ratio": cached/prompt tokens in
+    the interval (None without prompt tokens), "gen_tps": generated tokens/s,
+    "ttft_ms": mean TTFT of the interval (None without first tokens)}``.
+    A model's point sums the backends present in both snapshots.
+
+    Args:
+        maxlen: points kept per series.
+    """
+
+    def __init__(self, maxlen: int = 120):
+        self.maxlen = maxlen
+        self._prev: Optional[tuple[float, dict]] = None
+        self.models: dict[str, deque] = {}
+        self.backends: dict[tuple[str, str], deque] = {}
+
+    @staticmethod
+    def _counters(data: dict) -> dict:
+        return {(m, b.get("id", "?")): {k: _f(b, k) for k in _COUNTERS}
+                for m, d in data.items() for b in d["backends"]}
+
+    def add(self, data: dict, t: Optional[float] = None) -> None:
+        """Add one snapshot taken at ``t`` (unix s, default now)."""
+        t = time.time() if t is None else t
+        cur = self._counters(data)
+        if self._prev is not None and t > self._prev[0]:
+            t0, prev = self._prev
+            dt = t - t0
+            totals: dict[str, tuple[dict, dict]] = {}
+            for key, c in cur.items():
+                if key not in prev:
+                    continue
+                p = prev[key]
+                self.backends.setdefault(key, deque(maxlen=self.maxlen)).append({"t": t, **_rates(p, c, dt)})
+                tp, tc = totals.setdefault(key[0], ({k: 0.0 for k in _COUNTERS}, {k: 0.0 for k in _COUNTERS}))
+                for k in _COUNTERS:
+                    # Per-backend deltas summed, so a restarted backend does not subtract.
+                    tc[k] += (c[k] - p[k]) if c[k] >= p[k] else c[k]
+            for m, (zero, delta) in totals.items():
+                self.models.setdefault(m, deque(maxlen=self.maxlen)).append({"t": t, **_rates(zero, delta, dt)})
+        self._prev = (t, cur)
+
+    def model_series(self, model: str) -> list[dict]:
+        return list(self.models.get(model, ()))
+
+    def backend_series(self, model: str, backend: str) -> list[dict]:
+        return list(self.backends.get((model, backend), ()))
+
+
+def connect(args) -> redis.Redis:
+    """The Redis client of ``status``/``top``: ``--redis-url``, else the last ``mlxgw serve``'s."""
     if not args.redis_url:
         from .util import serve_url_file
 
         f = serve_url_file()
         args.redis_url = f.read_text().strip() if f.exists() else "redis://127.0.0.1:6379/0"
+    return redis.Redis.from_url(args.redis_url, socket_timeout=3)
+
+
+def run(args) -> int:
     try:
-        r = redis.Redis.from_url(args.redis_url, decode_responses=True, encoding_errors="replace",
-                                 socket_timeout=3)
-        data = collect(r, args.namespace)
+        data = collect(connect(args), args.namespace)
     except redis.RedisError as e:
         print(f"Redis unreachable at {redact_url(args.redis_url)}: {e}", file=sys.stderr)
         return 4
@@ -50,17 +193,14 @@ def run(args) -> int:
     con = Console()
     if not data:
         con.print(f"no models registered under namespace '{args.namespace}'")
+    now = time.time()
     for m, d in data.items():
         t = Table(title=f"model {m}")
         for col in ("backend", "state", "url", "active", "queued", "entries", "cache MB", "hit ratio", "age s"):
             t.add_column(col)
-        for b in d["backends"]:
-            pt = float(b.get("prompt_tokens", 0) or 0)
-            hit = float(b.get("cached_tokens", 0) or 0) / pt if pt else 0.0
-            t.add_row(b.get("id", "?"), b.get("state", "?"), b.get("url", "?"), b.get("active", "0"),
-                      b.get("queued_prefill_tokens", "0"), b.get("cache_entries", "0"),
-                      f"{float(b.get('cache_bytes', 0) or 0) / 2**20:.1f}", f"{hit:.2f}",
-                      f"{time.time() - float(b.get('last_heartbeat', 0) or 0):.1f}")
+        for b in map(lambda r: backend_view(r, now), d["backends"]):
+            t.add_row(b["id"], b["state"], b["url"], str(b["active"]), str(b["queued"]), str(b["entries"]),
+                      f"{b['cache_mb']:.1f}", f"{b['hit_ratio']:.2f}", f"{b['age_s']:.1f}")
         con.print(t)
         for e in d["recent_events"]:
             con.print(f"  {e.get('ts', '')} {e.get('type', ''):8} {e.get('backend', '')}")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what mlxgw needs on a fresh machine: redis-server (Homebrew on
-# macOS, apt-get on Debian/Ubuntu) and a virtualenv in .venv with the package.
+# macOS, apt-get on Debian/Ubuntu), chromium for the tests (apt-get only) and a
+# virtualenv in .venv with the package.
 # Usage: scripts/setup.sh [pip extras, e.g. test]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,16 @@ if ! command -v redis-server >/dev/null 2>&1; then
   else
     echo "please install redis-server with your package manager" >&2; exit 1
   fi
+fi
+
+# The dashboard's browser test needs Chromium: installed with the test extras on
+# Debian/Ubuntu (apt-get), never for plain `serve`. Elsewhere the test skips and says why.
+if [[ "${1:-}" == *test* ]] && ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \
+   && [[ "$(uname)" != "Darwin" ]] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing chromium (for the dashboard browser test)..." >&2
+  SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+  { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null; } \
+    || echo "chromium install failed; the dashboard browser test will be skipped" >&2
 fi
 
 PY=${PYTHON:-python3}

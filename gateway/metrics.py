@@ -1,0 +1,162 @@
+"""The gateway's Prometheus metrics (``GET /metrics``) and its per-request log line.
+
+Names carry the ``mlxgw:`` prefix and follow vLLM's conventions (docs.vllm.ai,
+"Production Metrics": ``*_total`` counters, ``*_seconds`` histograms,
+``model_name`` label); gateway-only series say ``gateway`` or ``routing`` so
+they never collide with a backend's when one Prometheus scrapes both. Every
+metric is listed in ``docs/metrics.md``; ``tests/test_metrics.py`` checks the
+list against a live scrape.
+
+`request_done` is the one hook the request path calls: it updates the
+request metrics and writes one logfmt line per request to the
+``mlxgw.requests`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from aiohttp import web
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+                               disable_created_metrics, generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from mlxgw import metric_buckets as B
+
+reqlog = logging.getLogger("mlxgw.requests")
+
+# No ``*_created`` series (as vLLM): they double the output and nobody charts them.
+disable_created_metrics()
+
+
+class _StateCollector:
+    """Series read from the gateway's state at scrape time (no hook needed)."""
+
+    def __init__(self, state):
+        self.st = state
+
+    def collect(self):
+        st = self.st
+        g = GaugeMetricFamily("mlxgw:gateway_degraded",
+                              "1 while Redis lookups fail and routing uses the last registry snapshot.")
+        g.add_metric([], 0.0 if st.index.healthy else 1.0)
+        yield g
+        up = GaugeMetricFamily("mlxgw:backend_up",
+                               "1 per registered backend that is ready and had no recent connect failure.",
+                               labels=["model_name", "backend"])
+        for model, cands in sorted(st.index.snapshot.items()):
+            for c in cands:
+                ok = c.state == "ready" and not st.proxy.recently_failed(c.backend_id)
+                up.add_metric([model, c.backend_id], 1.0 if ok else 0.0)
+        yield up
+        run = GaugeMetricFamily("mlxgw:gateway_num_requests_running", "Requests this gateway is forwarding, per backend.",
+                                labels=["backend"])
+        for b, (n, _) in sorted(st.proxy.inflight.view().items()):
+            run.add_metric([b], n)
+        yield run
+        r = CounterMetricFamily("mlxgw:gateway_retries", "Requests re-sent to the next backend before the first byte.")
+        r.add_metric([], st.proxy.retries)
+        yield r
+        e = CounterMetricFamily("mlxgw:gateway_request_errors",
+                                "Requests answered with an OpenAI-style error by the gateway itself.")
+        e.add_metric([], st.counters.get("errors", 0))
+        yield e
+        lk = CounterMetricFamily("mlxgw:redis_lookups", "Ownership lookups by status.", labels=["status"])
+        for status, n in sorted(st.index.lookups.items()):
+            lk.add_metric([status], n)
+        yield lk
+
+
+class GatewayMetrics:
+    """The gateway's metrics in their own registry; `bind` it to the state at startup."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, lab = self.registry, ["model_name"]
+        self.requests = Counter("mlxgw:gateway_requests", "Forwarded requests by outcome.", lab + ["outcome"], registry=r)
+        self.decisions = Counter("mlxgw:routing_decisions", "Routing decisions: prefix (best backend owned a prefix), "
+                                 "load (it owned none), fallback (lookup failed; load on the last snapshot).",
+                                 lab + ["outcome"], registry=r)
+        self.matched = Histogram("mlxgw:routing_matched_prefix_tokens", "Prompt tokens the chosen backend owned per Redis.",
+                                 lab, buckets=B.TOKENS, registry=r)
+        self.prompt_tokens = Counter("mlxgw:gateway_prompt_tokens", "Prompt tokens of forwarded requests.", lab, registry=r)
+        self.cached_tokens = Counter("mlxgw:gateway_cached_tokens", "Prompt tokens the backends reported reused.",
+                                     lab, registry=r)
+        self.lookup = Histogram("mlxgw:redis_lookup_duration_seconds", "One ownership lookup round trip.",
+                                ["status"], buckets=B.LOOKUP, registry=r)
+        self.overhead = Histogram("mlxgw:routing_overhead_seconds",
+                                  "Request arrival to forward: parse, template, tokenize, hash, lookup, rank.",
+                                  lab, buckets=B.OVERHEAD, registry=r)
+        self.ttft = Histogram("mlxgw:gateway_time_to_first_token_seconds",
+                              "Request arrival to the first answer byte from the backend (streamed: first token).",
+                              lab, buckets=B.TTFT, registry=r)
+        self.e2e = Histogram("mlxgw:gateway_e2e_request_latency_seconds", "Request arrival to end of answer.",
+                             lab, buckets=B.E2E, registry=r)
+        for status in ("ok", "timeout", "error"):
+            self.lookup.labels(status)
+
+    def bind(self, state) -> None:
+        """Register the scrape-time series of ``state`` (a `gateway.app.GatewayState`)."""
+        self.registry.register(_StateCollector(state))
+
+    def prime(self, model: str) -> None:
+        """Export zeros for ``model`` before its first request."""
+        for c in (self.matched, self.prompt_tokens, self.cached_tokens, self.overhead, self.ttft, self.e2e):
+            c.labels(model)
+        for o in ("prefix", "load", "fallback"):
+            self.decisions.labels(model, o)
+        self.requests.labels(model, "ok")
+
+    async def handler(self, request: web.Request) -> web.Response:
+        """``GET /metrics`` in the Prometheus text format."""
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def request_done(m: GatewayMetrics, *, rid: str, model: str, prompt_tokens: int, lookup, t0: float,
+                 route_s: float, attempts: list, resp: Optional[web.StreamResponse], outcome: str) -> dict:
+    """Record one forwarded request in the metrics and the request log.
+
+    Args:
+        lookup: the `gateway.index.Lookup` (its ``status`` and ``seconds``).
+        t0: ``time.perf_counter()`` at arrival; route_s: seconds until forwarding.
+        attempts: the `gateway.proxy.Attempt` list; the answering one is named by
+            the response's ``X-Mlxgw-Backend`` header and carries ``first_byte_at``.
+        resp: the response sent to the client, or None when none was.
+        outcome: ``ok``, ``unavailable`` or ``client_disconnected``.
+
+    Returns the logged fields (``ttft_ms`` and ``cached_tokens`` are None when unknown).
+    """
+    now = time.perf_counter()
+    h = resp.headers if resp is not None else {}
+    backend = h.get("X-Mlxgw-Backend") or (attempts[0].backend_id if attempts else "-")
+    used = next((a for a in attempts if a.backend_id == backend), attempts[0] if attempts else None)
+    matched = int(h.get("X-Mlxgw-Matched-Tokens") or (used.headers.get("X-Mlxgw-Matched-Tokens", 0) if used else 0))
+    cached = int(h["X-Mlxgw-Cached-Tokens"]) if "X-Mlxgw-Cached-Tokens" in h else None
+    ttft = (used.first_byte_at - t0) if used is not None and used.first_byte_at else None
+    if resp is not None and resp.status >= 400 and outcome == "ok":
+        outcome = f"http_{resp.status}"
+    decision = "fallback" if lookup.status != "ok" else ("prefix" if matched > 0 else "load")
+
+    m.requests.labels(model, outcome).inc()
+    m.decisions.labels(model, decision).inc()
+    m.matched.labels(model).observe(matched)
+    m.prompt_tokens.labels(model).inc(prompt_tokens)
+    if cached is not None:
+        m.cached_tokens.labels(model).inc(cached)
+    m.lookup.labels(lookup.status).observe(lookup.seconds)
+    m.overhead.labels(model).observe(route_s)
+    if ttft is not None:
+        m.ttft.labels(model).observe(ttft)
+    m.e2e.labels(model).observe(now - t0)
+
+    fields = {
+        "id": rid, "model": model, "backend": backend, "prompt_tokens": prompt_tokens, "matched_tokens": matched,
+        "cached_tokens": cached, "ttft_ms": None if ttft is None else round(ttft * 1000, 1),
+        "duration_ms": round((now - t0) * 1000, 1), "route_ms": round(route_s * 1000, 2),
+        "lookup": lookup.status, "retries": max(0, attempts.index(used)) if used in attempts else 0,
+        "outcome": outcome,
+    }
+    reqlog.info("request " + " ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items()))
+    return fields

@@ -1,0 +1,120 @@
+"""``mlxgw top``: ``mlxgw status`` live in the terminal, from Redis alone.
+
+Backends sorted by load (active requests, then queued prefill tokens), with
+sparklines of the per-interval token hit ratio and generated tokens/s. Data
+gathering and rates are `mlxgw.status`'s (`collect`, `backend_view`, `History`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional, Sequence
+
+import redis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from .status import History, backend_view, collect, connect
+from .util import redact_url
+
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Sequence[Optional[float]], hi: Optional[float] = None, width: int = 20) -> str:
+    """The last ``width`` values as block characters scaled to ``[0, hi]``.
+
+    ``hi`` defaults to the largest value shown; None values (no data in that
+    interval) render as a blank. Returns ``""`` for no values.
+    """
+    vals = list(values)[-width:]
+    top = hi if hi is not None else max((v for v in vals if v is not None), default=0.0)
+    out = []
+    for v in vals:
+        if v is None:
+            out.append(" ")
+        elif top <= 0:
+            out.append(_BARS[0])
+        else:
+            out.append(_BARS[min(len(_BARS) - 1, int(v / top * (len(_BARS) - 1) + 0.5))])
+    return "".join(out)
+
+
+def _fmt(v: Optional[float], spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def render(data: dict, hist: History, namespace: str, now: Optional[float] = None) -> Group:
+    """One frame: per model a totals line, the backends table (by load) and recent events."""
+    now = time.time() if now is None else now
+    parts: list = [Text(f"mlxgw top  namespace {namespace}  {time.strftime('%H:%M:%S', time.localtime(now))}",
+                        style="bold")]
+    if not data:
+        parts.append(Text(f"no models registered under namespace '{namespace}'"))
+    for m, d in data.items():
+        views = sorted((backend_view(r, now) for r in d["backends"]), key=lambda v: v["load"], reverse=True)
+        last = (hist.model_series(m) or [{}])[-1]
+        parts.append(Text(
+            f"model {m}: {len(views)} backends, {sum(v['active'] for v in views)} active, "
+            f"{_fmt(last.get('rps'), '.2f')} req/s, hit ratio {_fmt(last.get('hit_ratio'), '.2f')}, "
+            f"{_fmt(last.get('gen_tps'), '.1f')} gen tok/s, TTFT {_fmt(last.get('ttft_ms'), '.1f')} ms"))
+        t = Table(expand=False)
+        for col in ("backend", "state", "active", "queued", "cache MB", "use", "req", "hit ratio",
+                    "hit ratio / interval", "gen tok/s", "TTFT ms", "age s"):  # sorted by load
+            t.add_column(col, no_wrap=True)
+        for v in views:
+            s = hist.backend_series(m, v["id"])
+            cur = s[-1] if s else {}
+            t.add_row(v["id"], v["state"], str(v["active"]), str(v["queued"]), f"{v['cache_mb']:.1f}",
+                      f"{v['cache_use']:.0%}", str(v["requests"]), f"{v['hit_ratio']:.2f}",
+                      sparkline([p["hit_ratio"] for p in s], hi=1.0),
+                      f"{sparkline([p['gen_tps'] for p in s], width=10)} {_fmt(cur.get('gen_tps'), '.1f')}",
+                      _fmt(cur.get("ttft_ms"), ".1f"), f"{v['age_s']:.1f}")
+        parts.append(t)
+        for e in d["recent_events"]:
+            extra = " ".join(f"{k}={e[k]}" for k in ("matched", "prompt_tokens", "tokens", "cache_type") if k in e)
+            ts = time.strftime("%H:%M:%S", time.localtime(float(e.get("ts", 0) or 0)))
+            parts.append(Text(f"  {ts} {e.get('type', ''):8} {e.get('backend', ''):10} {extra}"))
+    return Group(*parts)
+
+
+def run(args) -> int:
+    """Refresh every ``args.interval`` s; stop after ``args.iterations`` frames (0: until Ctrl-C).
+
+    On a terminal the frame is redrawn in place; otherwise each frame is printed.
+    Returns 4 when Redis is unreachable.
+    """
+    con = Console()
+    if not con.is_terminal:  # piped or captured: wide enough for every column
+        con = Console(width=max(con.width, 150))
+    hist = History(maxlen=60)
+    try:
+        r = connect(args)
+
+        def frame():
+            data = collect(r, args.namespace, events=args.events)
+            hist.add(data)
+            return render(data, hist, args.namespace)
+
+        n = 0
+        if con.is_terminal:
+            with Live(frame(), console=con, refresh_per_second=4, screen=False) as live:
+                n = 1
+                while not args.iterations or n < args.iterations:
+                    time.sleep(args.interval)
+                    live.update(frame())
+                    n += 1
+        else:
+            while not args.iterations or n < args.iterations:
+                if n:
+                    time.sleep(args.interval)
+                con.print(frame())
+                n += 1
+    except redis.RedisError as e:
+        print(f"Redis unreachable at {redact_url(args.redis_url)}: {e}", file=sys.stderr)
+        return 4
+    except KeyboardInterrupt:
+        pass
+    return 0

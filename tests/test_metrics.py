@@ -1,0 +1,116 @@
+"""/metrics on gateway and backends: docs/metrics.md lists exactly what is exported,
+values move with real traffic, and the request log line carries the right figures."""
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from mlxgw.httpget import get_status, post
+from texts import words
+
+DOC = (Path(__file__).parent.parent / "docs" / "metrics.md").read_text()
+TOKEN = "metrics-test-token"
+
+
+def _documented(section: str) -> set[str]:
+    part = DOC.split(section, 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `(mlxgw:[a-z0-9_:]+)` \|", part, re.M))
+
+
+def _scrape(url: str) -> tuple[set[str], dict]:
+    """(names as in the `# TYPE` lines, {(sample name, sorted labels): value})."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    names = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+    values = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            values[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return names, values
+
+
+def _v(values: dict, name: str, **labels) -> float:
+    return values[(name, tuple(sorted(labels.items())))]
+
+
+def test_metrics_move_with_traffic(make_stack):
+    s = make_stack()
+    s.add_backend("b0", None, "--internal-token", TOKEN)
+    s.add_gateway("--internal-token", TOKEN)
+    s.wait()
+    b, g, m = s.backends[0].url, s.gateway.url, s.model_name
+
+    # Before traffic: every documented name is exported, and nothing else.
+    names_b, _ = _scrape(b)
+    names_g, vals_g = _scrape(g)
+    assert names_b == _documented("## Backend"), names_b ^ _documented("## Backend")
+    assert names_g == _documented("## Gateway"), names_g ^ _documented("## Gateway")
+    assert _v(vals_g, "mlxgw:backend_up", model_name=m, backend="b0") == 1
+    assert _v(vals_g, "mlxgw:gateway_degraded") == 0
+
+    # Backend auth rule: /metrics and /health open, the API needs the token.
+    assert get_status(b + "/metrics") == 200
+    assert post(b + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})[0] == 401
+
+    msg = {"model": m, "messages": [{"role": "user", "content": words(150, seed=11)}], "max_tokens": 3}
+    answers = [post(g + "/v1/chat/completions", msg) for _ in range(2)]
+    st, h3, raw = post(g + "/v1/chat/completions", {**msg, "stream": True, "stream_options": {"include_usage": True}})
+    assert st == 200 and all(a[0] == 200 for a in answers)
+    usages = [json.loads(a[2])["usage"] for a in answers]
+    usages.append(json.loads([ln for ln in raw.decode().split("\n") if '"usage"' in ln and '"prompt_tokens"' in ln][-1][6:])["usage"])
+    prompt = usages[0]["prompt_tokens"]
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0
+
+    _, vb = _scrape(b)
+    assert _v(vb, "mlxgw:prefix_cache_hits_total", model_name=m) == sum(cached)
+    assert _v(vb, "mlxgw:prefix_cache_queries_total", model_name=m) == 3 * prompt
+    assert _v(vb, "mlxgw:prompt_tokens_total", model_name=m) == 3 * prompt
+    assert _v(vb, "mlxgw:generation_tokens_total", model_name=m) == sum(u["completion_tokens"] for u in usages)
+    assert _v(vb, "mlxgw:time_to_first_token_seconds_count", model_name=m) == 3
+    assert _v(vb, "mlxgw:e2e_request_latency_seconds_count", model_name=m) == 3
+    assert _v(vb, "mlxgw:request_success_total", model_name=m, finished_reason="length") == 3
+    assert _v(vb, "mlxgw:num_requests_running", model_name=m) == 0
+    assert _v(vb, "mlxgw:prompt_cache_entries", model_name=m) >= 1
+    assert 0 < _v(vb, "mlxgw:kv_cache_usage_perc", model_name=m) < 1
+
+    _, vg = _scrape(g)
+    assert _v(vg, "mlxgw:gateway_requests_total", model_name=m, outcome="ok") == 3
+    assert _v(vg, "mlxgw:routing_decisions_total", model_name=m, outcome="load") == 1
+    assert _v(vg, "mlxgw:routing_decisions_total", model_name=m, outcome="prefix") == 2
+    assert _v(vg, "mlxgw:gateway_cached_tokens_total", model_name=m) == sum(cached)
+    assert _v(vg, "mlxgw:gateway_prompt_tokens_total", model_name=m) == 3 * prompt
+    assert _v(vg, "mlxgw:redis_lookups_total", status="ok") == 3
+    assert _v(vg, "mlxgw:redis_lookup_duration_seconds_count", status="ok") == 3
+    assert _v(vg, "mlxgw:gateway_time_to_first_token_seconds_count", model_name=m) == 3
+    assert _v(vg, "mlxgw:routing_matched_prefix_tokens_sum", model_name=m) == int(answers[1][1]["X-Mlxgw-Matched-Tokens"]) + int(h3["X-Mlxgw-Matched-Tokens"])
+    assert _v(vg, "mlxgw:gateway_retries_total") == 0
+
+    # One structured log line per request, with what the client saw.
+    log = s.gateway.log_path.read_text()
+    for (_, hdr, _), c in zip(answers + [(st, h3, raw)], cached):
+        line = next(ln for ln in log.splitlines() if f"id={hdr['X-Mlxgw-Request-Id']}" in ln)
+        f = dict(kv.split("=", 1) for kv in line.split("request ", 1)[1].split())
+        assert f["backend"] == "b0" and f["model"] == m and f["outcome"] == "ok"
+        assert int(f["prompt_tokens"]) == prompt and int(f["cached_tokens"]) == c
+        assert int(f["matched_tokens"]) == int(hdr["X-Mlxgw-Matched-Tokens"])
+        assert 0 < float(f["ttft_ms"]) <= float(f["duration_ms"])
+
+
+def test_grafana_dashboard_charts_only_documented_metrics():
+    dash = json.loads((Path(__file__).parent.parent / "configs" / "grafana-dashboard.json").read_text())
+    documented = _documented("## Backend") | _documented("## Gateway")
+    used = set()
+    for p in dash["panels"]:
+        for t in p["targets"]:
+            for name in re.findall(r"mlxgw:[a-z0-9_:]+", t["expr"]):
+                used.add(re.sub(r"_(bucket|sum|count)$", "", name))
+    assert used <= documented, used - documented
+    # Every key figure of the issue is charted.
+    assert {"mlxgw:time_to_first_token_seconds", "mlxgw:inter_token_latency_seconds", "mlxgw:prefix_cache_hits_total",
+            "mlxgw:routing_decisions_total", "mlxgw:redis_lookup_duration_seconds", "mlxgw:gateway_degraded",
+            "mlxgw:gateway_retries_total", "mlxgw:backend_up"} <= used

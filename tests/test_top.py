@@ -1,0 +1,74 @@
+"""``mlxgw top``: live view from Redis alone, bounded by --iterations."""
+
+import subprocess
+import sys
+import time
+
+from mlxgw.httpget import post
+from mlxgw.status import History, collect
+from mlxgw.top import render, sparkline
+from rich.console import Console
+from texts import words
+
+
+def test_top_live_against_stack(make_stack, redis_server):
+    s = make_stack()
+    s.add_backend("b0")
+    s.add_backend("b1")
+    s.add_gateway()
+    s.wait()
+    msg = {"model": s.model_name, "messages": [{"role": "user", "content": words(200, seed=21)}], "max_tokens": 8}
+    assert post(s.gateway.url + "/v1/chat/completions", msg)[0] == 200
+
+    top = subprocess.Popen([sys.executable, "-m", "mlxgw", "top", "--redis-url", redis_server.url, "--namespace",
+                            s.namespace, "--iterations", "4", "--interval", "0.6"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while top.poll() is None and time.time() - t0 < 60:  # the same prompt again for as long as top runs
+        post(s.gateway.url + "/v1/chat/completions", msg)
+        time.sleep(0.1)
+    stdout, stderr = top.communicate(timeout=30)
+    assert top.returncode == 0, stderr
+    assert time.time() - t0 < 30
+    frames = stdout.split("mlxgw top  namespace")[1:]
+    assert len(frames) == 4  # bounded: exactly --iterations frames
+    last = frames[-1]
+    assert "model demo-tiny: 2 backends" in last
+    rows = {ln.split("│")[1].strip(): ln for ln in last.splitlines() if ln.startswith("│")}
+    assert set(rows) == {"b0", "b1"}
+    # The owner of the prompt served the repeats: a nonzero cumulative hit ratio and a full-height bar.
+    owner = max(rows, key=lambda b: float(rows[b].split("│")[8]))
+    assert float(rows[owner].split("│")[8]) > 0.5
+    assert "█" in rows[owner].split("│")[9]
+    assert "routed" in last and "matched=" in last
+
+
+def test_top_sorts_by_load_and_rates_follow_counters(make_stack, redis_server):
+    s = make_stack()
+    s.add_backend("b0")
+    s.add_backend("b1")
+    s.wait()
+    r = redis_server.client()
+    data = collect(r, s.namespace)
+    recs = data[s.model_name]["backends"]
+    assert {x["id"] for x in recs} == {"b0", "b1"}
+    # Same real records, b1 made the busier one: it must come first.
+    for x in recs:
+        x["active"] = "3" if x["id"] == "b1" else "0"
+    hist = History()
+    hist.add(data, t=100.0)
+    later = {m: {"backends": [dict(x) for x in d["backends"]], "recent_events": []} for m, d in data.items()}
+    for x in later[s.model_name]["backends"]:
+        if x["id"] == "b1":
+            for k, inc in (("requests", 4), ("prompt_tokens", 400), ("cached_tokens", 300),
+                           ("generated_tokens", 20), ("ttft_seconds_sum", 0.2), ("ttft_count", 4)):
+                x[k] = str(float(x.get(k, 0)) + inc)
+    hist.add(later, t=102.0)
+    (p,) = hist.backend_series(s.model_name, "b1")
+    assert p == {"t": 102.0, "rps": 2.0, "hit_ratio": 0.75, "gen_tps": 10.0, "ttft_ms": 50.0}
+    assert hist.model_series(s.model_name)[-1]["rps"] == 2.0
+    con = Console(width=150, record=True)
+    con.print(render(later, hist, s.namespace))
+    rows = [ln.split("│")[1].strip() for ln in con.export_text().splitlines() if ln.startswith("│")]
+    assert rows == ["b1", "b0"]
+    assert sparkline([0.0, 0.5, 1.0, None], hi=1.0) == "▁▅█ "
