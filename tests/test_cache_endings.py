@@ -132,6 +132,50 @@ def test_text_stop_sequence(backend, tok, stream):
     assert cached(out) == expected_reuse(p1 + [THE] * k, p2) >= len(p1)
 
 
+TOOLS = [{"type": "function", "function": {
+    "name": "read_file", "description": "Read a file",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string", "enum": ["src/a.py", "src/b.py"]}},
+                   "required": ["path"], "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_only_reply(backend, tok, stream):
+    msgs = [{"role": "user", "content": words(60, seed=47 + stream)}]
+    p1 = render_chat(tok, msgs, TOOLS).token_ids
+    before = entry_sizes(backend)
+    body = {"messages": msgs, "tools": TOOLS, "max_tokens": 60, "stream": stream,
+            "tool_choice": {"type": "function", "function": {"name": "read_file"}}}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    status, _, raw = post(backend.url + "/v1/chat/completions", body)
+    assert status == 200
+    if stream:
+        events = [json.loads(ln[6:]) for ln in raw.decode().splitlines() if ln.startswith("data: {")]
+        assert not any((e["choices"][0]["delta"].get("content") or "") for e in events if e["choices"])
+        deltas = [tc for e in events if e["choices"] for tc in e["choices"][0]["delta"].get("tool_calls") or []]
+        call = {"id": deltas[0]["id"], "type": "function",
+                "function": {"name": deltas[0]["function"]["name"],
+                             "arguments": "".join(d["function"].get("arguments") or "" for d in deltas)}}
+        finish = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+        usage = events[-1]["usage"]
+    else:
+        out = json.loads(raw)
+        assert not out["choices"][0]["message"].get("content")
+        call = out["choices"][0]["message"]["tool_calls"][0]
+        finish = [out["choices"][0]["finish_reason"]]
+        usage = out["usage"]
+    assert finish == ["tool_calls"] and call["function"]["name"] == "read_file"
+    assert json.loads(call["function"]["arguments"])["path"] in ("src/a.py", "src/b.py")
+    wait_idle(backend)
+    (saved,) = [n for n in entry_sizes(backend) if n not in before]
+    assert saved == len(p1) + usage["completion_tokens"]  # the prompt and the whole call were kept
+    msgs2 = msgs + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call["id"], "content": "print('hello')"}]
+    p2 = render_chat(tok, msgs2, TOOLS).token_ids
+    st, out = chat(backend, msgs2, tools=TOOLS, max_tokens=2)
+    assert st == 200 and cached(out) >= len(p1)
+
+
 def _raw_stream(b, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", b.port))
