@@ -131,8 +131,6 @@ async def replay(args) -> dict:
 
 def table(res: dict) -> str:
     share = res["per_backend"]
-    mx = max(share.values()) if share else 0
-    mean = sum(share.values()) / len(share) if share else 0
     rows = [
         "| metric | value |",
         "|---|---|",
@@ -142,16 +140,18 @@ def table(res: dict) -> str:
         f"| oracle hit ratio (one infinite cache) | {res['oracle_hit_ratio']:.3f} |",
         f"| hit / oracle | {res['backend_hit_ratio'] / max(1e-9, res['oracle_hit_ratio']):.3f} |",
         f"| requests per backend | {', '.join(f'{k}: {v}' for k, v in share.items())} |",
-        f"| max/mean request share | {mx / max(1e-9, mean):.2f} |",
+        f"| max/mean request share | {share_ratio(res):.2f} |",
         f"| wall time (s) | {res['wall_seconds']:.1f} |",
     ]
     return "\n".join(rows)
 
 
 def share_ratio(res: dict) -> float:
-    """max/mean requests per backend (1.0 = perfectly even)."""
+    """max/mean requests per backend over every backend of the run, idle ones included
+    (1.0 = perfectly even; equal to the backend count when one took everything)."""
     share = list(res["per_backend"].values())
-    return max(share) / (sum(share) / len(share)) if share else 0.0
+    n = max(res["config"]["backends"], len(share))
+    return max(share) / (sum(share) / n) if share else 0.0
 
 
 def compare(args) -> int:
