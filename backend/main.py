@@ -15,6 +15,7 @@ from aiohttp import web
 from mlxgw import schema
 from mlxgw.util import parse_bytes, redact_url
 
+from . import sim
 from .cache import PromptCache
 from .report import Reporter
 from .server import BackendConfig, make_app
@@ -41,12 +42,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--heartbeat-interval", type=float, default=schema.DEFAULT_HEARTBEAT_INTERVAL)
     p.add_argument("--heartbeat-ttl", type=float, default=schema.DEFAULT_HEARTBEAT_TTL)
-    p.add_argument("--engine", choices=["mlx"], default="mlx")
+    p.add_argument("--engine", choices=["mlx", "sim"], default="mlx",
+                   help="mlx: the model; sim: a timing model, no weights (docs/sim.md)")
     p.add_argument(
         "--internal-token",
         default=os.environ.get("MLXGW_INTERNAL_TOKEN"),
         help="require 'Authorization: Bearer TOKEN' (set by the launcher; env MLXGW_INTERNAL_TOKEN)",
     )
+    sim.add_arguments(p)
 
 
 def looks_loadable(model: str) -> bool:
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         heartbeat_interval=args.heartbeat_interval,
         ttl=args.heartbeat_ttl,
-        extra={"model_path": str(model_path), "cache_budget_bytes": budget},
+        extra={"model_path": str(model_path), "cache_budget_bytes": budget, "engine": args.engine},
     )
     cache = PromptCache(
         max_entries=args.cache_entries,
@@ -89,15 +92,19 @@ def run(args: argparse.Namespace) -> int:
         min_hit_tokens=args.min_hit_tokens,
         min_hit_ratio=args.min_hit_ratio,
         listener=reporter,
+        ops=sim.SimKVOps() if args.engine == "sim" else None,
     )
-    engine = MLXEngine(
-        model_path,
-        cache,
-        budget,
-        decode_concurrency=args.decode_concurrency,
-        prefill_concurrency=args.prefill_concurrency,
-        prefill_step_size=args.prefill_step_size,
-    )
+    kw = dict(decode_concurrency=args.decode_concurrency, prefill_concurrency=args.prefill_concurrency,
+              prefill_step_size=args.prefill_step_size)
+    if args.engine == "sim":
+        try:
+            timing = sim.timing_from_args(args)
+        except (ValueError, OSError, KeyError) as e:
+            log.error("bad --sim-* settings: %s", e)
+            return 2
+        engine = sim.SimEngine(model_path, cache, budget, timing, **kw)
+    else:
+        engine = MLXEngine(model_path, cache, budget, **kw)
     reporter.info = engine.stats
     cfg = BackendConfig(backend_id, name, str(model_path), internal_token=args.internal_token)
     return asyncio.run(_serve(engine, reporter, cfg, args))
