@@ -174,7 +174,6 @@ class _Seq:
     processed: int = 0
     total: int = 0
     generated: int = 0
-    next_input: int = -1
     salt: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -222,7 +221,8 @@ class SimBatchGenerator:
             self._uid += 1
             total = sum(len(s) for s in seq)
             tokens = list(at)
-            salt = xxhash.xxh3_64_intdigest(repr((tokens[-8:], seq[-1])).encode())
+            tail = (tokens + [t for part in seq for t in part])[-16:]
+            salt = xxhash.xxh3_64_intdigest(repr((len(tokens) + total, tail)).encode())  # same prompt, same output
             self._unprocessed.append(_Seq(uid, seq, m, kv, tokens, 0, total, salt=salt))
             uids.append(uid)
         return uids
@@ -231,13 +231,14 @@ class SimBatchGenerator:
         """One step: decode every running sequence, then one prefill chunk; sleeps the modelled time."""
         gen_resps: list[GenResponse] = []
         prompt_resps: list[PromptResponse] = []
-        t_decode = self.timing.decode_seconds([len(s.tokens) + 1 for s in self._gen])
+        t_decode = self.timing.decode_seconds([len(s.tokens) for s in self._gen])
         keep = []
         for s in self._gen:
-            s.tokens.append(s.next_input)
-            s.kv.n += 1
             tok = self._token(s)
-            s.next_input = tok
+            # mlx-lm feeds each sampled token to the model before returning it
+            # (one step of lookahead), so the KV already holds it.
+            s.tokens.append(tok)
+            s.kv.n += 1
             s.generated += 1
             if s.generated >= s.max_tokens:
                 gen_resps.append(GenResponse(s.uid, tok, "length", s.kv, s.tokens))
@@ -257,7 +258,9 @@ class SimBatchGenerator:
         still = []
         for s in self._prompt:
             if len(s.segments) == 1 and len(s.segments[0]) == 1:
-                s.next_input = s.segments[0][0]
+                # mlx-lm's split: the last prompt token is fed as the first decode input.
+                s.tokens.append(s.segments[0][0])
+                s.kv.n += 1
                 self._gen.append(s)
                 prompt_resps.append(PromptResponse(s.uid, (s.total, s.total), True, True))
             else:
