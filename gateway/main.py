@@ -12,7 +12,7 @@ from aiohttp import web
 from mlxgw import schema
 
 from .app import GatewayConfig, make_app
-from .route import RoutingConfig
+from .route import POLICIES, RoutingConfig
 
 log = logging.getLogger("mlxgw.gateway")
 
@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-retries", type=int, default=2, help="other backends tried before the first byte")
     p.add_argument("--load-weight", type=float, default=RoutingConfig.load_weight)
     p.add_argument("--decode-weight", type=float, default=RoutingConfig.decode_weight)
+    p.add_argument("--routing-policy", choices=POLICIES, default="cost",
+                   help="cost: owned prefix and load (default); round_robin / least_loaded: for comparison")
     p.add_argument("--internal-token", default=os.environ.get("MLXGW_INTERNAL_TOKEN"))
     p.add_argument("--read-timeout", type=float, default=300.0, help="seconds of backend silence before failing")
 
@@ -57,7 +59,8 @@ def config_from_args(args) -> GatewayConfig:
         max_retries=args.max_retries,
         internal_token=args.internal_token,
         read_timeout=args.read_timeout,
-        routing=RoutingConfig(load_weight=args.load_weight, decode_weight=args.decode_weight),
+        routing=RoutingConfig(load_weight=args.load_weight, decode_weight=args.decode_weight,
+                              policy=args.routing_policy),
         models=models,
     )
 

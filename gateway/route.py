@@ -13,6 +13,11 @@ Cost of sending a request to backend ``b`` (in tokens of work):
 * ``active(b)``: running requests; each decode step is shared, so a running
   request costs ``decode_weight`` tokens of prefill-equivalent delay.
 
+Other policies (``RoutingConfig.policy``, for comparison benchmarks):
+``round_robin`` (backends in id order, one after the other) and
+``least_loaded`` (fewest running requests, then fewest queued prefill
+tokens); both ignore the owned prefix.
+
 Ties (cold prompts especially) go to the backend with fewer active requests,
 then the one with the most free cache (so cold prompts spread over every
 backend's memory instead of piling onto the first; sglang issue 32983), then
@@ -22,6 +27,7 @@ Weights: ``docs/routing.md``.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -44,10 +50,21 @@ class RoutingConfig:
         balance thresholds of the routing issue, measured, not guessed.
     decode_weight: prefill-token equivalent of one running decode (default 0,
         same reason).
+    policy: one of `POLICIES`.
     """
 
     load_weight: float = 0.0
     decode_weight: float = 0.0
+    policy: str = "cost"
+    _turn: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r}; one of {', '.join(POLICIES)}")
+
+
+#: ``cost`` is the default; the others exist to be measured against it.
+POLICIES = ("cost", "round_robin", "least_loaded")
 
 
 @dataclass
@@ -116,5 +133,12 @@ def rank(
         cost = prefill + cfg.load_weight * queued + cfg.decode_weight * active
         tb = xxhash.xxh3_64_intdigest(f"{first_block}|{c.backend_id}".encode())
         out.append(Scored(c, matched, prefill, queued, active, cost, c.free_cache_bytes, tb))
-    out.sort(key=lambda s: (s.cost, s.active, -s.free_cache, s.tiebreak))
+    if cfg.policy == "round_robin" and out:
+        out.sort(key=lambda s: s.cand.backend_id)
+        k = next(cfg._turn) % len(out)
+        out = out[k:] + out[:k]
+    elif cfg.policy == "least_loaded":
+        out.sort(key=lambda s: (s.active, s.queued, s.tiebreak))
+    else:
+        out.sort(key=lambda s: (s.cost, s.active, -s.free_cache, s.tiebreak))
     return Decision(out)
