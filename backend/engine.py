@@ -249,6 +249,10 @@ class MLXEngine(Engine):
             prefill_step_size=self.prefill_step_size,
             stream=self._stream,
         )
+        self._init_loop_state()
+
+    def _init_loop_state(self) -> None:
+        """Per-run bookkeeping of the engine thread (also used by the simulated engine)."""
         self._live: dict[int, _Live] = {}
         self._by_rid: dict[str, int] = {}
         self._pending_cancel: set[str] = set()

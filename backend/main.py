@@ -15,6 +15,7 @@ from aiohttp import web
 from mlxgw import schema
 from mlxgw.util import parse_bytes, redact_url
 
+from . import sim
 from .cache import PromptCache
 from .metrics import BackendMetrics
 from .report import Reporter
@@ -48,12 +49,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cancel-prefill", action="store_true",
                    help="on client disconnect or timeout, stop a running prefill at once (default: finish the "
                         "prefill and save it, so the client's retry reuses the whole prompt)")
-    p.add_argument("--engine", choices=["mlx"], default="mlx")
+    p.add_argument("--engine", choices=["mlx", "sim"], default="mlx",
+                   help="mlx: the model; sim: a timing model, no weights (docs/sim.md)")
     p.add_argument(
         "--internal-token",
         default=os.environ.get("MLXGW_INTERNAL_TOKEN"),
         help="require 'Authorization: Bearer TOKEN' (set by the launcher; env MLXGW_INTERNAL_TOKEN)",
     )
+    sim.add_arguments(p)
 
 
 def looks_loadable(model: str) -> bool:
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         heartbeat_interval=args.heartbeat_interval,
         ttl=args.heartbeat_ttl,
-        extra={"model_path": str(model_path), "cache_budget_bytes": budget},
+        extra={"model_path": str(model_path), "cache_budget_bytes": budget, "engine": args.engine},
     )
     cache = PromptCache(
         max_entries=args.cache_entries,
@@ -96,18 +99,21 @@ def run(args: argparse.Namespace) -> int:
         min_hit_tokens=args.min_hit_tokens,
         min_hit_ratio=args.min_hit_ratio,
         listener=reporter,
+        ops=sim.SimKVOps() if args.engine == "sim" else None,
     )
     metrics = BackendMetrics(name)
-    engine = MLXEngine(
-        model_path,
-        cache,
-        budget,
-        decode_concurrency=args.decode_concurrency,
-        prefill_concurrency=args.prefill_concurrency,
-        prefill_step_size=args.prefill_step_size,
-        finish_prefill_on_cancel=not args.cancel_prefill,
-        metrics=metrics,
-    )
+    kw = dict(decode_concurrency=args.decode_concurrency, prefill_concurrency=args.prefill_concurrency,
+              prefill_step_size=args.prefill_step_size, finish_prefill_on_cancel=not args.cancel_prefill,
+              metrics=metrics)
+    if args.engine == "sim":
+        try:
+            timing = sim.timing_from_args(args)
+        except (ValueError, OSError, KeyError) as e:
+            log.error("bad --sim-* settings: %s", e)
+            return 2
+        engine = sim.SimEngine(model_path, cache, budget, timing, **kw)
+    else:
+        engine = MLXEngine(model_path, cache, budget, **kw)
     metrics.bind(engine.stats, budget)
     reporter.info = lambda: {**engine.stats(), **metrics.record_fields()}
     cfg = BackendConfig(backend_id, name, str(model_path), internal_token=args.internal_token,

@@ -124,11 +124,12 @@ def _tokenize(engine: Engine, pr, internal: dict) -> tuple[list[int], int]:
     return prompt_mod.encode_text(tok, pr.prompt), 0
 
 
-async def _complete(request: web.Request, kind: str) -> web.StreamResponse:
+async def _complete(request: web.Request, kind: str, body: Optional[dict] = None) -> web.StreamResponse:
     engine = request.app[ENGINE]
     reporter = request.app[REPORTER]
     cfg = request.app[CONFIG]
-    body = await read_body(request)
+    if body is None:
+        body = await read_body(request)
     internal = body.pop(INTERNAL_FIELD, None) or {}
     pr = parse_openai(body, kind)
     if engine.failed or reporter.state != "ready":
@@ -340,4 +341,7 @@ def make_app(engine: Engine, reporter: Reporter, cfg: BackendConfig) -> web.Appl
     app.router.add_get("/internal/cache", handle_cache)
     if getattr(engine, "metrics", None) is not None:
         app.router.add_get("/metrics", engine.metrics.handler)
+    from . import sglang_api
+
+    sglang_api.register(app)
     return app

@@ -65,6 +65,11 @@ class RoutingConfig:
     balance_abs_tokens: int = 8192
     balance_rel: float = 2.0
     affinity_slack_tokens: int = 256
+    _turn: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r}; one of {', '.join(POLICIES)}")
 
 
 @dataclass
@@ -100,9 +105,6 @@ class Decision:
     @property
     def best(self) -> Optional[Scored]:
         return self.ranked[0] if self.ranked else None
-
-
-_rr = itertools.count()
 
 
 def _hash(key: str, backend_id: str) -> int:
@@ -153,7 +155,7 @@ def rank(
 
     if cfg.policy == "round_robin":
         out.sort(key=lambda s: s.cand.backend_id)
-        i = next(_rr) % len(out)
+        i = next(cfg._turn) % len(out)
         return Decision(out[i:] + out[:i], "round_robin")
     if cfg.policy == "least_loaded":
         out.sort(key=lambda s: (s.load, s.active, -s.free_cache, s.tiebreak))

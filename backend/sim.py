@@ -1,0 +1,402 @@
+"""The simulated engine: the real backend with a timing model instead of a model.
+
+``mlxgw backend --engine sim`` runs the same HTTP server, `PromptCache` (every
+cache-policy rule), `Reporter` (Redis) and `MLXEngine` request loop as the real
+backend. The only object that differs is the batch generator: `SimBatchGenerator`
+has the interface of mlx-lm's ``BatchGenerator`` (``insert_segments``, ``next``,
+``remove``, ``extract_cache``, ``prompt_cache_nbytes``) and its step structure
+(mlx-lm 0.32 ``BatchGenerator._next``: one decode step for every running
+sequence, then one prefill chunk of at most ``prefill_step_size`` tokens for each
+of at most ``prefill_batch_size`` prompts, the last prompt token being fed by the
+first decode step), but it computes nothing: each step sleeps for the modelled
+time and the KV caches are `SimKV` token counters.
+
+Timing model (all "real" tokens: a sim token stands for ``token_scale`` real
+ones, so a trace replay can send short prompts; see docs/sim.md):
+
+* prefill: ``tokens / prefill_rate`` seconds (compute bound, attention's
+  quadratic term ignored).
+* decode, batched: one step reads the weights once for the whole batch and
+  each running sequence's KV once (decode is memory-bandwidth bound):
+  ``step = t_weights + sum(context_i) * kv_bytes_per_token / bandwidth`` with
+  ``t_weights = 1/decode_rate - ref_context * kv_bytes_per_token / bandwidth``,
+  so a lone sequence at ``ref_context`` tokens decodes at exactly
+  ``decode_rate``. A step then emits one token per running sequence.
+* both times are divided by ``speed`` (a benchmark that compresses trace time
+  by C runs the sim C times faster to keep the same load).
+
+Defaults: Qwen3-4B-Instruct-2507 4-bit (``mlx-community/Qwen3-4B-Instruct-2507-4bit``)
+on a 64 GB M4 Max, ``mlx_lm.benchmark -p 2048 -g 128`` with mlx-lm 0.28.2:
+prompt 1622.27 tok/s, generation 134.52 tok/s (Awni Hannun, "MLX LM
+Benchmarks", gist awni/c1790e4c3a39be6e8f1c4afd42423d2d). KV per token from
+Qwen3-4B's config.json (36 layers, 8 KV heads, head_dim 128, bf16): 147,456
+bytes. Bandwidth: Apple's M4 Max (16-core CPU) figure, 546 GB/s.
+
+Output tokens are deterministic: a hash of the prompt's last tokens and the
+step, drawn from the tokenizer's ordinary vocabulary (never EOS, so every
+answer runs to ``max_tokens``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import xxhash
+
+from .cache import KVOps
+from .engine import MLXEngine
+
+#: mlx_lm.benchmark on M4 Max 64 GB, Qwen3-4B-Instruct-2507-4bit (see module docstring).
+DEFAULT_PREFILL_RATE = 1622.27
+DEFAULT_DECODE_RATE = 134.52
+DEFAULT_REF_CONTEXT = 2048 + 64  # the benchmark's prompt plus half its generation
+#: Qwen3-4B config.json: num_hidden_layers, num_key_value_heads, head_dim; bf16.
+DEFAULT_LAYERS, DEFAULT_KV_HEADS, DEFAULT_HEAD_DIM, DEFAULT_DTYPE_BYTES = 36, 8, 128, 2
+DEFAULT_BANDWIDTH = 546e9  # bytes/s, Apple M4 Max (16-core CPU, 40-core GPU)
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of keys plus values one token adds to a full-attention KV cache."""
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def kv_config_from_file(path: str | Path) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) from a Hugging Face ``config.json``.
+
+    Raises:
+        OSError / ValueError / KeyError: unreadable file or missing fields.
+    """
+    cfg = json.loads(Path(path).read_text())
+    cfg = cfg.get("text_config", cfg)
+    layers = int(cfg["num_hidden_layers"])
+    kv_heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    return layers, kv_heads, head_dim
+
+
+@dataclass
+class SimTiming:
+    """The sim's timing and memory model (see the module docstring); rates in real tokens/s."""
+
+    prefill_rate: float = DEFAULT_PREFILL_RATE
+    decode_rate: float = DEFAULT_DECODE_RATE
+    kv_bytes_per_token: int = kv_bytes_per_token(DEFAULT_LAYERS, DEFAULT_KV_HEADS, DEFAULT_HEAD_DIM, DEFAULT_DTYPE_BYTES)
+    bandwidth: float = DEFAULT_BANDWIDTH
+    ref_context: int = DEFAULT_REF_CONTEXT
+    token_scale: float = 1.0
+    speed: float = 1.0
+
+    @property
+    def t_weights(self) -> float:
+        """Seconds per decode step not spent reading KV (floored at 10% of a step)."""
+        step = 1.0 / self.decode_rate
+        return max(0.1 * step, step - self.ref_context * self.kv_bytes_per_token / self.bandwidth)
+
+    def prefill_seconds(self, sim_tokens: int) -> float:
+        return sim_tokens * self.token_scale / self.prefill_rate / self.speed
+
+    def decode_seconds(self, contexts: list[int]) -> float:
+        """One batched decode step over sequences holding ``contexts`` sim tokens each."""
+        if not contexts:
+            return 0.0
+        kv = sum(contexts) * self.token_scale * self.kv_bytes_per_token / self.bandwidth
+        # One sim token stands for token_scale real decode steps.
+        return (self.t_weights + kv) * self.token_scale / self.speed
+
+    def nbytes(self, sim_tokens: int) -> int:
+        return int(sim_tokens * self.token_scale * self.kv_bytes_per_token)
+
+
+class SimKV:
+    """A KV cache that only counts its tokens; bytes come from the `SimTiming`."""
+
+    __slots__ = ("n", "timing")
+
+    def __init__(self, n: int, timing: SimTiming):
+        self.n = n
+        self.timing = timing
+
+    @property
+    def nbytes(self) -> int:
+        return self.timing.nbytes(self.n)
+
+
+class SimKVOps(KVOps):
+    """`KVOps` for `SimKV`: always trimmable (a full-attention model)."""
+
+    def nbytes(self, kv) -> int:
+        return kv.nbytes
+
+    def trimmable(self, kv) -> bool:
+        return True
+
+    def trim(self, kv, n: int) -> None:
+        kv.n = max(0, kv.n - max(0, n))
+
+    def copy(self, kv):
+        return SimKV(kv.n, kv.timing)
+
+
+@dataclass
+class PromptResponse:
+    """Same fields as mlx-lm's ``PromptProcessingBatch.Response``."""
+
+    uid: int
+    progress: tuple
+    end_of_segment: bool
+    end_of_prompt: bool
+
+
+@dataclass
+class GenResponse:
+    """Same fields as mlx-lm's ``GenerationBatch.Response`` (no logprobs)."""
+
+    uid: int
+    token: int
+    finish_reason: Optional[str]
+    prompt_cache: Any
+    all_tokens: Optional[list]
+
+
+@dataclass
+class _Seq:
+    uid: int
+    segments: list
+    max_tokens: int
+    kv: SimKV
+    tokens: list
+    processed: int = 0
+    total: int = 0
+    generated: int = 0
+    salt: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class SimBatchGenerator:
+    """mlx-lm ``BatchGenerator``'s interface and step order, with modelled time.
+
+    Args:
+        timing: the timing model.
+        vocab: (lo, hi) range of ordinary token ids for generated tokens.
+        completion_batch_size / prefill_batch_size / prefill_step_size: as in
+            mlx-lm (``completion_batch_size`` is raised to at least
+            ``prefill_batch_size``, as mlx-lm does).
+        sleep: the clock (``time.sleep``; tests may pass a recorder).
+    """
+
+    def __init__(self, timing: SimTiming, vocab: tuple[int, int], completion_batch_size: int = 32,
+                 prefill_batch_size: int = 8, prefill_step_size: int = 2048, sleep=time.sleep):
+        self.timing = timing
+        self.vocab = vocab
+        self.prefill_batch_size = prefill_batch_size
+        self.completion_batch_size = max(completion_batch_size, prefill_batch_size)
+        self.prefill_step_size = prefill_step_size
+        self.sleep = sleep
+        self._uid = 0
+        self._unprocessed: deque[_Seq] = deque()
+        self._prompt: list[_Seq] = []
+        self._gen: list[_Seq] = []
+
+    # -- the BatchGenerator interface the engine uses ---------------------
+    def insert_segments(self, segments, max_tokens, caches, all_tokens, **_ignored) -> list[int]:
+        """Queue sequences; the last prompt token becomes its own segment (mlx-lm)."""
+        uids = []
+        for seq, m, c, at in zip(segments, max_tokens, caches, all_tokens):
+            seq = [list(s) for s in seq if len(s)]
+            if not seq:
+                raise ValueError("empty prompt")
+            if m <= 0:
+                raise ValueError("max_tokens must be > 0")
+            if len(seq[-1]) != 1:
+                seq.append(seq[-1][-1:])
+                seq[-2] = seq[-2][:-1]
+            kv = c if c is not None else SimKV(0, self.timing)
+            uid = self._uid
+            self._uid += 1
+            total = sum(len(s) for s in seq)
+            tokens = list(at)
+            tail = (tokens + [t for part in seq for t in part])[-16:]
+            salt = xxhash.xxh3_64_intdigest(repr((len(tokens) + total, tail)).encode())  # same prompt, same output
+            self._unprocessed.append(_Seq(uid, seq, m, kv, tokens, 0, total, salt=salt))
+            uids.append(uid)
+        return uids
+
+    def next(self):
+        """One step: decode every running sequence, then one prefill chunk; sleeps the modelled time."""
+        gen_resps: list[GenResponse] = []
+        prompt_resps: list[PromptResponse] = []
+        t_decode = self.timing.decode_seconds([len(s.tokens) for s in self._gen])
+        keep = []
+        for s in self._gen:
+            tok = self._token(s)
+            # mlx-lm feeds each sampled token to the model before returning it
+            # (one step of lookahead), so the KV already holds it.
+            s.tokens.append(tok)
+            s.kv.n += 1
+            s.generated += 1
+            if s.generated >= s.max_tokens:
+                gen_resps.append(GenResponse(s.uid, tok, "length", s.kv, s.tokens))
+            else:
+                keep.append(s)
+                gen_resps.append(GenResponse(s.uid, tok, None, None, None))
+        self._gen = keep
+        if len(self._gen) >= self.completion_batch_size:
+            self.sleep(t_decode)
+            return prompt_resps, gen_resps
+
+        n = min(self.prefill_batch_size - len(self._prompt), self.completion_batch_size - len(self._gen),
+                len(self._unprocessed))
+        for _ in range(max(0, n)):
+            self._prompt.append(self._unprocessed.popleft())
+
+        still = []
+        for s in self._prompt:
+            if len(s.segments) == 1 and len(s.segments[0]) == 1:
+                # mlx-lm's split: the last prompt token is fed as the first decode input.
+                s.tokens.append(s.segments[0][0])
+                s.kv.n += 1
+                self._gen.append(s)
+                prompt_resps.append(PromptResponse(s.uid, (s.total, s.total), True, True))
+            else:
+                still.append(s)
+        self._prompt = still
+
+        chunk_tokens = 0
+        for s in self._prompt:
+            seg = s.segments[0]
+            k = min(len(seg), self.prefill_step_size)
+            s.tokens.extend(seg[:k])
+            s.kv.n += k
+            s.segments[0] = seg[k:]
+            end_seg = False
+            if not s.segments[0]:
+                s.segments.pop(0)
+                end_seg = True
+            s.processed += k
+            chunk_tokens += k
+            prompt_resps.append(PromptResponse(s.uid, (s.processed, s.total), end_seg, False))
+        self.sleep(t_decode + self.timing.prefill_seconds(chunk_tokens))
+        return prompt_resps, gen_resps
+
+    def _token(self, s: _Seq) -> int:
+        lo, hi = self.vocab
+        return lo + xxhash.xxh3_64_intdigest(f"{s.salt}:{s.generated}".encode()) % (hi - lo)
+
+    def _find(self, uid: int) -> Optional[tuple[list, _Seq]]:
+        for group in (self._unprocessed, self._prompt, self._gen):
+            for s in group:
+                if s.uid == uid:
+                    return group, s
+        return None
+
+    def extract_cache(self, uids) -> dict:
+        """uid -> (a copy of its KV, the tokens it holds)."""
+        out = {}
+        for uid in uids:
+            f = self._find(uid)
+            if f is not None:
+                s = f[1]
+                out[uid] = (SimKV(s.kv.n, self.timing), list(s.tokens))
+        return out
+
+    def remove(self, uids, return_prompt_caches: bool = False) -> dict:
+        caches = {}
+        for uid in uids:
+            f = self._find(uid)
+            if f is None:
+                continue
+            group, s = f
+            if return_prompt_caches:
+                caches[uid] = (s.kv, list(s.tokens))
+            group.remove(s)
+        return caches
+
+    @property
+    def prompt_cache_nbytes(self) -> int:
+        return sum(s.kv.nbytes for g in (self._unprocessed, self._prompt, self._gen) for s in g)
+
+
+def ordinary_vocab(tokenizer) -> tuple[int, int]:
+    """Token ids below the first special/added token (never EOS or a template token)."""
+    tok = getattr(tokenizer, "_tokenizer", tokenizer)
+    added = getattr(tok, "added_tokens_decoder", None) or {}
+    lo = 16  # low ids are often byte or control tokens
+    hi = min((a for a in added if a > lo), default=len(tok))
+    return (lo, hi)
+
+
+class SimEngine(MLXEngine):
+    """`MLXEngine` with `SimBatchGenerator`: same request loop, cache saves and stats.
+
+    Loads only the tokenizer of ``model_path`` (vocabulary, special tokens, chat
+    template, context length from its ``config.json``); no weights are read.
+    """
+
+    def __init__(self, model_path: str, cache, cache_bytes: int, timing: SimTiming, **kw):
+        super().__init__(model_path, cache, cache_bytes, **kw)
+        self.timing = timing
+
+    def _load(self) -> None:
+        from mlx_lm.utils import load_tokenizer
+
+        from gateway.tokenize import read_context_length
+
+        p = Path(self.model_path).expanduser()
+        self.tokenizer = load_tokenizer(p)
+        self.context_length = read_context_length(p)
+        self._bg = SimBatchGenerator(
+            self.timing,
+            ordinary_vocab(self.tokenizer),
+            completion_batch_size=self.decode_concurrency,
+            prefill_batch_size=self.prefill_concurrency,
+            prefill_step_size=self.prefill_step_size,
+        )
+        self._init_loop_state()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--sim-*`` flags of ``mlxgw backend`` (used with ``--engine sim``)."""
+    g = p.add_argument_group("simulated engine (--engine sim; docs/sim.md)")
+    g.add_argument("--sim-prefill-rate", type=float, default=DEFAULT_PREFILL_RATE, help="real prompt tokens/s")
+    g.add_argument("--sim-decode-rate", type=float, default=DEFAULT_DECODE_RATE,
+                   help="tokens/s of one sequence at --sim-ref-context tokens")
+    g.add_argument("--sim-ref-context", type=int, default=DEFAULT_REF_CONTEXT,
+                   help="context (tokens) at which --sim-decode-rate was measured")
+    g.add_argument("--sim-bandwidth", type=float, default=DEFAULT_BANDWIDTH, help="memory bandwidth, bytes/s")
+    g.add_argument("--sim-model-config", help="a config.json to take layers/KV heads/head dim from")
+    g.add_argument("--sim-layers", type=int, default=DEFAULT_LAYERS)
+    g.add_argument("--sim-kv-heads", type=int, default=DEFAULT_KV_HEADS)
+    g.add_argument("--sim-head-dim", type=int, default=DEFAULT_HEAD_DIM)
+    g.add_argument("--sim-dtype-bytes", type=int, default=DEFAULT_DTYPE_BYTES, help="2 for bf16/fp16 KV")
+    g.add_argument("--sim-token-scale", type=float, default=1.0,
+                   help="real tokens each prompt/output token stands for (time and bytes)")
+    g.add_argument("--sim-speed", type=float, default=1.0, help="divide every modelled time by this")
+
+
+def timing_from_args(args) -> SimTiming:
+    """Build the `SimTiming` from parsed flags.
+
+    Raises:
+        ValueError: a non-positive rate, scale or speed.
+    """
+    layers, heads, dim = args.sim_layers, args.sim_kv_heads, args.sim_head_dim
+    if args.sim_model_config:
+        layers, heads, dim = kv_config_from_file(args.sim_model_config)
+    for name in ("sim_prefill_rate", "sim_decode_rate", "sim_bandwidth", "sim_token_scale", "sim_speed"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    return SimTiming(
+        prefill_rate=args.sim_prefill_rate,
+        decode_rate=args.sim_decode_rate,
+        kv_bytes_per_token=kv_bytes_per_token(layers, heads, dim, args.sim_dtype_bytes),
+        bandwidth=args.sim_bandwidth,
+        ref_context=args.sim_ref_context,
+        token_scale=args.sim_token_scale,
+        speed=args.sim_speed,
+    )

@@ -1,0 +1,390 @@
+"""Replay a Mooncake trace through several routers in front of the same sim backends.
+
+One invocation, for each cache budget, starts fresh simulated backends
+(``mlxgw backend --engine sim``) and replays the same requests through:
+
+* ``mlxgw``: our gateway (default cache_aware policy);
+* ``mlxgw-rr`` / ``mlxgw-ll``: our gateway with ``--routing-policy round_robin`` /
+  ``least_loaded``;
+* ``sglang``: ``sglang-router`` (PyPI) ``--policy cache_aware``, default thresholds,
+  requests sent to its ``/generate`` with ``input_ids`` (its completions route
+  takes string prompts only);
+* ``pooled``: no router, one backend with all the cache memory and all the
+  compute (N times the rates and batch sizes);
+* ``mlxgw-xG`` / ``sglang-xG``: G gateway (router) processes, the client
+  spreading requests over them in turn (ours share one Redis; each sglang
+  router has its own tree).
+
+Mapping: each 512-token trace block becomes ``--k`` deterministic token ids
+(``bench.trace.BlockMapper``); the sim counts each id as ``512/k`` real tokens
+(``--sim-token-scale``) for time and KV bytes, and generates
+``ceil(output_length * k / 512)`` tokens. Arrival times are divided by
+``--compress``; the sim runs ``--sim-speed`` times faster than the cited
+hardware, chosen so the offered work is ``--target-load`` of the cluster's
+capacity (printed). Latencies are wall-clock on this machine; multiply by the
+printed sim speed for seconds on the cited hardware.
+
+Metrics: hit ratio from the backends' own counters, the oracle (one infinite
+cache), TTFT and end-to-end p50/p99 (client, streaming), throughput, max/mean
+requests per backend, and the router's added latency (p50 of routed minus
+direct latency on cold 1-block prompts sent after the replay).
+
+    python bench/replay_routers.py --trace ../shared/traces/conversation_trace.jsonl --requests 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backend import sim as simmod  # noqa: E402
+from bench.replay import vocab_range  # noqa: E402
+from bench.trace import DEFAULT_TRACE, TRACE_BLOCK, BlockMapper, load_trace, oracle_hits  # noqa: E402
+from mlxgw import httpget  # noqa: E402
+from mlxgw.harness import LOG_DIR, RedisServer, Stack, free_port  # noqa: E402
+
+ROUTERS = ("mlxgw", "mlxgw-rr", "mlxgw-ll", "sglang", "pooled")
+
+
+def pct(xs, q) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def working_set_bytes(reqs, kv_per_token: int) -> int:
+    """KV bytes of every distinct trace block (the oracle's infinite cache)."""
+    return len({h for r in reqs for h in r.hash_ids}) * TRACE_BLOCK * kv_per_token
+
+
+def offered_load(reqs, span_s: float, o_hit_tokens: int, timing: simmod.SimTiming, n_backends: int,
+                 decode_batch: int) -> float:
+    """Cluster utilisation the trace asks for at real speed (work seconds / capacity seconds).
+
+    Prefill of the oracle's uncached tokens at the prefill rate, plus decode
+    steps at the single-sequence rate shared by ``decode_batch`` sequences.
+    """
+    prefill = (sum(r.input_length for r in reqs) - o_hit_tokens) / timing.prefill_rate
+    decode = sum(r.output_length for r in reqs) / timing.decode_rate / decode_batch
+    return (prefill + decode) / max(1e-9, span_s * n_backends)
+
+
+class SglangRouter:
+    """One ``sglang-router`` process (``python -m sglang_router.launch_router``)."""
+
+    def __init__(self, workers: list[str], tag: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        log = open(LOG_DIR / f"sglang-{tag}-{self.port}.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+             "--worker-urls", *workers, "--policy", "cache_aware", "--log-level", "warn",
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+            stdout=log, stderr=subprocess.STDOUT)
+
+    def wait(self, n: int, timeout: float = 60) -> None:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sglang-router exited with {self.proc.returncode}")
+            body = httpget.get_json(self.url + "/readiness") or {}
+            if body.get("healthy_workers") == n:
+                return
+            time.sleep(0.2)
+        raise RuntimeError("sglang-router not ready")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+async def _one(session, url: str, kind: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """Send one streamed request; returns ttft/e2e seconds, cached tokens, status."""
+    if kind == "sglang":
+        path, body = "/generate", {"model": model, "input_ids": prompt, "stream": True,
+                                   "sampling_params": {"max_new_tokens": max_tokens}}
+    else:
+        path, body = "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                                         "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, cached, status, err = None, 0, 0, None
+    try:
+        async with session.post(url + path, json=body) as r:
+            status = r.status
+            async for line in r.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                d = json.loads(line[6:])
+                if "error" in d:
+                    err = d["error"].get("message")
+                if ttft is None and any(c.get("text") for c in d.get("choices") or []):
+                    ttft = time.perf_counter() - t0
+                u = d.get("usage")
+                if u:
+                    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    except Exception as e:  # counted as an error, never dropped
+        err = repr(e)
+    e2e = time.perf_counter() - t0
+    return {"status": status if err is None else 0, "error": err, "ttft": ttft if ttft is not None else e2e,
+            "e2e": e2e, "cached": cached, "prompt": len(prompt)}
+
+
+async def _replay(urls: list[str], kind: str, model: str, items, compress: float) -> tuple[list[dict], float]:
+    results: list[dict] = []
+    t0 = time.perf_counter()
+    base = items[0][0]
+
+    async def go(i, at_ms, prompt, mt):
+        delay = (at_ms - base) / 1000 / compress - (time.perf_counter() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        results.append(await _one(session, urls[i % len(urls)], kind, model, prompt, mt))
+
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=900)) as session:
+        await asyncio.gather(*[go(i, *it) for i, it in enumerate(items)])
+    return results, time.perf_counter() - t0
+
+
+async def _overhead(routed: list[str], direct: str, kind: str, model: str, mapper: BlockMapper, n: int) -> float:
+    """p50(routed) - p50(direct) end-to-end seconds of cold one-block, one-token requests."""
+    a, b = [], []
+    async with aiohttp.ClientSession() as session:
+        for i in range(n):
+            p = mapper.block(10**12 + i)  # never in the trace: a cold prompt
+            a.append((await _one(session, routed[i % len(routed)], kind, model, p, 1))["e2e"])
+            q = mapper.block(2 * 10**12 + i)
+            b.append((await _one(session, direct, "direct", model, q, 1))["e2e"])
+    return statistics.median(a) - statistics.median(b)
+
+
+def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes: int, items, mapper, scale: float,
+            speed: float) -> dict:
+    """Start backends (+ routers) for one configuration, replay, collect, stop."""
+    gws = 1
+    base = name
+    if "-x" in name:
+        base, g = name.rsplit("-x", 1)
+        gws = int(g)
+    pooled = base == "pooled"
+    n = 1 if pooled else args.backends
+    mult = args.backends if pooled else 1
+    st = Stack(redis_url, model_path, block_size=args.k)
+    sim_flags = ["--engine", "sim", "--sim-token-scale", str(scale), "--sim-speed", str(speed * mult),
+                 "--cache-bytes", str(per_backend_bytes * mult), "--cache-entries", "1000000",
+                 "--min-hit-tokens", str(max(1, round(1000 / scale))),
+                 "--prefill-step-size", str(max(1, round(512 / scale))),
+                 "--decode-concurrency", str(8 * mult), "--prefill-concurrency", str(2 * mult)]
+    routers: list = []
+    try:
+        for i in range(n):
+            st.add_backend(f"b{i}", None, *sim_flags)
+        if base.startswith("mlxgw"):
+            pol = {"mlxgw": "cache_aware", "mlxgw-rr": "round_robin", "mlxgw-ll": "least_loaded"}[base]
+            for _ in range(gws):
+                st.add_gateway("--routing-policy", pol, *shlex.split(args.gateway_args))
+        st.wait()
+        if base.startswith("mlxgw"):
+            urls, kind = [g.url for g in st.gateways], "mlxgw"
+        elif base == "sglang":
+            routers = [SglangRouter([b.url for b in st.backends], f"{name}-{i}") for i in range(gws)]
+            for r in routers:
+                r.wait(n)
+            urls, kind = [r.url for r in routers], "sglang"
+        else:
+            urls, kind = [st.backends[0].url], "direct"
+        results, wall = asyncio.run(_replay(urls, kind, st.model_name, items, args.compress))
+        health = [httpget.get_json(b.url + "/health") or {} for b in st.backends]
+        overhead = None
+        if not pooled and args.overhead_probes:
+            overhead = asyncio.run(_overhead(urls, st.backends[0].url, kind, st.model_name, mapper,
+                                             args.overhead_probes))
+    finally:
+        for r in routers:
+            r.stop()
+        st.stop()
+    ok = [r for r in results if r["status"] == 200]
+    reqs = [h.get("requests", 0) for h in health]
+    prompt = sum(h.get("prompt_tokens", 0) for h in health)
+    return {
+        "router": name,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "error_samples": [r["error"] or r["status"] for r in results if r["status"] != 200][:3],
+        "hit_ratio": sum(h.get("cached_tokens", 0) for h in health) / max(1, prompt),
+        "ttft_p50": pct([r["ttft"] for r in ok], 50), "ttft_p99": pct([r["ttft"] for r in ok], 99),
+        "e2e_p50": pct([r["e2e"] for r in ok], 50), "e2e_p99": pct([r["e2e"] for r in ok], 99),
+        "throughput_rps": len(ok) / wall, "wall_s": wall,
+        "load_share_max_mean": (max(reqs) / (sum(reqs) / len(reqs))) if sum(reqs) and len(reqs) > 1 else 1.0,
+        "per_backend": reqs,
+        "overhead_ms": overhead * 1000 if overhead is not None else None,
+        "ttfts": sorted(r["ttft"] for r in ok),
+    }
+
+
+def table(res: dict) -> str:
+    lines = []
+    for b in res["budgets"]:
+        lines.append(f"\n**Cache budget {b['fraction']:g} x working set** ({b['per_backend_gb']:.2f} GB per backend, "
+                     f"{b['per_backend_gb'] * res['config']['backends']:.2f} GB in all)\n")
+        lines.append("| router | hit ratio | hit/oracle | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | req/s "
+                     "| max/mean load | added latency p50 (ms) | errors |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for r in b["runs"]:
+            ov = "" if r["overhead_ms"] is None else f"{r['overhead_ms']:.2f}"
+            lines.append(
+                f"| {r['router']} | {r['hit_ratio']:.3f} | {r['hit_ratio'] / res['oracle_ratio']:.3f} | "
+                f"{r['ttft_p50'] * 1000:.0f} / {r['ttft_p99'] * 1000:.0f} | {r['e2e_p50'] * 1000:.0f} / "
+                f"{r['e2e_p99'] * 1000:.0f} | {r['throughput_rps']:.2f} | {r['load_share_max_mean']:.2f} | {ov} | "
+                f"{r['errors']} |")
+    return "\n".join(lines)
+
+
+def plots(res: dict, out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots (pip install -e .[bench])")
+        return []
+    files = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = [r["router"] for r in res["budgets"][0]["runs"]]
+    xs = [b["fraction"] for b in res["budgets"]]
+    for name in names:
+        ys = [next((r["hit_ratio"] for r in b["runs"] if r["router"] == name), np.nan) for b in res["budgets"]]
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.axhline(res["oracle_ratio"], color="k", ls="--", lw=1, label="oracle")
+    ax.set_xscale("log")
+    ax.set_xlabel("cache budget (fraction of the trace's working set, whole cluster)")
+    ax.set_ylabel("prefix-hit ratio")
+    ax.set_title(f"{Path(res['config']['trace']).stem}, {res['config']['requests']} requests")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p = out / f"{res['stem']}-hit-vs-budget.png"
+    fig.savefig(p, dpi=110)
+    files.append(p.name)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, len(res["budgets"]), figsize=(4.5 * len(res["budgets"]), 3.6), squeeze=False)
+    for ax, b in zip(axes[0], res["budgets"]):
+        for r in b["runs"]:
+            t = np.array(r["ttfts"]) * 1000
+            ax.plot(t, np.arange(1, len(t) + 1) / max(1, len(t)), label=r["router"])
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (ms, wall)")
+        ax.set_title(f"budget {b['fraction']:g} x working set")
+    axes[0][0].set_ylabel("fraction of requests")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    p = out / f"{res['stem']}-ttft-cdf.png"
+    fig.savefig(p, dpi=110)
+    files.append(p.name)
+    plt.close(fig)
+    return files
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", default=str(DEFAULT_TRACE))
+    p.add_argument("--requests", type=int, default=600, help="first N requests of the trace")
+    p.add_argument("--k", type=int, default=16, help="token ids per 512-token trace block (also the block size)")
+    p.add_argument("--compress", type=float, default=10.0, help="divide trace inter-arrival times by this")
+    p.add_argument("--target-load", type=float, default=0.6,
+                   help="offered work / cluster capacity the sim speed is chosen for")
+    p.add_argument("--sim-speed", type=float, help="override the computed sim speed")
+    p.add_argument("--backends", type=int, default=4)
+    p.add_argument("--budgets", default="0.05,0.2,1.0",
+                   help="cluster cache budgets as fractions of the trace's KV working set")
+    p.add_argument("--routers", default=",".join(ROUTERS) + ",mlxgw-x2,sglang-x2")
+    p.add_argument("--multi-budgets", default="first", help="'first' or 'all': budgets the -xG runs use")
+    p.add_argument("--overhead-probes", type=int, default=20)
+    p.add_argument("--gateway-args", default="", help="extra flags for mlxgw gateway, one string")
+    p.add_argument("--model", help="tokenizer dir (default: the tiny demo model)")
+    p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    args = p.parse_args(argv)
+    from mlxgw.demo_model import ensure_demo_model
+
+    model_path = args.model or str(ensure_demo_model("tiny"))
+    reqs = load_trace(args.trace, args.requests)
+    scale = TRACE_BLOCK / args.k
+    timing = simmod.SimTiming(token_scale=scale)
+    o_hit, o_total = oracle_hits(reqs, TRACE_BLOCK)
+    span = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000
+    load = offered_load(reqs, span, o_hit, timing, args.backends, 8)
+    speed = args.sim_speed or max(1.0, args.compress * load / args.target_load)
+    ws = working_set_bytes(reqs, timing.kv_bytes_per_token)
+    lo, hi = vocab_range(model_path)
+    mapper = BlockMapper(args.k, lo, hi)
+    items = [(r.timestamp_ms, mapper.prompt(r.hash_ids), max(1, math.ceil(r.output_length / scale))) for r in reqs]
+    cmd = "python bench/replay_routers.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    print(f"trace {args.trace}: {len(reqs)} requests over {span:.0f} s; oracle hit ratio {o_hit / o_total:.3f}")
+    print(f"offered load at real speed on {args.backends} backends: {load:.2f}; compress {args.compress:g}x, "
+          f"sim speed {speed:.1f}x (latencies x {speed:.1f} = seconds on the cited hardware)")
+    print(f"KV working set {ws / 2**30:.1f} GB; token scale {scale:g}")
+    budgets = [float(x) for x in args.budgets.split(",")]
+    names = [x for x in args.routers.split(",") if x]
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"config": {**vars(args), "sim_speed": speed, "token_scale": scale, "offered_load": load,
+                      "working_set_gb": ws / 2**30},
+           "command": cmd, "oracle_ratio": o_hit / o_total, "budgets": [],
+           "stem": f"routers-{Path(args.trace).stem.split('_')[0]}-{args.requests}"}
+    redis = RedisServer().start()
+    t_all = time.time()
+    try:
+        for bi, frac in enumerate(budgets):
+            per_backend = int(frac * ws / args.backends)
+            runs = []
+            for name in names:
+                if "-x" in name and args.multi_budgets == "first" and bi > 0:
+                    continue
+                t = time.time()
+                r = run_one(name, args, model_path, redis.url, per_backend, items, mapper, scale, speed)
+                print(f"  budget {frac:g} {name:10s} hit {r['hit_ratio']:.3f} ttft p50/p99 "
+                      f"{r['ttft_p50'] * 1000:.0f}/{r['ttft_p99'] * 1000:.0f} ms errors {r['errors']} "
+                      f"({time.time() - t:.0f} s)", flush=True)
+                runs.append(r)
+            res["budgets"].append({"fraction": frac, "per_backend_gb": per_backend / 2**30, "runs": runs})
+    finally:
+        redis.cleanup()
+    res["total_seconds"] = time.time() - t_all
+    md = table(res)
+    pngs = plots(res, out)
+    head = (f"# Router replay: {Path(args.trace).name}, first {len(reqs)} requests\n\n"
+            f"Command: `{cmd}`\n\n"
+            f"Oracle hit ratio {res['oracle_ratio']:.3f}; {args.backends} sim backends "
+            f"(Qwen3-4B-Instruct-2507-4bit on M4 Max rates, docs/sim.md); trace time compressed "
+            f"{args.compress:g}x; sim speed {speed:.1f}x (offered load {load:.2f} of capacity at real speed, "
+            f"target {args.target_load:g}); KV working set {ws / 2**30:.1f} GB; token scale {scale:g}; "
+            f"run took {res['total_seconds']:.0f} s.\n"
+            f"Latencies are wall-clock ms on this machine; x {speed:.1f} gives seconds on the cited hardware.\n")
+    body = head + md + "\n\n" + "\n".join(f"![{f}]({f})" for f in pngs) + "\n"
+    (out / f"{res['stem']}.md").write_text(body)
+    for b in res["budgets"]:
+        for r in b["runs"]:
+            r.pop("ttfts")
+    (out / f"{res['stem']}.json").write_text(json.dumps(res, indent=2))
+    print(body)
+    return 0 if all(r["errors"] == 0 for b in res["budgets"] for r in b["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

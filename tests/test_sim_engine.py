@@ -1,0 +1,112 @@
+"""The simulated engine keeps the real backend's cache accounting.
+
+One real mlx-lm backend and one sim backend (``--engine sim``) get the same
+request sequence; every request must report the same ``cached_tokens``
+(prefix reuse, trimming a longer entry, the exact-hit cap, the shared system
+prompt entry, LRU eviction by entry count, continuing an answer).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+
+from mlxgw import httpget
+
+SYSTEM = "You are a careful assistant who answers in short sentences about Python code."
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def _cached(url: str, path: str, body: dict) -> int:
+    d = _post(url + path, body)
+    return d["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(16, 3000, n).tolist()
+
+
+def _sequence():
+    """(path, body, expected cached tokens or None when only equality is known)."""
+    a, b, c = _ids(1, 300), _ids(2, 50), _ids(3, 100)
+    d, e, f = _ids(4, 120), _ids(5, 120), _ids(6, 120)
+    comp = "/v1/completions"
+    chat = "/v1/chat/completions"
+    one = {"max_tokens": 1, "temperature": 0}
+    return [
+        (comp, {"prompt": a, **one}, 0),
+        (comp, {"prompt": a + b, **one}, 300),                 # extends the entry
+        (comp, {"prompt": a[:200] + c, **one}, 200),           # trims a longer entry
+        (comp, {"prompt": a + b, **one}, 349),                 # exact hit: one token left to prefill
+        (chat, {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a list?"}], **one}, 0),
+        (chat, {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Explain dict."}], **one}, "system"),
+        (comp, {"prompt": d, **one}, 0),
+        (comp, {"prompt": e, **one}, 0),
+        (comp, {"prompt": f, **one}, 0),
+        (comp, {"prompt": a + b, **one}, 0),                   # evicted (3 entries, LRU)
+        (comp, {"prompt": d + c, "max_tokens": 3, "temperature": 0}, 0),   # d was evicted too
+        (comp, {"prompt": d + c + e, **one}, None),            # continues prompt + answer
+    ]
+
+
+@pytest.mark.timeout(240)
+def test_sim_cached_tokens_equal_real(make_stack):
+    st = make_stack()
+    flags = ("--cache-entries", "3", "--cache-bytes", "1GB")
+    real = st.add_backend("real", None, *flags)
+    sim = st.add_backend("sim", None, *flags, "--engine", "sim", "--sim-speed", "20",
+                         "--sim-model-config", f"{st.model_path}/config.json", "--sim-dtype-bytes", "4")
+    st.wait()
+    system_tokens = None
+    for i, (path, body, want) in enumerate(_sequence()):
+        got_real = _cached(real.url, path, body)
+        got_sim = _cached(sim.url, path, body)
+        assert got_sim == got_real, f"request {i}: sim cached {got_sim}, real cached {got_real}"
+        if want == "system":
+            system_tokens = got_real
+            assert 10 < got_real < 40, got_real  # the rendered system turn, not the whole prompt
+        elif want is not None:
+            assert got_real == want, f"request {i}: cached {got_real}, expected {want}"
+        else:
+            assert got_real >= 220, got_real  # at least d + c, the prompt of the answer it continues
+    assert system_tokens is not None
+    hr, hs = httpget.get_json(real.url + "/health"), httpget.get_json(sim.url + "/health")
+    for k in ("requests", "hits", "misses", "prompt_tokens", "cached_tokens", "cache_entries", "cache_tokens",
+              "cache_bytes"):
+        assert hs[k] == hr[k], (k, hs[k], hr[k])
+    assert hs["requests"] == 12
+
+
+def test_sim_sglang_endpoints(make_stack):
+    st = make_stack()
+    sim = st.add_backend("sim", None, "--engine", "sim", "--sim-speed", "50", "--sim-token-scale", "8")
+    st.wait()
+    info = httpget.get_json(sim.url + "/server_info")
+    assert info["served_model_name"] == st.model_name and info["dp_size"] == 1 and info["context_length"] == 8192
+    assert httpget.get_json(sim.url + "/model_info")["is_generation"] is True
+    assert httpget.get_status(sim.url + "/health_generate") == 200
+    ids = _ids(7, 64)
+    first = _post(sim.url + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 4}})
+    again = _post(sim.url + "/generate", {"input_ids": ids + [20, 21], "sampling_params": {"max_new_tokens": 4}})
+    assert first["usage"]["completion_tokens"] == 4 and first["choices"][0]["finish_reason"] == "length"
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    # Deterministic output: the same prompt gives the same text.
+    repeat = _post(sim.url + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 4}})
+    assert repeat["choices"][0]["text"] == first["choices"][0]["text"]
+    # KV bytes from the default model config (Qwen3-4B, bf16: 147,456 bytes/token) times the token scale.
+    entries = httpget.get_json(sim.url + "/internal/cache")["entries"]
+    assert sorted(e["nbytes"] for e in entries) == sorted(e["tokens"] * 8 * 147456 for e in entries)
+    bad = urllib.request.Request(sim.url + "/generate", data=b'{"sampling_params": {}}',
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(bad, timeout=10)
+    assert ei.value.code == 400
+    assert json.loads(ei.value.read())["error"]["param"] == "input_ids"
