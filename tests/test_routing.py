@@ -61,8 +61,9 @@ def test_baseline_policies():
     cands = [cand("a", depth=10, queued=50000), cand("b", queued=10), cand("c", queued=0, active=1)]
     assert rank(cands, 1000, 64, cfg=RoutingConfig(policy="longest_prefix")).best.cand.backend_id == "a"
     assert rank(cands, 1000, 64, cfg=RoutingConfig(policy="least_loaded")).best.cand.backend_id == "b"
-    rr = [rank(cands, 1000, 64, cfg=RoutingConfig(policy="round_robin")).best.cand.backend_id for _ in range(3)]
-    assert sorted(rr) == ["a", "b", "c"]
+    rr_cfg = RoutingConfig(policy="round_robin")
+    rr = [rank(cands, 1000, 64, cfg=rr_cfg).best.cand.backend_id for _ in range(4)]
+    assert rr == ["a", "b", "c", "a"]
 
 
 def _ask(url, text, max_tokens=3, **kw):
