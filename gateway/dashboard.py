@@ -20,6 +20,8 @@ from typing import Optional
 import redis
 from aiohttp import web
 
+from mlxgw.util import cancel_and_wait
+
 from mlxgw.status import History, backend_view, collect
 
 log = logging.getLogger("mlxgw.gateway.dashboard")
@@ -104,12 +106,7 @@ class Dashboard:
         self._task = asyncio.create_task(self._loop(), name="dashboard-sampler")
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._task)
         self.redis.close()
 
 

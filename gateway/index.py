@@ -19,6 +19,7 @@ from typing import Optional
 import redis.asyncio as aioredis
 
 from mlxgw import schema
+from mlxgw.util import cancel_and_wait
 from mlxgw.schema import Candidate  # noqa: F401 (re-exported for callers)
 
 log = logging.getLogger("mlxgw.gateway.index")
@@ -138,10 +139,5 @@ class OwnershipIndex:
             pass
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._task)
         await self.redis.aclose()

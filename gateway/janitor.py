@@ -16,6 +16,7 @@ import logging
 import time
 
 from mlxgw import schema
+from mlxgw.util import cancel_and_wait
 
 log = logging.getLogger("mlxgw.gateway.janitor")
 
@@ -40,12 +41,7 @@ class Janitor:
         self._task = asyncio.create_task(self._loop(), name="janitor")
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._task)
 
     async def sweep(self) -> list[str]:
         """One pass over every model; returns the backend ids removed."""

@@ -17,6 +17,7 @@ import time
 from typing import Callable
 
 from mlxgw import schema
+from mlxgw.util import cancel_and_wait
 
 log = logging.getLogger("mlxgw.gateway.load")
 
@@ -47,12 +48,7 @@ class LoadPublisher:
         self._task = asyncio.create_task(self._loop(), name="load-publisher")
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._task)
         try:  # withdraw at once rather than waiting for the expiry
             pipe = self.index.redis.pipeline(transaction=False)
             for model in self.index.snapshot:

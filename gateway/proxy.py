@@ -24,6 +24,8 @@ from typing import Mapping, Optional, Protocol
 import aiohttp
 from aiohttp import web
 
+from mlxgw.util import cancel_and_wait
+
 log = logging.getLogger("mlxgw.gateway.proxy")
 
 # Hop-by-hop and length headers are not passed through.
@@ -145,12 +147,7 @@ class Proxy:
         self._prober = asyncio.create_task(self._probe_loop(), name="circuit-prober")
 
     async def close(self) -> None:
-        if self._prober:
-            self._prober.cancel()
-            try:
-                await self._prober
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._prober)
         if self.session:
             await self.session.close()
 

@@ -40,3 +40,17 @@ def serve_url_file():
     from pathlib import Path
 
     return Path(os.environ.get("MLXGW_CACHE_DIR", Path.home() / ".cache" / "mlxgw")) / "serve-redis-url"
+
+
+async def cancel_and_wait(task) -> None:
+    """Cancel a background ``asyncio.Task`` (or None) and wait for it to end; its
+    errors are swallowed (it is being shut down)."""
+    import asyncio
+
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
