@@ -201,7 +201,6 @@ class Proxy:
             if i > 0:
                 self.retries += 1
             handle = self.inflight.begin(a.backend_id, a.prefill_tokens)
-            prefill_open = True
             try:
                 timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout)
                 async with self.session.post(a.url + path, data=payload, headers=headers, timeout=timeout) as up:
@@ -217,39 +216,16 @@ class Proxy:
                     out.headers.update(a.headers)
                     if transform is not None:
                         out.headers.update(transform.begin(up.status, up.headers, a.headers))
-                    await out.prepare(request)
                     is_sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
                     t_feed = transform.feed if transform else (lambda b: b)
                     try:
-                        first = t_feed(b"")
-                        if first:
-                            await out.write(first)
-                        while True:
-                            chunk = await self._read(up, is_sse)
-                            if chunk is None:
-                                await out.write(transform.keepalive() if transform else KEEPALIVE)
-                                continue
-                            if not chunk:
-                                break
-                            if prefill_open and (not is_sse or b"data:" in chunk):
-                                self.inflight.started(a.backend_id, handle)
-                                a.first_byte_at = time.perf_counter()
-                                prefill_open = False
-                            data = t_feed(chunk)
-                            if data:
-                                await out.write(data)
-                        if transform is not None:
-                            await out.write(transform.end())
-                    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                        log.warning("backend %s failed mid-answer: %s", a.backend_id, e)
-                        self._trip(a.backend_id, a.url)
-                        msg = f"backend failed mid-stream: {type(e).__name__}"
-                        if transform is not None:
-                            await out.write(transform.fail(msg))
-                        elif is_sse:
-                            err = {"error": {"message": msg, "type": "server_error", "param": None, "code": "backend_failed"}}
-                            await out.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
-                    await out.write_eof()
+                        await out.prepare(request)
+                        await self._stream_body(out, up, a, handle, is_sse, transform, t_feed)
+                    except ConnectionResetError:
+                        # The client went away (aiohttp's ClientConnectionResetError
+                        # is one): not the backend's fault, so no circuit trip and no
+                        # retry. Leaving the upstream context cancels the backend's work.
+                        log.info("client disconnected during the answer from %s", a.backend_id)
                     return out
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 # Nothing reached the client yet: try the next backend.
@@ -262,6 +238,49 @@ class Proxy:
             finally:
                 self.inflight.end(a.backend_id, handle)
         raise BackendUnavailable(last_err or "no backend", timed_out)
+
+    async def _stream_body(self, out, up, a: Attempt, handle: int, is_sse: bool, transform, t_feed) -> None:
+        """Copy (or transform) the backend's body to the client.
+
+        A failure reading from the backend becomes a well-formed error at the
+        end of the stream and opens the backend's circuit; a failure writing to
+        the client raises ConnectionResetError to the caller.
+        """
+        prefill_open = True
+        upstream_err = None
+        first = t_feed(b"")
+        if first:
+            await out.write(first)
+        while True:
+            try:
+                chunk = await self._read(up, is_sse)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                upstream_err = e
+                break
+            if chunk is None:
+                await out.write(transform.keepalive() if transform else KEEPALIVE)
+                continue
+            if not chunk:
+                break
+            if prefill_open and (not is_sse or b"data:" in chunk):
+                self.inflight.started(a.backend_id, handle)
+                a.first_byte_at = time.perf_counter()
+                prefill_open = False
+            data = t_feed(chunk)
+            if data:
+                await out.write(data)
+        if upstream_err is not None:
+            log.warning("backend %s failed mid-answer: %s", a.backend_id, upstream_err)
+            self._trip(a.backend_id, a.url)
+            msg = f"backend failed mid-stream: {type(upstream_err).__name__}"
+            if transform is not None:
+                await out.write(transform.fail(msg))
+            elif is_sse:
+                err = {"error": {"message": msg, "type": "server_error", "param": None, "code": "backend_failed"}}
+                await out.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+        elif transform is not None:
+            await out.write(transform.end())
+        await out.write_eof()
 
     async def _read(self, up: aiohttp.ClientResponse, is_sse: bool) -> Optional[bytes]:
         """The next body bytes (b"" at end), or None after ``keepalive`` s of silence on a stream.

@@ -31,6 +31,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(n: int, avoid: tuple = ()) -> int:
+    """The first of ``n`` consecutive free loopback ports (for launchers that
+    number their backends from a base port)."""
+    for _ in range(200):
+        base = free_port()
+        ports = range(base, base + n)
+        if any(p in avoid or p > 65535 for p in ports):
+            continue
+        try:
+            socks = []
+            for p in ports:
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports")
+
+
 class RedisServer:
     """A private redis-server on a free loopback port (no persistence)."""
 

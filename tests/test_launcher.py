@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from mlxgw.httpget import get_json
-from mlxgw.harness import free_port
+from mlxgw.harness import free_port, free_port_run
 
 MLXGW = [sys.executable, "-m", "mlxgw"]
 
@@ -21,9 +21,8 @@ def _run(args, timeout=60):
 
 
 def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
-    port, bport = free_port(), free_port()
-    while bport + 1 == port:
-        bport = free_port()
+    port = free_port()
+    bport = free_port_run(2, avoid=(port,))
     log = open(tmp_path / "serve.log", "wb")
     p = subprocess.Popen(MLXGW + ["serve", "--backends", "2", "--port", str(port), "--backend-port", str(bport)],
                          stdout=log, stderr=subprocess.STDOUT)
@@ -88,7 +87,7 @@ def test_port_in_use(demo_model):
 
 
 def test_redis_unreachable(demo_model):
-    r = _run(["serve", "--model", demo_model, "--port", str(free_port()), "--backend-port", str(free_port()),
+    r = _run(["serve", "--model", demo_model, "--port", str(free_port()), "--backend-port", str(free_port_run(2)),
               "--redis-url", f"redis://127.0.0.1:{free_port()}/0"])
     assert r.returncode == 4 and "Redis unreachable" in r.stderr
 

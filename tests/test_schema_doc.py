@@ -1,6 +1,7 @@
 """docs/redis-schema.md cannot drift from the code: walk it against a live stack."""
 
 import re
+import time
 from pathlib import Path
 
 from mlxgw.httpget import post
@@ -43,6 +44,11 @@ def test_live_keys_are_all_documented(make_stack, redis_server):
                          "max_tokens": 2})
     assert status == 200
     r = redis_server.client()
+    gateways = f"{s.namespace}:{{{s.model_name}}}:gateways"
+    for _ in range(40):  # written at least once a second
+        if r.exists(gateways):
+            break
+        time.sleep(0.1)
     docs = _documented_keys()
     assert len(docs) == 10
     keys = [k for k in r.scan_iter(match="*") if k.startswith(s.namespace + ":") or k == f"{s.namespace}:models"]
