@@ -21,6 +21,8 @@ from aiohttp import web
 from mlxgw import schema
 from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, parse_openai
 
+from . import auth, limits
+from .limits import LimitConfig
 from .index import OwnershipIndex
 from .proxy import Attempt, BackendUnavailable, Proxy
 from .route import RoutingConfig, rank
@@ -44,6 +46,8 @@ class GatewayConfig:
     read_timeout: float = 300.0
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     models: dict[str, str] = field(default_factory=dict)  # served name -> local path
+    api_keys: list[str] = field(default_factory=list)  # empty: no key needed (gateway.auth)
+    limits: LimitConfig = field(default_factory=LimitConfig)
 
 
 @dataclass
@@ -88,10 +92,13 @@ async def _read_json(request: web.Request) -> dict:
     if request.content_length is not None and request.content_length > cfg.max_body_bytes:
         raise RequestError("request body too large", status=413, code="body_too_large")
     try:
-        raw = await request.read()
+        raw = await asyncio.wait_for(request.read(), cfg.limits.body_timeout)
     except web.HTTPRequestEntityTooLarge:
         raise RequestError("request body too large", status=413, code="body_too_large")
-    body = loads_body(raw)
+    except asyncio.TimeoutError:
+        raise RequestError("request body not received in time", status=408, code="body_timeout")
+    # Big bodies decode off the event loop so other requests keep flowing.
+    body = loads_body(raw) if len(raw) < 1 << 20 else await asyncio.get_running_loop().run_in_executor(None, loads_body, raw)
     body.pop(INTERNAL_FIELD, None)  # clients cannot inject token ids
     return body
 
@@ -128,6 +135,7 @@ async def _route(request: web.Request, kind: str, path: str) -> web.StreamRespon
     body = await _read_json(request)
     pr = parse_openai(body, kind)
     info = resolve_model(st, pr.model)
+    limits.check_request(st.cfg.limits, info, pr)
     if kind == "chat":
         cp = await st.tokenizers.render_chat(info, pr.messages, pr.tools, pr.template_kwargs)
         ids, system_tokens = cp.token_ids, cp.system_tokens
@@ -263,7 +271,8 @@ def make_app(cfg: GatewayConfig) -> web.Application:
     Raises (at startup): FileNotFoundError for a configured model path that is
     not a model directory.
     """
-    app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
+    app = web.Application(middlewares=[error_middleware, auth.auth_middleware(cfg.api_keys),
+                                       limits.limits_middleware(cfg.limits)], client_max_size=cfg.max_body_bytes)
 
     async def lifecycle(app: web.Application):
         toks = Tokenizers()
