@@ -29,8 +29,9 @@ from aiohttp import web
 ENV_KEYS = "MLXGW_API_KEYS"
 # Paths that never need a key: liveness probes from load balancers and the launcher.
 OPEN_PATHS = frozenset({"/health"})
-# The request attribute holding the caller's id (set by the auth middleware).
-CALLER = "mlxgw_caller"
+# The request attribute holding the caller's id (set by the auth middleware);
+# a typed key where aiohttp has them (3.13+).
+CALLER = web.RequestKey("mlxgw_caller", str) if hasattr(web, "RequestKey") else "mlxgw_caller"
 
 # Anthropic's error type per HTTP status (docs.anthropic.com/en/api/errors).
 _ANTHROPIC_TYPES = {
