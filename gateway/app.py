@@ -284,7 +284,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         except Exception as e:
             log.warning("Redis not reachable at start (%s); routing on load until it is", type(e).__name__)
         index.start()
-        proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout)
+        proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout, write_timeout=cfg.limits.write_timeout)
         await proxy.start()
         app[STATE] = GatewayState(cfg, toks, index, proxy)
         yield

@@ -38,6 +38,8 @@ class LimitConfig:
         max_messages: most messages in one chat request.
         body_timeout: seconds to receive a whole request body (a half-sent
             body is answered 408 after this).
+        write_timeout: seconds a client may leave an answer chunk unread
+            before the gateway drops the connection.
     """
 
     max_concurrent_per_key: int = 0
@@ -45,6 +47,7 @@ class LimitConfig:
     rate_burst: int = 0
     max_messages: int = 10_000
     body_timeout: float = 60.0
+    write_timeout: float = 60.0
 
     def burst(self) -> float:
         return float(self.rate_burst) if self.rate_burst > 0 else max(1.0, self.rate_per_minute / 6)

@@ -61,6 +61,8 @@ def add_security_arguments(p: argparse.ArgumentParser, defaults: bool = True) ->
     p.add_argument("--max-body-bytes", default=dflt("32MiB"), help="largest request body, e.g. 32MiB")
     p.add_argument("--body-timeout", type=float, default=dflt(d.body_timeout),
                    help="seconds to receive a request body before answering 408")
+    p.add_argument("--write-timeout", type=float, default=dflt(d.write_timeout),
+                   help="seconds a client may leave an answer unread before it is dropped")
 
 
 def parse_models(specs: list[str]) -> dict[str, str]:
@@ -86,6 +88,7 @@ def config_from_args(args) -> GatewayConfig:
             rate_burst=args.rate_burst,
             max_messages=args.max_messages,
             body_timeout=args.body_timeout,
+            write_timeout=args.write_timeout,
         ),
         max_body_bytes=parse_bytes(args.max_body_bytes),
         redis_url=args.redis_url,

@@ -83,10 +83,14 @@ class Proxy:
         read_timeout: seconds without a byte from the backend before giving up
             (a hung backend; covers long prefills since backends send
             keep-alives while streaming).
+        write_timeout: seconds a client may leave a chunk unread before the
+            answer is dropped (a client that stopped reading a stream).
     """
 
-    def __init__(self, internal_token: Optional[str] = None, connect_timeout: float = 2.0, read_timeout: float = 300.0):
+    def __init__(self, internal_token: Optional[str] = None, connect_timeout: float = 2.0, read_timeout: float = 300.0,
+                 write_timeout: float = 60.0):
         self.internal_token = internal_token
+        self.write_timeout = write_timeout
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.session: Optional[aiohttp.ClientSession] = None
@@ -150,7 +154,16 @@ class Proxy:
                             if prefill_open and (not is_sse or b"data:" in chunk):
                                 self.inflight.started(a.backend_id, handle)
                                 prefill_open = False
-                            await out.write(chunk)
+                            try:
+                                await asyncio.wait_for(out.write(chunk), self.write_timeout)
+                            except asyncio.TimeoutError:
+                                # The client stopped reading: drop it; leaving the
+                                # upstream block closes the backend connection, which
+                                # cancels the generation there.
+                                log.info("client stopped reading for %.0fs; dropping the answer", self.write_timeout)
+                                if request.transport is not None:
+                                    request.transport.abort()
+                                return out
                     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                         log.warning("backend %s failed mid-answer: %s", a.backend_id, e)
                         self.failures[a.backend_id] = time.monotonic()

@@ -58,13 +58,14 @@ class ServeConfig:
     max_messages: int = 10_000
     max_body_bytes: str = "32MiB"
     body_timeout: float = 60.0
+    write_timeout: float = 60.0
     models: list[ModelConfig] = field(default_factory=lambda: [ModelConfig()])
     remote_backends: list[RemoteBackend] = field(default_factory=list)
 
 
 # Keys allowed in [gateway]: ServeConfig fields of the same name.
 GATEWAY_KEYS = ("host", "port", "block_size", "api_key_file", "allow_unauthenticated", "max_concurrent_per_key",
-                "rate_limit_rpm", "rate_burst", "max_messages", "max_body_bytes", "body_timeout")
+                "rate_limit_rpm", "rate_burst", "max_messages", "max_body_bytes", "body_timeout", "write_timeout")
 
 
 def _pick(cls, d: dict, where: str):

@@ -237,7 +237,8 @@ def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:
     """The gateway flags for ``cfg``'s key and limit settings (keys travel by file or env, never argv)."""
     out = ["--max-concurrent-per-key", str(cfg.max_concurrent_per_key), "--rate-limit-rpm", str(cfg.rate_limit_rpm),
            "--rate-burst", str(cfg.rate_burst), "--max-messages", str(cfg.max_messages),
-           "--max-body-bytes", str(cfg.max_body_bytes), "--body-timeout", str(cfg.body_timeout)]
+           "--max-body-bytes", str(cfg.max_body_bytes), "--body-timeout", str(cfg.body_timeout),
+           "--write-timeout", str(cfg.write_timeout)]
     if cfg.api_key_file:
         out += ["--api-key-file", str(Path(cfg.api_key_file).expanduser().resolve())]
     if cfg.allow_unauthenticated:

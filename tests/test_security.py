@@ -44,7 +44,8 @@ def sec(demo_model, tmp_path_factory):
     s.add_backend("b0")
     s.add_gateway("--api-key-file", str(key_file), "--max-concurrent-per-key", "2",
                   "--rate-limit-rpm", "60", "--rate-burst", "4")
-    s.add_gateway("--api-key-file", str(key_file), "--max-messages", "50", "--body-timeout", "2")
+    s.add_gateway("--api-key-file", str(key_file), "--max-messages", "50", "--body-timeout", "2",
+                  "--write-timeout", "2")
     s.redis = redis
     s.key_file = key_file
     try:
@@ -404,6 +405,8 @@ def test_half_sent_body_is_dropped_after_the_body_timeout_without_blocking_other
 
 
 def test_client_that_stops_reading_a_stream_does_not_hold_up_others(sec):
+    """A stalled reader costs buffers only. (Loopback send buffers, 4 MiB here, hold a whole
+    demo-model stream, so the --write-timeout drop itself is not reached in this test.)"""
     gw = sec.gateways[1]
     body = json.dumps({"model": "demo-tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 4000,
                        "stream": True, "logit_bias": {"3065": -100}}).encode()
@@ -411,15 +414,16 @@ def test_client_that_stops_reading_a_stream_does_not_hold_up_others(sec):
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", gw.port))
     s.sendall(_head("/v1/chat/completions", KEYS["val"], len(body)) + body)
-    s.recv(512)  # the stream started; from now on this client reads nothing
+    got = s.recv(512)  # the stream started; from now on this client reads nothing
     try:
+        assert got.startswith(b"HTTP/1.1 200")
         with ThreadPoolExecutor(4) as ex:
             results = list(ex.map(lambda _: _post(gw.url + "/v1/chat/completions", CHAT, key=KEYS["val"])[0],
                                   range(8)))
         assert results == [200] * 8
     finally:
         s.close()
-    # Once the client is gone the backend stops generating for it.
+    # Once it is gone the backend is idle again.
     deadline = time.time() + 30
     active = None
     while time.time() < deadline:
@@ -428,7 +432,7 @@ def test_client_that_stops_reading_a_stream_does_not_hold_up_others(sec):
             break
         time.sleep(0.2)
     assert active == 0
-    assert _get(gw.url + "/health")[0] == 200
+    assert _post(gw.url + "/v1/chat/completions", CHAT, key=KEYS["val"])[0] == 200
 
 
 def test_bad_input_does_not_grow_gateway_memory(sec):
@@ -478,3 +482,28 @@ def test_no_secret_in_logs_redis_metrics_or_error_bodies(sec):
     assert len(SEEN) > 50
     leaks = [(what, where) for what, secret in secrets_.items() for where, text in places.items() if secret in text]
     assert leaks == []
+
+
+def test_gateway_config_keys_reach_the_gateway(tmp_path, demo_model):
+    """[gateway] keys in a config file become the gateway process's settings (via `mlxgw serve`'s flags)."""
+    import argparse
+
+    from gateway.main import add_arguments, config_from_args
+    from mlxgw import config
+    from mlxgw.launcher import gateway_security_flags
+
+    keys = tmp_path / "keys"
+    keys.write_text("k1\nk2\n")
+    toml = tmp_path / "c.toml"
+    toml.write_text(f'[gateway]\nhost = "0.0.0.0"\napi_key_file = "{keys}"\nmax_concurrent_per_key = 3\n'
+                    'rate_limit_rpm = 30\nrate_burst = 2\nmax_messages = 20\nmax_body_bytes = "1MiB"\n'
+                    'body_timeout = 5\nwrite_timeout = 7\n')
+    cfg = config.load(str(toml))
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    gw = config_from_args(p.parse_args(["--model", f"demo-tiny={demo_model}", *gateway_security_flags(cfg)]))
+    assert gw.api_keys == ["k1", "k2"] and gw.max_body_bytes == 2**20
+    lim = gw.limits
+    assert (lim.max_concurrent_per_key, lim.rate_per_minute, lim.rate_burst, lim.max_messages,
+            lim.body_timeout, lim.write_timeout) == (3, 30.0, 2, 20, 5.0, 7.0)
+    assert all("k1" not in f for f in gateway_security_flags(cfg))  # keys travel by file, not argv
