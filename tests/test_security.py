@@ -405,8 +405,8 @@ def test_half_sent_body_is_dropped_after_the_body_timeout_without_blocking_other
 
 
 def test_client_that_stops_reading_a_stream_does_not_hold_up_others(sec):
-    """A stalled reader costs buffers only. (Loopback send buffers, 4 MiB here, hold a whole
-    demo-model stream, so the --write-timeout drop itself is not reached in this test.)"""
+    """A stalled reader costs buffers only. (Loopback send buffers, up to 4 MiB, hold a whole
+    demo-model stream here; the --write-timeout drop is tested with small buffers below.)"""
     gw = sec.gateways[1]
     body = json.dumps({"model": "demo-tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 4000,
                        "stream": True, "logit_bias": {"3065": -100}}).encode()
@@ -507,3 +507,63 @@ def test_gateway_config_keys_reach_the_gateway(tmp_path, demo_model):
     assert (lim.max_concurrent_per_key, lim.rate_per_minute, lim.rate_burst, lim.max_messages,
             lim.body_timeout, lim.write_timeout) == (3, 30.0, 2, 20, 5.0, 7.0)
     assert all("k1" not in f for f in gateway_security_flags(cfg))  # keys travel by file, not argv
+
+
+async def test_client_that_stops_reading_is_dropped_after_the_write_timeout(sec, demo_model, caplog):
+    """The gateway app in this process, on the module's Redis and backend, with small socket buffers
+    (accepted sockets inherit the listener's SO_SNDBUF) so a stalled reader blocks its writes."""
+    import asyncio
+    import logging
+
+    from aiohttp.test_utils import TestServer, get_port_socket
+
+    from gateway.app import GatewayConfig, make_app
+    from gateway.limits import LimitConfig
+
+    def small_buffers(host, port, family):
+        s = get_port_socket(host, port, family)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        return s
+
+    caplog.set_level(logging.INFO, logger="mlxgw.gateway.proxy")
+    cfg = GatewayConfig(redis_url=sec.redis.url, namespace=sec.namespace, block_size=sec.block_size,
+                        internal_token=INTERNAL_TOKEN, models={"demo-tiny": demo_model},
+                        limits=LimitConfig(write_timeout=1.0))
+    server = TestServer(make_app(cfg), socket_factory=small_buffers)
+    await server.start_server()
+    try:
+        body = json.dumps({"model": "demo-tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 4000,
+                           "stream": True, "logit_bias": {"3065": -100}}).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        for _ in range(100):  # the in-process gateway sees the backend after its first registry refresh
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            ok = (await reader.read()).startswith(b"HTTP/1.1 200")
+            writer.close()
+            if ok:
+                break
+            await asyncio.sleep(0.1)
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(s, ("127.0.0.1", server.port))
+        reader, writer = await asyncio.open_connection(sock=s)
+        writer.write(head + body)
+        assert (await reader.read(512)).startswith(b"HTTP/1.1 200")
+        # Read nothing more: the gateway's writes block, and after 1 s it drops the answer.
+        for _ in range(300):
+            if any("client stopped reading" in r.getMessage() for r in caplog.records):
+                break
+            await asyncio.sleep(0.1)
+        assert any("client stopped reading for 1s; dropping the answer" in r.getMessage() for r in caplog.records)
+        rest = b""
+        try:
+            while chunk := await asyncio.wait_for(reader.read(65536), 10):
+                rest += chunk
+        except ConnectionResetError:
+            pass
+        assert b"[DONE]" not in rest  # cut off, not finished
+        writer.close()
+    finally:
+        await server.close()
