@@ -448,42 +448,6 @@ def test_bad_input_does_not_grow_gateway_memory(sec):
     assert grown < 100 * 2**20, f"gateway RSS grew {grown / 2**20:.0f} MiB over 8 x 20 MiB bad bodies"
 
 
-# ---------------------------------------------------------------- secrets (keep last)
-
-
-def test_no_secret_in_logs_redis_metrics_or_error_bodies(sec):
-    import redis as redis_mod
-
-    secrets_ = {**{f"api key {k}": v for k, v in KEYS.items()}, "internal token": INTERNAL_TOKEN,
-                "redis password": sec.redis.password}
-    # Make sure each secret was in play: wrong keys, right keys, bad input with a key.
-    _post(sec.gateways[0].url + "/v1/chat/completions", CHAT, key=KEYS["sdk"])
-    _post(sec.gateways[1].url + "/v1/chat/completions", b"{bad", key=KEYS["val"])
-    places: dict[str, str] = {}
-    for p in sec.backends + sec.gateways:
-        places[f"log {p.log_path.name}"] = p.log_path.read_text(errors="replace")
-    for f in LOG_DIR.glob(f"{sec.namespace}-*.log"):
-        places.setdefault(f"log {f.name}", f.read_text(errors="replace"))
-    r = redis_mod.Redis.from_url(sec.redis.url)  # values may be binary: compare as bytes text
-    dump = []
-    for k in r.scan_iter(count=1000):
-        t = r.type(k).decode()
-        v = {"string": r.get, "hash": r.hgetall, "set": r.smembers, "list": lambda x: r.lrange(x, 0, -1),
-             "zset": lambda x: r.zrange(x, 0, -1, withscores=True),
-             "stream": lambda x: r.xrange(x, count=100_000)}.get(t, lambda x: None)(k)
-        dump.append(f"{k!r} {v!r}")
-    assert len(dump) > 3  # the backend registered and reported
-    places["redis"] = "\n".join(dump)
-    for p in sec.gateways + sec.backends:
-        for path in ("/metrics", "/health", "/v1/models"):
-            status, hdrs, raw = _get(p.url + path, key=KEYS["val"])
-            places[f"{p.name}{path}"] = f"{status} {hdrs} {raw.decode(errors='replace')}"
-    places["responses"] = "\n".join(SEEN)
-    assert len(SEEN) > 50
-    leaks = [(what, where) for what, secret in secrets_.items() for where, text in places.items() if secret in text]
-    assert leaks == []
-
-
 def test_gateway_config_keys_reach_the_gateway(tmp_path, demo_model):
     """[gateway] keys in a config file become the gateway process's settings (via `mlxgw serve`'s flags)."""
     import argparse
@@ -567,3 +531,40 @@ async def test_client_that_stops_reading_is_dropped_after_the_write_timeout(sec,
         writer.close()
     finally:
         await server.close()
+
+
+# ---------------------------------------------------------------- secrets (keep last)
+
+
+def test_no_secret_in_logs_redis_metrics_or_error_bodies(sec):
+    import redis as redis_mod
+
+    secrets_ = {**{f"api key {k}": v for k, v in KEYS.items()}, "internal token": INTERNAL_TOKEN,
+                "redis password": sec.redis.password}
+    # Make sure each secret was in play: wrong keys, right keys, bad input with a key.
+    _post(sec.gateways[0].url + "/v1/chat/completions", CHAT, key=KEYS["sdk"])
+    _post(sec.gateways[1].url + "/v1/chat/completions", b"{bad", key=KEYS["val"])
+    places: dict[str, str] = {}
+    for p in sec.backends + sec.gateways:
+        places[f"log {p.log_path.name}"] = p.log_path.read_text(errors="replace")
+    for f in LOG_DIR.glob(f"{sec.namespace}-*.log"):
+        places.setdefault(f"log {f.name}", f.read_text(errors="replace"))
+    r = redis_mod.Redis.from_url(sec.redis.url)  # values may be binary: compare as bytes text
+    dump = []
+    for k in r.scan_iter(count=1000):
+        t = r.type(k).decode()
+        v = {"string": r.get, "hash": r.hgetall, "set": r.smembers, "list": lambda x: r.lrange(x, 0, -1),
+             "zset": lambda x: r.zrange(x, 0, -1, withscores=True),
+             "stream": lambda x: r.xrange(x, count=100_000)}.get(t, lambda x: None)(k)
+        dump.append(f"{k!r} {v!r}")
+    assert len(dump) > 3  # the backend registered and reported
+    places["redis"] = "\n".join(dump)
+    for p in sec.gateways + sec.backends:
+        for path in ("/metrics", "/health", "/v1/models"):
+            status, hdrs, raw = _get(p.url + path, key=KEYS["val"])
+            places[f"{p.name}{path}"] = f"{status} {hdrs} {raw.decode(errors='replace')}"
+    places["responses"] = "\n".join(SEEN)
+    assert len(SEEN) > 50
+    leaks = [(what, where) for what, secret in secrets_.items() for where, text in places.items() if secret in text]
+    assert leaks == []
+
