@@ -21,7 +21,8 @@ from aiohttp import web
 from mlxgw import schema
 from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, parse_openai
 
-from . import dashboard, dialects
+from . import auth, dashboard, dialects, limits
+from .limits import LimitConfig
 from .index import OwnershipIndex
 from .janitor import Janitor
 from .load import LoadPublisher
@@ -52,6 +53,8 @@ class GatewayConfig:
     janitor_grace: float = 300.0  # seconds without heartbeat before a backend's leftovers are removed
     strip_lines: tuple = DEFAULT_STRIP  # regexes of volatile system-prompt lines (gateway.stability)
     keepalive: float = 5.0  # seconds of stream silence before an SSE keep-alive
+    api_keys: list[str] = field(default_factory=list)  # empty: no key needed (gateway.auth)
+    limits: LimitConfig = field(default_factory=LimitConfig)
 
 
 @dataclass
@@ -98,10 +101,13 @@ async def _read_json(request: web.Request) -> dict:
     if request.content_length is not None and request.content_length > cfg.max_body_bytes:
         raise RequestError("request body too large", status=413, code="body_too_large")
     try:
-        raw = await request.read()
+        raw = await asyncio.wait_for(request.read(), cfg.limits.body_timeout)
     except web.HTTPRequestEntityTooLarge:
         raise RequestError("request body too large", status=413, code="body_too_large")
-    body = loads_body(raw)
+    except asyncio.TimeoutError:
+        raise RequestError("request body not received in time", status=408, code="body_timeout")
+    # Big bodies decode off the event loop so other requests keep flowing.
+    body = loads_body(raw) if len(raw) < 1 << 20 else await asyncio.get_running_loop().run_in_executor(None, loads_body, raw)
     body.pop(INTERNAL_FIELD, None)  # clients cannot inject token ids
     return body
 
@@ -154,6 +160,7 @@ async def _route(request: web.Request, kind: str, path: str, body: Optional[dict
     body = await _read_json(request) if body is None else body
     pr = parse_openai(body, kind)
     info = resolve_model(st, pr.model)
+    limits.check_request(st.cfg.limits, info, pr)
     if kind == "chat":
         ids, system_tokens = await _render_chat(st, info, pr)
         if st.drift.observe(info.name, pr.messages, ids):
@@ -304,7 +311,8 @@ def make_app(cfg: GatewayConfig) -> web.Application:
     Raises (at startup): FileNotFoundError for a configured model path that is
     not a model directory.
     """
-    app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
+    app = web.Application(middlewares=[error_middleware, auth.auth_middleware(cfg.api_keys),
+                                       limits.limits_middleware(cfg.limits)], client_max_size=cfg.max_body_bytes)
 
     async def lifecycle(app: web.Application):
         toks = Tokenizers()
@@ -316,7 +324,8 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         except Exception as e:
             log.warning("Redis not reachable at start (%s); routing on load until it is", type(e).__name__)
         index.start()
-        proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout, keepalive=cfg.keepalive)
+        proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout, keepalive=cfg.keepalive,
+                      write_timeout=cfg.limits.write_timeout)
         await proxy.start()
         app[STATE] = GatewayState(cfg, toks, index, proxy, strip=compile_patterns(cfg.strip_lines))
         app[STATE].metrics.bind(app[STATE])

@@ -13,7 +13,11 @@ from aiohttp import web
 
 from mlxgw import schema
 
+from mlxgw.util import parse_bytes
+
 from .app import GatewayConfig, make_app
+from .auth import AuthConfigError, check_exposure, read_keys
+from .limits import LimitConfig
 from .route import POLICIES, RoutingConfig
 from .stability import DEFAULT_STRIP, compile_patterns
 
@@ -54,6 +58,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="volatile system-prompt lines to remove before templating (repeatable; "
                         "default: Claude Code's x-anthropic-billing-header line)")
     p.add_argument("--no-strip", action="store_true", help="remove no system-prompt lines")
+    add_security_arguments(p)
+
+
+def add_security_arguments(p: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """API key and limit flags, shared with ``mlxgw serve`` (there without defaults, so the config file can set them)."""
+    d = LimitConfig()
+
+    def dflt(v):
+        return v if defaults else None
+
+    p.add_argument("--api-key-file", metavar="FILE",
+                   help="file of client API keys, one a line (also MLXGW_API_KEYS=k1,k2); keys are required "
+                        "when set, and needed to listen on a non-loopback address")
+    p.add_argument("--allow-unauthenticated", action="store_true", default=dflt(False),
+                   help="listen on a non-loopback address without API keys (something in front authenticates)")
+    p.add_argument("--max-concurrent-per-key", type=int, default=dflt(d.max_concurrent_per_key),
+                   help="requests in flight per API key (per address without keys); 0: no limit")
+    p.add_argument("--rate-limit-rpm", type=float, default=dflt(d.rate_per_minute),
+                   help="requests per minute per API key (token bucket); 0: no limit")
+    p.add_argument("--rate-burst", type=int, default=dflt(d.rate_burst),
+                   help="token-bucket size (default: 10 seconds of --rate-limit-rpm)")
+    p.add_argument("--max-messages", type=int, default=dflt(d.max_messages), help="most messages per chat request")
+    p.add_argument("--max-body-bytes", default=dflt("32MiB"), help="largest request body, e.g. 32MiB")
+    p.add_argument("--body-timeout", type=float, default=dflt(d.body_timeout),
+                   help="seconds to receive a request body before answering 408")
+    p.add_argument("--write-timeout", type=float, default=dflt(d.write_timeout),
+                   help="seconds a client may leave an answer unread before it is dropped")
 
 
 def parse_models(specs: list[str]) -> dict[str, str]:
@@ -72,6 +103,16 @@ def config_from_args(args) -> GatewayConfig:
 
         models = parse_models([str(ensure_demo_model("tiny"))])
     return GatewayConfig(
+        api_keys=read_keys(args.api_key_file),
+        limits=LimitConfig(
+            max_concurrent_per_key=args.max_concurrent_per_key,
+            rate_per_minute=args.rate_limit_rpm,
+            rate_burst=args.rate_burst,
+            max_messages=args.max_messages,
+            body_timeout=args.body_timeout,
+            write_timeout=args.write_timeout,
+        ),
+        max_body_bytes=parse_bytes(args.max_body_bytes),
         redis_url=args.redis_url,
         namespace=args.namespace,
         block_size=args.block_size,
@@ -90,13 +131,26 @@ def config_from_args(args) -> GatewayConfig:
     )
 
 
+# Exit code when the gateway refuses to start for its security settings.
+EXIT_INSECURE = 6
+
+
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
     try:
+        cfg = config_from_args(args)
+        check_exposure(args.host, cfg.api_keys, args.allow_unauthenticated)
         compile_patterns(cfg.strip_lines)
+    except AuthConfigError as e:
+        log.error("%s", e)
+        return EXIT_INSECURE
     except re.error as e:
         log.error("--strip-line: invalid regex: %s", e)
         return 2
+    except ValueError as e:
+        log.error("bad setting: %s", e)
+        return 2
+    if cfg.api_keys:
+        log.info("API keys required (%d configured)", len(cfg.api_keys))
     for name, path in cfg.models.items():
         if not (Path(path).expanduser() / "config.json").exists():
             log.error("model %s: no model directory at %s", name, path)

@@ -122,12 +122,15 @@ class Proxy:
         keepalive: seconds of silence on a streamed answer before the
             gateway sends an SSE keep-alive itself (0: never). Clients abort
             idle streams after 30-300 s; 10 s or less keeps them all waiting.
+        write_timeout: seconds a client may leave a chunk unread before the
+            answer is dropped (a client that stopped reading a stream).
     """
 
     def __init__(self, internal_token: Optional[str] = None, connect_timeout: float = 2.0, read_timeout: float = 300.0,
-                 keepalive: float = 5.0):
+                 keepalive: float = 5.0, write_timeout: float = 60.0):
         self.internal_token = internal_token
         self.keepalive = keepalive
+        self.write_timeout = write_timeout
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.session: Optional[aiohttp.ClientSession] = None
@@ -220,7 +223,7 @@ class Proxy:
                     t_feed = transform.feed if transform else (lambda b: b)
                     try:
                         await out.prepare(request)
-                        await self._stream_body(out, up, a, handle, is_sse, transform, t_feed)
+                        await self._stream_body(request, out, up, a, handle, is_sse, transform, t_feed)
                     except ConnectionResetError:
                         # The client went away (aiohttp's ClientConnectionResetError
                         # is one): not the backend's fault, so no circuit trip and no
@@ -239,7 +242,7 @@ class Proxy:
                 self.inflight.end(a.backend_id, handle)
         raise BackendUnavailable(last_err or "no backend", timed_out)
 
-    async def _stream_body(self, out, up, a: Attempt, handle: int, is_sse: bool, transform, t_feed) -> None:
+    async def _stream_body(self, request, out, up, a: Attempt, handle: int, is_sse: bool, transform, t_feed) -> None:
         """Copy (or transform) the backend's body to the client.
 
         A failure reading from the backend becomes a well-formed error at the
@@ -250,7 +253,7 @@ class Proxy:
         upstream_err = None
         first = t_feed(b"")
         if first:
-            await out.write(first)
+            await self._write(request, out, first)
         while True:
             try:
                 chunk = await self._read(up, is_sse)
@@ -258,7 +261,7 @@ class Proxy:
                 upstream_err = e
                 break
             if chunk is None:
-                await out.write(transform.keepalive() if transform else KEEPALIVE)
+                await self._write(request, out, transform.keepalive() if transform else KEEPALIVE)
                 continue
             if not chunk:
                 break
@@ -268,19 +271,30 @@ class Proxy:
                 prefill_open = False
             data = t_feed(chunk)
             if data:
-                await out.write(data)
+                await self._write(request, out, data)
         if upstream_err is not None:
             log.warning("backend %s failed mid-answer: %s", a.backend_id, upstream_err)
             self._trip(a.backend_id, a.url)
             msg = f"backend failed mid-stream: {type(upstream_err).__name__}"
             if transform is not None:
-                await out.write(transform.fail(msg))
+                await self._write(request, out, transform.fail(msg))
             elif is_sse:
                 err = {"error": {"message": msg, "type": "server_error", "param": None, "code": "backend_failed"}}
-                await out.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+                await self._write(request, out, b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
         elif transform is not None:
-            await out.write(transform.end())
+            await self._write(request, out, transform.end())
         await out.write_eof()
+
+    async def _write(self, request, out, data: bytes) -> None:
+        try:
+            await asyncio.wait_for(out.write(data), self.write_timeout)
+        except asyncio.TimeoutError:
+            # The client stopped reading: drop it. Leaving the upstream block
+            # closes the backend connection, which cancels the generation there.
+            log.info("client stopped reading for %.0fs; dropping the answer", self.write_timeout)
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("client stopped reading") from None
 
     async def _read(self, up: aiohttp.ClientResponse, is_sse: bool) -> Optional[bytes]:
         """The next body bytes (b"" at end), or None after ``keepalive`` s of silence on a stream.

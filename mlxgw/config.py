@@ -48,8 +48,23 @@ class ServeConfig:
     namespace: str = schema.DEFAULT_NAMESPACE
     block_size: int = schema.DEFAULT_BLOCK_SIZE
     routing: dict = field(default_factory=dict)  # RoutingConfig fields (gateway/route.py)
+    # Gateway access and limits (docs/security.md); 0 turns a limit off.
+    api_key_file: Optional[str] = None
+    allow_unauthenticated: bool = False
+    max_concurrent_per_key: int = 0
+    rate_limit_rpm: float = 0.0
+    rate_burst: int = 0
+    max_messages: int = 10_000
+    max_body_bytes: str = "32MiB"
+    body_timeout: float = 60.0
+    write_timeout: float = 60.0
     models: list[ModelConfig] = field(default_factory=lambda: [ModelConfig()])
     remote_backends: list[RemoteBackend] = field(default_factory=list)
+
+
+# Keys allowed in [gateway]: ServeConfig fields of the same name.
+GATEWAY_KEYS = ("host", "port", "block_size", "api_key_file", "allow_unauthenticated", "max_concurrent_per_key",
+                "rate_limit_rpm", "rate_burst", "max_messages", "max_body_bytes", "body_timeout", "write_timeout")
 
 
 def _pick(cls, d: dict, where: str):
@@ -79,7 +94,7 @@ def load(path: str) -> ServeConfig:
         raise ValueError(f"{path}: unknown sections {sorted(data)}")
     cfg = ServeConfig(models=models, remote_backends=remotes)
     for k, v in gw.items():
-        if k not in ("host", "port", "block_size"):
+        if k not in GATEWAY_KEYS:
             raise ValueError(f"{path} [gateway]: unknown key {k!r}")
         setattr(cfg, k, v)
     for k, v in rd.items():
@@ -88,7 +103,7 @@ def load(path: str) -> ServeConfig:
         setattr(cfg, "redis_url" if k == "url" else k, v)
     from gateway.route import POLICIES, RoutingConfig
 
-    known = {f.name: f.type for f in fields(RoutingConfig)}
+    known = {f.name for f in fields(RoutingConfig) if not f.name.startswith("_")}
     for k, v in routing.items():
         if k not in known:
             raise ValueError(f"{path} [routing]: unknown key {k!r} (known: {', '.join(sorted(known))})")
@@ -101,7 +116,8 @@ def load(path: str) -> ServeConfig:
 def apply_flags(cfg: ServeConfig, args) -> ServeConfig:
     """Override ``cfg`` with the flags the user gave (None means not given)."""
     for flag, attr in (("host", "host"), ("port", "port"), ("redis_url", "redis_url"),
-                       ("namespace", "namespace"), ("block_size", "block_size")):
+                       ("namespace", "namespace"), ("block_size", "block_size"),
+                       *((k, k) for k in GATEWAY_KEYS[3:])):
         v = getattr(args, flag, None)
         if v is not None:
             setattr(cfg, attr, v)

@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="tokens per block")
     p.add_argument("--namespace", help="Redis key namespace (default mlxgw)")
     p.add_argument("--no-memory-check", action="store_true", help="skip the memory estimate")
+    from gateway.main import add_security_arguments
+
+    add_security_arguments(p, defaults=False)
 
 
 @dataclass
@@ -106,6 +109,13 @@ def run(args: argparse.Namespace) -> int:
         log.error("config: %s", e)
         return 2
     cfg = config_mod.apply_flags(cfg, args)
+    from gateway.auth import AuthConfigError, check_exposure, read_keys
+
+    try:  # refuse before starting anything
+        check_exposure(cfg.host, read_keys(cfg.api_key_file), cfg.allow_unauthenticated)
+    except AuthConfigError as e:
+        log.error("%s", e)
+        return 6
     for m in cfg.models:
         if not m.path:
             from .demo_model import demo_model_dir, ensure_demo_model
@@ -169,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         gw_cmd += [("--routing-policy" if k == "policy" else "--" + k.replace("_", "-")), str(v)]
     for m in cfg.models:
         gw_cmd += ["--model", f"{m.name}={m.path}"]
+    gw_cmd += gateway_security_flags(cfg)
     gateway = Child("gateway", gw_cmd, env, f"http://127.0.0.1:{cfg.port}/health")
 
     stopping = False
@@ -223,6 +234,19 @@ def run(args: argparse.Namespace) -> int:
         print("mlxgw stopped.", file=sys.stderr)
 
 
+def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:
+    """The gateway flags for ``cfg``'s key and limit settings (keys travel by file or env, never argv)."""
+    out = ["--max-concurrent-per-key", str(cfg.max_concurrent_per_key), "--rate-limit-rpm", str(cfg.rate_limit_rpm),
+           "--rate-burst", str(cfg.rate_burst), "--max-messages", str(cfg.max_messages),
+           "--max-body-bytes", str(cfg.max_body_bytes), "--body-timeout", str(cfg.body_timeout),
+           "--write-timeout", str(cfg.write_timeout)]
+    if cfg.api_key_file:
+        out += ["--api-key-file", str(Path(cfg.api_key_file).expanduser().resolve())]
+    if cfg.allow_unauthenticated:
+        out.append("--allow-unauthenticated")
+    return out
+
+
 def _spawn(c: Child) -> None:
     c.proc = subprocess.Popen(c.cmd, env=c.env)
     c.started_at = time.time()
@@ -252,6 +276,13 @@ def _wait_ready(children: list[Child], stopping, timeout: float = 600.0) -> bool
     return not pending
 
 
+def _keys_summary(cfg) -> str:
+    from gateway.auth import read_keys
+
+    n = len(read_keys(cfg.api_key_file))
+    return f"required ({n} configured)" if n else "not required (see docs/security.md)"
+
+
 def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None:
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     lines = [
@@ -262,6 +293,7 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
         f"  backends   {', '.join(c.name + ' ' + c.health_url.rsplit('/', 1)[0] for c in children)}",
         f"  redis      {redact_url(redis_url)}{' (embedded)' if embedded else ''}",
         f"  dashboard  http://{host}:{cfg.port}/dashboard   metrics  http://{host}:{cfg.port}/metrics",
+        f"  api keys   {_keys_summary(cfg)}",
         f"  status     mlxgw status | mlxgw top   (read the Redis URL from {serve_url_file()})",
         "  stop       Ctrl-C",
         "",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -82,25 +83,87 @@ class ParsedRequest:
     prompt_cache_key: Optional[str] = None
 
 
+# Deepest JSON nesting accepted. Real requests (tool schemas included) stay
+# far below it; deeper bodies could exhaust recursion in the chat template or
+# msgpack downstream.
+MAX_JSON_DEPTH = 64
+# Most ``[`` plus ``{`` bytes in a body (those inside strings count too). Real
+# requests hold a few thousand; a 32 MiB body of ``[],[],...`` holds millions
+# and takes seconds to decode while holding the GIL.
+MAX_JSON_CONTAINERS = 500_000
+# Integers must fit msgpack (the gateway's forward format): int64 or uint64.
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+# Lone UTF-16 surrogates only arise from \\uD800-\\uDFFF escapes; checked only when one appears.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# OpenAI allows 4 stop sequences; we allow a few more, but not thousands checked per token.
+MAX_STOP = 16
+# Tokens one logit_bias may name (OpenAI documents no limit; this bounds the per-step work).
+MAX_LOGIT_BIAS = 1024
+_LONG_INT = re.compile(r"\d{19}")
+
+
 def loads_body(raw: bytes) -> dict:
     """Decode a JSON object body.
 
     Raises:
-        RequestError: not UTF-8, not JSON, nesting too deep, or not an object.
+        RequestError: not UTF-8, not JSON, nested deeper than `MAX_JSON_DEPTH`,
+            more than `MAX_JSON_CONTAINERS` brackets,
+            an integer outside 64 bits, an unpaired UTF-16 surrogate, or not an object.
     """
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_CONTAINERS:
+        raise RequestError(f"request body holds more than {MAX_JSON_CONTAINERS} JSON arrays and objects")
     try:
         text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise RequestError("request body is not valid UTF-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"request body is not valid UTF-8 (byte {e.start})")
     try:
         body = json.loads(text)
     except RecursionError:
-        raise RequestError("request body is nested too deeply")
+        raise RequestError(f"request body is nested too deeply (limit {MAX_JSON_DEPTH})")
     except ValueError as e:
         raise RequestError(f"invalid JSON in request body: {e}")
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
+    _check_tree(body, check_ints=_LONG_INT.search(text) is not None)
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError("request body holds an unpaired UTF-16 surrogate (\\uD800-\\uDFFF) in a string")
     return body
+
+
+def _check_tree(body: dict, check_ints: bool) -> None:
+    """Depth limit (and 64-bit integers when ``check_ints``), iteratively: no recursion to exhaust."""
+    stack = [(body, 1, None)]
+    while stack:
+        node, depth, trail = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            p = _trail_path(trail)
+            raise RequestError(f"request body is nested too deeply (limit {MAX_JSON_DEPTH}) at '{p}'",
+                               param=_top_field(p))
+        for k, v in (node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(v, (dict, list)):
+                stack.append((v, depth + 1, (trail, k)))
+            elif check_ints and isinstance(v, int) and not isinstance(v, bool) and not _INT_MIN <= v <= _INT_MAX:
+                p = _trail_path((trail, k))
+                raise RequestError(f"'{p}' is an integer outside 64 bits", param=_top_field(p))
+
+
+def _trail_path(trail) -> str:
+    """``((None, "messages"), 0)`` -> ``"messages[0]"``."""
+    keys = []
+    while trail is not None:
+        trail, k = trail
+        keys.append(k)
+    out = ""
+    for k in reversed(keys):
+        out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
+    return out
+
+
+def _top_field(path: str) -> str:
+    return path.split(".")[0].split("[")[0]
 
 
 def _num(body: dict, name: str, default, lo=None, hi=None, integer=False):
@@ -138,12 +201,57 @@ def _validate_messages(messages) -> list:
             raise RequestError(f"'{p}.content' must be a string or an array of parts", param=f"{p}.content")
         if isinstance(content, list):
             for j, part in enumerate(content):
+                q = f"{p}.content[{j}]"
                 if not isinstance(part, dict):
-                    raise RequestError(f"'{p}.content[{j}]' must be an object", param=f"{p}.content")
+                    raise RequestError(f"'{q}' must be an object", param=q)
+                if not isinstance(part.get("type", "text"), str):
+                    raise RequestError(f"'{q}.type' must be a string", param=f"{q}.type")
+                if "text" in part and not isinstance(part["text"], str):
+                    raise RequestError(f"'{q}.text' must be a string", param=f"{q}.text")
+        for name in ("name", "tool_call_id"):
+            if m.get(name) is not None and not isinstance(m[name], str):
+                raise RequestError(f"'{p}.{name}' must be a string", param=f"{p}.{name}")
         tcs = m.get("tool_calls")
         if tcs is not None and not isinstance(tcs, list):
             raise RequestError(f"'{p}.tool_calls' must be an array", param=f"{p}.tool_calls")
+        for j, tc in enumerate(tcs or []):
+            q = f"{p}.tool_calls[{j}]"
+            fn = tc.get("function") if isinstance(tc, dict) else None
+            if not isinstance(fn, dict):
+                raise RequestError(f"'{q}.function' must be an object", param=f"{q}.function")
+            if not isinstance(fn.get("name"), str):
+                raise RequestError(f"'{q}.function.name' must be a string", param=f"{q}.function.name")
+            if fn.get("arguments") is not None and not isinstance(fn["arguments"], (str, dict)):
+                raise RequestError(f"'{q}.function.arguments' must be a JSON string",
+                                   param=f"{q}.function.arguments")
     return messages
+
+
+def _validate_tools(tools) -> Optional[list]:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("'tools' must be an array of objects", param="tools")
+    for i, t in enumerate(tools):
+        p = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise RequestError(f"'{p}' must be an object", param=p)
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise RequestError(f"'{p}.function' must be an object", param=f"{p}.function")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError(f"'{p}.function.name' must be a non-empty string", param=f"{p}.function.name")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise RequestError(f"'{p}.function.parameters' must be an object", param=f"{p}.function.parameters")
+    return tools or None
+
+
+def _optional(body: dict, name: str, types, what: str):
+    """``body[name]`` when absent/None or of ``types``; else a 400 naming the field."""
+    v = body.get(name)
+    if v is not None and (not isinstance(v, types) or (isinstance(v, bool) and bool not in types)):
+        raise RequestError(f"'{name}' must be {what}", param=name)
+    return v
 
 
 def normalize_messages(messages: list) -> list:
@@ -189,13 +297,26 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("'model' must be a string", param="model")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise RequestError("'stream' must be a boolean", param="stream")
-    so = body.get("stream_options")
-    if so is not None and not isinstance(so, dict):
-        raise RequestError("'stream_options' must be an object", param="stream_options")
-    include_usage = bool((so or {}).get("include_usage", False))
+    so = _optional(body, "stream_options", (dict,), "an object") or {}
+    include_usage = so.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise RequestError("'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
+    n = _num(body, "n", 1, lo=1, integer=True)
+    if n != 1:
+        raise RequestError("'n' must be 1: one choice per request is supported", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        _num(body, name, 0.0, lo=-2, hi=2)
+    _optional(body, "logprobs", (bool,), "a boolean")
+    _num(body, "top_logprobs", 0, lo=0, hi=20, integer=True)
+    _optional(body, "parallel_tool_calls", (bool,), "a boolean")
+    _optional(body, "response_format", (dict,), "an object")
+    tc = body.get("tool_choice")
+    if tc is not None and not (isinstance(tc, dict) or tc in ("none", "auto", "required")):
+        raise RequestError("'tool_choice' must be 'none', 'auto', 'required' or an object", param="tool_choice")
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
@@ -208,23 +329,27 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         stop = [stop]
     elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise RequestError("'stop' must be a string or an array of strings", param="stop")
+    if len(stop) > MAX_STOP:
+        raise RequestError(f"'stop' may hold at most {MAX_STOP} sequences", param="stop")
     stop = [s for s in stop if s]
     lb = body.get("logit_bias")
     if lb is not None:
         if not isinstance(lb, dict):
             raise RequestError("'logit_bias' must be an object", param="logit_bias")
+        if len(lb) > MAX_LOGIT_BIAS:
+            raise RequestError(f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
         try:
-            lb = {int(k): float(v) for k, v in lb.items()}
-        except (TypeError, ValueError):
-            raise RequestError("'logit_bias' must map token ids to numbers", param="logit_bias")
-    tk = body.get("chat_template_kwargs") or {}
-    if not isinstance(tk, dict):
-        raise RequestError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise RequestError("'seed' must be an integer", param="seed")
-    user = body.get("user")
-    pck = body.get("prompt_cache_key")
+            lb = {int(k): float(v) for k, v in lb.items() if not isinstance(v, (bool, str))}
+        except (TypeError, ValueError, OverflowError):
+            lb = None
+        if lb is None or len(lb) != len(body["logit_bias"]) or not all(
+            0 <= k < 2**32 and -100 <= v <= 100 for k, v in lb.items()
+        ):
+            raise RequestError("'logit_bias' must map token ids to numbers from -100 to 100", param="logit_bias")
+    tk = _optional(body, "chat_template_kwargs", (dict,), "an object") or {}
+    seed = _num(body, "seed", None, integer=True)
+    user = _optional(body, "user", (str,), "a string")
+    pck = _optional(body, "prompt_cache_key", (str,), "a string")
     req = ParsedRequest(
         kind=kind,
         model=model,
@@ -240,16 +365,12 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         seed=seed,
         logit_bias=lb,
         template_kwargs=tk,
-        user=user if isinstance(user, str) else None,
-        prompt_cache_key=pck if isinstance(pck, str) else None,
+        user=user,
+        prompt_cache_key=pck,
     )
     if kind == "chat":
         req.messages = normalize_messages(_validate_messages(body.get("messages")))
-        tools = body.get("tools")
-        if tools is not None:
-            if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-                raise RequestError("'tools' must be an array of objects", param="tools")
-            req.tools = tools or None
+        req.tools = _validate_tools(body.get("tools"))
         req.tool_choice = body.get("tool_choice")
     else:
         prompt = body.get("prompt")

@@ -1,0 +1,189 @@
+"""Per-caller limits (concurrency, token-bucket rate) and per-request size limits.
+
+A caller is an API key (by its id) or, without keys, a remote address (see
+`gateway.auth`). Every path but ``/health`` counts. Over a limit the answer is
+429 with ``Retry-After`` (whole seconds, RFC 9110 10.2.3) in the dialect of the
+endpoint; nothing is queued, so a flooding caller costs the gateway one cheap
+answer per request and never delays other callers.
+
+`check_request` holds the checks that need the parsed request and the model
+(message count, token ids within the vocabulary); the gateway calls it before
+routing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from aiohttp import web
+
+from mlxgw.protocol import RequestError
+
+from .auth import CALLER, OPEN_PATHS, error_response
+
+
+@dataclass
+class LimitConfig:
+    """Limits; 0 turns a limit off.
+
+    Attributes:
+        max_concurrent_per_key: requests one caller may have in flight (a
+            stream counts until its last byte).
+        rate_per_minute: sustained requests per minute per caller.
+        rate_burst: bucket size, requests a caller may send at once after a
+            quiet period (0: ``max(1, rate_per_minute / 6)``, ten seconds' worth).
+        max_messages: most messages in one chat request.
+        body_timeout: seconds to receive a whole request body (a half-sent
+            body is answered 408 after this).
+        write_timeout: seconds a client may leave an answer chunk unread
+            before the gateway drops the connection.
+    """
+
+    max_concurrent_per_key: int = 0
+    rate_per_minute: float = 0.0
+    rate_burst: int = 0
+    max_messages: int = 10_000
+    body_timeout: float = 60.0
+    write_timeout: float = 60.0
+
+    def burst(self) -> float:
+        return float(self.rate_burst) if self.rate_burst > 0 else max(1.0, self.rate_per_minute / 6)
+
+
+class TokenBucket:
+    """``capacity`` tokens refilled at ``rate`` tokens per second; one request takes one.
+
+    ``take(now)`` returns 0.0 when a token was taken, else the seconds until
+    one will be available (nothing taken).
+    """
+
+    __slots__ = ("capacity", "rate", "tokens", "t")
+
+    def __init__(self, capacity: float, rate: float, now: float):
+        self.capacity = capacity
+        self.rate = rate
+        self.tokens = capacity
+        self.t = now
+
+    def _refill(self, now: float) -> None:
+        self.tokens = min(self.capacity, self.tokens + (now - self.t) * self.rate)
+        self.t = now
+
+    def take(self, now: float) -> float:
+        self._refill(now)
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate
+
+    def full(self, now: float) -> bool:
+        self._refill(now)
+        return self.tokens >= self.capacity
+
+
+class CallerLimits:
+    """Concurrency counts and rate buckets per caller.
+
+    Idle callers (no request in flight, bucket full) are forgotten once more
+    than ``prune_above`` are tracked, so addresses that come and go cannot
+    grow memory without bound.
+    """
+
+    def __init__(self, cfg: LimitConfig, prune_above: int = 10_000):
+        self.cfg = cfg
+        self.inflight: dict[str, int] = {}
+        self.buckets: dict[str, TokenBucket] = {}
+        self.rejected = {"rate": 0, "concurrency": 0}
+        self.prune_above = prune_above
+
+    def admit(self, caller: str, now: Optional[float] = None) -> Optional[tuple[str, int]]:
+        """Take a slot for ``caller``: None when admitted (call `release` after),
+        else ``(reason, retry_after_seconds)`` with reason ``"rate"`` or ``"concurrency"``."""
+        now = time.monotonic() if now is None else now
+        cfg = self.cfg
+        if cfg.max_concurrent_per_key > 0 and self.inflight.get(caller, 0) >= cfg.max_concurrent_per_key:
+            self.rejected["concurrency"] += 1
+            return "concurrency", 1
+        if cfg.rate_per_minute > 0:
+            b = self.buckets.get(caller)
+            if b is None:
+                if len(self.buckets) >= self.prune_above:
+                    self._prune(now)
+                b = self.buckets[caller] = TokenBucket(cfg.burst(), cfg.rate_per_minute / 60.0, now)
+            wait = b.take(now)
+            if wait > 0:
+                self.rejected["rate"] += 1
+                return "rate", max(1, math.ceil(wait))
+        self.inflight[caller] = self.inflight.get(caller, 0) + 1
+        return None
+
+    def release(self, caller: str) -> None:
+        n = self.inflight.get(caller, 0) - 1
+        if n > 0:
+            self.inflight[caller] = n
+        else:
+            self.inflight.pop(caller, None)
+
+    def _prune(self, now: float) -> None:
+        for c in [c for c, b in self.buckets.items() if c not in self.inflight and b.full(now)]:
+            del self.buckets[c]
+
+
+def limits_middleware(cfg: LimitConfig):
+    """An aiohttp middleware enforcing `CallerLimits` (after the auth middleware named the caller)."""
+    limits = CallerLimits(cfg)
+
+    @web.middleware
+    async def mw(request: web.Request, handler):
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        caller = request.get(CALLER, "unknown")
+        denied = limits.admit(caller)
+        if denied is not None:
+            reason, retry = denied
+            msg = (f"too many requests in flight for this API key (limit {cfg.max_concurrent_per_key})"
+                   if reason == "concurrency" else
+                   f"rate limit exceeded for this API key ({cfg.rate_per_minute:g} requests per minute)")
+            return error_response(request.path, 429, msg, "rate_limit_error", code="rate_limit_exceeded",
+                                  headers={"Retry-After": str(retry)})
+        try:
+            return await handler(request)
+        finally:
+            limits.release(caller)
+
+    mw.limits = limits  # for tests and introspection
+    return mw
+
+
+def check_request(cfg: LimitConfig, info, pr) -> None:
+    """Limits that need the parsed request (`mlxgw.protocol.ParsedRequest`) and
+    the model (`gateway.tokenize.ModelInfo`): message count, and token ids
+    (``prompt`` arrays, ``logit_bias`` keys) inside the model's vocabulary.
+
+    Raises:
+        RequestError: 400 naming the field.
+    """
+    if cfg.max_messages > 0 and len(pr.messages) > cfg.max_messages:
+        raise RequestError(f"'messages' has {len(pr.messages)} entries; at most {cfg.max_messages} are allowed",
+                           param="messages", code="too_many_messages")
+    vocab = vocab_size(info)
+    if pr.prompt_ids is not None and max(pr.prompt_ids) >= vocab:
+        raise RequestError(f"'prompt' holds token ids outside the vocabulary (0..{vocab - 1})", param="prompt")
+    if pr.logit_bias and max(pr.logit_bias) >= vocab:
+        raise RequestError(f"'logit_bias' names token ids outside the vocabulary (0..{vocab - 1})",
+                           param="logit_bias")
+
+
+def vocab_size(info) -> int:
+    """Token ids the model's tokenizer knows (``len(tokenizer)``, added tokens included)."""
+    n = getattr(info, "_vocab", None)
+    if n is None:
+        n = len(info.tokenizer)
+        try:
+            info._vocab = n
+        except AttributeError:
+            pass
+    return n

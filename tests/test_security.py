@@ -1,0 +1,570 @@
+"""Acceptance (issue 8): access rules, limits and hostile input, against the running stack.
+
+One stack for the module: an embedded Redis with a random password, one
+backend requiring the internal token, and two gateways requiring API keys:
+``gw0`` with tight per-key limits, ``gw1`` without rate limits (for the
+validation cases). The last test greps every log, Redis value and response
+seen for the configured secrets.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import select
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import anthropic
+import openai
+import psutil
+import pytest
+
+from mlxgw.harness import LOG_DIR, Stack
+from mlxgw.httpget import post
+from mlxgw.redis_embed import EmbeddedRedis
+from texts import words
+
+KEYS = {name: f"sk-{name}-{secrets.token_hex(16)}" for name in ("env", "sdk", "conc", "other", "rate", "val")}
+INTERNAL_TOKEN = secrets.token_hex(16)
+# Every response body and header seen by these tests; the secrets scan reads them.
+SEEN: list[str] = []
+CHAT = {"model": "demo-tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def sec(demo_model, tmp_path_factory):
+    redis = EmbeddedRedis().start()
+    key_file = tmp_path_factory.mktemp("keys") / "api-keys"
+    key_file.write_text("# client keys\n" + "\n".join(v for k, v in KEYS.items() if k != "env") + "\n\n")
+    s = Stack(redis.url, demo_model, env_extra={
+        "MLXGW_API_KEYS": KEYS["env"], "MLXGW_INTERNAL_TOKEN": INTERNAL_TOKEN, "MLXGW_LOG_LEVEL": "debug"})
+    s.add_backend("b0")
+    s.add_gateway("--api-key-file", str(key_file), "--max-concurrent-per-key", "2",
+                  "--rate-limit-rpm", "60", "--rate-burst", "4")
+    s.add_gateway("--api-key-file", str(key_file), "--max-messages", "50", "--body-timeout", "2",
+                  "--write-timeout", "2")
+    s.redis = redis
+    s.key_file = key_file
+    try:
+        s.wait()
+        yield s
+    finally:
+        s.stop()
+        redis.stop()
+
+
+def _post(url, body, key=None, headers=None):
+    h = dict(headers or {})
+    if key:
+        h["Authorization"] = f"Bearer {key}"
+    status, hdrs, raw = post(url, body, h)
+    SEEN.append(f"{hdrs}\n{raw.decode(errors='replace')}")
+    return status, hdrs, raw
+
+
+def _get(url, key=None):
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            status, hdrs, raw = r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        status, hdrs, raw = e.code, dict(e.headers), e.read()
+    SEEN.append(f"{hdrs}\n{raw.decode(errors='replace')}")
+    return status, hdrs, raw
+
+
+def _raw(port: int, head: bytes, body: bytes = b"", read_timeout: float = 30.0) -> bytes:
+    """Send ``head`` + ``body`` on a fresh socket and read until the server closes or stops talking."""
+    with socket.create_connection(("127.0.0.1", port), timeout=read_timeout) as s:
+        s.sendall(head + body)
+        return _read_response(s, read_timeout)
+
+
+def _read_response(s: socket.socket, timeout: float) -> bytes:
+    out = b""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        r, _, _ = select.select([s], [], [], 0.2)
+        if not r:
+            if b"\r\n\r\n" in out and _complete(out):
+                break
+            continue
+        try:
+            chunk = s.recv(65536)
+        except (ConnectionResetError, socket.timeout):
+            break
+        if not chunk:
+            break
+        out += chunk
+    SEEN.append(out.decode(errors="replace"))
+    return out
+
+
+def _complete(resp: bytes) -> bool:
+    head, _, body = resp.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return len(body) >= int(line.split(b":")[1])
+    return False
+
+
+def _status(resp: bytes) -> int:
+    return int(resp.split(b" ", 2)[1]) if resp.startswith(b"HTTP/") else 0
+
+
+def _json_body(resp: bytes) -> dict:
+    return json.loads(resp.partition(b"\r\n\r\n")[2])
+
+
+def _head(path: str, key: str, length: int, extra: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {length}\r\nConnection: close\r\n{extra}\r\n").encode()
+
+
+# ---------------------------------------------------------------- access
+
+
+def test_health_is_open_and_everything_else_needs_a_key(sec):
+    gw = sec.gateways[0].url
+    assert _get(gw + "/health")[0] == 200
+    status, hdrs, raw = _post(gw + "/v1/chat/completions", CHAT)
+    assert status == 401
+    err = json.loads(raw)["error"]
+    assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
+    assert "missing API key" in err["message"]
+    assert hdrs.get("WWW-Authenticate") == "Bearer"
+    assert _get(gw + "/v1/models")[0] == 401
+    status, _, raw = _post(gw + "/v1/chat/completions", CHAT, key="sk-wrong")
+    assert status == 401 and json.loads(raw)["error"]["message"] == "invalid API key"
+    status, _, _ = _post(gw + "/v1/chat/completions", CHAT, headers={"x-api-key": "sk-wrong"})
+    assert status == 401
+    # A key is checked before the route: unknown paths do not reveal themselves.
+    assert _post(gw + "/v1/nothing", {}, key=None)[0] == 401
+
+
+def test_anthropic_paths_answer_401_in_anthropic_dialect(sec):
+    gw = sec.gateways[0].url
+    status, _, raw = _post(gw + "/v1/messages", {"model": "demo-tiny", "max_tokens": 2,
+                                                 "messages": [{"role": "user", "content": "hi"}]},
+                           headers={"x-api-key": "sk-wrong", "anthropic-version": "2023-06-01"})
+    body = json.loads(raw)
+    assert status == 401
+    assert body == {"type": "error", "error": {"type": "authentication_error", "message": "invalid API key"}}
+    client = anthropic.Anthropic(base_url=gw, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as ei:
+        client.messages.create(model="demo-tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert ei.value.status_code == 401
+    assert ei.value.body["error"]["type"] == "authentication_error"
+
+
+def test_keys_from_file_and_env_work_as_bearer_and_x_api_key(sec):
+    gw = sec.gateways[0].url
+    client = openai.OpenAI(base_url=gw + "/v1", api_key=KEYS["sdk"], max_retries=0)
+    c = client.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert c.usage.completion_tokens >= 1
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gw + "/v1", api_key=KEYS["sdk"] + "x", max_retries=0).models.list()
+    status, _, raw = _post(gw + "/v1/chat/completions", CHAT, headers={"x-api-key": KEYS["env"]})
+    assert status == 200 and json.loads(raw)["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_backend_refuses_requests_without_the_internal_token(sec):
+    b = sec.backends[0].url
+    for headers in ({}, {"Authorization": f"Bearer {KEYS['val']}"}, {"Authorization": "Bearer " + "0" * 32}):
+        status, _, raw = _post(b + "/v1/chat/completions", CHAT, headers=headers)
+        assert status == 401 and json.loads(raw)["error"]["type"] == "authentication_error"
+
+
+def test_refuses_to_listen_beyond_loopback_without_keys(demo_model, tmp_path):
+    import subprocess
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MLXGW_API_KEYS"}
+    cmd = [sys.executable, "-m", "mlxgw", "gateway", "--model", f"demo-tiny={demo_model}",
+           "--host", "0.0.0.0", "--port", "1"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 6
+    assert "refusing to listen on '0.0.0.0' without API keys" in r.stderr and "--allow-unauthenticated" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "mlxgw", "serve", "--host", "0.0.0.0", "--port", "1"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 6 and "refusing to listen" in r.stderr
+    empty = tmp_path / "keys"
+    empty.write_text("# nothing\n")
+    r = subprocess.run(cmd + ["--api-key-file", str(empty)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 6 and "holds no key" in r.stderr
+
+
+def test_waiver_and_keys_allow_a_wildcard_listen(sec, demo_model):
+    """With --allow-unauthenticated (or keys) the gateway starts on 0.0.0.0; with keys they are enforced."""
+    from mlxgw.harness import Proc, free_port
+
+    env = {k: v for k, v in sec.env().items() if k != "MLXGW_API_KEYS"}
+    for extra, want in ((["--allow-unauthenticated"], 200), (["--api-key-file", str(sec.key_file)], 401)):
+        port = free_port()
+        cmd = [sys.executable, "-m", "mlxgw", "gateway", "--model", f"demo-tiny={demo_model}", "--host", "0.0.0.0",
+               "--port", str(port), "--redis-url", sec.redis_url, "--namespace", sec.namespace, *extra]
+        p = Proc(f"wild{len(extra)}", cmd, port, LOG_DIR / f"{sec.namespace}-wild{len(extra)}.log").start(env)
+        try:
+            p.wait_healthy()
+            assert _get(p.url + "/v1/models")[0] == want
+        finally:
+            p.stop()
+
+
+# ---------------------------------------------------------------- limits
+
+
+def test_per_key_concurrency_limit_answers_429_with_retry_after(sec):
+    gw = sec.gateways[0]
+    body = json.dumps(CHAT).encode()
+    held = []
+    try:
+        for _ in range(2):  # two requests in flight: bodies not finished yet
+            s = socket.create_connection(("127.0.0.1", gw.port), timeout=30)
+            s.sendall(_head("/v1/chat/completions", KEYS["conc"], len(body)) + body[:10])
+            held.append(s)
+        time.sleep(0.3)
+        status, hdrs, raw = _post(gw.url + "/v1/chat/completions", CHAT, key=KEYS["conc"])
+        assert status == 429 and hdrs["Retry-After"] == "1"
+        err = json.loads(raw)["error"]
+        assert err["type"] == "rate_limit_error" and "limit 2" in err["message"]
+        status, _, raw = _post(gw.url + "/v1/messages", {}, headers={"x-api-key": KEYS["conc"]})
+        assert status == 429 and json.loads(raw)["error"]["type"] == "rate_limit_error"
+        assert json.loads(raw)["type"] == "error"
+        # Another key is not affected.
+        assert _post(gw.url + "/v1/chat/completions", CHAT, key=KEYS["other"])[0] == 200
+        for s in held:  # finish the bodies: both are answered
+            s.sendall(body[10:])
+        for s in held:
+            assert _status(_read_response(s, 60)) == 200
+    finally:
+        for s in held:
+            s.close()
+    assert _post(gw.url + "/v1/chat/completions", CHAT, key=KEYS["conc"])[0] == 200
+
+
+def test_per_key_rate_limit_token_bucket(sec):
+    gw = sec.gateways[0].url
+    statuses = [_get(gw + "/v1/models", key=KEYS["rate"])[0] for _ in range(4)]
+    assert statuses == [200] * 4  # the burst
+    status, hdrs, raw = _get(gw + "/v1/models", key=KEYS["rate"])
+    assert status == 429 and hdrs["Retry-After"] == "1"
+    assert "60 requests per minute" in json.loads(raw)["error"]["message"]
+    assert _get(gw + "/v1/models", key=KEYS["other"])[0] == 200
+    time.sleep(1.1)  # 60/min refills one request a second
+    assert _get(gw + "/v1/models", key=KEYS["rate"])[0] == 200
+    assert _get(gw + "/v1/models", key=KEYS["rate"])[0] == 429
+
+
+def test_50mb_body_is_refused_and_the_gateway_keeps_serving(sec):
+    gw = sec.gateways[1]
+    resp = _raw(gw.port, _head("/v1/chat/completions", KEYS["val"], 50 * 2**20), b"{" + b" " * 2**20)
+    assert _status(resp) == 413 and _json_body(resp)["error"]["code"] == "body_too_large"
+    # Chunked, no length announced: cut at the limit (32 MiB) while reading.
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=60) as s:
+        s.sendall(_head("/v1/chat/completions", KEYS["val"], 0).replace(
+            b"Content-Length: 0\r\n", b"Transfer-Encoding: chunked\r\n"))
+        chunk = b"%x\r\n%s\r\n" % (2**20, b" " * 2**20)
+        resp = b""
+        for _ in range(50):
+            try:
+                s.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if select.select([s], [], [], 0)[0]:
+                break
+        resp = _read_response(s, 30)
+    assert _status(resp) == 413
+    assert _post(gw.url + "/v1/chat/completions", CHAT, key=KEYS["val"])[0] == 200
+
+
+def test_prompt_of_10x_the_context_is_refused_before_routing(sec):
+    gw = sec.gateways[1].url
+    text = words(90_000, seed=5)  # > 10 x 8192 tokens
+    status, _, raw = _post(gw + "/v1/chat/completions",
+                           {"model": "demo-tiny", "messages": [{"role": "user", "content": text}]}, key=KEYS["val"])
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    assert int(err["message"].split()[2]) > 10 * 8192
+    status, _, raw = _post(gw + "/v1/completions", {"model": "demo-tiny", "prompt": [5] * 90_000}, key=KEYS["val"])
+    assert status == 400 and json.loads(raw)["error"]["code"] == "context_length_exceeded"
+
+
+def test_max_tokens_is_capped_by_the_context(sec):
+    gw = sec.gateways[1].url
+    prompt = [7] * 8180  # context 8192: 12 tokens left
+    status, hdrs, raw = _post(gw + "/v1/completions", {"model": "demo-tiny", "prompt": prompt, "max_tokens": 10**6,
+                                                       "logit_bias": {"3065": -100}}, key=KEYS["val"])
+    assert status == 200
+    usage = json.loads(raw)["usage"]
+    assert usage["prompt_tokens"] == 8180 and usage["completion_tokens"] <= 12
+
+
+def test_message_count_limit(sec):
+    gw = sec.gateways[1].url
+    msgs = [{"role": "user", "content": "a"}] * 51
+    status, _, raw = _post(gw + "/v1/chat/completions", {"model": "demo-tiny", "messages": msgs}, key=KEYS["val"])
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["param"] == "messages" and err["code"] == "too_many_messages"
+    assert _post(gw + "/v1/chat/completions", {**CHAT, "messages": msgs[:50]}, key=KEYS["val"])[0] == 200
+
+
+# ---------------------------------------------------------------- validation
+
+DEEP = b'{"model":"demo-tiny","messages":[{"role":"user","content":"x"}],"tools":' + b"[" * 100 + b"]" * 100 + b"}"
+VALIDATION = [
+    (b'{"model":"demo-tiny","messages":[{"role":"user","content":"x"}],"temperature":NaN}', 400, "temperature"),
+    (b'{"model":"demo-tiny","messages":[{"role":"user","content":"x"}],"top_p":Infinity}', 400, "top_p"),
+    ({**CHAT, "max_tokens": -5}, 400, "max_tokens"),
+    ({**CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    ({**CHAT, "max_tokens": 2.5}, 400, "max_tokens"),
+    ({**CHAT, "max_tokens": "10"}, 400, "max_tokens"),
+    ({**CHAT, "temperature": True}, 400, "temperature"),
+    ({**CHAT, "stream": "yes"}, 400, "stream"),
+    ({**CHAT, "n": 3}, 400, "n"),
+    ({**CHAT, "stop": 5}, 400, "stop"),
+    ({**CHAT, "stop": ["a"] * 17}, 400, "stop"),
+    ({**CHAT, "user": 5}, 400, "user"),
+    ({**CHAT, "seed": "x"}, 400, "seed"),
+    ({**CHAT, "presence_penalty": 3}, 400, "presence_penalty"),
+    ({**CHAT, "logprobs": "yes"}, 400, "logprobs"),
+    ({**CHAT, "top_logprobs": 50}, 400, "top_logprobs"),
+    ({**CHAT, "tool_choice": "sometimes"}, 400, "tool_choice"),
+    ({**CHAT, "response_format": "json"}, 400, "response_format"),
+    ({**CHAT, "stream_options": {"include_usage": "y"}}, 400, "stream_options.include_usage"),
+    ({**CHAT, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({**CHAT, "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    ({**CHAT, "logit_bias": {"999999": 1}}, 400, "logit_bias"),  # outside the vocabulary
+    ({**CHAT, "tools": [{}]}, 400, "tools[0].function"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": 3}}]}, 400, "tools[0].function.name"),
+    ({**CHAT, "chat_template_kwargs": []}, 400, "chat_template_kwargs"),
+    ({**CHAT, "seed": 2**70}, 400, "seed"),
+    ({**CHAT, "model": 7}, 400, "model"),
+    ({"model": "demo-tiny", "messages": []}, 400, "messages"),
+    ({"model": "demo-tiny", "messages": "hello"}, 400, "messages"),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400,
+     "messages[0].content[0].text"),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": [7]}]}, 400, "messages[0].content[0]"),
+    ({"model": "demo-tiny", "messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": 1}]}]},
+     400, "messages[0].tool_calls[0].function"),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x", "name": 1}]}, 400, "messages[0].name"),
+    (b'{"model":"demo-tiny","messages":[{"role":"user","content":"\\ud800"}]}', 400, None),
+    (b'{"model":"demo-tiny","messages":[{"role":"user","content":"\xc3\x28"}]}', 400, None),
+    (DEEP, 400, "tools"),
+    (b"[" * 100_000, 400, None),
+    (b'{"model":"demo-tiny","messages":[{"role":"user","content":"x"', 400, None),
+]
+
+
+@pytest.mark.parametrize("body,status,param", VALIDATION, ids=range(len(VALIDATION)))
+def test_every_bad_field_gets_a_4xx_naming_it(sec, body, status, param):
+    got, _, raw = _post(sec.gateways[1].url + "/v1/chat/completions", body, key=KEYS["val"])
+    err = json.loads(raw)["error"]
+    assert got == status, err
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param
+
+
+def test_completions_prompt_ids_outside_the_vocabulary(sec):
+    status, _, raw = _post(sec.gateways[1].url + "/v1/completions", {"model": "demo-tiny", "prompt": [1, 4_000_000]},
+                           key=KEYS["val"])
+    assert status == 400 and json.loads(raw)["error"]["param"] == "prompt"
+
+
+def test_unknown_fields_are_ignored(sec):
+    status, _, raw = _post(sec.gateways[1].url + "/v1/chat/completions",
+                           {**CHAT, "frobnicate": {"a": [1, 2]}, "metadata": {"x": "y"}}, key=KEYS["val"])
+    assert status == 200 and json.loads(raw)["object"] == "chat.completion"
+
+
+def test_half_sent_body_is_dropped_after_the_body_timeout_without_blocking_others(sec):
+    gw = sec.gateways[1]
+    body = json.dumps(CHAT).encode()
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as s:
+        t0 = time.time()
+        s.sendall(_head("/v1/chat/completions", KEYS["val"], len(body) + 100) + body)
+        # Meanwhile other requests are served at once.
+        for _ in range(3):
+            t1 = time.time()
+            assert _post(gw.url + "/v1/chat/completions", CHAT, key=KEYS["val"])[0] == 200
+            assert time.time() - t1 < 1.5
+        resp = _read_response(s, 20)
+        waited = time.time() - t0
+    assert _status(resp) == 408 and _json_body(resp)["error"]["code"] == "body_timeout"
+    assert 1.9 < waited < 6
+    # Half-sent and then gone: nothing to answer, nothing breaks.
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as s:
+        s.sendall(_head("/v1/chat/completions", KEYS["val"], len(body) + 100) + body[:20])
+    assert _post(gw.url + "/v1/chat/completions", CHAT, key=KEYS["val"])[0] == 200
+
+
+def test_client_that_stops_reading_a_stream_does_not_hold_up_others(sec):
+    """A stalled reader costs buffers only. (Loopback send buffers, up to 4 MiB, hold a whole
+    demo-model stream here; the --write-timeout drop is tested with small buffers below.)"""
+    gw = sec.gateways[1]
+    body = json.dumps({"model": "demo-tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 4000,
+                       "stream": True, "logit_bias": {"3065": -100}}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", gw.port))
+    s.sendall(_head("/v1/chat/completions", KEYS["val"], len(body)) + body)
+    got = s.recv(512)  # the stream started; from now on this client reads nothing
+    try:
+        assert got.startswith(b"HTTP/1.1 200")
+        with ThreadPoolExecutor(4) as ex:
+            results = list(ex.map(lambda _: _post(gw.url + "/v1/chat/completions", CHAT, key=KEYS["val"])[0],
+                                  range(8)))
+        assert results == [200] * 8
+    finally:
+        s.close()
+    # Once it is gone the backend is idle again.
+    deadline = time.time() + 30
+    active = None
+    while time.time() < deadline:
+        active = json.loads(_get(sec.backends[0].url + "/health")[2])["active"]
+        if active == 0:
+            break
+        time.sleep(0.2)
+    assert active == 0
+    assert _post(gw.url + "/v1/chat/completions", CHAT, key=KEYS["val"])[0] == 200
+
+
+def test_bad_input_does_not_grow_gateway_memory(sec):
+    gw = sec.gateways[1]
+    proc = psutil.Process(gw.proc.pid)
+    junk = b'{"model":"demo-tiny","messages":[{"role":"user","content":"' + b"x" * (20 * 2**20)  # unterminated
+    _post(gw.url + "/v1/chat/completions", junk, key=KEYS["val"])
+    before = proc.memory_info().rss
+    for _ in range(8):
+        status, _, raw = _post(gw.url + "/v1/chat/completions", junk, key=KEYS["val"])
+        assert status == 400
+    grown = proc.memory_info().rss - before
+    assert grown < 100 * 2**20, f"gateway RSS grew {grown / 2**20:.0f} MiB over 8 x 20 MiB bad bodies"
+
+
+def test_gateway_config_keys_reach_the_gateway(tmp_path, demo_model):
+    """[gateway] keys in a config file become the gateway process's settings (via `mlxgw serve`'s flags)."""
+    import argparse
+
+    from gateway.main import add_arguments, config_from_args
+    from mlxgw import config
+    from mlxgw.launcher import gateway_security_flags
+
+    keys = tmp_path / "keys"
+    keys.write_text("k1\nk2\n")
+    toml = tmp_path / "c.toml"
+    toml.write_text(f'[gateway]\nhost = "0.0.0.0"\napi_key_file = "{keys}"\nmax_concurrent_per_key = 3\n'
+                    'rate_limit_rpm = 30\nrate_burst = 2\nmax_messages = 20\nmax_body_bytes = "1MiB"\n'
+                    'body_timeout = 5\nwrite_timeout = 7\n')
+    cfg = config.load(str(toml))
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    gw = config_from_args(p.parse_args(["--model", f"demo-tiny={demo_model}", *gateway_security_flags(cfg)]))
+    assert gw.api_keys == ["k1", "k2"] and gw.max_body_bytes == 2**20
+    lim = gw.limits
+    assert (lim.max_concurrent_per_key, lim.rate_per_minute, lim.rate_burst, lim.max_messages,
+            lim.body_timeout, lim.write_timeout) == (3, 30.0, 2, 20, 5.0, 7.0)
+    assert all("k1" not in f for f in gateway_security_flags(cfg))  # keys travel by file, not argv
+
+
+async def test_client_that_stops_reading_is_dropped_after_the_write_timeout(sec, demo_model, caplog):
+    """The gateway app in this process, on the module's Redis and backend, with small socket buffers
+    (accepted sockets inherit the listener's SO_SNDBUF) so a stalled reader blocks its writes."""
+    import asyncio
+    import logging
+
+    from aiohttp.test_utils import TestServer, get_port_socket
+
+    from gateway.app import GatewayConfig, make_app
+    from gateway.limits import LimitConfig
+
+    def small_buffers(host, port, family):
+        s = get_port_socket(host, port, family)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        return s
+
+    caplog.set_level(logging.INFO, logger="mlxgw.gateway.proxy")
+    cfg = GatewayConfig(redis_url=sec.redis.url, namespace=sec.namespace, block_size=sec.block_size,
+                        internal_token=INTERNAL_TOKEN, models={"demo-tiny": demo_model},
+                        limits=LimitConfig(write_timeout=1.0))
+    server = TestServer(make_app(cfg), socket_factory=small_buffers)
+    await server.start_server()
+    try:
+        body = json.dumps({"model": "demo-tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 4000,
+                           "stream": True, "logit_bias": {"3065": -100}}).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        for _ in range(100):  # the in-process gateway sees the backend after its first registry refresh
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            ok = (await reader.read()).startswith(b"HTTP/1.1 200")
+            writer.close()
+            if ok:
+                break
+            await asyncio.sleep(0.1)
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(s, ("127.0.0.1", server.port))
+        reader, writer = await asyncio.open_connection(sock=s)
+        writer.write(head + body)
+        assert (await reader.read(512)).startswith(b"HTTP/1.1 200")
+        # Read nothing more: the gateway's writes block, and after 1 s it drops the answer.
+        for _ in range(300):
+            if any("client stopped reading" in r.getMessage() for r in caplog.records):
+                break
+            await asyncio.sleep(0.1)
+        assert any("client stopped reading for 1s; dropping the answer" in r.getMessage() for r in caplog.records)
+        rest = b""
+        try:
+            while chunk := await asyncio.wait_for(reader.read(65536), 10):
+                rest += chunk
+        except ConnectionResetError:
+            pass
+        assert b"[DONE]" not in rest  # cut off, not finished
+        writer.close()
+    finally:
+        await server.close()
+
+
+# ---------------------------------------------------------------- secrets (keep last)
+
+
+def test_no_secret_in_logs_redis_metrics_or_error_bodies(sec):
+    import redis as redis_mod
+
+    secrets_ = {**{f"api key {k}": v for k, v in KEYS.items()}, "internal token": INTERNAL_TOKEN,
+                "redis password": sec.redis.password}
+    # Make sure each secret was in play: wrong keys, right keys, bad input with a key.
+    _post(sec.gateways[0].url + "/v1/chat/completions", CHAT, key=KEYS["sdk"])
+    _post(sec.gateways[1].url + "/v1/chat/completions", b"{bad", key=KEYS["val"])
+    places: dict[str, str] = {}
+    for p in sec.backends + sec.gateways:
+        places[f"log {p.log_path.name}"] = p.log_path.read_text(errors="replace")
+    for f in LOG_DIR.glob(f"{sec.namespace}-*.log"):
+        places.setdefault(f"log {f.name}", f.read_text(errors="replace"))
+    r = redis_mod.Redis.from_url(sec.redis.url)  # values may be binary: compare as bytes text
+    dump = []
+    for k in r.scan_iter(count=1000):
+        t = r.type(k).decode()
+        v = {"string": r.get, "hash": r.hgetall, "set": r.smembers, "list": lambda x: r.lrange(x, 0, -1),
+             "zset": lambda x: r.zrange(x, 0, -1, withscores=True),
+             "stream": lambda x: r.xrange(x, count=100_000)}.get(t, lambda x: None)(k)
+        dump.append(f"{k!r} {v!r}")
+    assert len(dump) > 3  # the backend registered and reported
+    places["redis"] = "\n".join(dump)
+    for p in sec.gateways + sec.backends:
+        for path in ("/metrics", "/health", "/v1/models"):
+            status, hdrs, raw = _get(p.url + path, key=KEYS["val"])
+            places[f"{p.name}{path}"] = f"{status} {hdrs} {raw.decode(errors='replace')}"
+    places["responses"] = "\n".join(SEEN)
+    assert len(SEEN) > 50
+    leaks = [(what, where) for what, secret in secrets_.items() for where, text in places.items() if secret in text]
+    assert leaks == []
+
