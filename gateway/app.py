@@ -42,7 +42,7 @@ class GatewayConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = schema.DEFAULT_NAMESPACE
     block_size: int = schema.DEFAULT_BLOCK_SIZE
-    lookup_deadline: float = 0.05
+    lookup_deadline: float = 0.01
     max_retries: int = 2
     max_body_bytes: int = 32 * 1024 * 1024
     internal_token: Optional[str] = None
@@ -305,6 +305,10 @@ async def handle_health(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if ok else 503)
 
 
+async def handle_metrics(request: web.Request) -> web.Response:
+    return await request.app[STATE].metrics.handler(request)
+
+
 def make_app(cfg: GatewayConfig) -> web.Application:
     """Build the gateway app; tokenizers load and Redis connects in its cleanup context.
 
@@ -348,7 +352,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/v1/models/{name:.+}", handle_model)
     app.router.add_get("/health", handle_health)
-    app.router.add_get("/metrics", lambda r: r.app[STATE].metrics.handler(r))
+    app.router.add_get("/metrics", handle_metrics)
     dashboard.install(app, cfg.redis_url, cfg.namespace)
     dialects.register(app, _route, _read_json, count_chat_tokens)
     return app

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--namespace", default=schema.DEFAULT_NAMESPACE)
     p.add_argument("--block-size", type=int, default=schema.DEFAULT_BLOCK_SIZE)
-    p.add_argument("--lookup-deadline-ms", type=float, default=50.0,
+    p.add_argument("--lookup-deadline-ms", type=float, default=10.0,
                    help="abandon the Redis lookup after this long and route on load")
     p.add_argument("--max-retries", type=int, default=2, help="other backends tried before the first byte")
     p.add_argument("--gateway-id", default=None,

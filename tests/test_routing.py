@@ -133,3 +133,18 @@ def test_session_affinity_keeps_routing_without_redis(demo_model):
     finally:
         s.stop()
         r.cleanup()
+
+
+def test_lookup_deadline_fails_open_and_is_counted(make_stack):
+    s = make_stack()
+    s.add_backend("b0")
+    s.add_backend("b1")
+    s.add_gateway("--lookup-deadline-ms", "0.001")  # no Redis answers in a microsecond
+    s.wait()
+    text = words(200, seed=81)
+    for i in range(3):
+        h = _ask(s.gateway.url, text)
+        assert h["X-Mlxgw-Lookup"] == "timeout" and h["X-Mlxgw-Matched-Tokens"] == "0"
+        assert h["X-Mlxgw-Backend"] in ("b0", "b1")
+    lookups = get_json(s.gateway.url + "/health")["lookups"]
+    assert lookups["timeout"] == 3 and lookups["ok"] == 0
