@@ -104,7 +104,10 @@ class Engine:
     def submit(self, req: GenRequest) -> None:
         raise NotImplementedError
 
-    def cancel(self, rid: str) -> None:
+    def cancel(self, rid: str, abandoned: bool = False) -> None:
+        """Stop a request; its cache is still saved. ``abandoned``: nobody waits
+        for the answer any more (client gone, timeout), so its save must not
+        evict other entries (docs/cache-policy.md)."""
         raise NotImplementedError
 
     def stats(self) -> dict:
@@ -156,6 +159,8 @@ class MLXEngine(Engine):
         self.prefill_step_size = prefill_step_size
         self._incoming: "queue.Queue[GenRequest]" = queue.Queue()
         self._cancels: "queue.Queue[str]" = queue.Queue()
+        self._abandoned: set[str] = set()  # rids whose client is gone (set.add is atomic)
+        self.saves_skipped = 0
         self._ready = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
@@ -187,7 +192,9 @@ class MLXEngine(Engine):
         self.queued_prefill_tokens += len(req.prompt)
         self._incoming.put(req)
 
-    def cancel(self, rid: str) -> None:
+    def cancel(self, rid: str, abandoned: bool = False) -> None:
+        if abandoned:
+            self._abandoned.add(rid)
         self._cancels.put(rid)
 
     def stop(self) -> None:
@@ -205,6 +212,7 @@ class MLXEngine(Engine):
             "requests": self.requests_total,
             "hits": self.hits,
             "misses": self.misses,
+            "abandoned_saves_skipped": self.saves_skipped,
             "prompt_tokens": self.prompt_tokens_total,
             "cached_tokens": self.cached_tokens_total,
             "prefill_tokens": self.prefill_tokens_total,
@@ -306,9 +314,11 @@ class MLXEngine(Engine):
             live = self._live.pop(uid)
             self._by_rid.pop(live.req.rid, None)
             kv_tokens = caches.get(uid)
+            abandoned = live.req.rid in self._abandoned
+            self._abandoned.discard(live.req.rid)
             if kv_tokens is not None:
                 kv, tokens = kv_tokens
-                self._save(live, list(tokens), kv)
+                self._save(live, list(tokens), kv, only_into_free_space=abandoned)
             self._finish(live, "cancelled")
 
     def _admit(self, req: GenRequest) -> None:
@@ -412,9 +422,18 @@ class MLXEngine(Engine):
                 self._save(live, list(r.all_tokens), r.prompt_cache)
                 self._finish(live, r.finish_reason)
 
-    def _save(self, live: _Live, tokens: list[int], kv) -> None:
+    def _save(self, live: _Live, tokens: list[int], kv, only_into_free_space: bool = False) -> None:
         req = live.req
         kind = "assistant" if len(tokens) > len(req.prompt) else "user"
+        if only_into_free_space:
+            # An abandoned request (client gone, timeout) is kept only if it
+            # fits beside everything else: under memory pressure the other
+            # sessions' entries are worth more than a turn nobody waits for.
+            free = self.cache_bytes - self._bg.prompt_cache_nbytes - self.cache.nbytes
+            if self.cache.ops.nbytes(kv) > free or len(self.cache) >= self.cache.max_entries:
+                self.saves_skipped += 1
+                log.debug("abandoned request %s not saved: no free cache space", req.rid)
+                return
         self.cache.insert(
             tokens,
             kv,
@@ -428,6 +447,7 @@ class MLXEngine(Engine):
         self.cache.trim_to(max_bytes=self.cache_bytes - self._bg.prompt_cache_nbytes)
 
     def _finish(self, live: _Live, reason: str) -> None:
+        self._abandoned.discard(live.req.rid)
         self.active -= 1
         if live.prompt_left:
             self.queued_prefill_tokens -= live.prompt_left

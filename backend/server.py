@@ -183,8 +183,8 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
     finally:
         if not finished:
             # Client went away or the handler failed: stop generating; the
-            # engine still saves the prompt cache.
-            engine.cancel(rid)
+            # engine still saves the prompt cache (into free space).
+            engine.cancel(rid, abandoned=True)
 
 
 class GenerationTimeout(RequestError):
@@ -252,7 +252,7 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
         except GenerationTimeout as e:
             if not started:
                 raise  # nothing sent yet: a plain 504
-            engine.cancel(req.rid)
+            engine.cancel(req.rid, abandoned=True)
             await resp.write(_sse(e.body()))
             break
         if ev.kind == "start":

@@ -58,13 +58,15 @@ class ServeConfig:
     max_body_bytes: str = "32MiB"
     body_timeout: float = 60.0
     write_timeout: float = 60.0
+    keepalive: float = 5.0  # seconds of stream silence before an SSE keep-alive
     models: list[ModelConfig] = field(default_factory=lambda: [ModelConfig()])
     remote_backends: list[RemoteBackend] = field(default_factory=list)
 
 
 # Keys allowed in [gateway]: ServeConfig fields of the same name.
 GATEWAY_KEYS = ("host", "port", "block_size", "api_key_file", "allow_unauthenticated", "max_concurrent_per_key",
-                "rate_limit_rpm", "rate_burst", "max_messages", "max_body_bytes", "body_timeout", "write_timeout")
+                "rate_limit_rpm", "rate_burst", "max_messages", "max_body_bytes", "body_timeout", "write_timeout",
+                "keepalive")
 
 
 def _pick(cls, d: dict, where: str):
@@ -121,6 +123,8 @@ def apply_flags(cfg: ServeConfig, args) -> ServeConfig:
         v = getattr(args, flag, None)
         if v is not None:
             setattr(cfg, attr, v)
+    if getattr(args, "routing_policy", None):
+        cfg.routing["policy"] = args.routing_policy
     m0 = cfg.models[0]
     if getattr(args, "model", None):
         m0.path = args.model

@@ -41,6 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="tokens per block")
     p.add_argument("--namespace", help="Redis key namespace (default mlxgw)")
     p.add_argument("--no-memory-check", action="store_true", help="skip the memory estimate")
+    from gateway.route import POLICIES
+
+    p.add_argument("--routing-policy", choices=POLICIES,
+                   help="default cache_aware; other routing settings: [routing] in the config (docs/routing.md)")
+    p.add_argument("--keepalive", type=float, help="seconds of stream silence before an SSE keep-alive (default 5)")
     from gateway.main import add_security_arguments
 
     add_security_arguments(p, defaults=False)
@@ -239,7 +244,7 @@ def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:
     out = ["--max-concurrent-per-key", str(cfg.max_concurrent_per_key), "--rate-limit-rpm", str(cfg.rate_limit_rpm),
            "--rate-burst", str(cfg.rate_burst), "--max-messages", str(cfg.max_messages),
            "--max-body-bytes", str(cfg.max_body_bytes), "--body-timeout", str(cfg.body_timeout),
-           "--write-timeout", str(cfg.write_timeout)]
+           "--write-timeout", str(cfg.write_timeout), "--keepalive", str(cfg.keepalive)]
     if cfg.api_key_file:
         out += ["--api-key-file", str(Path(cfg.api_key_file).expanduser().resolve())]
     if cfg.allow_unauthenticated:
@@ -257,6 +262,7 @@ def _wait_ready(children: list[Child], stopping, timeout: float = 600.0) -> bool
     t0 = time.time()
     pending = {c.name: c for c in children}
     last = ""
+    logged = time.time()
     while pending and time.time() - t0 < timeout:
         if stopping():
             return False
@@ -270,6 +276,9 @@ def _wait_ready(children: list[Child], stopping, timeout: float = 600.0) -> bool
         if msg != last and sys.stderr.isatty():
             print("\r" + msg, end="", file=sys.stderr, flush=True)
             last = msg
+        elif not sys.stderr.isatty() and time.time() - logged >= 5:  # a log line now and then when not a terminal
+            log.info("%s; waiting for %s", msg, ", ".join(sorted(pending)) or "-")
+            logged = time.time()
         time.sleep(0.2)
     if sys.stderr.isatty():
         print(file=sys.stderr)

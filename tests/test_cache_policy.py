@@ -178,3 +178,39 @@ def test_save_on_disconnect(make_stack):
     r = _chat(b.url, msgs + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}])
     prompt_len = entries[0]["tokens"]
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= min(prompt_len, r["usage"]["prompt_tokens"]) - 5
+
+
+def test_abandoned_request_is_saved_only_into_free_space(make_stack):
+    """A request whose client went away never evicts another session's entry."""
+    probe = make_stack()
+    p = probe.add_backend("probe")
+    p.wait_healthy()
+    _chat(p.url, [{"role": "user", "content": words(300, seed=61)}])
+    per_entry = get_json(p.url + "/internal/cache")["entries"][0]["nbytes"]
+
+    s = make_stack()
+    b = s.add_backend("b0", None, "--cache-bytes", str(int(per_entry * 2.5)))
+    b.wait_healthy()
+    for seed in (62, 63):  # two sessions fill the budget
+        _chat(b.url, [{"role": "user", "content": words(300, seed=seed)}])
+    before = sorted(e["id"] for e in get_json(b.url + "/internal/cache")["entries"])
+    assert len(before) == 2
+    # A third session's client hangs up mid-decode: its KV does not fit beside the two.
+    body = json.dumps({"messages": [{"role": "user", "content": words(300, seed=64)}],
+                       "max_tokens": 2000, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", b.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        buf = b""
+        while b"data: {" not in buf:
+            buf += sock.recv(4096)
+    deadline = time.time() + 10
+    while time.time() < deadline and get_json(b.url + "/health")["active"] != 0:
+        time.sleep(0.05)
+    h = get_json(b.url + "/health")
+    assert h["abandoned_saves_skipped"] == 1
+    assert sorted(e["id"] for e in get_json(b.url + "/internal/cache")["entries"]) == before
+    # The same request completed normally is saved, evicting one of the two.
+    _chat(b.url, [{"role": "user", "content": words(300, seed=64)}])
+    after = sorted(e["id"] for e in get_json(b.url + "/internal/cache")["entries"])
+    assert len(after) == 2 and len(set(after) & set(before)) == 1 and max(after) > max(before)

@@ -37,3 +37,20 @@ def test_unknown_keys_are_errors(tmp_path):
     p.write_text("[gateway]\nprot = 1\n")
     with pytest.raises(ValueError, match="prot"):
         config.load(str(p))
+
+
+def test_serve_passes_routing_and_keepalive_to_the_gateway(tmp_path):
+    from mlxgw import launcher
+
+    p = tmp_path / "c.toml"
+    p.write_text('[routing]\nbalance_abs_tokens = 4096\n[gateway]\nkeepalive = 2.5\n')
+    cfg = config.load(str(p))
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    cfg = config.apply_flags(cfg, parser.parse_args(["--routing-policy", "least_loaded"]))
+    assert cfg.routing == {"balance_abs_tokens": 4096, "policy": "least_loaded"} and cfg.keepalive == 2.5
+    flags = launcher.gateway_security_flags(cfg)
+    assert flags[flags.index("--keepalive") + 1] == "2.5"
+    with pytest.raises(ValueError, match="policy must be one of"):
+        (tmp_path / "d.toml").write_text('[routing]\npolicy = "random"\n')
+        config.load(str(tmp_path / "d.toml"))
