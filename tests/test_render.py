@@ -1,0 +1,56 @@
+"""Answer rendering on the backend (backend/render.py) with mlx-lm's own text
+state machine and tool parser, on the demo model's real tokenizer: reasoning is
+separated as mlx-lm separates it, tool calls are parsed, stop strings are cut."""
+
+import json
+
+import pytest
+
+from backend.render import AnswerBuilder
+
+
+@pytest.fixture(scope="module")
+def tok(demo_model):
+    from gateway.tokenize import load_model_info
+
+    t = load_model_info("demo-tiny", demo_model).tokenizer
+    assert t.has_thinking and t.has_tool_calling
+    return t
+
+
+def run(builder, pieces, final="stop"):
+    content, reasoning, calls = "", "", []
+    for i, p in enumerate(pieces):
+        out = builder.feed(p, final if i == len(pieces) - 1 else None)
+        content, reasoning, calls = content + out.content, reasoning + out.reasoning, calls + out.tool_calls
+    return content, reasoning, calls
+
+
+def test_reasoning_is_separated_from_content(tok):
+    b = AnswerBuilder(tok, None, [], streaming=True)
+    content, reasoning, calls = run(b, ["<think>", "I should", " say hi", "</think>", "Hello", " there", ""])
+    assert (content.strip(), reasoning.strip(), calls) == ("Hello there", "I should say hi", [])
+
+
+def test_reasoning_opened_by_the_template(tok):
+    b = AnswerBuilder(tok, None, [], streaming=False, initial_state="reasoning")
+    content, reasoning, _ = run(b, ["thinking", " more", "</think>", "done", ""])
+    assert (content.strip(), reasoning.strip()) == ("done", "thinking more")
+
+
+def test_tool_call_is_parsed_and_never_shown_as_text(tok):
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}}}}]
+    b = AnswerBuilder(tok, tools, [], streaming=True)
+    content, _, calls = run(b, ["<tool_call>", '\n{"name": "read_file", ', '"arguments": {"path": "a.py"}}\n',
+                                "</tool_call>", ""])
+    assert content.strip() == "" and len(calls) == 1
+    call = calls[0]
+    assert call["function"]["name"] == "read_file" and json.loads(call["function"]["arguments"]) == {"path": "a.py"}
+    assert b.made_tool_call
+
+
+def test_text_stop_string_is_cut_across_pieces(tok):
+    b = AnswerBuilder(tok, None, ["END"], streaming=True)
+    content, _, _ = run(b, ["one two E", "N", "D three"], final=None)
+    assert content == "one two " and b.stopped
