@@ -52,6 +52,7 @@ class GatewayConfig:
     janitor_grace: float = 300.0  # seconds without heartbeat before a backend's leftovers are removed
     strip_lines: tuple = DEFAULT_STRIP  # regexes of volatile system-prompt lines (gateway.stability)
     keepalive: float = 5.0  # seconds of stream silence before an SSE keep-alive
+    token_cache_bytes: int = 64 * 2**20  # per model, gateway.segcache; 0 = plain tokenization
 
 
 @dataclass
@@ -307,7 +308,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
 
     async def lifecycle(app: web.Application):
-        toks = Tokenizers()
+        toks = Tokenizers(cfg.token_cache_bytes)
         for name, path in cfg.models.items():
             toks.add(name, path)
         index = OwnershipIndex(cfg.redis_url, cfg.namespace, cfg.lookup_deadline, cfg.gateway_id)
