@@ -263,24 +263,35 @@ def agent_conversation(target_tokens: int, tokenizer, seed: int, turn_words: int
         t += 1
 
 
-def bench_render(tokenizer, turns) -> dict:
-    """In-process ``render_chat`` per turn: plain vs segment cache (fresh cache at turn 1)."""
+def bench_render(tokenizer, turns, reps: int = 5) -> dict:
+    """In-process ``render_chat`` per turn, plain vs segment cache; median of ``reps`` replays.
+
+    Each replay starts a fresh cache at turn 1 and goes through the turns in
+    order, so turn i finds what turns 1..i-1 left, as in a live session.
+    """
     from gateway.segcache import SegmentEncoder
     from mlxgw.prompt import render_chat
 
     hf = tokenizer._tokenizer
-    enc = SegmentEncoder(hf)
-    rows = []
-    for i, msgs in enumerate(turns):
-        t0 = time.perf_counter()
-        plain = render_chat(tokenizer, msgs)
-        t1 = time.perf_counter()
-        cached = render_chat(tokenizer, msgs, encode=enc.encode)
-        t2 = time.perf_counter()
-        assert cached.token_ids == plain.token_ids, f"segment cache differs at turn {i + 1}"
-        rows.append({"turn": i + 1, "tokens": len(plain.token_ids), "plain_ms": (t1 - t0) * 1000,
-                     "cached_ms": (t2 - t1) * 1000})
-    return {"rows": rows, "cache": enc.stats()}
+    plain_ms = [[] for _ in turns]
+    cached_ms = [[] for _ in turns]
+    tokens = []
+    for rep in range(reps):
+        enc = SegmentEncoder(hf)
+        for i, msgs in enumerate(turns):
+            t0 = time.perf_counter()
+            plain = render_chat(tokenizer, msgs)
+            t1 = time.perf_counter()
+            cached = render_chat(tokenizer, msgs, encode=enc.encode)
+            t2 = time.perf_counter()
+            assert cached.token_ids == plain.token_ids, f"segment cache differs at turn {i + 1}"
+            plain_ms[i].append((t1 - t0) * 1000)
+            cached_ms[i].append((t2 - t1) * 1000)
+            if rep == 0:
+                tokens.append(len(plain.token_ids))
+    rows = [{"turn": i + 1, "tokens": tokens[i], "plain_ms": statistics.median(plain_ms[i]),
+             "cached_ms": statistics.median(cached_ms[i])} for i in range(len(turns))]
+    return {"rows": rows, "reps": reps, "cache": enc.stats()}
 
 
 async def run_conversation(urls: dict, model: str, turns, names) -> dict:
@@ -334,12 +345,16 @@ def tables(res: dict) -> str:
         last = rows[-1]
         out.append(f"\n**Growing agent conversation**, {len(rows)} turns to {last['tokens']} tokens "
                    "(system prompt, then per turn: user message, tool call, tool result, assistant reply)\n")
-        out.append("In-process `render_chat` (template + tokenization + system-prefix probe), ms:\n")
+        out.append(f"In-process `render_chat` (template + tokenization + system-prefix probe), ms, median of "
+                   f"{conv['render']['reps']} replays of the conversation per turn:\n")
         out.append("| | turn 1 (cold) | turns 2+ p50 | turns 2+ max | last turn |")
         out.append("|---|---|---|---|---|")
         for k, name in (("plain_ms", "plain transformers call"), ("cached_ms", "segment cache")):
             out.append(f"| {name} | {fmt(rows[0][k])} | {fmt(statistics.median(r[k] for r in later))} "
                        f"| {fmt(max(r[k] for r in later))} | {fmt(last[k])} |")
+        out.append("\n| turn | prompt tokens | plain ms | segment cache ms |\n|---|---|---|---|")
+        for r in rows:
+            out.append(f"| {r['turn']} | {r['tokens']} | {fmt(r['plain_ms'])} | {fmt(r['cached_ms'])} |")
         sp = statistics.median(r["plain_ms"] / r["cached_ms"] for r in later)
         out.append(f"\nSpeedup on turns 2+ (median of per-turn ratios): {sp:.1f}x; "
                    f"last turn {last['plain_ms'] / last['cached_ms']:.1f}x.\n")
@@ -365,7 +380,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=65536, help="context length of the long-context demo copy")
     p.add_argument("--sim-speed", type=float, default=1e9)
     p.add_argument("--idle-load", type=float, default=1.0, help="wait for a 1-min load average below this")
-    p.add_argument("--idle-wait", type=float, default=600.0, help="...for at most this many seconds per phase")
+    p.add_argument("--idle-wait", type=float, default=600.0, help="...for at most this many seconds, before starting")
     p.add_argument("--skip", default="", help="comma list of parts to skip: sequential,concurrent,conversation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
@@ -401,6 +416,7 @@ def main(argv=None) -> int:
         st.add_gateway()
         st.add_gateway("--token-cache-mb", "0")
         st.wait()
+        res["load_at_start"] = wait_idle(args.idle_load, args.idle_wait)
         router = SglangRouter([st.backends[0].url], "overhead")
         router.wait(1)
         urls = {"direct": st.backends[0].url, "mlxgw": st.gateways[0].url, "sglang": router.url,
@@ -410,7 +426,7 @@ def main(argv=None) -> int:
             if mode in skip:
                 continue
             for n in sizes:
-                before = wait_idle(args.idle_load, args.idle_wait)
+                before = loadavg()
                 t = time.time()
                 if mode == "sequential":
                     r = asyncio.run(run_sequential(paths, list(PATHS), args.sequential, plan[n]["words"],
@@ -428,7 +444,7 @@ def main(argv=None) -> int:
                     f"{k} {v['p50_ms']:.2f}/{v['p99_ms']:.2f}" for k, v in s.items())
                     + f"  errors {row['errors']}  load {before[0]}->{row['load_after'][0]}", flush=True)
         if "conversation" not in skip:
-            before = wait_idle(args.idle_load, args.idle_wait)
+            before = loadavg()
             turns = agent_conversation(args.conv_tokens, tok, args.seed + 1)
             render = bench_render(tok, turns)
             names = ["direct", "mlxgw", "mlxgw-nocache", "sglang"]
@@ -464,7 +480,8 @@ def main(argv=None) -> int:
             f"({m['cpus']} CPUs, {m['platform']}, Python {m['python']}); the client runs here too. "
             f"Chat requests, `max_tokens` 1, every prompt distinct (cold caches). Demo tokenizer "
             f"(transformers {m['transformers']}, tokenizers {m['tokenizers']}); context raised to {args.context} "
-            f"in a copy of the demo model dir (config only). Load averages are 1-minute. Run took "
+            f"in a copy of the demo model dir (config only). Load averages are 1-minute and include this benchmark's "
+            f"own processes; at start (after waiting for < {args.idle_load:g}): {res.get('load_at_start')}. Run took "
             f"{res['total_seconds']:.0f} s.\n\n"
             "Paths: **direct** = chat request to the backend (it templates and tokenizes); **mlxgw** = through "
             "our gateway (it templates, tokenizes, hashes, looks up Redis, forwards token ids; the backend does "
