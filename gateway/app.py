@@ -55,6 +55,7 @@ class GatewayConfig:
     keepalive: float = 5.0  # seconds of stream silence before an SSE keep-alive
     api_keys: list[str] = field(default_factory=list)  # empty: no key needed (gateway.auth)
     limits: LimitConfig = field(default_factory=LimitConfig)
+    token_cache_bytes: int = 64 * 2**20  # per model, gateway.segcache; 0 = plain tokenization
 
 
 @dataclass
@@ -319,7 +320,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
                                        limits.limits_middleware(cfg.limits)], client_max_size=cfg.max_body_bytes)
 
     async def lifecycle(app: web.Application):
-        toks = Tokenizers()
+        toks = Tokenizers(cfg.token_cache_bytes)
         for name, path in cfg.models.items():
             toks.add(name, path)
         index = OwnershipIndex(cfg.redis_url, cfg.namespace, cfg.lookup_deadline, cfg.gateway_id)

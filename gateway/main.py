@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="volatile system-prompt lines to remove before templating (repeatable; "
                         "default: Claude Code's x-anthropic-billing-header line)")
     p.add_argument("--no-strip", action="store_true", help="remove no system-prompt lines")
+    p.add_argument("--token-cache-mb", type=float, default=64.0,
+                   help="per-model LRU of token ids per chat-template segment (gateway/segcache.py); 0 = off")
     add_security_arguments(p)
 
 
@@ -127,6 +129,7 @@ def config_from_args(args) -> GatewayConfig:
         janitor_grace=args.janitor_grace,
         models=models,
         keepalive=args.keepalive,
+        token_cache_bytes=int(args.token_cache_mb * 2**20),
         strip_lines=() if args.no_strip else tuple(args.strip_line or DEFAULT_STRIP),
     )
 

@@ -3,7 +3,9 @@
 Loads each model's tokenizer with mlx-lm's ``load_tokenizer`` (transformers
 underneath, plus mlx-lm's per-model template arguments), so the token ids the
 gateway hashes and forwards are the ones the backend would compute
-(`tests/test_tokenize.py`).
+(`tests/test_tokenize.py`). Chats are tokenized through a per-model
+`gateway.segcache.SegmentEncoder` (token ids cached per template segment, same
+ids, `tests/test_segment_cache.py`) when the tokenizer allows it.
 """
 
 from __future__ import annotations
@@ -12,23 +14,28 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
 from mlxgw import prompt as prompt_mod
 from mlxgw.prompt import ChatPrompt
 
+from .segcache import DEFAULT_CACHE_BYTES, SegmentEncoder
+
 log = logging.getLogger("mlxgw.gateway.tokenize")
 
 
 @dataclass
 class ModelInfo:
-    """A served model as the gateway knows it: name, local path, tokenizer, context (tokens)."""
+    """A served model as the gateway knows it: name, local path, tokenizer, context (tokens),
+    and its token-id segment cache (None: the tokenizer needs the plain path)."""
 
     name: str
     path: str
     tokenizer: object
     context_length: int
+    segments: Optional[SegmentEncoder] = None
 
 
 def read_context_length(path: Path) -> int:
@@ -44,8 +51,9 @@ def read_context_length(path: Path) -> int:
     return 32768
 
 
-def load_model_info(name: str, path: str) -> ModelInfo:
-    """Load one model's tokenizer.
+def load_model_info(name: str, path: str, segment_cache_bytes: int = DEFAULT_CACHE_BYTES) -> ModelInfo:
+    """Load one model's tokenizer and, when it is safe and ``segment_cache_bytes`` > 0,
+    its `SegmentEncoder` with that LRU budget (bytes).
 
     Raises:
         FileNotFoundError: ``path`` is not a local model directory.
@@ -56,17 +64,23 @@ def load_model_info(name: str, path: str) -> ModelInfo:
     if not (p / "config.json").exists():
         raise FileNotFoundError(f"no model directory at {path}")
     tok = load_tokenizer(p)
-    return ModelInfo(name, str(p), tok, read_context_length(p))
+    segments = SegmentEncoder.create(getattr(tok, "_tokenizer", tok), segment_cache_bytes)
+    return ModelInfo(name, str(p), tok, read_context_length(p), segments)
 
 
 class Tokenizers:
-    """The gateway's models: name -> `ModelInfo`, loaded at start or on first use."""
+    """The gateway's models: name -> `ModelInfo`, loaded at start or on first use.
 
-    def __init__(self):
+    Args:
+        segment_cache_bytes: per-model budget of the token-id segment cache; 0 disables it.
+    """
+
+    def __init__(self, segment_cache_bytes: int = DEFAULT_CACHE_BYTES):
         self.models: dict[str, ModelInfo] = {}
+        self.segment_cache_bytes = segment_cache_bytes
 
     def add(self, name: str, path: str) -> ModelInfo:
-        info = load_model_info(name, path)
+        info = load_model_info(name, path, self.segment_cache_bytes)
         self.models[name] = info
         return info
 
@@ -74,10 +88,11 @@ class Tokenizers:
         return self.models.get(name)
 
     async def render_chat(self, info: ModelInfo, messages, tools, template_kwargs) -> ChatPrompt:
-        """Template + tokenize off the event loop (a 30k-token prompt takes tens of ms)."""
+        """Template + tokenize off the event loop (a cold 30k-token prompt takes tens of ms)."""
         loop = asyncio.get_running_loop()
+        encode = info.segments.encode if info.segments is not None else None
         return await loop.run_in_executor(
-            None, prompt_mod.render_chat, info.tokenizer, messages, tools, template_kwargs
+            None, partial(prompt_mod.render_chat, info.tokenizer, messages, tools, template_kwargs, encode)
         )
 
     async def encode(self, info: ModelInfo, text: str) -> list[int]:

@@ -10,7 +10,7 @@ such as the thinking switch), and render chats through `render_chat` here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .protocol import RequestError
 
@@ -39,6 +39,7 @@ def render_chat(
     messages: list[dict],
     tools: Optional[list[dict]] = None,
     template_kwargs: Optional[dict[str, Any]] = None,
+    encode: Optional[Callable[[str], list[int]]] = None,
 ) -> ChatPrompt:
     """Render a chat with the model's template and tokenize it as mlx-lm does.
 
@@ -47,6 +48,9 @@ def render_chat(
         messages: OpenAI-style messages (already validated).
         tools: OpenAI-style tool definitions or None.
         template_kwargs: extra chat-template arguments (``chat_template_kwargs``).
+        encode: tokenizes the rendered text instead of the template call's
+            own tokenization; must return the same ids (the gateway passes
+            `gateway.segcache.SegmentEncoder.encode`).
 
     Returns:
         `ChatPrompt` with the token ids and the system-prompt length in tokens.
@@ -58,15 +62,15 @@ def render_chat(
     kwargs = dict(template_kwargs or {})
     try:
         ids = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, **kwargs
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=encode is None, **kwargs
         )
     except Exception as e:  # jinja2 TemplateError, TypeError from bad content...
         raise RequestError(f"the chat template failed to render the messages: {e}", param="messages") from e
-    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    return ChatPrompt(ids, system_prefix_tokens(tokenizer, messages, tools, kwargs, ids))
+    ids = encode(ids) if encode is not None else list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return ChatPrompt(ids, system_prefix_tokens(tokenizer, messages, tools, kwargs, ids, encode))
 
 
-def system_prefix_tokens(tokenizer, messages, tools, kwargs, ids) -> int:
+def system_prefix_tokens(tokenizer, messages, tools, kwargs, ids, encode=None) -> int:
     """Tokens of the leading system/developer messages within ``ids``.
 
     The method is mlx-lm's (server ``_tokenize``): render the system messages
@@ -87,12 +91,12 @@ def system_prefix_tokens(tokenizer, messages, tools, kwargs, ids) -> int:
             messages[:n] + [{"role": "user", "content": ""}],
             tools=tools or None,
             add_generation_prompt=False,
-            tokenize=True,
+            tokenize=encode is None,
             **kwargs,
         )
     except Exception:
         return 0
-    probe = list(probe["input_ids"] if isinstance(probe, dict) else probe)
+    probe = encode(probe) if encode is not None else list(probe["input_ids"] if isinstance(probe, dict) else probe)
     end = 0
     for a, b in zip(probe, ids):
         if a != b:
