@@ -1,22 +1,8 @@
 """Acceptance: the running stack, driven by the official openai SDK."""
 
 import openai
-import pytest
 
 from texts import words
-
-
-@pytest.fixture(scope="module")
-def stack2(redis_server, demo_model):
-    from mlxgw.harness import Stack
-
-    s = Stack(redis_server.url, demo_model)
-    s.add_backend("b0")
-    s.add_backend("b1")
-    s.add_gateway()
-    s.wait()
-    yield s
-    s.stop()
 
 
 def _turn(client, msgs, stream):

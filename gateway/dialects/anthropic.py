@@ -29,7 +29,7 @@ from typing import Optional
 
 from mlxgw.protocol import RequestError
 
-from .base import ChatTransform, chat_message, new_id, sse_event, text_of
+from .base import ChatTransform, chat_message, function_tools, new_id, sse_event, text_of
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -126,25 +126,10 @@ def convert_messages(system, messages) -> list[dict]:
 
 
 def convert_tools(tools) -> Optional[list[dict]]:
-    """Anthropic custom tools -> OpenAI function tools; server tools are ignored."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise RequestError("'tools' must be an array of objects", param="tools")
-    out = []
-    for t in tools:
-        if t.get("type") not in (None, "custom"):
-            continue  # server tools (web_search, bash, ...) are the client's or Anthropic's business
-        if not isinstance(t.get("name"), str):
-            raise RequestError("every tool needs a 'name'", param="tools")
-        # OpenAI's key order (name, description, parameters): templates dump tools with
-        # tojson unsorted, and the same tools must give the same tokens in every dialect.
-        fn = {"name": t["name"]}
-        if t.get("description"):
-            fn["description"] = t["description"]
-        fn["parameters"] = t.get("input_schema") or {"type": "object", "properties": {}}
-        out.append({"type": "function", "function": fn})
-    return out or None
+    """Anthropic custom tools -> OpenAI function tools; server tools (web_search,
+    bash, ...) are the client's or Anthropic's business and are dropped."""
+    return function_tools(tools, lambda t: t.get("type") in (None, "custom"),
+                          lambda t: t.get("name"), lambda t: t.get("input_schema"))
 
 
 def convert_tool_choice(tc):

@@ -19,6 +19,38 @@ from typing import Mapping, Optional
 import uuid
 
 
+def function_tools(tools, keep, name_of, schema_of) -> Optional[list[dict]]:
+    """A dialect's tool list -> OpenAI function tools (None when there are none).
+
+    ``keep(t)`` selects the client's own tools (built-in/server tools are
+    dropped); ``name_of`` / ``schema_of`` read a tool's name and JSON schema.
+    Keys are written in OpenAI's order (name, description, parameters):
+    templates dump tools with ``tojson`` unsorted, and the same tools must give
+    the same tokens in every dialect, or the prefix cache misses.
+
+    Raises:
+        RequestError: 400 for a malformed list or a tool without a name.
+    """
+    from mlxgw.protocol import RequestError
+
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RequestError("'tools' must be an array of objects", param="tools")
+    out = []
+    for t in tools:
+        if not keep(t):
+            continue
+        if not isinstance(name_of(t), str):
+            raise RequestError("every tool needs a 'name'", param="tools")
+        fn = {"name": name_of(t)}
+        if t.get("description"):
+            fn["description"] = t["description"]
+        fn["parameters"] = schema_of(t) or {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
 def new_id(prefix: str) -> str:
     """A fresh id such as ``msg_0123...`` (24 hex digits)."""
     return prefix + uuid.uuid4().hex[:24]

@@ -24,7 +24,7 @@ from typing import Optional
 
 from mlxgw.protocol import RequestError
 
-from .base import ChatTransform, chat_message, new_id, sse_event, text_of
+from .base import ChatTransform, chat_message, function_tools, new_id, sse_event, text_of
 
 ROLES = ("user", "assistant", "system", "developer")
 
@@ -85,20 +85,8 @@ def convert_input(instructions, items) -> list[dict]:
 
 def convert_tools(tools) -> Optional[list[dict]]:
     """Responses function tools -> chat tools; built-in tools (web_search, ...) ignored."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise RequestError("'tools' must be an array of objects", param="tools")
-    out = []
-    for t in tools:
-        if t.get("type") != "function":
-            continue
-        fn = {"name": t.get("name")}  # OpenAI's key order: same tools, same tokens in every dialect
-        if t.get("description"):
-            fn["description"] = t["description"]
-        fn["parameters"] = t.get("parameters") or {"type": "object", "properties": {}}
-        out.append({"type": "function", "function": fn})
-    return out or None
+    return function_tools(tools, lambda t: t.get("type") == "function",
+                          lambda t: t.get("name"), lambda t: t.get("parameters"))
 
 
 def convert_tool_choice(tc):
