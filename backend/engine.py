@@ -310,12 +310,10 @@ class MLXEngine(Engine):
             return
         caches = self._bg.remove(uids, return_prompt_caches=True)
         for uid in uids:
-            self._cancel_after_prefill.discard(uid)
             live = self._live.pop(uid)
             self._by_rid.pop(live.req.rid, None)
             kv_tokens = caches.get(uid)
-            abandoned = live.req.rid in self._abandoned
-            self._abandoned.discard(live.req.rid)
+            abandoned = live.req.rid in self._abandoned  # forgotten in _finish
             if kv_tokens is not None:
                 kv, tokens = kv_tokens
                 self._save(live, list(tokens), kv, only_into_free_space=abandoned)
@@ -416,7 +414,6 @@ class MLXEngine(Engine):
                 text = live.detok.last_segment
             req.emit(GenEvent("token", token=r.token, text=text))
             if r.finish_reason is not None:
-                self._cancel_after_prefill.discard(r.uid)
                 del self._live[r.uid]
                 self._by_rid.pop(req.rid, None)
                 self._save(live, list(r.all_tokens), r.prompt_cache)

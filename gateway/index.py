@@ -19,8 +19,8 @@ from typing import Optional
 import redis.asyncio as aioredis
 
 from mlxgw import schema
+from mlxgw.schema import Candidate
 from mlxgw.util import cancel_and_wait
-from mlxgw.schema import Candidate  # noqa: F401 (re-exported for callers)
 
 log = logging.getLogger("mlxgw.gateway.index")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from mlxgw import schema
 from mlxgw.util import cancel_and_wait
@@ -59,9 +59,9 @@ class LoadPublisher:
         except Exception:
             pass
 
-    async def publish_once(self) -> None:
-        """Write the current view (one pipeline over every model this gateway knows)."""
-        view = self.view()
+    async def publish_once(self, view: Optional[dict] = None) -> None:
+        """Write ``view`` (default: the current one) in one pipeline over every model this gateway knows."""
+        view = self.view() if view is None else view
         now = time.time()
         pipe = self.index.redis.pipeline(transaction=False)
         gid = self.index.gateway_id
@@ -83,8 +83,9 @@ class LoadPublisher:
         while True:
             await asyncio.sleep(self.interval)
             try:
-                if self.view() != self._last or time.monotonic() - self._last_at > 1.0:
-                    await self.publish_once()
+                view = self.view()
+                if view != self._last or time.monotonic() - self._last_at > 1.0:
+                    await self.publish_once(view)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis down: routing already degrades; keep trying

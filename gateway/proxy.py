@@ -136,7 +136,6 @@ class Proxy:
         self.session: Optional[aiohttp.ClientSession] = None
         self.inflight = InFlight()
         self.retries = 0
-        self.failures: dict[str, float] = {}  # backend -> time of last failure
         # Circuit breaker: a backend that failed (refused, reset, hung) is
         # skipped until its /health answers again (probed every second).
         self.open: dict[str, str] = {}  # backend id -> url, while its circuit is open
@@ -159,7 +158,6 @@ class Proxy:
         return backend_id in self.open
 
     def _trip(self, backend_id: str, url: str) -> None:
-        self.failures[backend_id] = time.monotonic()
         if backend_id not in self.open:
             log.warning("circuit open for backend %s", backend_id)
         self.open[backend_id] = url

@@ -29,7 +29,7 @@ from typing import Optional
 
 from mlxgw.protocol import RequestError
 
-from .base import ChatTransform, chat_message, function_tools, new_id, sse_event, text_of
+from .base import ChatTransform, chat_message, chat_request, function_tools, new_id, sse_event, text_of
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -153,16 +153,8 @@ def to_chat(body: dict, count_only: bool = False) -> dict:
     Raises:
         RequestError: 400 with ``param`` naming the field.
     """
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise RequestError("'model' is required", param="model")
-    out = {"model": model, "messages": convert_messages(body.get("system"), body.get("messages"))}
-    tools = convert_tools(body.get("tools"))
-    if tools:
-        out["tools"] = tools
-        tc = convert_tool_choice(body.get("tool_choice"))
-        if tc is not None:
-            out["tool_choice"] = tc
+    out = chat_request(body, lambda: convert_messages(body.get("system"), body.get("messages")),
+                       lambda: convert_tools(body.get("tools")), convert_tool_choice)
     if count_only:
         return out
     mt = body.get("max_tokens")

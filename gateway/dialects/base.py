@@ -51,6 +51,32 @@ def function_tools(tools, keep, name_of, schema_of) -> Optional[list[dict]]:
     return out or None
 
 
+def chat_request(body: dict, messages, tools, convert_tool_choice) -> dict:
+    """The common head of an internal chat request: ``model``, ``messages`` and,
+    when there are tools, ``tools`` and the dialect's ``tool_choice``.
+
+    ``messages`` and ``tools`` are zero-argument converters of the dialect,
+    called in that order after ``model`` is checked (so errors come in the
+    order the fields are read).
+
+    Raises:
+        RequestError: 400 when ``model`` is missing.
+    """
+    from mlxgw.protocol import RequestError
+
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise RequestError("'model' is required", param="model")
+    out = {"model": model, "messages": messages()}
+    tools = tools()
+    if tools:
+        out["tools"] = tools
+        tc = convert_tool_choice(body.get("tool_choice"))
+        if tc is not None:
+            out["tool_choice"] = tc
+    return out
+
+
 def new_id(prefix: str) -> str:
     """A fresh id such as ``msg_0123...`` (24 hex digits)."""
     return prefix + uuid.uuid4().hex[:24]

@@ -24,7 +24,7 @@ from typing import Optional
 
 from mlxgw.protocol import RequestError
 
-from .base import ChatTransform, chat_message, function_tools, new_id, sse_event, text_of
+from .base import ChatTransform, chat_message, chat_request, function_tools, new_id, sse_event, text_of
 
 ROLES = ("user", "assistant", "system", "developer")
 
@@ -109,16 +109,8 @@ def to_chat(body: dict) -> dict:
         raise RequestError("'previous_response_id' is not supported: this gateway is stateless; "
                            "send the whole conversation in 'input' (store: false)", param="previous_response_id",
                            code="unsupported_parameter")
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise RequestError("'model' is required", param="model")
-    out = {"model": model, "messages": convert_input(body.get("instructions"), body.get("input"))}
-    tools = convert_tools(body.get("tools"))
-    if tools:
-        out["tools"] = tools
-        tc = convert_tool_choice(body.get("tool_choice"))
-        if tc is not None:
-            out["tool_choice"] = tc
+    out = chat_request(body, lambda: convert_input(body.get("instructions"), body.get("input")),
+                       lambda: convert_tools(body.get("tools")), convert_tool_choice)
     if body.get("max_output_tokens") is not None:
         out["max_tokens"] = body["max_output_tokens"]
     for k in ("temperature", "top_p"):
