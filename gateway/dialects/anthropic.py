@@ -29,7 +29,7 @@ from typing import Optional
 
 from mlxgw.protocol import RequestError
 
-from .base import ChatTransform, chat_message, chat_request, function_tools, new_id, sse_event, text_of
+from .base import ChatTransform, chat_message, chat_request, function_tools, new_id, sse_event, text_of, with_stream
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -167,13 +167,7 @@ def to_chat(body: dict, count_only: bool = False) -> dict:
     stops = body.get("stop_sequences")
     if stops is not None:
         out["stop"] = stops
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("'stream' must be a boolean", param="stream")
-    out["stream"] = stream
-    if stream:
-        out["stream_options"] = {"include_usage": True}
-    return out
+    return with_stream(out, body)
 
 
 def usage_of(prompt_tokens: int, cached: int, output_tokens: int) -> dict:

@@ -77,6 +77,24 @@ def chat_request(body: dict, messages, tools, convert_tool_choice) -> dict:
     return out
 
 
+def with_stream(out: dict, body: dict) -> dict:
+    """Copy the dialect's boolean ``stream`` into ``out``; a streamed internal
+    request always asks for the final usage chunk (the dialects report usage).
+
+    Raises:
+        RequestError: 400 when ``stream`` is not a boolean.
+    """
+    from mlxgw.protocol import RequestError
+
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("'stream' must be a boolean", param="stream")
+    out["stream"] = stream
+    if stream:
+        out["stream_options"] = {"include_usage": True}
+    return out
+
+
 def new_id(prefix: str) -> str:
     """A fresh id such as ``msg_0123...`` (24 hex digits)."""
     return prefix + uuid.uuid4().hex[:24]

@@ -24,7 +24,7 @@ from typing import Optional
 
 from mlxgw.protocol import RequestError
 
-from .base import ChatTransform, chat_message, chat_request, function_tools, new_id, sse_event, text_of
+from .base import ChatTransform, chat_message, chat_request, function_tools, new_id, sse_event, text_of, with_stream
 
 ROLES = ("user", "assistant", "system", "developer")
 
@@ -116,13 +116,7 @@ def to_chat(body: dict) -> dict:
     for k in ("temperature", "top_p"):
         if body.get(k) is not None:
             out[k] = body[k]
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("'stream' must be a boolean", param="stream")
-    out["stream"] = stream
-    if stream:
-        out["stream_options"] = {"include_usage": True}
-    return out
+    return with_stream(out, body)
 
 
 def usage_of(prompt: int, cached: int, output: int) -> dict:
