@@ -48,6 +48,7 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -154,7 +155,9 @@ async def _replay(urls: list[str], kind: str, model: str, items, compress: float
         delay = (at_ms - base) / 1000 / compress - (time.perf_counter() - t0)
         if delay > 0:
             await asyncio.sleep(delay)
-        results.append(await _one(session, urls[i % len(urls)], kind, model, prompt, mt))
+        r = await _one(session, urls[i % len(urls)], kind, model, prompt, mt)
+        r["i"] = i
+        results.append(r)
 
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=900)) as session:
@@ -172,6 +175,15 @@ async def _overhead(routed: list[str], direct: str, kind: str, model: str, mappe
             q = mapper.block(2 * 10**12 + i)
             b.append((await _one(session, direct, "direct", model, q, 1))["e2e"])
     return statistics.median(a) - statistics.median(b)
+
+
+def _cpu_seconds(proc) -> float:
+    """User + system CPU seconds a process has used so far (0 when it is gone)."""
+    try:
+        t = psutil.Process(proc.pid).cpu_times()
+        return t.user + t.system
+    except psutil.Error:
+        return 0.0
 
 
 def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes: int, items, mapper, scale: float,
@@ -209,7 +221,12 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
             urls, kind = [r.url for r in routers], "sglang"
         else:
             urls, kind = [st.backends[0].url], "direct"
+        procs = [g.proc for g in st.gateways] if base.startswith("mlxgw") else [r.proc for r in routers]
+        cpu0 = sum(_cpu_seconds(p) for p in procs)
+        bcpu0 = sum(_cpu_seconds(b.proc) for b in st.backends)
         results, wall = asyncio.run(_replay(urls, kind, st.model_name, items, args.compress))
+        router_cpu = sum(_cpu_seconds(p) for p in procs) - cpu0
+        backend_cpu = sum(_cpu_seconds(b.proc) for b in st.backends) - bcpu0
         health = [httpget.get_json(b.url + "/health") or {} for b in st.backends]
         overhead = None
         if not pooled and args.overhead_probes:
@@ -234,7 +251,10 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
         "load_share_max_mean": (max(reqs) / (sum(reqs) / len(reqs))) if sum(reqs) and len(reqs) > 1 else 1.0,
         "per_backend": reqs,
         "overhead_ms": overhead * 1000 if overhead is not None else None,
+        "router_cpu_ms_per_request": router_cpu * 1000 / max(1, len(results)) if procs else None,
+        "backend_cpu_s": backend_cpu,
         "ttfts": sorted(r["ttft"] for r in ok),
+        "per_request": sorted(results, key=lambda r: r["i"]),
     }
 
 
@@ -244,14 +264,15 @@ def table(res: dict) -> str:
         lines.append(f"\n**Cache budget {b['fraction']:g} x working set** ({b['per_backend_gb']:.2f} GB per backend, "
                      f"{b['per_backend_gb'] * res['config']['backends']:.2f} GB in all)\n")
         lines.append("| router | hit ratio | hit/oracle | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | req/s "
-                     "| max/mean load | added latency p50 (ms) | errors |")
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+                     "| max/mean load | added latency p50 (ms) | router CPU ms/request | errors |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in b["runs"]:
             ov = "" if r["overhead_ms"] is None else f"{r['overhead_ms']:.2f}"
+            cpu = "" if r.get("router_cpu_ms_per_request") is None else f"{r['router_cpu_ms_per_request']:.2f}"
             lines.append(
                 f"| {r['router']} | {r['hit_ratio']:.3f} | {r['hit_ratio'] / res['oracle_ratio']:.3f} | "
                 f"{r['ttft_p50'] * 1000:.0f} / {r['ttft_p99'] * 1000:.0f} | {r['e2e_p50'] * 1000:.0f} / "
-                f"{r['e2e_p99'] * 1000:.0f} | {r['throughput_rps']:.2f} | {r['load_share_max_mean']:.2f} | {ov} | "
+                f"{r['e2e_p99'] * 1000:.0f} | {r['throughput_rps']:.2f} | {r['load_share_max_mean']:.2f} | {ov} | {cpu} | "
                 f"{r['errors']} |")
     return "\n".join(lines)
 
@@ -360,6 +381,7 @@ def main(argv=None) -> int:
                 r = run_one(name, args, model_path, redis.url, per_backend, items, mapper, scale, speed)
                 print(f"  budget {frac:g} {name:10s} hit {r['hit_ratio']:.3f} ttft p50/p99 "
                       f"{r['ttft_p50'] * 1000:.0f}/{r['ttft_p99'] * 1000:.0f} ms errors {r['errors']} "
+                      f"router cpu {r['router_cpu_ms_per_request'] or 0:.2f} ms/req backend cpu {r['backend_cpu_s']:.0f} s "
                       f"({time.time() - t:.0f} s)", flush=True)
                 runs.append(r)
             res["budgets"].append({"fraction": frac, "per_backend_gb": per_backend / 2**30, "runs": runs})
@@ -381,6 +403,7 @@ def main(argv=None) -> int:
     for b in res["budgets"]:
         for r in b["runs"]:
             r.pop("ttfts")
+            r.pop("per_request")
     (out / f"{res['stem']}.json").write_text(json.dumps(res, indent=2))
     print(body)
     return 0 if all(r["errors"] == 0 for b in res["budgets"] for r in b["runs"]) else 1

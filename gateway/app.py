@@ -27,6 +27,7 @@ from .index import OwnershipIndex
 from .janitor import Janitor
 from .load import LoadPublisher
 from .metrics import GatewayMetrics, request_done
+from .pending import PendingClaims
 from .proxy import Attempt, BackendUnavailable, Proxy
 from .route import RoutingConfig, rank
 from .stability import DEFAULT_STRIP, DriftDetector, compile_patterns, strip_volatile
@@ -69,6 +70,7 @@ class GatewayState:
     drift: DriftDetector = field(default_factory=DriftDetector)
     strip: list = field(default_factory=list)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    pending: PendingClaims = field(default_factory=PendingClaims)
 
 
 STATE = web.AppKey("state", GatewayState)
@@ -207,6 +209,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         blocks[0] if blocks else "",
         cfg.routing,
         session_key(request, body),
+        st.pending.depths(blocks),
     )
     ranked = [s for s in decision.ranked if not st.proxy.recently_failed(s.cand.backend_id)] or decision.ranked
     if not ranked:
@@ -257,6 +260,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         )
     )
     outcome, resp = "ok", None
+    claim = st.pending.add(ranked[0].cand.backend_id, blocks)
     try:
         resp = await st.proxy.forward(request, attempts, path, payload, "application/x-msgpack", stream, transform)
         return resp
@@ -269,6 +273,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         outcome = "client_disconnected"
         raise
     finally:
+        st.pending.release(claim, outcome == "ok" and resp is not None and resp.status < 400)
         request_done(st.metrics, rid=rid, model=info.name, prompt_tokens=len(ids), lookup=lk, t0=t0,
                      route_s=route_ms / 1000, attempts=attempts, resp=resp, outcome=outcome)
 
@@ -332,7 +337,8 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout, keepalive=cfg.keepalive,
                       write_timeout=cfg.limits.write_timeout)
         await proxy.start()
-        app[STATE] = GatewayState(cfg, toks, index, proxy, strip=compile_patterns(cfg.strip_lines))
+        app[STATE] = GatewayState(cfg, toks, index, proxy, strip=compile_patterns(cfg.strip_lines),
+                                  pending=PendingClaims(cfg.routing.pending_grace))
         app[STATE].metrics.bind(app[STATE])
         for name in cfg.models:
             app[STATE].metrics.prime(name)

@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="... and more than this factor makes a backend overloaded")
     p.add_argument("--affinity-slack-tokens", type=int, default=RoutingConfig.affinity_slack_tokens,
                    help="a session's backend may cost this much more than the best and still be chosen")
+    p.add_argument("--heartbeat-load", action="store_true",
+                   help="also count the backends' heartbeat load figures (up to a heartbeat stale)")
+    p.add_argument("--pending-grace", type=float, default=RoutingConfig.pending_grace,
+                   help="seconds a routed prefix still counts as owned after its request ended")
     p.add_argument("--internal-token", default=os.environ.get("MLXGW_INTERNAL_TOKEN"))
     p.add_argument("--read-timeout", type=float, default=300.0, help="seconds of backend silence before failing")
     p.add_argument("--keepalive", type=float, default=5.0,
@@ -124,7 +128,8 @@ def config_from_args(args) -> GatewayConfig:
         read_timeout=args.read_timeout,
         routing=RoutingConfig(policy=args.routing_policy, load_weight=args.load_weight,
                               decode_weight=args.decode_weight, balance_abs_tokens=args.balance_abs_tokens,
-                              balance_rel=args.balance_rel, affinity_slack_tokens=args.affinity_slack_tokens),
+                              balance_rel=args.balance_rel, affinity_slack_tokens=args.affinity_slack_tokens,
+                              heartbeat_load=args.heartbeat_load, pending_grace=args.pending_grace),
         gateway_id=args.gateway_id or f"{socket.gethostname()}:{args.port}",
         janitor_grace=args.janitor_grace,
         models=models,

@@ -60,11 +60,13 @@ class RoutingConfig:
     """
 
     policy: str = "cache_aware"
-    load_weight: float = 0.0
+    load_weight: float = 0.1
     decode_weight: float = 256.0
     balance_abs_tokens: int = 8192
     balance_rel: float = 2.0
     affinity_slack_tokens: int = 256
+    heartbeat_load: bool = False
+    pending_grace: float = 1.0
     _turn: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
 
     def __post_init__(self):
@@ -119,6 +121,7 @@ def rank(
     first_block: str = "",
     cfg: Optional[RoutingConfig] = None,
     session: Optional[str] = None,
+    pending: Optional[dict[str, int]] = None,
 ) -> Decision:
     """Rank live backends for one request.
 
@@ -134,17 +137,25 @@ def rank(
             "" if the prompt is shorter than a block.
         cfg: policy and weights.
         session: the client's session key, if any (affinity tie-break).
+        pending: backend id -> prefix depth in blocks this gateway routed
+            there and the backend has not reported yet (`gateway.pending`).
     """
     cfg = cfg or RoutingConfig()
     inflight = inflight or {}
+    pending = pending or {}
     out: list[Scored] = []
     for c in candidates:
         if c.state not in ("ready", ""):
             continue
-        matched = min(c.depth_blocks * block_size, max(prompt_tokens - 1, 0))
+        depth = max(c.depth_blocks, pending.get(c.backend_id, 0))
+        matched = min(depth * block_size, max(prompt_tokens - 1, 0))
         own_req, own_tok = inflight.get(c.backend_id, (0, 0))
-        queued = max(c.queued_prefill_tokens, own_tok + c.gw_prefill_tokens)
-        active = max(c.active, own_req + c.gw_requests)
+        if cfg.heartbeat_load:
+            queued = max(c.queued_prefill_tokens, own_tok + c.gw_prefill_tokens)
+            active = max(c.active, own_req + c.gw_requests)
+        else:
+            queued = own_tok + c.gw_prefill_tokens
+            active = own_req + c.gw_requests
         load = queued + cfg.decode_weight * active
         prefill = prompt_tokens - matched
         cost = prefill + cfg.load_weight * load

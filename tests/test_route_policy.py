@@ -11,17 +11,23 @@ from mlxgw.schema import Candidate
 def _cands():
     # b1 owns 4 blocks of the prompt but is the busiest; b2 is idle.
     return [
-        Candidate("b0", 1, "http://b0", active=2, queued_prefill_tokens=100, state="ready", depth_blocks=0),
-        Candidate("b1", 1, "http://b1", active=5, queued_prefill_tokens=900, state="ready", depth_blocks=4),
-        Candidate("b2", 1, "http://b2", active=0, queued_prefill_tokens=0, state="ready", depth_blocks=0),
+        Candidate("b0", 1, "http://b0", active=0, queued_prefill_tokens=0, gw_requests=2, gw_prefill_tokens=100, state="ready", depth_blocks=0),
+        Candidate("b1", 1, "http://b1", active=0, queued_prefill_tokens=0, gw_requests=5, gw_prefill_tokens=900, state="ready", depth_blocks=4),
+        Candidate("b2", 1, "http://b2", active=0, queued_prefill_tokens=0, gw_requests=0, gw_prefill_tokens=0, state="ready", depth_blocks=0),
     ]
 
 
 def test_default_policy_is_cache_aware_and_prefers_the_owner():
     cfg = RoutingConfig()
     assert cfg.policy == "cache_aware"
+    # b1 owns 3200 of 4000 tokens: 800 to prefill + 0.1 x (900 queued + 5 x 256 running) = 1018 < 4000.
+    cands = _cands()
+    cands[1].depth_blocks = 200
+    d = rank(cands, 4000, 16, cfg=cfg)
+    assert d.best.cand.backend_id == "b1" and d.best.matched == 3200 and d.best.cost == 1018
+    # On a 100-token prompt its 64 owned tokens are not worth its queue: 36 + 218 > 100 on idle b2.
     d = rank(_cands(), 100, 16, cfg=cfg)
-    assert d.best.cand.backend_id == "b1" and d.best.matched == 64 and d.best.prefill == 36
+    assert d.best.cand.backend_id == "b2" and d.ranked[-1].cand.backend_id == "b1"
 
 
 def test_round_robin_cycles_in_id_order():

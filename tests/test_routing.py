@@ -12,14 +12,43 @@ from mlxgw.schema import Candidate
 from texts import words
 
 
-def cand(bid, depth=0, queued=0, active=0, gw_req=0, gw_tok=0, used=0):
-    return Candidate(bid, 1, f"http://{bid}", active, queued, "ready", used, 10**9, depth, gw_req, gw_tok)
+def cand(bid, depth=0, queued=0, active=0, gw_req=0, gw_tok=0, used=0, hb_queued=0, hb_active=0):
+    """``queued``/``active``: work the gateways have in flight there (what routing counts by default);
+    ``hb_*``: the backend's own heartbeat figures."""
+    return Candidate(bid, 1, f"http://{bid}", hb_active, hb_queued, "ready", used, 10**9, depth,
+                     gw_req + active, gw_tok + queued)
 
 
 def test_longest_prefix_wins_below_the_balance_thresholds():
     d = rank([cand("a", depth=10, queued=3000), cand("b", depth=0)], 1000, 64)
     assert [s.cand.backend_id for s in d.ranked] == ["a", "b"] and d.reason == "prefix"
     assert d.best.matched == 640 and d.best.prefill == 360
+    assert [s.cost for s in d.ranked] == [360 + 0.1 * 3000, 1000]
+
+
+def test_queued_prefill_moves_a_request_when_waiting_costs_more_than_the_prefix():
+    # cost = prefill + 0.1 x queued: "a" owns 640 tokens but 7000 queued tokens cost 700 > 640.
+    d = rank([cand("a", depth=10, queued=7000), cand("b", depth=0)], 1000, 64)
+    assert d.best.cand.backend_id == "b" and [s.cost for s in d.ranked] == [1000, 360 + 700]
+    assert not any(s.overloaded for s in d.ranked)  # the cost did it, not the guard
+    # A cold prompt goes to the backend with the least queued prefill, whatever the request counts.
+    d = rank([cand("a", queued=5000, active=1), cand("b", queued=100, active=3)], 1000, 64,
+             cfg=RoutingConfig(decode_weight=0))
+    assert d.best.cand.backend_id == "b"
+
+
+def test_heartbeat_load_is_counted_only_when_asked():
+    # The heartbeat is up to a second old; the gateways' in-flight counters are current.
+    stale = [cand("a", depth=10, hb_queued=50000, hb_active=9), cand("b")]
+    d = rank(stale, 1000, 64)
+    assert d.best.cand.backend_id == "a" and (d.best.queued, d.best.active) == (0, 0)
+    d = rank(stale, 1000, 64, cfg=RoutingConfig(heartbeat_load=True))
+    assert d.best.cand.backend_id == "b" and d.ranked[1].queued == 50000 and d.ranked[1].active == 9
+
+
+def test_pending_claims_count_as_owned_prefix():
+    d = rank([cand("a", depth=2), cand("b")], 1000, 64, pending={"b": 10})
+    assert d.best.cand.backend_id == "b" and d.best.matched == 640 and d.ranked[1].matched == 128
 
 
 def test_balance_guard_moves_work_off_an_overloaded_owner():
@@ -36,7 +65,7 @@ def test_balance_guard_moves_work_off_an_overloaded_owner():
 
 
 def test_other_gateways_load_counts():
-    # Another gateway has 9000 prefill tokens in flight to "a" that the heartbeat does not show yet.
+    # Another gateway has 9000 prefill tokens in flight to "a".
     d = rank([cand("a", depth=10, gw_req=3, gw_tok=9000), cand("b")], 1000, 64)
     assert d.best.cand.backend_id == "b" and d.ranked[1].queued == 9000 and d.ranked[1].active == 3
     # This gateway's own fresh counters add to the published ones.
@@ -139,7 +168,7 @@ def test_lookup_deadline_fails_open_and_is_counted(make_stack, redis_server):
     s = make_stack()
     s.add_backend("b0")
     s.add_backend("b1")
-    s.add_gateway("--lookup-deadline-ms", "50")
+    s.add_gateway("--lookup-deadline-ms", "50", "--pending-grace", "0")  # ownership from Redis alone
     s.wait()
     text = words(200, seed=81)
     assert _ask(s.gateway.url, text)["X-Mlxgw-Lookup"] == "ok"

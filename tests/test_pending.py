@@ -1,0 +1,69 @@
+"""Pending ownership (gateway/pending.py): a prefix routed to a backend counts
+as owned there until the backend's own report can have landed in Redis."""
+
+import time
+
+from gateway.pending import PendingClaims
+from gateway.tokenize import load_model_info
+from mlxgw.harness import RedisServer, Stack
+from mlxgw.httpget import post
+from mlxgw.prompt import render_chat
+from texts import words
+
+
+def test_claims_give_each_backend_its_depth_and_expire_after_grace():
+    p = PendingClaims(grace=1.0)
+    a = p.add("a", ["k0", "k1"])
+    b = p.add("b", ["k0", "k1", "k2", "k3"])
+    assert p.depths(["k0", "k1", "k2", "x"], now=0) == {"a": 2, "b": 3}
+    assert p.depths(["x", "k1"], now=0) == {}  # chained keys: a miss on block 0 ends the match
+    p.release(a, ok=True, now=10.0)
+    assert p.depths(["k0", "k1"], now=10.5) == {"a": 2, "b": 2}  # within the grace
+    assert p.depths(["k0", "k1"], now=11.0) == {"b": 2}  # expired
+    p.release(b, ok=False, now=11.0)  # failed request: dropped at once
+    assert p.depths(["k0"], now=11.0) == {} and len(p) == 0
+
+
+def test_claims_are_counted_per_request():
+    p = PendingClaims(grace=0)
+    h1, h2 = p.add("a", ["k0"]), p.add("a", ["k0"])
+    p.release(h1, ok=True)
+    assert p.depths(["k0"]) == {"a": 1}  # the second request still holds it
+    p.release(h2, ok=True)
+    assert p.depths(["k0"]) == {}
+
+
+def _ask(url, text):
+    status, h, body = post(url + "/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": text}], "max_tokens": 2})
+    assert status == 200, body
+    return h
+
+
+def test_a_shared_prefix_follows_its_first_request_before_any_report(demo_model):
+    # Redis is stopped after start-up: no backend report can reach the gateway,
+    # so any matched prefix below comes from the gateway's pending claims.
+    r = RedisServer().start()
+    s = Stack(r.url, demo_model)
+    try:
+        for b in ("b0", "b1", "b2"):
+            s.add_backend(b)
+        s.add_gateway("--pending-grace", "2")
+        s.wait()
+        r.stop()
+        tok = load_model_info("demo-tiny", demo_model).tokenizer
+        base = words(400, seed=91)
+        ids = [render_chat(tok, [{"role": "user", "content": base + t}]).token_ids for t in (" one", " two")]
+        common = next(i for i, (x, y) in enumerate(zip(*ids)) if x != y)
+        block = s.block_size
+        h1 = _ask(s.gateway.url, base + " one")
+        h2 = _ask(s.gateway.url, base + " two")
+        assert h1["X-Mlxgw-Lookup"] == h2["X-Mlxgw-Lookup"] == "error"
+        assert h1["X-Mlxgw-Matched-Tokens"] == "0"
+        assert h2["X-Mlxgw-Backend"] == h1["X-Mlxgw-Backend"]
+        assert int(h2["X-Mlxgw-Matched-Tokens"]) == common // block * block > 0
+        time.sleep(2.5)  # past the grace: without Redis nothing is known any more
+        assert _ask(s.gateway.url, base + " three")["X-Mlxgw-Matched-Tokens"] == "0"
+    finally:
+        s.stop()
+        r.cleanup()
