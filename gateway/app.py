@@ -241,23 +241,21 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         for s in ranked[: 1 + cfg.max_retries]
     ]
     log.debug("route %s: %s (reason %s, lookup %s, %.2f ms)", rid, explain, decision.reason, lk.status, route_ms)
-    asyncio.ensure_future(
-        st.index.record_routed(
-            info.name,
-            schema.event_fields(
-                schema.EVENT_ROUTED,
-                ranked[0].cand.backend_id,
-                ranked[0].cand.epoch,
-                {
-                    "request": rid,
-                    "matched": ranked[0].matched,
-                    "prompt_tokens": len(ids),
-                    "lookup": lk.status,
-                    "reason": decision.reason,
-                    "candidates": [[s.cand.backend_id, s.matched, s.queued, s.active] for s in ranked],
-                },
-            ),
-        )
+    st.index.record_routed(
+        info.name,
+        schema.event_fields(
+            schema.EVENT_ROUTED,
+            ranked[0].cand.backend_id,
+            ranked[0].cand.epoch,
+            {
+                "request": rid,
+                "matched": ranked[0].matched,
+                "prompt_tokens": len(ids),
+                "lookup": lk.status,
+                "reason": decision.reason,
+                "candidates": [[s.cand.backend_id, s.matched, s.queued, s.active] for s in ranked],
+            },
+        ),
     )
     outcome, resp = "ok", None
     claim = st.pending.add(ranked[0].cand.backend_id, blocks)

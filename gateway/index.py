@@ -24,6 +24,9 @@ from mlxgw.util import cancel_and_wait
 
 log = logging.getLogger("mlxgw.gateway.index")
 
+EVENT_FLUSH_S = 0.02  # seconds routing events wait to share one pipeline
+EVENT_QUEUE_MAX = 10_000
+
 
 @dataclass
 class Lookup:
@@ -55,6 +58,9 @@ class OwnershipIndex:
         self.healthy = False
         self.lookups = {"ok": 0, "timeout": 0, "error": 0}
         self._task: Optional[asyncio.Task] = None
+        self._events: list[tuple[str, dict]] = []
+        self._flusher: Optional[asyncio.Future] = None
+        self.events_dropped = 0
 
     def keys(self, model: str) -> schema.Keys:
         return schema.Keys(self.namespace, model)
@@ -129,15 +135,33 @@ class OwnershipIndex:
 
         self._task = asyncio.create_task(loop(), name="registry-refresh")
 
-    async def record_routed(self, model: str, fields: dict) -> None:
-        """Append a routing decision to the event stream (best effort)."""
+    def record_routed(self, model: str, fields: dict) -> None:
+        """Queue a routing decision for the event stream (best effort).
+
+        Decisions are written in one pipeline at most every ``EVENT_FLUSH_S``
+        seconds, not one command and task per request; at most
+        ``EVENT_QUEUE_MAX`` wait (the oldest are dropped while Redis is away).
+        """
+        if len(self._events) >= EVENT_QUEUE_MAX:
+            self._events.pop(0)
+            self.events_dropped += 1
+        self._events.append((self.keys(model).events, fields))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.ensure_future(self._flush_events())
+
+    async def _flush_events(self) -> None:
+        await asyncio.sleep(EVENT_FLUSH_S)
+        batch, self._events = self._events, []
         try:
-            await self.redis.xadd(
-                self.keys(model).events, fields, maxlen=schema.EVENT_STREAM_MAXLEN, approximate=True
-            )
+            pipe = self.redis.pipeline(transaction=False)
+            for key, fields in batch:
+                pipe.xadd(key, fields, maxlen=schema.EVENT_STREAM_MAXLEN, approximate=True)
+            await pipe.execute()
         except Exception:
-            pass
+            self.events_dropped += len(batch)
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)
+        if self._flusher is not None:
+            await asyncio.gather(self._flusher, return_exceptions=True)  # the last decisions still land
         await self.redis.aclose()

@@ -99,7 +99,10 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 MAX_STOP = 16
 # Tokens one logit_bias may name (OpenAI documents no limit; this bounds the per-step work).
 MAX_LOGIT_BIAS = 1024
-_LONG_INT = re.compile(r"\d{19}")
+# An integer beyond 64 bits needs 19+ digits in a row; the body is scanned for such a run with
+# a byte translate plus a substring search (a regex scan costs ~2 ms per 100k tokens of prompt).
+_DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_LONG_DIGIT_RUN = b"0" * 19
 
 
 def loads_body(raw: bytes) -> dict:
@@ -124,7 +127,7 @@ def loads_body(raw: bytes) -> dict:
         raise RequestError(f"invalid JSON in request body: {e}")
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
-    _check_tree(body, check_ints=_LONG_INT.search(text) is not None)
+    _check_tree(body, check_ints=_LONG_DIGIT_RUN in raw.translate(_DIGITS_TO_ZERO))
     if _SURROGATE_ESCAPE.search(text):
         try:
             json.dumps(body, ensure_ascii=False).encode("utf-8")

@@ -62,3 +62,16 @@ def test_still_serving_after_bad_input(stack1):
     assert status == 200
     status, _, body = post(stack1.gateway.url + "/v1/nothing", {"a": 1})
     assert status == 404 and b"error" in body
+
+
+def test_integers_beyond_64_bits_are_refused_by_name():
+    from mlxgw.protocol import RequestError, loads_body
+
+    with pytest.raises(RequestError) as e:
+        loads_body(b'{"model": "m", "max_tokens": 100000000000000000000}')
+    assert e.value.param == "max_tokens" and "outside 64 bits" in str(e.value)
+    with pytest.raises(RequestError, match=r"'prompt\[2\]' is an integer outside 64 bits"):
+        loads_body(b'{"prompt": [1, 2, -99999999999999999999]}')
+    # 19 digits inside a string, and the largest unsigned 64-bit integer, are fine.
+    body = loads_body(b'{"messages": [{"role": "user", "content": "call 1234567890123456789"}], "seed": 18446744073709551615}')
+    assert body["seed"] == 2**64 - 1
