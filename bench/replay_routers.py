@@ -11,6 +11,8 @@ One invocation, for each cache budget, starts fresh simulated backends
   takes string prompts only);
 * ``pooled``: no router, one backend with all the cache memory and all the
   compute (N times the rates and batch sizes);
+* ``--variant NAME=FLAGS``: our gateway with other flags, side by side (e.g.
+  ``mlxgw-lw0='--load-weight 0'``, the routing default before queued prefill counted);
 * ``mlxgw-xG`` / ``sglang-xG``: G gateway (router) processes, the client
   spreading requests over them in turn (ours share one Redis; each sglang
   router has its own tree).
@@ -208,9 +210,14 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
         for i in range(n):
             st.add_backend(f"b{i}", None, *sim_flags)
         if base.startswith("mlxgw"):
-            pol = {"mlxgw": "cache_aware", "mlxgw-rr": "round_robin", "mlxgw-ll": "least_loaded"}[base]
+            variants = dict(v.split("=", 1) for v in args.variant)
+            if base in variants:
+                flags = shlex.split(variants[base])
+            else:
+                pol = {"mlxgw": "cache_aware", "mlxgw-rr": "round_robin", "mlxgw-ll": "least_loaded"}[base]
+                flags = ["--routing-policy", pol]
             for _ in range(gws):
-                st.add_gateway("--routing-policy", pol, *shlex.split(args.gateway_args))
+                st.add_gateway(*flags, *shlex.split(args.gateway_args))
         st.wait()
         if base.startswith("mlxgw"):
             urls, kind = [g.url for g in st.gateways], "mlxgw"
@@ -338,6 +345,9 @@ def main(argv=None) -> int:
     p.add_argument("--multi-budgets", default="first", help="'first' or 'all': budgets the -xG runs use")
     p.add_argument("--overhead-probes", type=int, default=20)
     p.add_argument("--gateway-args", default="", help="extra flags for mlxgw gateway, one string")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="an extra router: our gateway with these flags, e.g. mlxgw-lw0='--load-weight 0' "
+                        "(NAME must start with mlxgw and be listed in --routers)")
     p.add_argument("--model", help="tokenizer dir (default: the tiny demo model)")
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
