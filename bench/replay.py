@@ -158,8 +158,9 @@ def compare(args) -> int:
     """Replay once per routing policy (fresh stack each) and print them side by side."""
     base = args.gateway_args
     runs = {}
-    for pol in [x.strip() for x in args.policies.split(",") if x.strip()]:
-        args.gateway_args = f"{base} --routing-policy {pol}".strip()
+    for spec in [x.strip() for x in args.policies.split(",") if x.strip()]:
+        pol, _, flags = spec.partition("=")  # "label=gateway flags" runs a variant under its own label
+        args.gateway_args = f"{base} {flags or '--routing-policy ' + pol}".strip()
         runs[pol] = asyncio.run(replay(args))
     cmd = "python bench/replay.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     lines = [f"`{cmd}`", "", "| policy | errors | hit ratio | oracle | hit/oracle | max/mean share | per backend | wall s |",
@@ -189,7 +190,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="model dir (default: the tiny demo model)")
     p.add_argument("--gateway-args", default="", help="extra flags for mlxgw gateway, one string")
     p.add_argument("--policies", default="",
-                   help="comma-separated routing policies to replay side by side (e.g. longest_prefix,cache_aware)")
+                   help="comma-separated routing policies to replay side by side (e.g. longest_prefix,cache_aware); "
+                        "an entry LABEL=FLAGS runs the gateway with FLAGS under that label")
     p.add_argument("--out", help="write the JSON result here")
     p.add_argument("--screenshot", help="after the run, save a PNG of the gateway's /dashboard here (needs chromium)")
     args = p.parse_args(argv)

@@ -302,6 +302,7 @@ async def handle_health(request: web.Request) -> web.Response:
         "degraded": not st.index.healthy,
         "backends": live,
         "lookups": st.index.lookups,
+        "events_dropped": st.index.events_dropped,
         "retries": st.proxy.retries,
         "circuit_open": sorted(st.proxy.open),
         **st.counters,
