@@ -102,6 +102,19 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
     }
 
 
+def console():
+    """A rich Console; piped or captured output gets 150 columns so no column is cut."""
+    from rich.console import Console
+
+    con = Console()
+    return con if con.is_terminal else Console(width=max(con.width, 150))
+
+
+def event_time(event: dict) -> str:
+    """An event's ``ts`` (unix seconds) as local HH:MM:SS."""
+    return time.strftime("%H:%M:%S", time.localtime(float(event.get("ts", 0) or 0)))
+
+
 _COUNTERS = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_seconds_sum", "ttft_count")
 
 
@@ -187,10 +200,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = console()
     if not data:
         con.print(f"no models registered under namespace '{args.namespace}'")
     now = time.time()
@@ -203,5 +215,5 @@ def run(args) -> int:
                       f"{b['cache_mb']:.1f}", f"{b['hit_ratio']:.2f}", f"{b['age_s']:.1f}")
         con.print(t)
         for e in d["recent_events"]:
-            con.print(f"  {e.get('ts', '')} {e.get('type', ''):8} {e.get('backend', '')}")
+            con.print(f"  {event_time(e)} {e.get('type', ''):8} {e.get('backend', '')}")
     return 0

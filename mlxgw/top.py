@@ -12,12 +12,12 @@ import time
 from typing import Optional, Sequence
 
 import redis
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .status import History, backend_view, collect, connect
+from .status import History, backend_view, collect, connect, console, event_time
 from .util import redact_url
 
 _BARS = "▁▂▃▄▅▆▇█"
@@ -75,7 +75,7 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
         parts.append(t)
         for e in d["recent_events"]:
             extra = " ".join(f"{k}={e[k]}" for k in ("matched", "prompt_tokens", "tokens", "cache_type") if k in e)
-            ts = time.strftime("%H:%M:%S", time.localtime(float(e.get("ts", 0) or 0)))
+            ts = event_time(e)
             parts.append(Text(f"  {ts} {e.get('type', ''):8} {e.get('backend', ''):10} {extra}"))
     return Group(*parts)
 
@@ -86,9 +86,7 @@ def run(args) -> int:
     On a terminal the frame is redrawn in place; otherwise each frame is printed.
     Returns 4 when Redis is unreachable.
     """
-    con = Console()
-    if not con.is_terminal:  # piped or captured: wide enough for every column
-        con = Console(width=max(con.width, 150))
+    con = console()
     hist = History(maxlen=60)
     try:
         r = connect(args)
