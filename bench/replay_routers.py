@@ -20,7 +20,9 @@ One invocation, for each cache budget, starts fresh simulated backends
 Mapping: each 512-token trace block becomes ``--k`` deterministic token ids
 (``bench.trace.BlockMapper``); the sim counts each id as ``512/k`` real tokens
 (``--sim-token-scale``) for time and KV bytes, and generates
-``ceil(output_length * k / 512)`` tokens. Arrival times are divided by
+``ceil(output_length * k / 512)`` tokens. Our gateway's token-denominated
+routing settings (decode weight, balance guard, affinity slack) are divided by
+the same scale (`sim_unit_flags`) so they mean the same work. Arrival times are divided by
 ``--compress``; the sim runs ``--sim-speed`` times faster than the cited
 hardware, chosen so the offered work is ``--target-load`` of the cluster's
 capacity (printed). Latencies are wall-clock on this machine; multiply by the
@@ -57,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from backend import sim as simmod  # noqa: E402
 from bench.replay import vocab_range  # noqa: E402
 from bench.trace import DEFAULT_TRACE, TRACE_BLOCK, BlockMapper, load_trace, oracle_hits  # noqa: E402
+from gateway.route import RoutingConfig  # noqa: E402
 from mlxgw import httpget  # noqa: E402
 from mlxgw.harness import LOG_DIR, RedisServer, Stack, free_port  # noqa: E402
 
@@ -179,6 +182,20 @@ async def _overhead(routed: list[str], direct: str, kind: str, model: str, mappe
     return statistics.median(a) - statistics.median(b)
 
 
+def sim_unit_flags(scale: float) -> list[str]:
+    """Our gateway's token-denominated routing defaults, converted to sim ids.
+
+    Each sim id stands for ``scale`` real tokens, and the gateway counts ids:
+    a setting of N tokens must be N / scale ids to mean the same work
+    (decode weight, balance guard, affinity slack). The load weight is a
+    ratio and needs nothing. Flags given later (``--gateway-args``) win.
+    """
+    d = RoutingConfig()
+    return ["--decode-weight", f"{d.decode_weight / scale:g}",
+            "--balance-abs-tokens", str(max(1, round(d.balance_abs_tokens / scale))),
+            "--affinity-slack-tokens", str(max(1, round(d.affinity_slack_tokens / scale)))]
+
+
 def _cpu_seconds(proc) -> float:
     """User + system CPU seconds a process has used so far (0 when it is gone)."""
     try:
@@ -217,7 +234,7 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
                 pol = {"mlxgw": "cache_aware", "mlxgw-rr": "round_robin", "mlxgw-ll": "least_loaded"}[base]
                 flags = ["--routing-policy", pol]
             for _ in range(gws):
-                st.add_gateway(*flags, *shlex.split(args.gateway_args))
+                st.add_gateway(*flags, *sim_unit_flags(scale), *shlex.split(args.gateway_args))
         st.wait()
         if base.startswith("mlxgw"):
             urls, kind = [g.url for g in st.gateways], "mlxgw"
@@ -369,7 +386,8 @@ def main(argv=None) -> int:
     print(f"trace {args.trace}: {len(reqs)} requests over {span:.0f} s; oracle hit ratio {o_hit / o_total:.3f}")
     print(f"offered load at real speed on {args.backends} backends: {load:.2f}; compress {args.compress:g}x, "
           f"sim speed {speed:.1f}x (latencies x {speed:.1f} = seconds on the cited hardware)")
-    print(f"KV working set {ws / 2**30:.1f} GB; token scale {scale:g}")
+    print(f"KV working set {ws / 2**30:.1f} GB; token scale {scale:g}; our routing settings in sim ids: "
+          f"{' '.join(sim_unit_flags(scale))}")
     budgets = [float(x) for x in args.budgets.split(",")]
     names = [x for x in args.routers.split(",") if x]
     out = Path(args.out_dir)
@@ -405,7 +423,8 @@ def main(argv=None) -> int:
             f"Oracle hit ratio {res['oracle_ratio']:.3f}; {args.backends} sim backends "
             f"(Qwen3-4B-Instruct-2507-4bit on M4 Max rates, docs/sim.md); trace time compressed "
             f"{args.compress:g}x; sim speed {speed:.1f}x (offered load {load:.2f} of capacity at real speed, "
-            f"target {args.target_load:g}); KV working set {ws / 2**30:.1f} GB; token scale {scale:g}; "
+            f"target {args.target_load:g}); KV working set {ws / 2**30:.1f} GB; token scale {scale:g} (our "
+            f"gateway's token-denominated defaults converted to sim ids: `{' '.join(sim_unit_flags(scale))}`); "
             f"run took {res['total_seconds']:.0f} s.\n"
             f"Latencies are wall-clock ms on this machine; x {speed:.1f} gives seconds on the cited hardware.\n")
     body = head + md + "\n\n" + "\n".join(f"![{f}]({f})" for f in pngs) + "\n"

@@ -52,16 +52,19 @@ def test_pending_claims_count_as_owned_prefix():
 
 
 def test_balance_guard_moves_work_off_an_overloaded_owner():
-    cfg = RoutingConfig()  # abs 8192 tokens, rel 2.0, 256 tokens per running decode
-    busy = cand("a", depth=10, queued=9000)  # 9000 tokens of queued work vs 0: over both thresholds
-    d = rank([busy, cand("b")], 1000, 64, cfg=cfg)
+    cfg = RoutingConfig()  # abs 65536 tokens, rel 2.0, 256 tokens per running decode, load weight 0.1
+    # "a" owns 89,984 of 100,000 tokens: by cost alone it wins (10,016 + 0.1 x 70,000 < 100,000) ...
+    busy = cand("a", depth=1406, queued=70000)
+    assert rank([busy, cand("b")], 100_000, 64, cfg=RoutingConfig(balance_abs_tokens=10**9)).best.cand.backend_id == "a"
+    # ... but 70,000 queued tokens against 0 is over both thresholds: the guard moves it.
+    d = rank([busy, cand("b")], 100_000, 64, cfg=cfg)
     assert d.best.cand.backend_id == "b" and d.reason == "balance" and d.ranked[1].overloaded
     # Relative threshold: both busy, neither twice the other, so the prefix still wins.
-    d = rank([cand("a", depth=10, queued=12000), cand("b", queued=8000)], 1000, 64, cfg=cfg)
+    d = rank([cand("a", depth=1406, queued=100_000), cand("b", queued=70_000)], 100_000, 64, cfg=cfg)
     assert d.best.cand.backend_id == "a" and not any(s.overloaded for s in d.ranked)
-    # Running decodes count too: 40 x 256 = 10240 tokens of load.
-    d = rank([cand("a", depth=10, active=40), cand("b")], 1000, 64, cfg=cfg)
-    assert d.best.cand.backend_id == "b"
+    # Running decodes count too: 300 x 256 = 76,800 tokens of load.
+    d = rank([cand("a", depth=1406, active=300), cand("b")], 100_000, 64, cfg=cfg)
+    assert d.best.cand.backend_id == "b" and d.reason == "balance"
 
 
 def test_other_gateways_load_counts():
