@@ -62,7 +62,7 @@ class RoutingConfig:
     policy: str = "cache_aware"
     load_weight: float = 0.1
     decode_weight: float = 256.0
-    balance_abs_tokens: int = 65536
+    balance_abs_tokens: int = 262144
     balance_rel: float = 2.0
     affinity_slack_tokens: int = 256
     heartbeat_load: bool = False

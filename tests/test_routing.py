@@ -52,18 +52,20 @@ def test_pending_claims_count_as_owned_prefix():
 
 
 def test_balance_guard_moves_work_off_an_overloaded_owner():
-    cfg = RoutingConfig()  # abs 65536 tokens, rel 2.0, 256 tokens per running decode, load weight 0.1
-    # "a" owns 89,984 of 100,000 tokens: by cost alone it wins (10,016 + 0.1 x 70,000 < 100,000) ...
-    busy = cand("a", depth=1406, queued=70000)
-    assert rank([busy, cand("b")], 100_000, 64, cfg=RoutingConfig(balance_abs_tokens=10**9)).best.cand.backend_id == "a"
-    # ... but 70,000 queued tokens against 0 is over both thresholds: the guard moves it.
-    d = rank([busy, cand("b")], 100_000, 64, cfg=cfg)
+    cfg = RoutingConfig()  # abs 262144 tokens, rel 2.0, 256 tokens per running decode, load weight 0.1
+    t = cfg.balance_abs_tokens
+    prompt, depth = 4 * t, 4 * t * 9 // 10 // 64  # "a" owns ~90% of a 4T-token prompt
+    busy = cand("a", depth=depth, queued=t + 1000)
+    # By cost alone "a" wins: ~0.1 x 4T to prefill + 0.1 x (T + 1000) queued, far below 4T ...
+    assert rank([busy, cand("b")], prompt, 64, cfg=RoutingConfig(balance_abs_tokens=10**12)).best.cand.backend_id == "a"
+    # ... but T + 1000 queued tokens against 0 is over both thresholds: the guard moves it.
+    d = rank([busy, cand("b")], prompt, 64, cfg=cfg)
     assert d.best.cand.backend_id == "b" and d.reason == "balance" and d.ranked[1].overloaded
     # Relative threshold: both busy, neither twice the other, so the prefix still wins.
-    d = rank([cand("a", depth=1406, queued=100_000), cand("b", queued=70_000)], 100_000, 64, cfg=cfg)
+    d = rank([cand("a", depth=depth, queued=3 * t), cand("b", queued=2 * t)], prompt, 64, cfg=cfg)
     assert d.best.cand.backend_id == "a" and not any(s.overloaded for s in d.ranked)
-    # Running decodes count too: 300 x 256 = 76,800 tokens of load.
-    d = rank([cand("a", depth=1406, active=300), cand("b")], 100_000, 64, cfg=cfg)
+    # Running decodes count too: each is 256 tokens of load.
+    d = rank([cand("a", depth=depth, active=t // 256 + 4), cand("b")], prompt, 64, cfg=cfg)
     assert d.best.cand.backend_id == "b" and d.reason == "balance"
 
 
