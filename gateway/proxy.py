@@ -42,11 +42,11 @@ _SKIP = {"content-length", "transfer-encoding", "connection", "keep-alive", "con
 class InFlight:
     """This gateway's in-flight work per backend.
 
-    ``view()`` gives (requests, prefill tokens); prefill tokens count only
-    requests sent within the last ``fresh`` seconds and not yet answering:
-    older ones already show in the backend's own heartbeat figure, and
-    counting them twice would push traffic off the backends that own the
-    prefixes.
+    ``view()`` gives (requests, prefill tokens); prefill tokens count
+    requests not yet answering that were sent within the last ``fresh``
+    seconds. A streamed request stops counting at its first token; a
+    non-streamed one sends its first byte only at the end, so the window
+    bounds how long its prefill is assumed to be waiting.
     """
 
     def __init__(self, fresh: float = 1.0):

@@ -6,12 +6,13 @@ Cost of sending a request to backend ``b``, in tokens of work:
     cost(b) = prefill(b) + load_weight * load(b)
 
 * ``prefill(b) = prompt_tokens - matched(b)``: the prompt tokens ``b`` would
-  still have to compute, ``matched(b)`` being its owned prefix from Redis
-  (capped at ``prompt_tokens - 1``: one token is always prefilled).
-* ``queued(b)``: prefill tokens waiting on ``b``: the larger of its heartbeat
-  figure and the in-flight prefill tokens every gateway sent it in the last
-  second (this gateway's own counters, fresher, plus the others' published
-  ones; see `gateway.load`).
+  still have to compute, ``matched(b)`` being its owned prefix from Redis or
+  this gateway's pending claims (`gateway.pending`), capped at
+  ``prompt_tokens - 1`` (one token is always prefilled).
+* ``queued(b)``: prefill tokens the gateways sent ``b`` that it has not
+  started answering (this gateway's own counters plus the others' published
+  ones; see `gateway.load`). With ``heartbeat_load`` the backend's heartbeat
+  figure counts too (the larger of the two), at up to a heartbeat's staleness.
 * ``active(b)``: running requests, same sources.
 
 Balance guard (SGLang router's ``balance_abs_threshold`` /
@@ -57,6 +58,9 @@ class RoutingConfig:
     balance_abs_tokens / balance_rel: the balance guard's thresholds.
     affinity_slack_tokens: how much costlier than the best a session's own
         backend may be and still be chosen.
+    heartbeat_load: also count the backends' heartbeat load figures.
+    pending_grace: seconds a routed prefix still counts as owned after its
+        request ended (`gateway.pending`).
     """
 
     policy: str = "cache_aware"

@@ -41,7 +41,9 @@ DEFAULT_HEARTBEAT_INTERVAL = 1.0
 EVENT_STREAM_MAXLEN = 10_000
 
 _TAG_UNSAFE = re.compile(r"[{}\s]")
-_U32 = "I" if array("I").itemsize == 4 else "L"  # little-endian uint32 bytes are hashed
+_U32 = "I"  # C unsigned int: 4 bytes on every platform MLX runs on (checked below)
+if array(_U32).itemsize != 4:  # refuse rather than hash other bytes ("L" is 8 on LP64)
+    raise ImportError("mlxgw block hashing needs a 4-byte unsigned int array type")
 
 
 def block_hashes(model_id: str, token_ids: Sequence[int], block_size: int) -> list[int]:
