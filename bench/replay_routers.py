@@ -33,6 +33,14 @@ cache), TTFT and end-to-end p50/p99 (client, streaming), throughput, max/mean
 requests per backend, and the router's added latency (p50 of routed minus
 direct latency on cold 1-block prompts sent after the replay).
 
+Noise: one cell moves between identical runs (which prefixes survive eviction
+and which backend a burst lands on depend on arrival timing on a shared
+machine). ``--repeat N`` runs every router once per round, N rounds per budget,
+and reports medians with [min-max] ranges, plus per-round ratios taken inside
+a round (ours / sglang-router p99 TTFT, hit-ratio differences), and, request
+by request, where our gateway's cached tokens fell short of the pooled cache's
+(routed past a deeper owner by the cost, or no live owner of more).
+
     python bench/replay_routers.py --trace ../shared/traces/conversation_trace.jsonl --requests 600
 """
 
@@ -129,10 +137,13 @@ async def _one(session, url: str, kind: str, model: str, prompt: list[int], max_
         path, body = "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                                          "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft, cached, status, err = None, 0, 0, None
+    ttft, cached, status, err, route = None, 0, 0, None, {}
     try:
         async with session.post(url + path, json=body) as r:
             status = r.status
+            # Our gateway says where and why it routed (per-request analysis; not in the tables).
+            route = {k: r.headers[h] for k, h in (("backend", "X-Mlxgw-Backend"), ("reason", "X-Mlxgw-Route-Reason"),
+                                                  ("candidates", "X-Mlxgw-Candidates")) if h in r.headers}
             async for line in r.content:
                 if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
@@ -148,7 +159,7 @@ async def _one(session, url: str, kind: str, model: str, prompt: list[int], max_
         err = repr(e)
     e2e = time.perf_counter() - t0
     return {"status": status if err is None else 0, "error": err, "ttft": ttft if ttft is not None else e2e,
-            "e2e": e2e, "cached": cached, "prompt": len(prompt)}
+            "e2e": e2e, "cached": cached, "prompt": len(prompt), "route": route}
 
 
 async def _replay(urls: list[str], kind: str, model: str, items, compress: float) -> tuple[list[dict], float]:
@@ -282,7 +293,109 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
     }
 
 
+_MEDIAN_KEYS = ("hit_ratio", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "throughput_rps", "wall_s",
+                "load_share_max_mean", "overhead_ms", "router_cpu_ms_per_request", "backend_cpu_s")
+_RANGE_KEYS = ("hit_ratio", "ttft_p50", "ttft_p99")
+
+
+def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row per router over the rounds: medians, [min, max] ranges, errors summed.
+
+    ``ttfts`` pools every round's TTFTs (the CDF over all requests sent);
+    ``rounds`` keeps each round's own result.
+    """
+    out = []
+    for name in [r["router"] for r in rounds[0]]:
+        rs = [r for runs in rounds for r in runs if r["router"] == name]
+        row = {"router": name, "rounds": rs, "repeats": len(rs),
+               "requests": sum(r["requests"] for r in rs), "errors": sum(r["errors"] for r in rs),
+               "error_samples": [e for r in rs for e in r["error_samples"]][:3],
+               "per_backend": rs[0]["per_backend"], "ttfts": sorted(t for r in rs for t in r["ttfts"])}
+        for k in _MEDIAN_KEYS:
+            vals = [r[k] for r in rs if r.get(k) is not None]
+            row[k] = statistics.median(vals) if vals else None
+        row["range"] = {k: [min(r[k] for r in rs), max(r[k] for r in rs)] for k in _RANGE_KEYS}
+        out.append(row)
+    return out
+
+
+def paired(rounds: list[list[dict]]) -> dict:
+    """Per-round comparisons of each of our gateway runs (and of the pooled cache, the
+    reference with no routing at all) with sglang-router and the pooled cache from the same
+    round (side by side, so machine noise hits both): p99 and p50 TTFT ratios, hit-ratio
+    differences. ``{router: {metric: [one value per round]}}``."""
+    out: dict = {}
+    for runs in rounds:
+        by = {r["router"]: r for r in runs}
+        for name, r in by.items():
+            if not (name.startswith("mlxgw") or name == "pooled"):
+                continue
+            d = out.setdefault(name, {})
+            if "sglang" in by:
+                sg = by["sglang"]
+                d.setdefault("p99_vs_sglang", []).append(r["ttft_p99"] / sg["ttft_p99"])
+                d.setdefault("p50_vs_sglang", []).append(r["ttft_p50"] / sg["ttft_p50"])
+                d.setdefault("hit_minus_sglang", []).append(r["hit_ratio"] - sg["hit_ratio"])
+            if "pooled" in by and name != "pooled":
+                d.setdefault("hit_minus_pooled", []).append(r["hit_ratio"] - by["pooled"]["hit_ratio"])
+    return out
+
+
+def _candidates(header: str) -> dict[str, int]:
+    """``X-Mlxgw-Candidates`` ("b0:matched=16,queued=...,..." per backend) -> backend -> matched ids."""
+    out = {}
+    for part in header.split():
+        bid, _, rest = part.partition(":")
+        fields = dict(kv.split("=", 1) for kv in rest.split(",") if "=" in kv)
+        if "matched" in fields:
+            out[bid] = int(fields["matched"])
+    return out
+
+
+def lost_hits(runs: list[dict]) -> dict | None:
+    """Where our default gateway's cached tokens fall short of the pooled cache's, request by request.
+
+    For each request the pooled cache served with more cached ids than ``mlxgw`` did: was it
+    routed past a backend that owned a longer prefix (``moved``: the cost preferred less queued
+    work), or did no live backend own more (``no_owner``: evicted, never placed there, or less
+    than a block)? Units are sim ids. None unless both ran in this round.
+    """
+    by = {r["router"]: r for r in runs}
+    if "mlxgw" not in by or "pooled" not in by:
+        return None
+    out = {"requests": 0, "ids": 0, "pooled_cached_ids": 0, "moved_requests": 0, "moved_ids": 0}
+    for ours, pool in zip(by["mlxgw"]["per_request"], by["pooled"]["per_request"]):
+        out["pooled_cached_ids"] += pool["cached"]
+        short = pool["cached"] - ours["cached"]
+        if short <= 0:
+            continue
+        out["requests"] += 1
+        out["ids"] += short
+        cands = _candidates(ours["route"].get("candidates", ""))
+        chosen = cands.get(ours["route"].get("backend", ""), 0)
+        if cands and max(cands.values()) > chosen:
+            out["moved_requests"] += 1
+            out["moved_ids"] += short
+    return out
+
+
+def _spread(r: dict, key: str, fmt: str, scale: float = 1.0) -> str:
+    """``median`` or, over several rounds, ``median (min-max)``."""
+    med = fmt.format(r[key] * scale)
+    if r.get("repeats", 1) < 2:
+        return med
+    lo, hi = r["range"][key]
+    return f"{med} ({fmt.format(lo * scale)}-{fmt.format(hi * scale)})"
+
+
+def _series(xs: list[float], fmt: str) -> str:
+    s = " / ".join(fmt.format(x) for x in xs)
+    return s if len(xs) < 2 else f"{s} (median {fmt.format(statistics.median(xs))})"
+
+
 def table(res: dict) -> str:
+    """Markdown: one table per budget (medians over rounds, ranges in brackets), then the
+    per-round comparisons and where our hits fell short of the pooled cache."""
     lines = []
     for b in res["budgets"]:
         lines.append(f"\n**Cache budget {b['fraction']:g} x working set** ({b['per_backend_gb']:.2f} GB per backend, "
@@ -294,10 +407,28 @@ def table(res: dict) -> str:
             ov = "" if r["overhead_ms"] is None else f"{r['overhead_ms']:.2f}"
             cpu = "" if r.get("router_cpu_ms_per_request") is None else f"{r['router_cpu_ms_per_request']:.2f}"
             lines.append(
-                f"| {r['router']} | {r['hit_ratio']:.3f} | {r['hit_ratio'] / res['oracle_ratio']:.3f} | "
-                f"{r['ttft_p50'] * 1000:.0f} / {r['ttft_p99'] * 1000:.0f} | {r['e2e_p50'] * 1000:.0f} / "
-                f"{r['e2e_p99'] * 1000:.0f} | {r['throughput_rps']:.2f} | {r['load_share_max_mean']:.2f} | {ov} | {cpu} | "
-                f"{r['errors']} |")
+                f"| {r['router']} | {_spread(r, 'hit_ratio', '{:.3f}')} | {r['hit_ratio'] / res['oracle_ratio']:.3f} | "
+                f"{_spread(r, 'ttft_p50', '{:.0f}', 1000)} / {_spread(r, 'ttft_p99', '{:.0f}', 1000)} | "
+                f"{r['e2e_p50'] * 1000:.0f} / {r['e2e_p99'] * 1000:.0f} | {r['throughput_rps']:.2f} | "
+                f"{r['load_share_max_mean']:.2f} | {ov} | {cpu} | {r['errors']} |")
+        notes = []
+        for name, d in b.get("paired", {}).items():
+            if "p99_vs_sglang" in d:
+                notes.append(f"- {name} / sglang per round: p99 TTFT {_series(d['p99_vs_sglang'], '{:.2f}x')}; "
+                             f"p50 TTFT {_series(d['p50_vs_sglang'], '{:.2f}x')}; hit ratio difference "
+                             f"{_series(d['hit_minus_sglang'], '{:+.3f}')}")
+            if "hit_minus_pooled" in d:
+                notes.append(f"- {name} hit ratio minus pooled per round: {_series(d['hit_minus_pooled'], '{:+.4f}')}")
+        for i, lh in enumerate(b.get("lost_hits") or []):
+            if lh:
+                notes.append(
+                    f"- round {i + 1}, mlxgw short of pooled: {lh['requests']} requests, {lh['ids']} of the pooled "
+                    f"cache's {lh['pooled_cached_ids']} cached ids; {lh['moved_requests']} of them ({lh['moved_ids']} ids) "
+                    f"routed past a backend owning a longer prefix (the cost preferred less queued work), the rest "
+                    f"had no live owner of more")
+        if notes:
+            lines.append("")
+            lines.extend(notes)
     return "\n".join(lines)
 
 
@@ -365,6 +496,9 @@ def main(argv=None) -> int:
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="an extra router: our gateway with these flags, e.g. mlxgw-lw0='--load-weight 0' "
                         "(NAME must start with mlxgw and be listed in --routers)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds per budget (every router once per round, side by side); tables give the median "
+                        "and the range over rounds, and per-round ratios to sglang-router and the pooled cache")
     p.add_argument("--model", help="tokenizer dir (default: the tiny demo model)")
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
@@ -401,18 +535,23 @@ def main(argv=None) -> int:
     try:
         for bi, frac in enumerate(budgets):
             per_backend = int(frac * ws / args.backends)
-            runs = []
-            for name in names:
-                if "-x" in name and args.multi_budgets == "first" and bi > 0:
-                    continue
-                t = time.time()
-                r = run_one(name, args, model_path, redis.url, per_backend, items, mapper, scale, speed)
-                print(f"  budget {frac:g} {name:10s} hit {r['hit_ratio']:.3f} ttft p50/p99 "
-                      f"{r['ttft_p50'] * 1000:.0f}/{r['ttft_p99'] * 1000:.0f} ms errors {r['errors']} "
-                      f"router cpu {r['router_cpu_ms_per_request'] or 0:.2f} ms/req backend cpu {r['backend_cpu_s']:.0f} s "
-                      f"({time.time() - t:.0f} s)", flush=True)
-                runs.append(r)
-            res["budgets"].append({"fraction": frac, "per_backend_gb": per_backend / 2**30, "runs": runs})
+            rounds: list[list[dict]] = []
+            for rep in range(args.repeat):
+                runs = []
+                for name in names:
+                    if "-x" in name and args.multi_budgets == "first" and bi > 0:
+                        continue
+                    t = time.time()
+                    r = run_one(name, args, model_path, redis.url, per_backend, items, mapper, scale, speed)
+                    print(f"  budget {frac:g} round {rep + 1} {name:10s} hit {r['hit_ratio']:.3f} ttft p50/p99 "
+                          f"{r['ttft_p50'] * 1000:.0f}/{r['ttft_p99'] * 1000:.0f} ms errors {r['errors']} "
+                          f"router cpu {r['router_cpu_ms_per_request'] or 0:.2f} ms/req "
+                          f"backend cpu {r['backend_cpu_s']:.0f} s ({time.time() - t:.0f} s)", flush=True)
+                    runs.append(r)
+                rounds.append(runs)
+            res["budgets"].append({"fraction": frac, "per_backend_gb": per_backend / 2**30,
+                                   "runs": combine_rounds(rounds), "paired": paired(rounds),
+                                   "lost_hits": [lost_hits(runs) for runs in rounds]})
     finally:
         redis.cleanup()
     res["total_seconds"] = time.time() - t_all
@@ -432,7 +571,9 @@ def main(argv=None) -> int:
     for b in res["budgets"]:
         for r in b["runs"]:
             r.pop("ttfts")
-            r.pop("per_request")
+            for x in r["rounds"]:
+                x.pop("ttfts")
+                x.pop("per_request")
     (out / f"{res['stem']}.json").write_text(json.dumps(res, indent=2))
     print(body)
     return 0 if all(r["errors"] == 0 for b in res["budgets"] for r in b["runs"]) else 1

@@ -1,0 +1,76 @@
+"""The replay benchmark's analysis: medians over rounds, paired ratios, and the
+per-request split of hits lost against the pooled cache (README figures rest on it).
+
+The candidate header is produced by the gateway's own `rank()` and `Scored.explain()`,
+so a format change there breaks this test rather than the benchmark's numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.replay_routers import _candidates, combine_rounds, lost_hits, paired
+from bench.trace import TraceRequest, oracle_hits
+from gateway.route import RoutingConfig, rank
+from mlxgw.schema import Candidate
+
+
+def _run(router: str, hit: float, p50: float, p99: float, per_request=None) -> dict:
+    return {"router": router, "requests": 2, "errors": 0, "error_samples": [], "per_backend": [1, 1],
+            "ttfts": [p50, p99], "hit_ratio": hit, "ttft_p50": p50, "ttft_p99": p99, "e2e_p50": p50,
+            "e2e_p99": p99, "throughput_rps": 1.0, "wall_s": 1.0, "load_share_max_mean": 1.0,
+            "overhead_ms": None, "router_cpu_ms_per_request": None, "backend_cpu_s": 0.0,
+            "per_request": per_request or []}
+
+
+def test_combine_rounds_gives_medians_ranges_and_pooled_ttfts():
+    rounds = [[_run("mlxgw", 0.10, 1.0, 3.0)], [_run("mlxgw", 0.16, 2.0, 5.0)], [_run("mlxgw", 0.13, 4.0, 4.0)]]
+    (row,) = combine_rounds(rounds)
+    assert row["repeats"] == 3 and row["requests"] == 6
+    assert row["hit_ratio"] == pytest.approx(0.13)
+    assert row["ttft_p99"] == 4.0
+    assert row["range"]["ttft_p50"] == [1.0, 4.0]
+    assert row["ttfts"] == [1.0, 2.0, 3.0, 4.0, 4.0, 5.0]
+    assert row["overhead_ms"] is None
+
+
+def test_paired_ratios_are_per_round():
+    rounds = [[_run("mlxgw", 0.10, 1.0, 2.0), _run("sglang", 0.12, 2.0, 4.0), _run("pooled", 0.11, 1.0, 1.0)],
+              [_run("mlxgw", 0.20, 3.0, 3.0), _run("sglang", 0.20, 1.0, 2.0), _run("pooled", 0.25, 1.0, 1.0)]]
+    d = paired(rounds)
+    assert d["mlxgw"]["p99_vs_sglang"] == [0.5, 1.5]
+    assert d["mlxgw"]["p50_vs_sglang"] == [0.5, 3.0]
+    assert d["mlxgw"]["hit_minus_sglang"] == pytest.approx([-0.02, 0.0])
+    assert d["mlxgw"]["hit_minus_pooled"] == pytest.approx([-0.01, -0.05])
+    assert d["pooled"]["p99_vs_sglang"] == [0.25, 0.5] and "hit_minus_pooled" not in d["pooled"]
+    assert "sglang" not in d
+
+
+def _routed(owner_depth: int, owner_queued: int) -> dict:
+    """Route headers as the gateway sends them: b0 owns ``owner_depth`` blocks and has
+    ``owner_queued`` prefill tokens in flight from this gateway, b1 is idle and owns nothing."""
+    cands = [Candidate("b0", 1, "u0", 0, 0, "ready", depth_blocks=owner_depth),
+             Candidate("b1", 1, "u1", 0, 0, "ready")]
+    d = rank(cands, 4096, 64, inflight={"b0": (3, owner_queued)}, cfg=RoutingConfig())
+    return {"backend": d.ranked[0].cand.backend_id, "candidates": " ".join(s.explain() for s in d.ranked)}
+
+
+def test_lost_hits_tells_moved_requests_from_missing_owners():
+    moved = _routed(owner_depth=2, owner_queued=200_000)  # queue far longer than the 128 cached tokens
+    stayed = _routed(owner_depth=40, owner_queued=0)
+    assert moved["backend"] == "b1" and stayed["backend"] == "b0"
+    assert _candidates(moved["candidates"]) == {"b0": 128, "b1": 0}
+    ours = [{"cached": 0, "route": moved}, {"cached": 5, "route": {"backend": "b1", "candidates": "b1:matched=0 b0:matched=0"}},
+            {"cached": 2560, "route": stayed}]
+    pool = [{"cached": 128}, {"cached": 9}, {"cached": 2560}]
+    lh = lost_hits([_run("mlxgw", 0, 0, 0, ours), _run("pooled", 0, 0, 0, pool)])
+    assert lh == {"requests": 2, "ids": 132, "pooled_cached_ids": 2697, "moved_requests": 1, "moved_ids": 128}
+    assert lost_hits([_run("mlxgw", 0, 0, 0, ours)]) is None
+
+
+def test_oracle_reuses_the_longest_seen_prefix_and_leaves_one_token():
+    reqs = [TraceRequest(0, 3 * 512, 1, [1, 2, 3]), TraceRequest(1, 4 * 512, 1, [1, 2, 3, 4]),
+            TraceRequest(2, 2 * 512, 1, [1, 9]), TraceRequest(3, 2 * 512, 1, [1, 2])]
+    hit, total = oracle_hits(reqs, 512)
+    assert total == 11 * 512
+    assert hit == 3 * 512 + 512 + (2 * 512 - 1)
