@@ -193,6 +193,14 @@ async def _overhead(routed: list[str], direct: str, kind: str, model: str, mappe
     return statistics.median(a) - statistics.median(b)
 
 
+def multi_budget(spec: str, i: int, budgets: list[float]) -> bool:
+    """Whether the ``-xG`` (several gateways) runs use budget ``i``: ``spec`` is 'first',
+    'last', 'all' or a comma list of fractions. Raises ValueError on anything else."""
+    if spec in ("first", "last", "all"):
+        return spec == "all" or i == (0 if spec == "first" else len(budgets) - 1)
+    return any(abs(float(x) - budgets[i]) < 1e-9 for x in spec.split(","))
+
+
 def sim_unit_flags(scale: float) -> list[str]:
     """Our gateway's token-denominated routing defaults, converted to sim ids.
 
@@ -490,7 +498,8 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", default="0.05,0.2,1.0",
                    help="cluster cache budgets as fractions of the trace's KV working set")
     p.add_argument("--routers", default=",".join(ROUTERS) + ",mlxgw-x2,sglang-x2")
-    p.add_argument("--multi-budgets", default="first", help="'first' or 'all': budgets the -xG runs use")
+    p.add_argument("--multi-budgets", default="first",
+                   help="budgets the -xG runs use: 'first', 'last', 'all' or a comma list of fractions")
     p.add_argument("--overhead-probes", type=int, default=20)
     p.add_argument("--gateway-args", default="", help="extra flags for mlxgw gateway, one string")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
@@ -539,7 +548,7 @@ def main(argv=None) -> int:
             for rep in range(args.repeat):
                 runs = []
                 for name in names:
-                    if "-x" in name and args.multi_budgets == "first" and bi > 0:
+                    if "-x" in name and not multi_budget(args.multi_budgets, bi, budgets):
                         continue
                     t = time.time()
                     r = run_one(name, args, model_path, redis.url, per_backend, items, mapper, scale, speed)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.replay_routers import _candidates, combine_rounds, lost_hits, paired
+from bench.replay_routers import _candidates, combine_rounds, lost_hits, multi_budget, paired
 from bench.trace import TraceRequest, oracle_hits
 from gateway.route import RoutingConfig, rank
 from mlxgw.schema import Candidate
@@ -74,3 +74,12 @@ def test_oracle_reuses_the_longest_seen_prefix_and_leaves_one_token():
     hit, total = oracle_hits(reqs, 512)
     assert total == 11 * 512
     assert hit == 3 * 512 + 512 + (2 * 512 - 1)
+
+
+def test_multi_budget_choices():
+    b = [0.05, 0.2, 1.0]
+    assert [multi_budget("first", i, b) for i in range(3)] == [True, False, False]
+    assert [multi_budget("last", i, b) for i in range(3)] == [False, False, True]
+    assert [multi_budget("0.05,1", i, b) for i in range(3)] == [True, False, True]
+    with pytest.raises(ValueError):
+        multi_budget("most", 0, b)
