@@ -52,6 +52,7 @@ class GatewayConfig:
     models: dict[str, str] = field(default_factory=dict)  # served name -> local path
     gateway_id: str = "gateway"
     janitor_grace: float = 300.0  # seconds without heartbeat before a backend's leftovers are removed
+    load_publish_interval: float = 0.1  # seconds between in-flight publishes (gateway.load)
     strip_lines: tuple = DEFAULT_STRIP  # regexes of volatile system-prompt lines (gateway.stability)
     keepalive: float = 5.0  # seconds of stream silence before an SSE keep-alive
     api_keys: list[str] = field(default_factory=list)  # empty: no key needed (gateway.auth)
@@ -341,7 +342,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         app[STATE].metrics.bind(app[STATE])
         for name in cfg.models:
             app[STATE].metrics.prime(name)
-        publisher = LoadPublisher(index, proxy.inflight.view)
+        publisher = LoadPublisher(index, proxy.inflight.view, cfg.load_publish_interval)
         publisher.start()
         janitor = Janitor(index, grace=cfg.janitor_grace, interval=min(10.0, max(1.0, cfg.janitor_grace / 2)))
         janitor.start()

@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also count the backends' heartbeat load figures (up to a heartbeat stale)")
     p.add_argument("--pending-grace", type=float, default=RoutingConfig.pending_grace,
                    help="seconds a routed prefix still counts as owned after its request ended")
+    p.add_argument("--load-publish-ms", type=float, default=GatewayConfig.load_publish_interval * 1000,
+                   help="how often this gateway's in-flight work is written to Redis for the other gateways, "
+                        "when it changed (ms)")
     p.add_argument("--internal-token", default=os.environ.get("MLXGW_INTERNAL_TOKEN"))
     p.add_argument("--read-timeout", type=float, default=300.0, help="seconds of backend silence before failing")
     p.add_argument("--keepalive", type=float, default=5.0,
@@ -132,6 +135,7 @@ def config_from_args(args) -> GatewayConfig:
                               heartbeat_load=args.heartbeat_load, pending_grace=args.pending_grace),
         gateway_id=args.gateway_id or f"{socket.gethostname()}:{args.port}",
         janitor_grace=args.janitor_grace,
+        load_publish_interval=args.load_publish_ms / 1000,
         models=models,
         keepalive=args.keepalive,
         token_cache_bytes=int(args.token_cache_mb * 2**20),
