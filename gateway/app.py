@@ -20,6 +20,7 @@ from aiohttp import web
 
 from mlxgw import schema
 from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, parse_openai
+from mlxgw.util import deadline
 
 from . import auth, dashboard, dialects, limits
 from .limits import LimitConfig
@@ -105,7 +106,8 @@ async def _read_json(request: web.Request) -> dict:
     if request.content_length is not None and request.content_length > cfg.max_body_bytes:
         raise RequestError("request body too large", status=413, code="body_too_large")
     try:
-        raw = await asyncio.wait_for(request.read(), cfg.limits.body_timeout)
+        async with deadline(cfg.limits.body_timeout):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise RequestError("request body too large", status=413, code="body_too_large")
     except asyncio.TimeoutError:

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from mlxgw import schema
 from mlxgw.schema import Candidate
-from mlxgw.util import cancel_and_wait
+from mlxgw.util import cancel_and_wait, deadline
 
 log = logging.getLogger("mlxgw.gateway.index")
 
@@ -70,10 +70,8 @@ class OwnershipIndex:
         k = self.keys(model)
         t0 = time.perf_counter()
         try:
-            rows = await asyncio.wait_for(
-                self._lookup(keys=[k.backends, *k.blocks(block_hexes)], args=self._args(k)),
-                self.deadline,
-            )
+            async with deadline(self.deadline):
+                rows = await self._lookup(keys=[k.backends, *k.blocks(block_hexes)], args=self._args(k))
         except asyncio.TimeoutError:
             self.lookups["timeout"] += 1
             return Lookup("timeout", self._fallback(model), time.perf_counter() - t0)

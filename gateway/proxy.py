@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 import time
 from dataclasses import dataclass
 from typing import Mapping, Optional, Protocol
@@ -25,13 +24,7 @@ from typing import Mapping, Optional, Protocol
 import aiohttp
 from aiohttp import web
 
-from mlxgw.util import cancel_and_wait
-
-# A timer per chunk, not a task per chunk as wait_for makes (the gateway's CPU per streamed token).
-if sys.version_info >= (3, 11):
-    _timeout = asyncio.timeout
-else:  # aiohttp depends on async-timeout before 3.11
-    from async_timeout import timeout as _timeout
+from mlxgw.util import cancel_and_wait, deadline
 
 log = logging.getLogger("mlxgw.gateway.proxy")
 
@@ -292,7 +285,7 @@ class Proxy:
 
     async def _write(self, request, out, data: bytes) -> None:
         try:
-            async with _timeout(self.write_timeout):
+            async with deadline(self.write_timeout):
                 await out.write(data)
         except asyncio.TimeoutError:
             # The client stopped reading: drop it. Leaving the upstream block
@@ -311,7 +304,7 @@ class Proxy:
         if not is_sse or self.keepalive <= 0:
             return await up.content.readany()
         try:
-            async with _timeout(self.keepalive):
+            async with deadline(self.keepalive):
                 return await up.content.readany()
         except aiohttp.ClientError:  # aiohttp's own read timeout: a hung backend
             raise

@@ -236,7 +236,18 @@ def run(args: argparse.Namespace) -> int:
                     c.proc.kill()
         if embedded:
             embedded.stop()
+        _forget_url(redis_url)
         print("mlxgw stopped.", file=sys.stderr)
+
+
+def _forget_url(redis_url: str) -> None:
+    """Remove the Redis URL this serve left for ``mlxgw status``, unless another serve replaced it."""
+    f = serve_url_file()
+    try:
+        if f.read_text().strip() == redis_url:
+            f.unlink()
+    except OSError:
+        pass
 
 
 def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:
@@ -292,6 +303,13 @@ def _keys_summary(cfg) -> str:
     return f"required ({n} configured)" if n else "not required (see docs/security.md)"
 
 
+def _cli() -> str:
+    """How to run ``mlxgw`` from a shell: the venv's script by path (the venv is
+    rarely activated), else ``python -m mlxgw``."""
+    script = Path(sys.executable).parent / "mlxgw"
+    return str(script) if script.exists() else f"{sys.executable} -m mlxgw"
+
+
 def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None:
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     lines = [
@@ -303,7 +321,7 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
         f"  redis      {redact_url(redis_url)}{' (embedded)' if embedded else ''}",
         f"  dashboard  http://{host}:{cfg.port}/dashboard   metrics  http://{host}:{cfg.port}/metrics",
         f"  api keys   {_keys_summary(cfg)}",
-        f"  status     mlxgw status | mlxgw top   (read the Redis URL from {serve_url_file()})",
+        f"  status     {_cli()} status | {_cli()} top   (read the Redis URL from {serve_url_file()})",
         "  stop       Ctrl-C",
         "",
     ]

@@ -169,7 +169,13 @@ def _top_field(path: str) -> str:
     return path.split(".")[0].split("[")[0]
 
 
-def _num(body: dict, name: str, default, lo=None, hi=None, integer=False):
+def number_field(body: dict, name: str, default, lo=None, hi=None, integer=False):
+    """``body[name]`` checked as a finite number (an integer when ``integer``) in ``[lo, hi]``;
+    ``default`` when absent or null.
+
+    Raises:
+        RequestError: 400 naming ``name`` (the client's own field name).
+    """
     v = body.get(name)
     if v is None:
         return default
@@ -308,13 +314,13 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
     include_usage = so.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise RequestError("'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
-    n = _num(body, "n", 1, lo=1, integer=True)
+    n = number_field(body, "n", 1, lo=1, integer=True)
     if n != 1:
         raise RequestError("'n' must be 1: one choice per request is supported", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
-        _num(body, name, 0.0, lo=-2, hi=2)
+        number_field(body, name, 0.0, lo=-2, hi=2)
     _optional(body, "logprobs", (bool,), "a boolean")
-    _num(body, "top_logprobs", 0, lo=0, hi=20, integer=True)
+    number_field(body, "top_logprobs", 0, lo=0, hi=20, integer=True)
     _optional(body, "parallel_tool_calls", (bool,), "a boolean")
     _optional(body, "response_format", (dict,), "an object")
     tc = body.get("tool_choice")
@@ -324,7 +330,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
     if max_tokens is not None:
-        max_tokens = _num({"max_tokens": max_tokens}, "max_tokens", None, lo=1, integer=True)
+        max_tokens = number_field({"max_tokens": max_tokens}, "max_tokens", None, lo=1, integer=True)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -350,7 +356,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         ):
             raise RequestError("'logit_bias' must map token ids to numbers from -100 to 100", param="logit_bias")
     tk = _optional(body, "chat_template_kwargs", (dict,), "an object") or {}
-    seed = _num(body, "seed", None, integer=True)
+    seed = number_field(body, "seed", None, integer=True)
     user = _optional(body, "user", (str,), "a string")
     pck = _optional(body, "prompt_cache_key", (str,), "a string")
     req = ParsedRequest(
@@ -359,11 +365,11 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         stream=stream,
         include_usage=include_usage,
         max_tokens=max_tokens,
-        temperature=float(_num(body, "temperature", 0.0, lo=0, hi=100)),
-        top_p=float(_num(body, "top_p", 1.0, lo=0, hi=1)),
-        top_k=int(_num(body, "top_k", 0, lo=0, integer=True)),
-        min_p=float(_num(body, "min_p", 0.0, lo=0, hi=1)),
-        repetition_penalty=float(_num(body, "repetition_penalty", 0.0, lo=0, hi=10)),
+        temperature=float(number_field(body, "temperature", 0.0, lo=0, hi=100)),
+        top_p=float(number_field(body, "top_p", 1.0, lo=0, hi=1)),
+        top_k=int(number_field(body, "top_k", 0, lo=0, integer=True)),
+        min_p=float(number_field(body, "min_p", 0.0, lo=0, hi=1)),
+        repetition_penalty=float(number_field(body, "repetition_penalty", 0.0, lo=0, hi=10)),
         stop=stop,
         seed=seed,
         logit_bias=lb,

@@ -182,11 +182,17 @@ class History:
 
 
 def connect(args) -> redis.Redis:
-    """The Redis client of ``status``/``top``: ``--redis-url``, else the last ``mlxgw serve``'s."""
-    if not args.redis_url:
+    """The Redis client of ``status``/``top``: ``--redis-url``, else the last ``mlxgw serve``'s.
+
+    Sets ``args.url_source`` to ``flag``, ``serve`` (the file `mlxgw serve` leaves) or ``default``.
+    """
+    if args.redis_url:
+        args.url_source = getattr(args, "url_source", None) or "flag"
+    else:
         from .util import serve_url_file
 
         f = serve_url_file()
+        args.url_source = "serve" if f.exists() else "default"
         args.redis_url = f.read_text().strip() if f.exists() else "redis://127.0.0.1:6379/0"
     return redis.Redis.from_url(args.redis_url, socket_timeout=3)
 
@@ -196,6 +202,10 @@ def run(args) -> int:
         data = collect(connect(args), args.namespace)
     except redis.RedisError as e:
         print(f"Redis unreachable at {redact_url(args.redis_url)}: {e}", file=sys.stderr)
+        hint = {"serve": "the URL a `mlxgw serve` left: is it still running?",
+                "default": "no `mlxgw serve` is running here; start one, or pass --redis-url"}.get(args.url_source)
+        if hint:
+            print(f"({hint})", file=sys.stderr)
         return 4
     if args.json:
         print(json.dumps(data, indent=2))

@@ -242,6 +242,10 @@ def test_errors_in_each_dialect(stack):
     with pytest.raises(openai.BadRequestError) as e:
         _oai(stack).responses.create(model="demo-tiny", input="x", previous_response_id="resp_123")
     assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as e:  # the error names the Responses field, not ours
+        _oai(stack).responses.create(model="demo-tiny", input="x", max_output_tokens="x")
+    assert e.value.body["param"] == "max_output_tokens"
+    assert e.value.body["message"] == "'max_output_tokens' must be an integer"
     conn = http.client.HTTPConnection(urlsplit(stack.gateway.url).netloc, timeout=30)
     conn.request("POST", "/v1/messages", body=b"{not json", headers={"x-api-key": "k"})
     r = conn.getresponse()

@@ -12,6 +12,7 @@ import pytest
 
 from mlxgw.httpget import get_json
 from mlxgw.harness import free_port, free_port_run
+from mlxgw.util import serve_url_file
 
 MLXGW = [sys.executable, "-m", "mlxgw"]
 
@@ -64,10 +65,16 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
             time.sleep(0.1)
         out = (tmp_path / "serve.log").read_text()
         assert "mlxgw is ready" in out and f"http://127.0.0.1:{port}/v1" in out
+        # `mlxgw status` finds this stack's embedded Redis through the file serve leaves ...
+        assert serve_url_file().read_text().startswith("redis://")
+        st = _run(["status", "--json"])
+        assert st.returncode == 0 and "demo-tiny-0" in st.stdout
     finally:
         p.send_signal(signal.SIGTERM)
         rc = p.wait(30)
     assert rc == 0
+    # ... and that file goes with the stack, so status never points at a dead Redis.
+    assert not serve_url_file().exists()
     for prt in (port, bport, bport + 1):
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", prt)) != 0, f"port {prt} still open after stop"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from mlxgw.protocol import RequestError
+from mlxgw.protocol import RequestError, number_field
 
 from .base import ChatTransform, chat_message, chat_request, function_tools, new_id, sse_event, text_of, with_stream
 
@@ -111,8 +111,8 @@ def to_chat(body: dict) -> dict:
                            code="unsupported_parameter")
     out = chat_request(body, lambda: convert_input(body.get("instructions"), body.get("input")),
                        lambda: convert_tools(body.get("tools")), convert_tool_choice)
-    if body.get("max_output_tokens") is not None:
-        out["max_tokens"] = body["max_output_tokens"]
+    if body.get("max_output_tokens") is not None:  # checked here so the error names the client's field
+        out["max_tokens"] = number_field(body, "max_output_tokens", None, lo=1, integer=True)
     for k in ("temperature", "top_p"):
         if body.get(k) is not None:
             out[k] = body[k]
