@@ -106,6 +106,13 @@ def parse_models(specs: list[str]) -> dict[str, str]:
 
 
 def config_from_args(args) -> GatewayConfig:
+    """The gateway's settings from its flags.
+
+    Raises:
+        ValueError: a setting out of range (the caller exits with code 2).
+    """
+    if not args.load_publish_ms > 0:
+        raise ValueError(f"--load-publish-ms must be > 0 (got {args.load_publish_ms:g})")
     models = parse_models(args.model)
     if not models:
         from mlxgw.demo_model import ensure_demo_model

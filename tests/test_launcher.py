@@ -85,6 +85,11 @@ def test_missing_model_path():
     assert r.returncode == 2 and "does not exist" in r.stderr
 
 
+def test_gateway_refuses_a_zero_publish_interval():
+    r = _run(["gateway", "--load-publish-ms", "0", "--port", str(free_port())])
+    assert r.returncode == 2 and "--load-publish-ms must be > 0 (got 0)" in r.stderr
+
+
 def test_port_in_use(demo_model):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
