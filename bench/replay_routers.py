@@ -360,19 +360,30 @@ def _candidates(header: str) -> dict[str, int]:
     return out
 
 
-def lost_hits(runs: list[dict]) -> dict | None:
-    """Where our default gateway's cached tokens fall short of the pooled cache's, request by request.
+def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw") -> dict | None:
+    """Where one of our gateway runs' cached tokens fall short of the pooled cache's, request by request.
 
-    For each request the pooled cache served with more cached ids than ``mlxgw`` did: was it
-    routed past a backend that owned a longer prefix (``moved``: the cost preferred less queued
-    work), or did no live backend own more (``no_owner``: evicted, never placed there, or less
-    than a block)? Units are sim ids. None unless both ran in this round.
+    Each request the pooled cache served with more cached ids than ``router`` did falls in one of:
+
+    * ``moved``: routed past a backend that owned a longer prefix (the cost preferred less
+      queued work; ``guard_requests`` of them by the balance guard, route reason ``balance``);
+    * ``behind``: sent to a backend that owned (or had a pending claim on) at least the
+      prefix the pooled cache reused, but that backend's cache held less when the request
+      got there (the prefix was still being computed, or was evicted);
+    * ``unowned``: no live backend owned that prefix, by at least a block (never computed on
+      one backend whole, or evicted everywhere);
+    * ``sub_block``: the shortfall is less than one ``block`` of ids, below what ownership
+      tracks.
+
+    Units are sim ids. None unless both ran in this round.
     """
     by = {r["router"]: r for r in runs}
-    if "mlxgw" not in by or "pooled" not in by:
+    if router not in by or "pooled" not in by:
         return None
-    out = {"requests": 0, "ids": 0, "pooled_cached_ids": 0, "moved_requests": 0, "moved_ids": 0}
-    for ours, pool in zip(by["mlxgw"]["per_request"], by["pooled"]["per_request"]):
+    out = {"requests": 0, "ids": 0, "pooled_cached_ids": 0, "guard_requests": 0}
+    for k in ("moved", "behind", "unowned", "sub_block"):
+        out[f"{k}_requests"] = out[f"{k}_ids"] = 0
+    for ours, pool in zip(by[router]["per_request"], by["pooled"]["per_request"]):
         out["pooled_cached_ids"] += pool["cached"]
         short = pool["cached"] - ours["cached"]
         if short <= 0:
@@ -382,8 +393,16 @@ def lost_hits(runs: list[dict]) -> dict | None:
         cands = _candidates(ours["route"].get("candidates", ""))
         chosen = cands.get(ours["route"].get("backend", ""), 0)
         if cands and max(cands.values()) > chosen:
-            out["moved_requests"] += 1
-            out["moved_ids"] += short
+            kind = "moved"
+            out["guard_requests"] += ours["route"].get("reason") == "balance"
+        elif short < block:
+            kind = "sub_block"
+        elif chosen + block > pool["cached"]:
+            kind = "behind"
+        else:
+            kind = "unowned"
+        out[f"{kind}_requests"] += 1
+        out[f"{kind}_ids"] += short
     return out
 
 
@@ -427,13 +446,15 @@ def table(res: dict) -> str:
                              f"{_series(d['hit_minus_sglang'], '{:+.3f}')}")
             if "hit_minus_pooled" in d:
                 notes.append(f"- {name} hit ratio minus pooled per round: {_series(d['hit_minus_pooled'], '{:+.4f}')}")
-        for i, lh in enumerate(b.get("lost_hits") or []):
-            if lh:
-                notes.append(
-                    f"- round {i + 1}, mlxgw short of pooled: {lh['requests']} requests, {lh['ids']} of the pooled "
-                    f"cache's {lh['pooled_cached_ids']} cached ids; {lh['moved_requests']} of them ({lh['moved_ids']} ids) "
-                    f"routed past a backend owning a longer prefix (the cost preferred less queued work), the rest "
-                    f"had no live owner of more")
+        for i, per_router in enumerate(b.get("lost_hits") or []):
+            for name, lh in per_router.items():
+                if not lh:
+                    continue
+                parts = ", ".join(f"{k.replace('_', ' ')} {lh[k + '_requests']} ({lh[k + '_ids']} ids)"
+                                  for k in ("moved", "behind", "unowned", "sub_block"))
+                notes.append(f"- round {i + 1}, {name} short of pooled: {lh['requests']} requests, {lh['ids']} of the "
+                             f"pooled cache's {lh['pooled_cached_ids']} cached ids; by cause (`lost_hits`): {parts}; "
+                             f"moved by the balance guard: {lh['guard_requests']}")
         if notes:
             lines.append("")
             lines.extend(notes)
@@ -560,7 +581,9 @@ def main(argv=None) -> int:
                 rounds.append(runs)
             res["budgets"].append({"fraction": frac, "per_backend_gb": per_backend / 2**30,
                                    "runs": combine_rounds(rounds), "paired": paired(rounds),
-                                   "lost_hits": [lost_hits(runs) for runs in rounds]})
+                                   "lost_hits": [{r["router"]: lost_hits(runs, args.k, r["router"])
+                                                  for r in runs if r["router"].startswith("mlxgw")}
+                                                 for runs in rounds]})
     finally:
         redis.cleanup()
     res["total_seconds"] = time.time() - t_all

@@ -52,20 +52,31 @@ def _routed(owner_depth: int, owner_queued: int) -> dict:
     cands = [Candidate("b0", 1, "u0", 0, 0, "ready", depth_blocks=owner_depth),
              Candidate("b1", 1, "u1", 0, 0, "ready")]
     d = rank(cands, 4096, 64, inflight={"b0": (3, owner_queued)}, cfg=RoutingConfig())
-    return {"backend": d.ranked[0].cand.backend_id, "candidates": " ".join(s.explain() for s in d.ranked)}
+    return {"backend": d.ranked[0].cand.backend_id, "candidates": " ".join(s.explain() for s in d.ranked),
+            "reason": d.reason}
 
 
-def test_lost_hits_tells_moved_requests_from_missing_owners():
+def test_lost_hits_splits_the_shortfall_by_cause():
     moved = _routed(owner_depth=2, owner_queued=200_000)  # queue far longer than the 128 cached tokens
+    guarded = _routed(owner_depth=40, owner_queued=300_000)  # past the balance guard's 262,144 tokens
     stayed = _routed(owner_depth=40, owner_queued=0)
     assert moved["backend"] == "b1" and stayed["backend"] == "b0"
+    assert guarded["backend"] == "b1" and guarded["reason"] == "balance" and moved["reason"] == "load"
     assert _candidates(moved["candidates"]) == {"b0": 128, "b1": 0}
-    ours = [{"cached": 0, "route": moved}, {"cached": 5, "route": {"backend": "b1", "candidates": "b1:matched=0 b0:matched=0"}},
-            {"cached": 2560, "route": stayed}]
-    pool = [{"cached": 128}, {"cached": 9}, {"cached": 2560}]
-    lh = lost_hits([_run("mlxgw", 0, 0, 0, ours), _run("pooled", 0, 0, 0, pool)])
-    assert lh == {"requests": 2, "ids": 132, "pooled_cached_ids": 2697, "moved_requests": 1, "moved_ids": 128}
+    nobody = {"backend": "b1", "candidates": "b1:matched=0 b0:matched=0"}
+    ours = [{"cached": 0, "route": moved},       # moved past b0's 128 tokens
+            {"cached": 5, "route": nobody},      # 4 short: less than a block
+            {"cached": 1000, "route": stayed},   # b0 owned 2560 but held 1000 when it arrived
+            {"cached": 0, "route": nobody},      # 640 the pooled cache had, nobody owned
+            {"cached": 2560, "route": stayed},   # as good as pooled: not counted
+            {"cached": 0, "route": guarded}]     # moved off b0's 2560 by the guard
+    pool = [{"cached": 128}, {"cached": 9}, {"cached": 2560}, {"cached": 640}, {"cached": 2560}, {"cached": 2560}]
+    lh = lost_hits([_run("mlxgw", 0, 0, 0, ours), _run("pooled", 0, 0, 0, pool)], block=64)
+    assert lh == {"requests": 5, "ids": 128 + 4 + 1560 + 640 + 2560, "pooled_cached_ids": 8457, "guard_requests": 1,
+                  "moved_requests": 2, "moved_ids": 128 + 2560, "behind_requests": 1, "behind_ids": 1560,
+                  "unowned_requests": 1, "unowned_ids": 640, "sub_block_requests": 1, "sub_block_ids": 4}
     assert lost_hits([_run("mlxgw", 0, 0, 0, ours)]) is None
+    assert lost_hits([_run("mlxgw-lw0", 0, 0, 0, ours), _run("pooled", 0, 0, 0, pool)], 64, "mlxgw-lw0") == lh
 
 
 def test_oracle_reuses_the_longest_seen_prefix_and_leaves_one_token():
