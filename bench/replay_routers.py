@@ -360,6 +360,9 @@ def _candidates(header: str) -> dict[str, int]:
     return out
 
 
+LOST_CAUSES = ("moved", "behind", "unowned", "sub_block")  # see `lost_hits`
+
+
 def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw") -> dict | None:
     """Where one of our gateway runs' cached tokens fall short of the pooled cache's, request by request.
 
@@ -381,7 +384,7 @@ def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw") -> dict |
     if router not in by or "pooled" not in by:
         return None
     out = {"requests": 0, "ids": 0, "pooled_cached_ids": 0, "guard_requests": 0}
-    for k in ("moved", "behind", "unowned", "sub_block"):
+    for k in LOST_CAUSES:
         out[f"{k}_requests"] = out[f"{k}_ids"] = 0
     for ours, pool in zip(by[router]["per_request"], by["pooled"]["per_request"]):
         out["pooled_cached_ids"] += pool["cached"]
@@ -451,7 +454,7 @@ def table(res: dict) -> str:
                 if not lh:
                     continue
                 parts = ", ".join(f"{k.replace('_', ' ')} {lh[k + '_requests']} ({lh[k + '_ids']} ids)"
-                                  for k in ("moved", "behind", "unowned", "sub_block"))
+                                  for k in LOST_CAUSES)
                 notes.append(f"- round {i + 1}, {name} short of pooled: {lh['requests']} requests, {lh['ids']} of the "
                              f"pooled cache's {lh['pooled_cached_ids']} cached ids; by cause (`lost_hits`): {parts}; "
                              f"moved by the balance guard: {lh['guard_requests']}")

@@ -187,7 +187,7 @@ def connect(args) -> redis.Redis:
     Sets ``args.url_source`` to ``flag``, ``serve`` (the file `mlxgw serve` leaves) or ``default``.
     """
     if args.redis_url:
-        args.url_source = getattr(args, "url_source", None) or "flag"
+        args.url_source = "flag"
     else:
         from .util import serve_url_file
 

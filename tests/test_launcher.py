@@ -85,6 +85,15 @@ def test_missing_model_path():
     assert r.returncode == 2 and "does not exist" in r.stderr
 
 
+def test_status_says_where_a_dead_redis_url_came_from(tmp_path):
+    # A serve that died without cleaning up left its URL: status names that file's source.
+    (tmp_path / "serve-redis-url").write_text(f"redis://127.0.0.1:{free_port()}/0\n")
+    r = subprocess.run(MLXGW + ["status"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "MLXGW_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 4 and "Redis unreachable" in r.stderr
+    assert "the URL a `mlxgw serve` left: is it still running?" in r.stderr
+
+
 def test_gateway_refuses_a_zero_publish_interval():
     r = _run(["gateway", "--load-publish-ms", "0", "--port", str(free_port())])
     assert r.returncode == 2 and "--load-publish-ms must be > 0 (got 0)" in r.stderr
