@@ -175,7 +175,7 @@ class Paths:
             from mlxgw.prompt import render_chat
 
             cp = render_chat(self.tok, body["messages"])
-            body[INTERNAL_FIELD] = {"prompt_ids": cp.token_ids, "system_tokens": 0, "request_id": os.urandom(8).hex()}
+            body[INTERNAL_FIELD] = {"prompt_ids": schema.token_bytes(cp.token_ids), "system_tokens": 0, "request_id": os.urandom(8).hex()}
             return self.urls["direct"], msgpack.packb(body, use_bin_type=True), "application/x-msgpack", \
                 "/v1/chat/completions"
         return self.urls[name], json.dumps(body).encode(), "application/json", "/v1/chat/completions"

@@ -202,7 +202,8 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
                             transform=None) -> web.StreamResponse:
     """Look up ownership, rank backends, forward; shared by every dialect."""
     cfg = st.cfg
-    blocks = schema.block_keys(info.name, ids, cfg.block_size)
+    packed = schema.token_bytes(ids)  # once, for the block hashes and the forward
+    blocks = schema.block_keys(info.name, packed, cfg.block_size)
     lk = await st.index.lookup(info.name, blocks)
     decision = rank(
         lk.candidates,
@@ -224,7 +225,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         st.counters["routed_prefix"] += 1
     else:
         st.counters["routed_load"] += 1
-    body[INTERNAL_FIELD] = {"prompt_ids": ids, "system_tokens": system_tokens, "request_id": rid}
+    body[INTERNAL_FIELD] = {"prompt_ids": packed, "system_tokens": system_tokens, "request_id": rid}
     payload = msgpack.packb(body, use_bin_type=True)
     attempts = [
         Attempt(

@@ -22,12 +22,41 @@ from collections import deque
 from typing import Optional
 
 
+class _Claim:
+    """One routed request's chained block keys on one backend (compared by identity)."""
+
+    __slots__ = ("backend", "keys")
+
+    def __init__(self, backend: str, keys: list[str]):
+        self.backend = backend
+        self.keys = keys
+
+
+def _common_blocks(a: list[str], b: list[str]) -> int:
+    """Length of the common prefix of two chained key lists, by bisection.
+
+    Chained keys (`mlxgw.schema.block_hashes`) are equal at ``i`` only if they
+    are equal at every earlier position, so equality is monotone: O(log n)
+    comparisons instead of walking a 32k-token prompt's 512 keys.
+    """
+    lo, hi = 0, min(len(a), len(b))  # answer in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class PendingClaims:
     """Block keys routed to each backend and not yet reported.
 
     Block keys are chained (`mlxgw.schema.block_hashes`): a key stands for
-    its whole prefix, so a backend's pending depth for a request is one past
-    the last of the request's keys it claims.
+    its whole prefix, so a backend's pending depth for a request is the
+    common prefix of the request's keys with a claim's. Claims are filed
+    under their first key; adding or dropping one costs O(1), not one dict
+    operation per block (~1.4 ms per 32k-token request before).
 
     Args:
         grace: seconds a claim outlives its request when the request ended
@@ -36,53 +65,57 @@ class PendingClaims:
 
     def __init__(self, grace: float = 1.0):
         self.grace = grace
-        self._owners: dict[str, dict[str, int]] = {}  # block key -> backend -> claim count
-        self._ending: deque[tuple[float, str, list[str]]] = deque()  # (expiry, backend, keys)
+        self._by_root: dict[str, list[_Claim]] = {}  # first block key -> live claims
+        self._ending: deque[tuple[float, _Claim]] = deque()  # (expiry, claim)
+        self._n = 0
 
-    def add(self, backend: str, keys: list[str]) -> tuple[str, list[str]]:
-        """Claim ``keys`` for ``backend``; returns the handle to `release`."""
-        for k in keys:
-            d = self._owners.setdefault(k, {})
-            d[backend] = d.get(backend, 0) + 1
-        return backend, keys
+    def add(self, backend: str, keys: list[str]) -> Optional[_Claim]:
+        """Claim ``keys`` for ``backend``; returns the handle to `release` (None: nothing claimed)."""
+        if not keys:
+            return None
+        claim = _Claim(backend, keys)
+        self._by_root.setdefault(keys[0], []).append(claim)
+        self._n += 1
+        return claim
 
-    def release(self, handle: tuple[str, list[str]], ok: bool, now: Optional[float] = None) -> None:
+    def release(self, handle: Optional[_Claim], ok: bool, now: Optional[float] = None) -> None:
         """The request ended: drop the claim after ``grace`` seconds (``ok``) or now."""
         now = time.monotonic() if now is None else now
-        if ok and self.grace > 0:
-            self._ending.append((now + self.grace, *handle))
-        else:
-            self._drop(*handle)
+        if handle is not None:
+            if ok and self.grace > 0:
+                self._ending.append((now + self.grace, handle))
+            else:
+                self._drop(handle)
         self._expire(now)
 
     def depths(self, keys: list[str], now: Optional[float] = None) -> dict[str, int]:
         """Backend id -> pending prefix depth in blocks, for a request's block keys."""
         self._expire(time.monotonic() if now is None else now)
         out: dict[str, int] = {}
-        for i, k in enumerate(keys):
-            owners = self._owners.get(k)
-            if not owners:
-                break  # chained keys: no claim can match deeper
-            for b in owners:
-                out[b] = i + 1
+        if not keys:
+            return out
+        for c in self._by_root.get(keys[0], ()):
+            d = _common_blocks(c.keys, keys)
+            if d > out.get(c.backend, 0):
+                out[c.backend] = d
         return out
 
     def __len__(self) -> int:
-        return len(self._owners)
+        """Live claims (in flight or within their grace)."""
+        return self._n
 
     def _expire(self, now: float) -> None:
         while self._ending and self._ending[0][0] <= now:
-            _, backend, keys = self._ending.popleft()
-            self._drop(backend, keys)
+            self._drop(self._ending.popleft()[1])
 
-    def _drop(self, backend: str, keys: list[str]) -> None:
-        for k in keys:
-            d = self._owners.get(k)
-            if d is None or backend not in d:
-                continue
-            if d[backend] <= 1:
-                del d[backend]
-                if not d:
-                    del self._owners[k]
-            else:
-                d[backend] -= 1
+    def _drop(self, claim: _Claim) -> None:
+        claims = self._by_root.get(claim.keys[0])
+        if not claims:
+            return
+        for i, c in enumerate(claims):
+            if c is claim:
+                del claims[i]
+                self._n -= 1
+                break
+        if not claims:
+            del self._by_root[claim.keys[0]]

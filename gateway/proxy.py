@@ -7,8 +7,9 @@ streamed answer that falls silent for ``keepalive`` seconds (a long prefill,
 a queue) gets an SSE comment so clients with idle timeouts keep waiting.
 
 A request is retried on the next-best backend only while nothing has been
-sent to the client (connection refused or reset, or a 5xx before any body),
-so retries are idempotent. Once streaming, a backend failure becomes a
+sent to the client (connection refused or reset, a 5xx before any body, or
+a whole JSON answer cut off before it was complete: those are read in full,
+then sent in one write), so retries are idempotent. Once streaming, a backend failure becomes a
 well-formed SSE error event and end of stream.
 """
 
@@ -210,18 +211,27 @@ class Proxy:
                         timed_out = False
                         await up.read()
                         continue
-                    out = web.StreamResponse(status=up.status)
-                    for k, v in up.headers.items():
-                        if k.lower() not in _SKIP:
-                            out.headers[k] = v
-                    out.headers.update(a.headers)
-                    if transform is not None:
-                        out.headers.update(transform.begin(up.status, up.headers, a.headers))
                     is_sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
                     t_feed = transform.feed if transform else (lambda b: b)
+                    if not is_sse:
+                        # A whole JSON answer: read it, then send headers and body in
+                        # one write. Nothing reached the client yet, so a backend that
+                        # fails mid-body is retried like one that failed before it.
+                        try:
+                            data = await up.read()
+                        except aiohttp.ClientPayloadError as e:
+                            raise aiohttp.ClientConnectionError(f"answer cut off: {e}") from e
+                        self.inflight.started(a.backend_id, handle)
+                        a.first_byte_at = time.perf_counter()
+                        out = web.Response(status=up.status, body=t_feed(b"") + t_feed(data)
+                                           + (transform.end() if transform else b""))
+                        self._copy_headers(out, up, a, transform)
+                        return out
+                    out = web.StreamResponse(status=up.status)
+                    self._copy_headers(out, up, a, transform)
                     try:
                         await out.prepare(request)
-                        await self._stream_body(request, out, up, a, handle, is_sse, transform, t_feed)
+                        await self._stream_body(request, out, up, a, handle, transform, t_feed)
                     except ConnectionResetError:
                         # The client went away (aiohttp's ClientConnectionResetError
                         # is one): not the backend's fault, so no circuit trip and no
@@ -240,8 +250,17 @@ class Proxy:
                 self.inflight.end(a.backend_id, handle)
         raise BackendUnavailable(last_err or "no backend", timed_out)
 
-    async def _stream_body(self, request, out, up, a: Attempt, handle: int, is_sse: bool, transform, t_feed) -> None:
-        """Copy (or transform) the backend's body to the client.
+    @staticmethod
+    def _copy_headers(out: web.StreamResponse, up: aiohttp.ClientResponse, a: Attempt, transform) -> None:
+        for k, v in up.headers.items():
+            if k.lower() not in _SKIP:
+                out.headers[k] = v
+        out.headers.update(a.headers)
+        if transform is not None:
+            out.headers.update(transform.begin(up.status, up.headers, a.headers))
+
+    async def _stream_body(self, request, out, up, a: Attempt, handle: int, transform, t_feed) -> None:
+        """Copy (or transform) the backend's event stream to the client.
 
         A failure reading from the backend becomes a well-formed error at the
         end of the stream and opens the backend's circuit; a failure writing to
@@ -254,7 +273,7 @@ class Proxy:
             await self._write(request, out, first)
         while True:
             try:
-                chunk = await self._read(up, is_sse)
+                chunk = await self._read(up)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 upstream_err = e
                 break
@@ -263,7 +282,7 @@ class Proxy:
                 continue
             if not chunk:
                 break
-            if prefill_open and (not is_sse or b"data:" in chunk):
+            if prefill_open and b"data:" in chunk:
                 self.inflight.started(a.backend_id, handle)
                 a.first_byte_at = time.perf_counter()
                 prefill_open = False
@@ -276,7 +295,7 @@ class Proxy:
             msg = f"backend failed mid-stream: {type(upstream_err).__name__}"
             if transform is not None:
                 await self._write(request, out, transform.fail(msg))
-            elif is_sse:
+            else:
                 err = {"error": {"message": msg, "type": "server_error", "param": None, "code": "backend_failed"}}
                 await self._write(request, out, b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
         elif transform is not None:
@@ -295,13 +314,13 @@ class Proxy:
                 request.transport.abort()
             raise ConnectionResetError("client stopped reading") from None
 
-    async def _read(self, up: aiohttp.ClientResponse, is_sse: bool) -> Optional[bytes]:
+    async def _read(self, up: aiohttp.ClientResponse) -> Optional[bytes]:
         """The next body bytes (b"" at end), or None after ``keepalive`` s of silence on a stream.
 
         Cancelling ``readany`` while it waits loses no data (it only waits
         for the buffer to fill), so the timeout is safe.
         """
-        if not is_sse or self.keepalive <= 0:
+        if self.keepalive <= 0:
             return await up.content.readany()
         try:
             async with deadline(self.keepalive):

@@ -176,10 +176,11 @@ class SegmentEncoder:
                     self._lru.move_to_end(p)
                     found[p] = ids
         if missing:
-            # Several new pieces (a cold conversation): one batch call, which the
-            # Rust side may spread over threads.
-            encs = ([self._bt.encode(missing[0], add_special_tokens=False)] if len(missing) == 1
-                    else self._bt.encode_batch(missing, add_special_tokens=False))
+            # One batch call even for one piece: ``encode_batch`` releases the GIL
+            # (``encode`` holds it, freezing the gateway's event loop for the ~50 ms
+            # of a cold 30k-token piece), and the Rust side may spread several
+            # pieces over threads.
+            encs = self._bt.encode_batch(missing, add_special_tokens=False)
             for p, e in zip(missing, encs):
                 found[p] = e.ids
         out: list[int] = []

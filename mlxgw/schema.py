@@ -46,13 +46,39 @@ if array(_U32).itemsize != 4:  # refuse rather than hash other bytes ("L" is 8 o
     raise ImportError("mlxgw block hashing needs a 4-byte unsigned int array type")
 
 
-def block_hashes(model_id: str, token_ids: Sequence[int], block_size: int) -> list[int]:
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids packed as little-endian u32: the bytes block hashing reads, and the
+    gateway's forward of the prompt to the backend (``_mlxgw.prompt_ids``).
+
+    Raises:
+        OverflowError: an id outside ``[0, 2**32)``.
+    """
+    arr = array(_U32, token_ids)  # 3x faster than numpy from a list
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def tokens_from_bytes(raw: bytes) -> list[int]:
+    """Inverse of `token_bytes`. Raises ValueError when ``len(raw)`` is not a multiple of 4."""
+    if len(raw) % 4:
+        raise ValueError("packed token ids must be a multiple of 4 bytes")
+    arr = array(_U32)
+    arr.frombytes(raw)
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return arr.tolist()
+
+
+def block_hashes(model_id: str, token_ids: Sequence[int] | bytes, block_size: int) -> list[int]:
     """Chained xxh3-64 hashes of the full blocks of ``token_ids``.
 
     Args:
         model_id: served model name; seeds the chain so two models never share
             a key.
-        token_ids: the prompt, token ids in ``[0, 2**32)``.
+        token_ids: the prompt, token ids in ``[0, 2**32)``, or those ids
+            already packed by `token_bytes` (the gateway packs once, for the
+            hashes and the forward).
         block_size: tokens per block (> 0). A trailing partial block is not
             hashed: only full blocks are keyed.
 
@@ -65,14 +91,15 @@ def block_hashes(model_id: str, token_ids: Sequence[int], block_size: int) -> li
     """
     if block_size <= 0:
         raise ValueError("block_size must be positive")
-    n = len(token_ids) // block_size
+    step = 4 * block_size
+    if isinstance(token_ids, (bytes, bytearray, memoryview)):
+        raw = bytes(token_ids)
+        n = len(raw) // step
+    else:
+        n = len(token_ids) // block_size
+        raw = token_bytes(token_ids[: n * block_size]) if n else b""
     if n == 0:
         return []
-    arr = array(_U32, token_ids[: n * block_size])  # 3x faster than numpy from a list
-    if sys.byteorder == "big":
-        arr.byteswap()
-    raw = arr.tobytes()
-    step = 4 * block_size
     prev = xxhash.xxh3_64_intdigest(model_id.encode("utf-8"))
     out = []
     for i in range(n):
@@ -83,7 +110,7 @@ def block_hashes(model_id: str, token_ids: Sequence[int], block_size: int) -> li
     return out
 
 
-def block_keys(model_id: str, token_ids: Sequence[int], block_size: int) -> list[str]:
+def block_keys(model_id: str, token_ids: Sequence[int] | bytes, block_size: int) -> list[str]:
     """`block_hashes` rendered as 16-digit lowercase hex strings (Redis key suffixes)."""
     return [f"{h:016x}" for h in block_hashes(model_id, token_ids, block_size)]
 

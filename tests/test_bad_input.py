@@ -75,3 +75,26 @@ def test_integers_beyond_64_bits_are_refused_by_name():
     # 19 digits inside a string, and the largest unsigned 64-bit integer, are fine.
     body = loads_body(b'{"messages": [{"role": "user", "content": "call 1234567890123456789"}], "seed": 18446744073709551615}')
     assert body["seed"] == 2**64 - 1
+
+
+def test_backend_takes_packed_ids_and_refuses_torn_ones(stack1):
+    """The gateway's forward (msgpack, ids packed by schema.token_bytes) straight to a backend."""
+    import json
+
+    import msgpack
+
+    from mlxgw import schema
+    from mlxgw.protocol import INTERNAL_FIELD
+
+    url = stack1.backends[0].url + "/v1/completions"
+    ids = list(range(100, 300))
+    mp = {"Content-Type": "application/x-msgpack"}
+
+    def send(packed):
+        body = {"model": "demo-tiny", "prompt": "x", "max_tokens": 1, INTERNAL_FIELD: {"prompt_ids": packed}}
+        return post(url, msgpack.packb(body, use_bin_type=True), mp)
+
+    status, _, raw = send(schema.token_bytes(ids))
+    assert status == 200 and json.loads(raw)["usage"]["prompt_tokens"] == len(ids)
+    status, _, raw = send(schema.token_bytes(ids)[:-1])
+    assert status == 400 and "multiple of 4 bytes" in json.loads(raw)["error"]["message"]

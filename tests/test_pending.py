@@ -33,6 +33,22 @@ def test_claims_are_counted_per_request():
     assert p.depths(["k0"]) == {}
 
 
+def test_depths_on_real_chained_keys_of_a_long_prompt():
+    from mlxgw import schema
+
+    ids = list(range(1000, 1000 + 64 * 512))  # a 32k-token prompt: 512 blocks
+    keys = schema.block_keys("m", ids, 64)
+    p = PendingClaims(grace=0)
+    claims = [p.add("a", keys[:100]), p.add("b", keys), p.add("a", keys[:300])]
+    p.add("c", schema.block_keys("m", [7] + ids[1:], 64))  # differs in block 0: never matches
+    fork = schema.block_keys("m", ids[: 64 * 200] + [1] + ids[64 * 200 + 1:], 64)
+    assert p.depths(keys) == {"a": 300, "b": 512}
+    assert p.depths(fork) == {"a": 200, "b": 200}  # equal up to the changed block only
+    assert p.depths(keys[:150]) == {"a": 150, "b": 150}
+    p.release(claims[2], ok=True)
+    assert p.depths(keys) == {"a": 100, "b": 512} and len(p) == 3
+
+
 def _ask(url, text):
     status, h, body = post(url + "/v1/chat/completions",
                            {"messages": [{"role": "user", "content": text}], "max_tokens": 2})

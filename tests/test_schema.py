@@ -43,6 +43,21 @@ def test_block_keys_match_reference_and_chain():
         schema.block_keys("m", ids, 0)
 
 
+def test_packed_token_ids_roundtrip_and_hash_alike():
+    ids = [int(x) for x in np.random.default_rng(1).integers(0, 2**32, 200)] + [0, 2**32 - 1]
+    raw = schema.token_bytes(ids)
+    assert len(raw) == 4 * len(ids)
+    assert raw[:4] == ids[0].to_bytes(4, "little")  # little-endian on every host
+    assert schema.tokens_from_bytes(raw) == ids
+    # The gateway hashes the packed bytes it forwards: same keys as the id list.
+    assert schema.block_keys("m", raw, 64) == schema.block_keys("m", ids, 64) == _reference("m", ids, 64)
+    assert schema.block_keys("m", raw[: 4 * 63], 64) == []
+    with pytest.raises(ValueError):
+        schema.tokens_from_bytes(raw[:5])
+    with pytest.raises(OverflowError):
+        schema.token_bytes([2**32])
+
+
 def test_keys_carry_hash_tag():
     k = schema.Keys("ns", "my{model} x")
     assert k.block("ab") == "ns:{my_model__x}:blk:ab"
