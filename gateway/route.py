@@ -64,7 +64,7 @@ class RoutingConfig:
     """
 
     policy: str = "cache_aware"
-    load_weight: float = 0.1
+    load_weight: float = 0.03
     decode_weight: float = 256.0
     balance_abs_tokens: int = 262144
     balance_rel: float = 2.0

@@ -19,15 +19,18 @@ def _cands():
 
 def test_default_policy_is_cache_aware_and_prefers_the_owner():
     cfg = RoutingConfig()
-    assert cfg.policy == "cache_aware"
-    # b1 owns 3200 of 4000 tokens: 800 to prefill + 0.1 x (900 queued + 5 x 256 running) = 1018 < 4000.
+    assert cfg.policy == "cache_aware" and cfg.load_weight == 0.03
+    # b1 owns 3200 of 4000 tokens: 800 to prefill + 0.03 x (900 queued + 5 x 256 running) = 865.4 < 4000.
     cands = _cands()
     cands[1].depth_blocks = 200
     d = rank(cands, 4000, 16, cfg=cfg)
-    assert d.best.cand.backend_id == "b1" and d.best.matched == 3200 and d.best.cost == 1018
-    # On a 100-token prompt its 64 owned tokens are not worth its queue: 36 + 218 > 100 on idle b2.
+    assert d.best.cand.backend_id == "b1" and d.best.matched == 3200 and d.best.cost == pytest.approx(865.4)
+    # On a 100-token prompt its 64 owned tokens are not worth its queue: 36 + 65.4 > 100 on idle b2.
     d = rank(_cands(), 100, 16, cfg=cfg)
-    assert d.best.cand.backend_id == "b2" and d.ranked[-1].cand.backend_id == "b1"
+    assert d.best.cand.backend_id == "b2" and d.ranked[1].cand.backend_id == "b1"
+    # At weight 0.1 the same queue costs 218: b1 falls behind b0 (100 + 0.1 x (100 + 2 x 256) = 161.2).
+    d = rank(_cands(), 100, 16, cfg=RoutingConfig(load_weight=0.1))
+    assert [s.cand.backend_id for s in d.ranked] == ["b2", "b0", "b1"]
 
 
 def test_round_robin_cycles_in_id_order():

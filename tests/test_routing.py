@@ -19,17 +19,20 @@ def cand(bid, depth=0, queued=0, active=0, gw_req=0, gw_tok=0, used=0, hb_queued
                      gw_req + active, gw_tok + queued)
 
 
+W = RoutingConfig().load_weight  # 0.03: cost per token of queued work (docs/routing.md)
+
+
 def test_longest_prefix_wins_below_the_balance_thresholds():
     d = rank([cand("a", depth=10, queued=3000), cand("b", depth=0)], 1000, 64)
     assert [s.cand.backend_id for s in d.ranked] == ["a", "b"] and d.reason == "prefix"
     assert d.best.matched == 640 and d.best.prefill == 360
-    assert [s.cost for s in d.ranked] == [360 + 0.1 * 3000, 1000]
+    assert [s.cost for s in d.ranked] == [360 + W * 3000, 1000]
 
 
 def test_queued_prefill_moves_a_request_when_waiting_costs_more_than_the_prefix():
-    # cost = prefill + 0.1 x queued: "a" owns 640 tokens but 7000 queued tokens cost 700 > 640.
-    d = rank([cand("a", depth=10, queued=7000), cand("b", depth=0)], 1000, 64)
-    assert d.best.cand.backend_id == "b" and [s.cost for s in d.ranked] == [1000, 360 + 700]
+    # cost = prefill + W x queued: "a" owns 640 tokens but 25000 queued tokens cost 750 > 640.
+    d = rank([cand("a", depth=10, queued=25000), cand("b", depth=0)], 1000, 64)
+    assert d.best.cand.backend_id == "b" and [s.cost for s in d.ranked] == [1000, 360 + W * 25000]
     assert not any(s.overloaded for s in d.ranked)  # the cost did it, not the guard
     # A cold prompt goes to the backend with the least queued prefill, whatever the request counts.
     d = rank([cand("a", queued=5000, active=1), cand("b", queued=100, active=3)], 1000, 64,
@@ -52,11 +55,11 @@ def test_pending_claims_count_as_owned_prefix():
 
 
 def test_balance_guard_moves_work_off_an_overloaded_owner():
-    cfg = RoutingConfig()  # abs 262144 tokens, rel 2.0, 256 tokens per running decode, load weight 0.1
+    cfg = RoutingConfig()  # abs 262144 tokens, rel 2.0, 256 tokens per running decode, load weight 0.03
     t = cfg.balance_abs_tokens
     prompt, depth = 4 * t, 4 * t * 9 // 10 // 64  # "a" owns ~90% of a 4T-token prompt
     busy = cand("a", depth=depth, queued=t + 1000)
-    # By cost alone "a" wins: ~0.1 x 4T to prefill + 0.1 x (T + 1000) queued, far below 4T ...
+    # By cost alone "a" wins: ~0.1 x 4T to prefill + W x (T + 1000) queued, far below 4T ...
     assert rank([busy, cand("b")], prompt, 64, cfg=RoutingConfig(balance_abs_tokens=10**12)).best.cand.backend_id == "a"
     # ... but T + 1000 queued tokens against 0 is over both thresholds: the guard moves it.
     d = rank([busy, cand("b")], prompt, 64, cfg=cfg)
@@ -70,9 +73,9 @@ def test_balance_guard_moves_work_off_an_overloaded_owner():
 
 
 def test_other_gateways_load_counts():
-    # Another gateway has 9000 prefill tokens in flight to "a".
-    d = rank([cand("a", depth=10, gw_req=3, gw_tok=9000), cand("b")], 1000, 64)
-    assert d.best.cand.backend_id == "b" and d.ranked[1].queued == 9000 and d.ranked[1].active == 3
+    # Another gateway has 30000 prefill tokens in flight to "a".
+    d = rank([cand("a", depth=10, gw_req=3, gw_tok=30000), cand("b")], 1000, 64)
+    assert d.best.cand.backend_id == "b" and d.ranked[1].queued == 30000 and d.ranked[1].active == 3
     # This gateway's own fresh counters add to the published ones.
     d = rank([cand("a", gw_req=1, gw_tok=100), cand("b")], 1000, 64, inflight={"a": (2, 50)})
     assert {s.cand.backend_id: (s.active, s.queued) for s in d.ranked}["a"] == (3, 150)
