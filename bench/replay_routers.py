@@ -193,6 +193,22 @@ async def _overhead(routed: list[str], direct: str, kind: str, model: str, mappe
     return statistics.median(a) - statistics.median(b)
 
 
+def dump_requests(res: dict, path: Path) -> int:
+    """Write one JSON line per request of every run in ``res``; returns the lines written."""
+    n = 0
+    with path.open("w") as f:
+        for b in res["budgets"]:
+            for row in b["runs"]:
+                for rnd, x in enumerate(row["rounds"], 1):
+                    for r in x["per_request"]:
+                        f.write(json.dumps({"budget": b["fraction"], "round": rnd, "router": row["router"],
+                                            "i": r["i"], "prompt": r["prompt"], "cached": r["cached"],
+                                            "ttft": r["ttft"], "e2e": r["e2e"], "status": r["status"],
+                                            **r.get("route", {})}) + "\n")
+                        n += 1
+    return n
+
+
 def multi_budget(spec: str, i: int, budgets: list[float]) -> bool:
     """Whether the ``-xG`` (several gateways) runs use budget ``i``: ``spec`` is 'first',
     'last', 'all' or a comma list of fractions. Raises ValueError on anything else."""
@@ -534,6 +550,10 @@ def main(argv=None) -> int:
                         "and the range over rounds, and per-round ratios to sglang-router and the pooled cache")
     p.add_argument("--model", help="tokenizer dir (default: the tiny demo model)")
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--dump-requests", metavar="FILE",
+                   help="also write every request's result (budget, round, router, prompt ids, cached ids, "
+                        "TTFT and E2E s, backend and route reason) as JSON lines, for per-request analysis "
+                        "(a few MB: keep it out of git)")
     args = p.parse_args(argv)
     from mlxgw.demo_model import ensure_demo_model
 
@@ -603,6 +623,8 @@ def main(argv=None) -> int:
             f"Latencies are wall-clock ms on this machine; x {speed:.1f} gives seconds on the cited hardware.\n")
     body = head + md + "\n\n" + "\n".join(f"![{f}]({f})" for f in pngs) + "\n"
     (out / f"{res['stem']}.md").write_text(body)
+    if args.dump_requests:
+        dump_requests(res, Path(args.dump_requests))
     for b in res["budgets"]:
         for r in b["runs"]:
             r.pop("ttfts")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.replay_routers import _candidates, combine_rounds, lost_hits, multi_budget, paired
+from bench.replay_routers import _candidates, combine_rounds, dump_requests, lost_hits, multi_budget, paired
 from bench.trace import TraceRequest, oracle_hits
 from gateway.route import RoutingConfig, rank
 from mlxgw.schema import Candidate
@@ -94,3 +94,22 @@ def test_multi_budget_choices():
     assert [multi_budget("0.05,1", i, b) for i in range(3)] == [True, False, True]
     with pytest.raises(ValueError):
         multi_budget("most", 0, b)
+
+
+def test_dump_requests_writes_one_line_per_request_of_every_round(tmp_path):
+    import json
+
+    def req(i, cached, backend=None):
+        route = {"backend": backend, "reason": "prefix"} if backend else {}
+        return {"i": i, "prompt": 100, "cached": cached, "ttft": 0.01 * (i + 1), "e2e": 0.5, "status": 200,
+                "error": None, "route": route}
+
+    rounds = [[_run("mlxgw", 0.1, 1, 2, [req(0, 64, "b1"), req(1, 0, "b0")]), _run("sglang", 0.1, 1, 2, [req(0, 32)])],
+              [_run("mlxgw", 0.1, 1, 2, [req(0, 96, "b2")]), _run("sglang", 0.1, 1, 2, [req(0, 0)])]]
+    res = {"budgets": [{"fraction": 0.2, "runs": combine_rounds(rounds)}]}
+    assert dump_requests(res, tmp_path / "r.jsonl") == 5
+    rows = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [(r["router"], r["round"], r["i"], r["cached"]) for r in rows] == [
+        ("mlxgw", 1, 0, 64), ("mlxgw", 1, 1, 0), ("mlxgw", 2, 0, 96), ("sglang", 1, 0, 32), ("sglang", 2, 0, 0)]
+    assert rows[0]["backend"] == "b1" and rows[0]["reason"] == "prefix" and rows[0]["budget"] == 0.2
+    assert "backend" not in rows[3]  # sglang-router sends no route headers
