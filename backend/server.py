@@ -113,8 +113,9 @@ async def handle_text(request: web.Request) -> web.StreamResponse:
 def _tokenize(engine: Engine, pr, internal: dict) -> tuple[list[int], int]:
     ids = internal.get("prompt_ids")
     if ids is not None:
-        # The gateway packs them (schema.token_bytes: ~10x cheaper than a msgpack
-        # int array at 32k tokens); a list is accepted too (older gateways).
+        # The gateway packs them (schema.token_bytes, the bytes it hashed; cheaper
+        # to pack and unpack than a msgpack int array); a list is accepted too
+        # (older gateways).
         if isinstance(ids, bytes):
             try:
                 ids = schema.tokens_from_bytes(ids)

@@ -9,8 +9,8 @@ a queue) gets an SSE comment so clients with idle timeouts keep waiting.
 A request is retried on the next-best backend only while nothing has been
 sent to the client (connection refused or reset, a 5xx before any body, or
 a whole JSON answer cut off before it was complete: those are read in full,
-then sent in one write), so retries are idempotent. Once streaming, a backend failure becomes a
-well-formed SSE error event and end of stream.
+then sent in one write), so retries are idempotent. Once streaming, a
+backend failure becomes a well-formed SSE error event and end of stream.
 """
 
 from __future__ import annotations

@@ -113,3 +113,23 @@ def test_dump_requests_writes_one_line_per_request_of_every_round(tmp_path):
         ("mlxgw", 1, 0, 64), ("mlxgw", 1, 1, 0), ("mlxgw", 2, 0, 96), ("sglang", 1, 0, 32), ("sglang", 2, 0, 0)]
     assert rows[0]["backend"] == "b1" and rows[0]["reason"] == "prefix" and rows[0]["budget"] == 0.2
     assert "backend" not in rows[3]  # sglang-router sends no route headers
+
+
+def test_ttft_bands_gives_band_medians_and_paired_differences():
+    from bench.ttft_bands import bands_table
+
+    def row(router, rnd, i, prompt, ttft, status=200, budget=1.0):
+        return {"budget": budget, "round": rnd, "router": router, "i": i, "prompt": prompt, "cached": 0,
+                "ttft": ttft, "e2e": ttft, "status": status}
+
+    rows = [row("a", 1, 0, 10, 0.010), row("a", 1, 1, 20, 0.030), row("a", 1, 2, 300, 0.200),
+            row("b", 1, 0, 10, 0.005), row("b", 1, 1, 20, 0.010), row("b", 1, 2, 300, 0.250),
+            row("a", 2, 0, 10, 0.012), row("b", 2, 0, 10, 0.002),
+            row("a", 1, 3, 10, 9.0, status=500), row("a", 1, 4, 10, 9.0, budget=0.2)]  # both ignored
+    t = bands_table(rows, 1.0, ["a", "b"], "b", edges=(0, 128))
+    assert t["bands"] == [(0, 128), (128, None)]
+    assert t["n"]["a"] == [3, 1] and t["n"]["b"] == [3, 1]
+    assert t["median"]["a"] == [pytest.approx(0.012), pytest.approx(0.2)]
+    # Paired within a round: (0.010-0.005, 0.030-0.010, 0.012-0.002) -> median 0.010; band 2: -0.05.
+    assert t["paired"]["a"] == [pytest.approx(0.010), pytest.approx(-0.05)]
+    assert t["paired"]["b"] == [0.0, 0.0]

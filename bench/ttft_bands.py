@@ -1,0 +1,78 @@
+"""TTFT by prompt-length band, per router and paired request by request, from a
+``bench/replay_routers.py --dump-requests`` file.
+
+A router's overall median TTFT can hinge on a thin band of prompt lengths when
+the distribution is bimodal; this prints each band's median per router and the
+median of per-request differences (same request, same round) against a
+reference router.
+
+    python bench/ttft_bands.py /tmp/syn-requests.jsonl --budget 1.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+DEFAULT_BANDS = (0, 128, 256, 512, 1024)  # prompt length in sim ids (x32 real tokens in the replay)
+
+
+def bands_table(rows: list[dict], budget: float, routers: list[str], ref: str,
+                edges: tuple[int, ...] = DEFAULT_BANDS) -> dict:
+    """Per band: request count, each router's median TTFT (s), and each router's median paired
+    difference to ``ref`` (s; requests answered by both in the same round).
+
+    Returns {"bands": [(lo, hi)], "median": {router: [s | None]}, "paired": {router: [s | None]},
+    "n": {router: [count]}}; ``hi`` of the last band is None (open).
+    """
+    by: dict[tuple[str, int], dict[int, dict]] = defaultdict(dict)
+    for r in rows:
+        if r["budget"] == budget and r["status"] == 200:
+            by[(r["router"], r["round"])][r["i"]] = r
+    bands = [(lo, edges[k + 1] if k + 1 < len(edges) else None) for k, lo in enumerate(edges)]
+
+    def inside(p, band):
+        return p >= band[0] and (band[1] is None or p < band[1])
+
+    out = {"bands": bands, "median": {}, "paired": {}, "n": {}}
+    for name in routers:
+        med, pair, n = [], [], []
+        for band in bands:
+            xs = [r["ttft"] for (rt, _), reqs in by.items() if rt == name for r in reqs.values() if inside(r["prompt"], band)]
+            ds = [r["ttft"] - by[(ref, rnd)][i]["ttft"] for (rt, rnd), reqs in by.items() if rt == name
+                  for i, r in reqs.items() if inside(r["prompt"], band) and i in by.get((ref, rnd), {})]
+            med.append(statistics.median(xs) if xs else None)
+            pair.append(statistics.median(ds) if ds else None)
+            n.append(len(xs))
+        out["median"][name], out["paired"][name], out["n"][name] = med, pair, n
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("dump", help="a --dump-requests file of bench/replay_routers.py")
+    p.add_argument("--budget", type=float, default=1.0)
+    p.add_argument("--routers", default="mlxgw,sglang,pooled")
+    p.add_argument("--ref", default="sglang", help="router the paired differences are taken against")
+    args = p.parse_args(argv)
+    rows = [json.loads(x) for x in Path(args.dump).read_text().splitlines() if x]
+    routers = args.routers.split(",")
+    t = bands_table(rows, args.budget, routers, args.ref)
+    head = [f"{lo}-{hi if hi is not None else ''} ids" for lo, hi in t["bands"]]
+    print(f"budget {args.budget:g}; TTFT median ms (requests), and median per-request difference to {args.ref} ms")
+    print("| router | " + " | ".join(head) + " |")
+    print("|---|" + "---|" * len(head))
+    for name in routers:
+        cells = []
+        for m, d, n in zip(t["median"][name], t["paired"][name], t["n"][name]):
+            cells.append("-" if m is None else f"{m * 1000:.0f} ({n})" + ("" if d is None or name == args.ref else f", {d * 1000:+.1f}"))
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
