@@ -1,0 +1,252 @@
+"""A/B of two versions of our gateway side by side, plus the floor of a bare aiohttp hop.
+
+One sim backend (``--sim-speed 1e9``: compute is free), one Redis, and in front
+of the backend: our gateway from this checkout (``new``), our gateway from a git
+revision (``base``, checked out into a temporary worktree and run with
+``PYTHONPATH`` pointing there), and a pass-through aiohttp proxy that does no
+work at all (``proxy``: read the body, post it on, return the answer), so the
+cost of the Python hop itself is measured in the same run. Chat requests as in
+``bench/overhead.py`` (every prompt distinct, ``max_tokens`` 1).
+
+Modes:
+
+* ``sequential``: one request at a time, the paths interleaved, the order
+  alternating; p50 per path and the median of per-request ``new - base``.
+* ``concurrent``: ``--concurrency`` requests at once per path, paths in
+  alternating order, ``--rounds`` times.
+* ``mixed``: two clients keep a gateway busy with cold 32k-token prompts while a
+  third sends 100-token ones; the short requests' latency through ``base`` vs
+  ``new`` (phases alternate, ``--mixed-rounds`` each). This is where holding the
+  GIL during tokenization shows.
+
+On a shared machine, compare paths within one run, not across runs.
+
+    python bench/ab_gateways.py --base bca4793
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.overhead import PromptMaker, loadavg, long_context_copy  # noqa: E402
+from mlxgw.harness import RedisServer, Stack, free_port  # noqa: E402
+
+
+def serve_proxy(target: str, port: int) -> None:
+    """A pass-through aiohttp proxy with no work: the floor of a Python hop."""
+    from aiohttp import web
+
+    async def init():
+        app = web.Application()
+        session: dict = {}
+
+        async def start(_):
+            session["s"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+
+        async def stop(_):
+            await session["s"].close()
+
+        async def handle(req):
+            body = await req.read()
+            async with session["s"].post(target + req.path, data=body,
+                                         headers={"Content-Type": req.content_type}) as up:
+                return web.Response(body=await up.read(), status=up.status, content_type=up.content_type)
+
+        app.on_startup.append(start)
+        app.on_cleanup.append(stop)
+        app.router.add_post("/{p:.*}", handle)
+        return app
+
+    web.run_app(init(), port=port, access_log=None, print=lambda *_: None)
+
+
+async def _post(session, url: str, body: bytes) -> float:
+    t = time.perf_counter()
+    async with session.post(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}) as r:
+        await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status}")
+    return time.perf_counter() - t
+
+
+async def _wait_answering(url: str, body: bytes, timeout: float = 30.0) -> None:
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession() as s:
+        while True:
+            try:
+                await _post(s, url, body)
+                return
+            except (aiohttp.ClientError, RuntimeError):
+                if time.perf_counter() - t0 > timeout:
+                    raise
+                await asyncio.sleep(0.1)
+
+
+def _ms(x: float) -> float:
+    return round(x * 1000, 2)
+
+
+class Bodies:
+    """Distinct chat bodies of a given rendered size (demo tokenizer)."""
+
+    def __init__(self, pm: PromptMaker):
+        self.pm, self.words, self.n = pm, {}, 0
+
+    def __call__(self, tokens: int) -> bytes:
+        if tokens not in self.words:
+            self.words[tokens] = self.pm.words_for(tokens, 0)
+        self.n += 1
+        content = PromptMaker.content(9, self.n, self.words[tokens], 0)
+        return json.dumps({"model": "demo-tiny", "messages": [{"role": "user", "content": content}],
+                           "max_tokens": 1}).encode()
+
+
+async def sequential(urls: dict, bodies: Bodies, tokens: int, n: int) -> dict:
+    lat = {k: [] for k in urls}
+    async with aiohttp.ClientSession() as s:
+        for i in range(n + 3):
+            order = list(urls) if i % 2 else list(urls)[::-1]
+            for k in order:
+                x = await _post(s, urls[k], bodies(tokens))
+                if i >= 3:  # warm-up
+                    lat[k].append(x)
+    return _summary(lat)
+
+
+async def concurrent(urls: dict, bodies: Bodies, tokens: int, conc: int, rounds: int) -> dict:
+    lat = {k: [] for k in urls}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        for rnd in range(rounds):
+            for k in (list(urls) if rnd % 2 else list(urls)[::-1]):
+                lat[k] += await asyncio.gather(*[_post(s, urls[k], bodies(tokens)) for _ in range(conc)])
+    return _summary(lat)
+
+
+async def mixed(urls: dict, bodies: Bodies, seconds: float, rounds: int) -> dict:
+    lat = {"base": [], "new": []}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        for rnd in range(rounds):
+            for k in (("base", "new") if rnd % 2 else ("new", "base")):
+                stop = time.perf_counter() + seconds
+
+                async def load():
+                    while time.perf_counter() < stop:
+                        await _post(s, urls[k], bodies(32768))
+
+                async def probe():
+                    out = []
+                    await asyncio.sleep(0.5)
+                    while time.perf_counter() < stop:
+                        out.append(await _post(s, urls[k], bodies(100)))
+                        await asyncio.sleep(0.01)
+                    return out
+
+                lat[k] += (await asyncio.gather(load(), load(), probe()))[2]
+    out = {}
+    for k, xs in lat.items():
+        xs.sort()
+        out[k] = {"n": len(xs), "p50_ms": _ms(statistics.median(xs)), "p90_ms": _ms(xs[int(0.9 * len(xs))]),
+                  "p99_ms": _ms(xs[int(0.99 * len(xs))])}
+    return out
+
+
+def _summary(lat: dict) -> dict:
+    d = statistics.median(lat["direct"])
+    out = {k: {"n": len(v), "p50_ms": _ms(statistics.median(v)), "added_p50_ms": _ms(statistics.median(v) - d)}
+           for k, v in lat.items()}
+    pairs = sorted(a - b for a, b in zip(lat["new"], lat["base"]))
+    out["new_minus_base"] = {"median_ms": _ms(statistics.median(pairs)),
+                             "iqr_ms": [_ms(pairs[len(pairs) // 4]), _ms(pairs[3 * len(pairs) // 4])]}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", required=True, help="git revision of the base gateway")
+    p.add_argument("--sizes", default="100,8192,32768", help="prompt sizes in tokens")
+    p.add_argument("--sequential", type=int, default=40, help="requests per path and size")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=4, help="concurrent rounds per size")
+    p.add_argument("--mixed-seconds", type=float, default=8.0)
+    p.add_argument("--mixed-rounds", type=int, default=4)
+    p.add_argument("--skip", default="", help="comma list: sequential,concurrent,mixed")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--serve-proxy", nargs=2, metavar=("TARGET", "PORT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve_proxy:
+        serve_proxy(args.serve_proxy[0], int(args.serve_proxy[1]))
+        return 0
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxgw.demo_model import ensure_demo_model
+
+    skip = set(filter(None, args.skip.split(",")))
+    tmp = Path(tempfile.mkdtemp(prefix="ab-gateways-"))
+    base_dir = tmp / "base"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(base_dir), args.base], check=True)
+    rev = subprocess.run(["git", "-C", str(base_dir), "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True).stdout.strip()
+    model = long_context_copy(ensure_demo_model(), 65536, tmp)
+    bodies = Bodies(PromptMaker(load_tokenizer(model)))
+    redis = RedisServer().start()
+    stack = Stack(redis.url, str(model), block_size=64)
+    proxy = None
+    res = {"command": "python bench/ab_gateways.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "base": rev, "load_before": loadavg(), "sequential": {}, "concurrent": {}}
+    try:
+        backend = stack.add_backend("b0", None, "--engine", "sim", "--sim-speed", "1e9")
+        new = stack.add_gateway()
+        stack.env_extra = {"PYTHONPATH": str(base_dir)}
+        base = stack.add_gateway()
+        port = free_port()
+        proxy = subprocess.Popen([sys.executable, __file__, "--base", args.base, "--serve-proxy", backend.url, str(port)])
+        stack.wait()
+        urls = {"direct": backend.url, "proxy": f"http://127.0.0.1:{port}", "base": base.url, "new": new.url}
+        asyncio.run(_wait_answering(urls["proxy"], bodies(100)))
+        sizes = [int(x) for x in args.sizes.split(",")]
+        for n in sizes:
+            if "sequential" not in skip:
+                res["sequential"][n] = r = asyncio.run(sequential(urls, bodies, n, args.sequential))
+                print(f"sequential {n:6d} tok: " + "  ".join(
+                    f"{k} {v['p50_ms']:.2f} (+{v['added_p50_ms']:.2f})" for k, v in r.items() if k in urls)
+                    + f"  | new-base per request {r['new_minus_base']['median_ms']:+.2f} ms", flush=True)
+        for n in sizes:
+            if "concurrent" not in skip:
+                res["concurrent"][n] = r = asyncio.run(concurrent(urls, bodies, n, args.concurrency, args.rounds))
+                print(f"{args.concurrency} concurrent {n:6d} tok: " + "  ".join(
+                    f"{k} {v['p50_ms']:.1f}" for k, v in r.items() if k in urls), flush=True)
+        if "mixed" not in skip:
+            res["mixed"] = r = asyncio.run(mixed(urls, bodies, args.mixed_seconds, args.mixed_rounds))
+            print("100-token requests while two clients send cold 32k-token prompts: " + "  ".join(
+                f"{k} p50/p90/p99 {v['p50_ms']:.1f}/{v['p90_ms']:.1f}/{v['p99_ms']:.1f} ms (n={v['n']})"
+                for k, v in r.items()), flush=True)
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(10)
+        stack.stop()
+        redis.cleanup()
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_dir)], check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
+    res["load_after"] = loadavg()
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
