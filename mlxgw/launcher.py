@@ -316,6 +316,7 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
         "",
         "mlxgw is ready",
         f"  endpoint   http://{host}:{cfg.port}/v1   (OpenAI-compatible)",
+        f"  anthropic  http://{host}:{cfg.port}   (Anthropic SDK base URL: the SDK adds /v1)",
         f"  models     {', '.join(m.name for m in cfg.models)}",
         f"  backends   {', '.join(c.name + ' ' + c.health_url.rsplit('/', 1)[0] for c in children)}",
         f"  redis      {redact_url(redis_url)}{' (embedded)' if embedded else ''}",

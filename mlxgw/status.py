@@ -218,7 +218,7 @@ def run(args) -> int:
     now = time.time()
     for m, d in data.items():
         t = Table(title=f"model {m}")
-        for col in ("backend", "state", "url", "active", "queued", "entries", "cache MB", "hit ratio", "age s"):
+        for col in ("backend", "state", "url", "active", "queued", "entries", "cache MB", "hit ratio (tokens)", "age s"):
             t.add_column(col)
         for b in map(lambda r: backend_view(r, now), d["backends"]):
             t.add_row(b["id"], b["state"], b["url"], str(b["active"]), str(b["queued"]), str(b["entries"]),

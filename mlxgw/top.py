@@ -58,10 +58,10 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
         last = (hist.model_series(m) or [{}])[-1]
         parts.append(Text(
             f"model {m}: {len(views)} backends, {sum(v['active'] for v in views)} active, "
-            f"{_fmt(last.get('rps'), '.2f')} req/s, hit ratio {_fmt(last.get('hit_ratio'), '.2f')}, "
+            f"{_fmt(last.get('rps'), '.2f')} req/s, token hit ratio {_fmt(last.get('hit_ratio'), '.2f')}, "
             f"{_fmt(last.get('gen_tps'), '.1f')} gen tok/s, TTFT {_fmt(last.get('ttft_ms'), '.1f')} ms"))
         t = Table(expand=False)
-        for col in ("backend", "state", "active", "queued", "cache MB", "use", "req", "hit ratio",
+        for col in ("backend", "state", "active", "queued", "cache MB", "use", "req", "hit ratio (tokens)",
                     "hit ratio / interval", "gen tok/s", "TTFT ms", "age s"):  # sorted by load
             t.add_column(col, no_wrap=True)
         for v in views:

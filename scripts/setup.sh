@@ -37,6 +37,10 @@ fi
 extras=${1:-}
 spec="."
 [[ -n "$extras" ]] && spec=".[$extras]"
+if ! .venv/bin/python -c "import mlxgw, mlx_lm" >/dev/null 2>&1; then
+  echo "installing mlxgw and its dependencies into .venv (first run: mlx, mlx-lm, transformers," \
+       "about 1.5 GB; a few minutes)..." >&2
+fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e "$spec" 2>&1 | grep -v -E "^(WARNING: Location|  )" >&2 || true
 .venv/bin/python -c "import mlxgw, mlx_lm, aiohttp, redis" || { echo "install failed" >&2; exit 1; }
