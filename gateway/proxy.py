@@ -223,9 +223,9 @@ class Proxy:
                             raise aiohttp.ClientConnectionError(f"answer cut off: {e}") from e
                         self.inflight.started(a.backend_id, handle)
                         a.first_byte_at = time.perf_counter()
-                        out = web.Response(status=up.status, body=t_feed(b"") + t_feed(data)
-                                           + (transform.end() if transform else b""))
-                        self._copy_headers(out, up, a, transform)
+                        out = web.Response(status=up.status)
+                        self._copy_headers(out, up, a, transform)  # transform.begin before any feed
+                        out.body = t_feed(b"") + t_feed(data) + (transform.end() if transform else b"")
                         return out
                     out = web.StreamResponse(status=up.status)
                     self._copy_headers(out, up, a, transform)

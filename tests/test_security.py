@@ -181,6 +181,30 @@ def test_backend_refuses_requests_without_the_internal_token(sec):
         assert status == 401 and json.loads(raw)["error"]["type"] == "authentication_error"
 
 
+def test_a_backend_4xx_reaches_anthropic_clients_as_an_anthropic_error(sec):
+    # A gateway without the internal token: the backend answers 401 to every forward.
+    # The dialect must turn that JSON error into its own, streamed or not (its
+    # transform has to see the status before the body).
+    saved = sec.env_extra
+    sec.env_extra = {k: v for k, v in saved.items() if k != "MLXGW_INTERNAL_TOKEN"}
+    try:
+        g = sec.add_gateway("--api-key-file", str(sec.key_file))
+        g.wait_healthy()
+    finally:
+        sec.env_extra = saved
+    try:
+        for stream in (False, True):
+            status, hdrs, raw = _post(g.url + "/v1/messages", {"model": "demo-tiny", "max_tokens": 2, "stream": stream,
+                                                               "messages": [{"role": "user", "content": "hi"}]},
+                                      key=KEYS["val"])
+            body = json.loads(raw)
+            assert status == 401 and hdrs["Content-Type"].startswith("application/json"), (stream, hdrs, raw)
+            assert body["type"] == "error" and body["error"]["message"] == "missing or invalid internal token"
+    finally:
+        g.stop()
+        sec.gateways.remove(g)
+
+
 def test_refuses_to_listen_beyond_loopback_without_keys(demo_model, tmp_path):
     import subprocess
 
