@@ -22,6 +22,16 @@ trimmable one), with these rules on top (``docs/cache-policy.md``):
    recently used entry of the largest type group among assistant, user,
    system (mlx-lm's ``CacheOrder``), and ``trim_to`` lets the engine count
    in-flight requests' KV against the byte budget.
+6. Shared prefixes outlive their conversations: when budget pressure evicts
+   the last entry holding a prefix that at least two other prompts branched
+   from (each diverged inside the entry's prompt, not in its generated tail,
+   and reusing the prefix would not be a good hit by rule 3: both of those
+   are the same conversation going on), and that prefix is at least
+   ``min_shared_tokens`` long, the prefix stays as a ``system`` entry of its
+   own: several conversations share it, as they share a system prompt. A
+   radix cache keeps the shared inner node when it evicts a leaf (SGLang
+   ``RadixCache.evict``); one branch is not enough here, because an edited
+   or regenerated last message branches the same conversation once.
 
 Every insert and every removal goes through `_add` / `_remove`, which call
 the listener, so Redis sees each one (nothing leaves silently).
@@ -31,7 +41,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 import numpy as np
@@ -72,6 +82,8 @@ class CacheEntry:
     last_used: int = 0
     hits: int = 0
     prompt_tokens: int = 0
+    branches: list = field(default_factory=list)  # rule 6: lengths where other prompts branched off, longest first
+    shared_used: int = 0  # rule 6: clock of the last branch
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -126,8 +138,11 @@ class PromptCache:
         min_hit_tokens: floor of a good hit, in tokens (exo uses 1000).
         min_hit_ratio: reused/prompt ratio a good hit must exceed.
         listener: told of every save and eviction.
-        ops: KV operations (nbytes, trimmable, trim, copy); the defaults call
-            mlx-lm; the simulated engine passes its own.
+        ops: KV operations (nbytes, trimmable, trim, copy, prefix); the
+            defaults call mlx-lm; the simulated engine passes its own.
+        min_shared_tokens: shortest shared prefix kept when its last entry
+            is evicted (rule 6), tokens; 0 turns rule 6 off. The backend
+            passes its block size: a shorter prefix cannot attract routing.
 
     Not thread-safe: the engine thread owns it.
     """
@@ -140,6 +155,7 @@ class PromptCache:
         min_hit_ratio: float = 0.5,
         listener: Optional[CacheListener] = None,
         ops: Optional["KVOps"] = None,
+        min_shared_tokens: int = 0,
     ):
         if max_entries < 1:
             raise ValueError("max_entries must be >= 1")
@@ -149,6 +165,8 @@ class PromptCache:
         self.min_hit_ratio = min_hit_ratio
         self.listener = listener
         self.ops = ops or KVOps()
+        self.min_shared_tokens = min_shared_tokens
+        self.shared_kept = 0  # rule 6: prefixes kept as their own entry
         self._entries: dict[int, CacheEntry] = {}
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
@@ -254,6 +272,22 @@ class PromptCache:
                     e.cache_type = "system"
                 return e
 
+        # Rule 6 bookkeeping, before rules 3 and the redundant-prefix drop
+        # remove the entries this one continues (it inherits their marks).
+        branches, shared_used = [], 0
+        now = next(self._clock)
+        for e in self._entries.values():
+            c = common_prefix(e.tokens, t)
+            if c >= e.prompt_tokens:  # continues e's prompt: same conversation
+                branches += e.branches
+                shared_used = max(shared_used, e.shared_used)
+            elif c >= max(1, self.min_shared_tokens) and not self.is_good_hit(c, len(t), 0):
+                # A sibling: it branches inside e's prompt, and reusing c tokens
+                # would not be a good hit (rule 3 would call that a continuation).
+                e.branches, e.shared_used = _longest(e.branches + [c]), now
+                branches.append(min(c, len(t) - 1))
+                shared_used = now
+
         # Rule 3: replace the reused entry only on a good hit.
         if reused_from is not None and reused_from in self._entries:
             old = self._entries[reused_from]
@@ -285,6 +319,8 @@ class PromptCache:
             id=next(self._ids),
             last_used=next(self._clock),
             prompt_tokens=min(prompt_len, len(t)) if prompt_len else len(t),
+            branches=_longest(branches),
+            shared_used=shared_used,
         )
         self._add(entry)
         self.trim_to(max_entries=self.max_entries, max_bytes=self.max_bytes, keep=entry)
@@ -310,9 +346,33 @@ class PromptCache:
             victim = self._pick_victim(keep)
             if victim is None:
                 break
+            self._keep_shared_prefix(victim)
             self._remove(victim)
             n += 1
         return n
+
+    def _keep_shared_prefix(self, victim: CacheEntry) -> None:
+        """Rule 6: save ``victim``'s shared prefix as an entry of its own.
+
+        Only when no other entry still serves that prefix, and before the
+        victim is removed, so its blocks never leave Redis in between.
+        """
+        # The longest prefix two other prompts branched from (at or past it).
+        n = victim.branches[1] if len(victim.branches) > 1 else 0
+        if not self.min_shared_tokens or n < self.min_shared_tokens or n >= len(victim) or not victim.trimmable:
+            return
+        head = victim.tokens[:n]
+        for e in self._entries.values():
+            if e is not victim and e.trimmable and len(e) >= n and common_prefix(e.tokens, head) == n:
+                return
+        kv = self.ops.prefix(victim.kv, len(victim), n)
+        kept = CacheEntry(
+            tokens=head.copy(), kv=kv, nbytes=self.ops.nbytes(kv), cache_type="system", trimmable=True,
+            id=next(self._ids), last_used=max(victim.last_used, victim.shared_used), prompt_tokens=n,
+        )
+        victim.kv = None  # ``prefix`` may have taken it over
+        self._add(kept)
+        self.shared_kept += 1
 
     def clear(self) -> None:
         """Evict everything (each eviction reported)."""
@@ -346,6 +406,11 @@ class PromptCache:
         e.kv = None
 
 
+def _longest(lengths: list) -> list:
+    """Rule 6 keeps the longest few branch lengths (two decide; a few spare)."""
+    return sorted(lengths, reverse=True)[:4]
+
+
 class KVOps:
     """KV-cache operations the cache needs, backed by mlx-lm's cache functions."""
 
@@ -360,3 +425,27 @@ class KVOps:
 
     def copy(self, kv):
         return copy.deepcopy(kv)
+
+    def prefix(self, kv, length: int, n: int):
+        """A KV cache holding the first ``n`` of ``length`` tokens of ``kv``.
+
+        ``kv`` is being evicted and may be consumed. Plain ``KVCache``
+        layers get compact copies, so the bytes beyond ``n`` are freed (an
+        mlx-lm trim only moves the offset); other layer types are trimmed in
+        place and keep their buffers, which ``nbytes`` still counts.
+        """
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache
+
+        if all(type(c) is KVCache and c.keys is not None for c in kv):
+            out = []
+            for c in kv:
+                d = KVCache()
+                d.keys = mx.contiguous(c.keys[..., :n, :])
+                d.values = mx.contiguous(c.values[..., :n, :])
+                d.offset = n
+                out.append(d)
+            mx.eval([a for d in out for a in (d.keys, d.values)])
+            return out
+        kv_trim(kv, length - n)
+        return kv

@@ -213,6 +213,7 @@ class MLXEngine(Engine):
             "hits": self.hits,
             "misses": self.misses,
             "abandoned_saves_skipped": self.saves_skipped,
+            "shared_prefixes_kept": self.cache.shared_kept,
             "prompt_tokens": self.prompt_tokens_total,
             "cached_tokens": self.cached_tokens_total,
             "prefill_tokens": self.prefill_tokens_total,

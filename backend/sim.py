@@ -142,6 +142,9 @@ class SimKVOps(KVOps):
     def copy(self, kv):
         return SimKV(kv.n, kv.timing)
 
+    def prefix(self, kv, length: int, n: int):
+        return SimKV(min(n, kv.n), kv.timing)
+
 
 @dataclass
 class PromptResponse:

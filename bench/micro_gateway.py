@@ -5,9 +5,10 @@ For 1, 128 and 512 blocks of 64 tokens (64 to 32k tokens), medians over
 
 * ``lookup``: `gateway.index.OwnershipIndex.lookup` against a real
   ``redis-server`` (one live backend registered, nothing owned: the script
-  walks the registry and stops at the first unowned block), the part of it
-  redis-py spends packing the command in Python, and a plain ``PING`` round
-  trip for scale;
+  walks the registry and stops at the first unowned block), with the
+  gateway's hiredis packing and with redis-py's asyncio default (packing in
+  Python), side by side; the packing alone both ways; and a plain ``PING``
+  round trip for scale;
 * ``pending``: one request's `gateway.pending.PendingClaims` work (depths,
   add, release) with 8 other claims in flight on the same first block;
 * ``forward ids``: msgpack pack + unpack of the forward body with the ids as
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -56,6 +58,8 @@ async def amedian_ms(fn, reps: int) -> float:
 
 async def lookups(url: str, sizes: list[int], reps: int) -> dict:
     idx = OwnershipIndex(url, "bench", deadline=1.0)
+    py = OwnershipIndex(url, "bench", deadline=1.0)
+    py.redis.connection_pool.connection_class = aioredis.Connection  # redis-py's own packing, in Python
     k = schema.Keys("bench", "m")
     await idx.redis.zadd(k.backends, {"b0": 1})
     await idx.redis.hset(k.backend("b0"), mapping={"epoch": 1, "url": "http://b0", "state": "ready"})
@@ -63,11 +67,14 @@ async def lookups(url: str, sizes: list[int], reps: int) -> dict:
     for nb in sizes:
         keys = schema.block_keys("m", list(range(64 * nb)), 64)
         out[nb] = await amedian_ms(lambda: idx.lookup("m", keys), reps)
-        # The client-side share: redis-py packing the EVALSHA command in Python.
-        conn = idx.redis.connection_pool.make_connection()
+        out[f"py{nb}"] = await amedian_ms(lambda: py.lookup("m", keys), reps)
+        # The client-side share: packing the EVALSHA command.
         args = ["EVALSHA", "0" * 40, 1 + len(keys), k.backends, *k.blocks(keys), *idx._args(k)]
-        out[f"pack{nb}"] = median_ms(lambda: conn.pack_command(*args), reps)
+        for name, index in (("hpack", idx), ("pack", py)):
+            conn = index.redis.connection_pool.make_connection()
+            out[f"{name}{nb}"] = median_ms(lambda: conn.pack_command(*args), reps)
     await idx.close()
+    await py.close()
     return out
 
 
@@ -83,9 +90,9 @@ def main(argv=None) -> int:
     finally:
         redis.cleanup()
     print(f"Redis PING round trip: {lk['ping_ms']:.3f} ms")
-    print("| blocks (x64 tokens) | lookup ms | of which redis-py packs the command ms | pending claims ms "
-          "| forward ids: msgpack list ms | packed ms |")
-    print("|---|---|---|---|---|---|")
+    print("| blocks (x64 tokens) | lookup ms | lookup, redis-py packing in Python ms | packing: hiredis ms "
+          "| packing: Python ms | pending claims ms | forward ids: msgpack list ms | packed ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for nb in sizes:
         ids = list(range(5000, 5000 + 64 * nb))
         keys = schema.block_keys("m", ids, 64)
@@ -107,8 +114,8 @@ def main(argv=None) -> int:
             got = msgpack.unpackb(msgpack.packb(dict(body, _mlxgw={"prompt_ids": raw}), use_bin_type=True))
             schema.tokens_from_bytes(got["_mlxgw"]["prompt_ids"])
 
-        print(f"| {nb} | {lk[nb]:.3f} | {lk[f'pack{nb}']:.3f} | {median_ms(claims, args.reps):.3f} | {median_ms(as_list, args.reps):.3f} "
-              f"| {median_ms(packed, args.reps):.3f} |")
+        print(f"| {nb} | {lk[nb]:.3f} | {lk[f'py{nb}']:.3f} | {lk[f'hpack{nb}']:.3f} | {lk[f'pack{nb}']:.3f} "
+              f"| {median_ms(claims, args.reps):.3f} | {median_ms(as_list, args.reps):.3f} | {median_ms(packed, args.reps):.3f} |")
     return 0
 
 

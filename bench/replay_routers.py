@@ -13,6 +13,8 @@ One invocation, for each cache budget, starts fresh simulated backends
   compute (N times the rates and batch sizes);
 * ``--variant NAME=FLAGS``: our gateway with other flags, side by side (e.g.
   ``mlxgw-lw0='--load-weight 0'``, the routing default before queued prefill counted);
+  ``--backend-variant NAME=FLAGS`` gives a run's backends extra flags (NAME starts
+  with ``mlxgw`` or ``pooled``, e.g. ``pooled-r0='--min-shared-tokens 0'``);
 * ``mlxgw-xG`` / ``sglang-xG``: G gateway (router) processes, the client
   spreading requests over them in turn (ours share one Redis; each sglang
   router has its own tree).
@@ -248,7 +250,7 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
     if "-x" in name:
         base, g = name.rsplit("-x", 1)
         gws = int(g)
-    pooled = base == "pooled"
+    pooled = base.startswith("pooled")
     n = 1 if pooled else args.backends
     mult = args.backends if pooled else 1
     st = Stack(redis_url, model_path, block_size=args.k)
@@ -256,7 +258,8 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
                  "--cache-bytes", str(per_backend_bytes * mult), "--cache-entries", "1000000",
                  "--min-hit-tokens", str(max(1, round(1000 / scale))),
                  "--prefill-step-size", str(max(1, round(512 / scale))),
-                 "--decode-concurrency", str(8 * mult), "--prefill-concurrency", str(2 * mult)]
+                 "--decode-concurrency", str(8 * mult), "--prefill-concurrency", str(2 * mult),
+                 *shlex.split(dict(v.split("=", 1) for v in args.backend_variant).get(base, ""))]
     routers: list = []
     try:
         for i in range(n):
@@ -266,7 +269,7 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
             if base in variants:
                 flags = shlex.split(variants[base])
             else:
-                pol = {"mlxgw": "cache_aware", "mlxgw-rr": "round_robin", "mlxgw-ll": "least_loaded"}[base]
+                pol = {"mlxgw-rr": "round_robin", "mlxgw-ll": "least_loaded"}.get(base, "cache_aware")
                 flags = ["--routing-policy", pol]
             for _ in range(gws):
                 st.add_gateway(*flags, *sim_unit_flags(scale), *shlex.split(args.gateway_args))
@@ -352,7 +355,7 @@ def paired(rounds: list[list[dict]]) -> dict:
     for runs in rounds:
         by = {r["router"]: r for r in runs}
         for name, r in by.items():
-            if not (name.startswith("mlxgw") or name == "pooled"):
+            if not name.startswith(("mlxgw", "pooled")):
                 continue
             d = out.setdefault(name, {})
             if "sglang" in by:
@@ -545,6 +548,9 @@ def main(argv=None) -> int:
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="an extra router: our gateway with these flags, e.g. mlxgw-lw0='--load-weight 0' "
                         "(NAME must start with mlxgw and be listed in --routers)")
+    p.add_argument("--backend-variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="extra backend flags for the run NAME (mlxgw... or pooled..., listed in --routers), "
+                        "e.g. pooled-r0='--min-shared-tokens 0'")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds per budget (every router once per round, side by side); tables give the median "
                         "and the range over rounds, and per-round ratios to sglang-router and the pooled cache")

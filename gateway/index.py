@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import redis.asyncio as aioredis
+from redis.connection import HiredisRespSerializer
+from redis.utils import HIREDIS_AVAILABLE
 
 from mlxgw import schema
 from mlxgw.schema import Candidate
@@ -26,6 +28,27 @@ log = logging.getLogger("mlxgw.gateway.index")
 
 EVENT_FLUSH_S = 0.02  # seconds routing events wait to share one pipeline
 EVENT_QUEUE_MAX = 10_000
+
+
+def hiredis_packing(client: aioredis.Redis) -> bool:
+    """Make an asyncio client pack commands with hiredis, as redis-py's sync client does.
+
+    redis-py's asyncio connections pack every command in Python: 0.35 ms for
+    the 513-argument lookup of a 32k-token prompt (``bench/micro_gateway.py``).
+    Swaps the pool's connection class (plain, TLS or Unix socket alike) for a
+    subclass using ``redis.connection.HiredisRespSerializer``; call it before
+    the first command. Returns False (and changes nothing) without hiredis.
+    """
+    if not HIREDIS_AVAILABLE:
+        return False
+    pool = client.connection_pool
+    packer = HiredisRespSerializer()
+    pool.connection_class = type(
+        f"Hiredis{pool.connection_class.__name__}",
+        (pool.connection_class,),
+        {"pack_command": lambda self, *args: packer.pack(*args)},
+    )
+    return True
 
 
 @dataclass
@@ -52,6 +75,7 @@ class OwnershipIndex:
         self.gateway_id = gateway_id
         self.deadline = deadline
         self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        hiredis_packing(self.redis)
         self._lookup = self.redis.register_script(schema.LOOKUP_LUA)
         self.snapshot: dict[str, list[Candidate]] = {}  # model -> live backends
         self.snapshot_at = 0.0

@@ -104,6 +104,86 @@ def test_eviction_order(model):
     assert sorted(int(e.tokens[0]) for e in c.entries()) == [1000, 1002, 2000]
 
 
+def test_branch_point_kept_when_its_last_entry_is_evicted(model):
+    """Rule 6: three prompts that share 300 tokens and then diverge leave that
+    prefix behind as a system entry, compact (its bytes are 300 tokens' worth,
+    not the evicted entry's buffer), when memory pressure evicts them all; a
+    fourth prompt reuses it."""
+    rec = Recorder()
+    c = PromptCache(max_entries=3, min_shared_tokens=64, listener=rec)
+    shared = list(range(100, 400))
+    a, b = shared + list(range(1000, 1100)), shared + list(range(2000, 2050))
+    b2 = shared[:250] + list(range(2500, 2600))  # branches earlier: 250 tokens shared with a and b
+    for p in (a, b, b2):
+        c.insert(p, kv_for(model, p), prompt_len=len(p))
+    assert [e.branches for e in c.entries()] == [[300, 250], [300, 250], [250, 250]]
+    for i in range(2):  # unrelated prompts push them out
+        t = [3000 + i] + list(range(10, 120))
+        c.insert(t, kv_for(model, t), prompt_len=len(t))
+    assert c.shared_kept == 0  # b2 still held the 250 shared tokens when a and b left
+    t = [3002] + list(range(10, 120))
+    c.insert(t, kv_for(model, t), prompt_len=len(t))
+    kept = [e for e in c.entries() if len(e) == 250]
+    shared = shared[:250]
+    assert len(kept) == 1 and kept[0].cache_type == "system" and c.shared_kept == 1
+    assert kept[0].tokens.tolist() == shared and kept[0].kv[0].offset == 250
+    full = kv_for(model, shared)
+    assert kept[0].nbytes == sum(x.keys[..., :250, :].nbytes + x.values[..., :250, :].nbytes for x in full)
+    assert kept[0].nbytes < sum(x.nbytes for x in full)  # the 256-token-step buffer was not kept
+    assert rec.saved.count(250) == 1 and sorted(rec.evicted)[-3:] == [350, 350, 400]
+    d = shared + list(range(5000, 5040))
+    hit = c.fetch(d)
+    assert hit.reused == 250 and hit.entry_id == kept[0].id
+    # the KV is right: the next token's logits equal a cold prefill's
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    warm = model(mx.array([d[250:]]), cache=hit.kv)[0, -1]
+    cold = model(mx.array([d]), cache=make_prompt_cache(model))[0, -1]
+    assert mx.allclose(warm, cold, atol=1e-4).item()
+
+
+def _fill(model, cache, prompts):
+    """Insert each prompt (or (tokens, prompt_len) for prompt + generated tokens)."""
+    for p in prompts:
+        t, n = p if isinstance(p, tuple) else (p, len(p))
+        cache.insert(t, kv_for(model, t), prompt_len=n)
+    return cache
+
+
+def test_no_branch_point_without_two_siblings(model):
+    """Rule 6 keeps nothing for the same conversation going on (it diverges in
+    its generated tail, or reusing the prefix is a good hit), for one sibling
+    only, below ``min_shared_tokens``, or while another entry holds the prefix."""
+    p = list(range(100, 400))
+
+    def after(n):  # n prompts' worth of unrelated entries push everything out
+        return [[3000 + i] + list(range(10, 120)) for i in range(n)]
+
+    def tail(k):
+        return list(range(1000 * k, 1000 * k + 100))
+
+    cases = {
+        # two turns continue one answer, each diverging in its generated tail
+        "generated tail": [(p + [7, 8, 9], 300), p + [7, 5] + tail(1), p + [7, 6] + tail(2)],
+        "one sibling": [p + tail(1), p + tail(2)],
+        "below min_shared_tokens": [p[:40] + tail(k) for k in (1, 2, 3)],
+    }
+    for name, prompts in cases.items():
+        c = _fill(model, PromptCache(max_entries=3, min_shared_tokens=64), prompts)
+        _fill(model, c, after(3))
+        assert c.shared_kept == 0, name
+        assert sorted(len(e) for e in c.entries()) == [111, 111, 111], name
+    # Good hits (300 of 400 tokens, min_hit_tokens 100): the same conversation by rule 3.
+    c = _fill(model, PromptCache(max_entries=3, min_shared_tokens=64, min_hit_tokens=100),
+              [p + tail(k) for k in (1, 2, 3)])
+    assert [e.branches for e in c.entries()] == [[], [], []]
+    # Three siblings, one evicted: the other two still hold the prefix.
+    c = _fill(model, PromptCache(max_entries=4, min_shared_tokens=64), [p[:100] + tail(k) for k in (1, 2, 3)])
+    _fill(model, c, after(2))
+    assert c.shared_kept == 0 and sorted(len(e) for e in c.entries()) == [111, 111, 200, 200]
+
+
 def test_untrimmable_exact_prefix_only():
     from mlx_lm import load
 

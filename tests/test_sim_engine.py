@@ -3,7 +3,8 @@
 One real mlx-lm backend and one sim backend (``--engine sim``) get the same
 request sequence; every request must report the same ``cached_tokens``
 (prefix reuse, trimming a longer entry, the exact-hit cap, the shared system
-prompt entry, LRU eviction by entry count, continuing an answer).
+prompt entry, LRU eviction by entry count, a branch point kept when its
+last entry is evicted, continuing an answer).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _ids(seed: int, n: int) -> list[int]:
 def _sequence():
     """(path, body, expected cached tokens or None when only equality is known)."""
     a, b, c = _ids(1, 300), _ids(2, 50), _ids(3, 100)
-    d, e, f = _ids(4, 120), _ids(5, 120), _ids(6, 120)
+    d, e, f, g = _ids(4, 120), _ids(5, 120), _ids(6, 120), _ids(7, 250)
     comp = "/v1/completions"
     chat = "/v1/chat/completions"
     one = {"max_tokens": 1, "temperature": 0}
@@ -46,12 +47,15 @@ def _sequence():
         (comp, {"prompt": a + b, **one}, 300),                 # extends the entry
         (comp, {"prompt": a[:200] + c, **one}, 200),           # trims a longer entry
         (comp, {"prompt": a + b, **one}, 349),                 # exact hit: one token left to prefill
+        (comp, {"prompt": a[:200] + g, **one}, 200),           # a sibling (200 of 450 is no good hit)
         (chat, {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a list?"}], **one}, 0),
         (chat, {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Explain dict."}], **one}, "system"),
         (comp, {"prompt": d, **one}, 0),
         (comp, {"prompt": e, **one}, 0),
         (comp, {"prompt": f, **one}, 0),
-        (comp, {"prompt": a + b, **one}, 0),                   # evicted (3 entries, LRU)
+        (comp, {"prompt": a + b, **one}, 0),                   # evicted (3 entries, LRU); a[:200], where
+                                                               # two siblings branched, was kept (rule 6) but
+                                                               # went next (the system group was the largest)
         (comp, {"prompt": d + c, "max_tokens": 3, "temperature": 0}, 0),   # d was evicted too
         (comp, {"prompt": d + c + e, **one}, None),            # continues prompt + answer
     ]
@@ -80,9 +84,9 @@ def test_sim_cached_tokens_equal_real(make_stack):
     assert system_tokens is not None
     hr, hs = httpget.get_json(real.url + "/health"), httpget.get_json(sim.url + "/health")
     for k in ("requests", "hits", "misses", "prompt_tokens", "cached_tokens", "cache_entries", "cache_tokens",
-              "cache_bytes"):
+              "cache_bytes", "shared_prefixes_kept"):
         assert hs[k] == hr[k], (k, hs[k], hr[k])
-    assert hs["requests"] == 12
+    assert hs["requests"] == 13 and hs["shared_prefixes_kept"] == 1
 
 
 def test_sim_sglang_endpoints(make_stack):
