@@ -22,7 +22,10 @@ trimmable one), with these rules on top (``docs/cache-policy.md``):
    recently used entry of the largest type group among assistant, user,
    system (mlx-lm's ``CacheOrder``), and ``trim_to`` lets the engine count
    in-flight requests' KV against the byte budget.
-6. Shared prefixes outlive their conversations: when budget pressure evicts
+6. Shared prefixes outlive their conversations (opt-in, ``min_shared_tokens``
+   > 0; measured in the README: it helps at tight budgets and costs a little
+   with more memory, because the kept entries are shielded like system
+   prompts by rule 5's grouping): when budget pressure evicts
    the last entry holding a prefix that at least two other prompts branched
    from (each diverged inside the entry's prompt, not in its generated tail,
    and reusing the prefix would not be a good hit by rule 3: both of those
@@ -141,8 +144,9 @@ class PromptCache:
         ops: KV operations (nbytes, trimmable, trim, copy, prefix); the
             defaults call mlx-lm; the simulated engine passes its own.
         min_shared_tokens: shortest shared prefix kept when its last entry
-            is evicted (rule 6), tokens; 0 turns rule 6 off. The backend
-            passes its block size: a shorter prefix cannot attract routing.
+            is evicted (rule 6), tokens; 0 (the default) turns rule 6 off.
+            The block size is the natural value: a shorter prefix cannot
+            attract routing.
 
     Not thread-safe: the engine thread owns it.
     """

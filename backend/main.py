@@ -38,9 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-bytes", type=str, default="4GB", help="prompt-cache byte budget, e.g. 512MB, 8GB")
     p.add_argument("--min-hit-tokens", type=int, default=1000, help="floor of a good hit (exo PR 1817)")
     p.add_argument("--min-hit-ratio", type=float, default=0.5, help="reused/prompt ratio of a good hit")
-    p.add_argument("--min-shared-tokens", type=int, default=None,
-                   help="shortest prefix kept as its own entry when the last entry holding it is evicted and "
-                        "another prompt branched from it (0: never; default: --block-size)")
+    p.add_argument("--min-shared-tokens", type=int, default=0,
+                   help="cache rule 6 (docs/cache-policy.md), off by default: keep a prefix two other prompts "
+                        "branched from, at least this many tokens long, as its own entry when the last entry "
+                        "holding it is evicted (the block size is the natural value)")
     p.add_argument("--decode-concurrency", type=int, default=8)
     p.add_argument("--prefill-concurrency", type=int, default=2)
     p.add_argument("--prefill-step-size", type=int, default=512)
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         max_bytes=budget,
         min_hit_tokens=args.min_hit_tokens,
         min_hit_ratio=args.min_hit_ratio,
-        min_shared_tokens=args.block_size if args.min_shared_tokens is None else args.min_shared_tokens,
+        min_shared_tokens=args.min_shared_tokens,
         listener=reporter,
         ops=sim.SimKVOps() if args.engine == "sim" else None,
     )

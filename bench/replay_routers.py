@@ -14,7 +14,7 @@ One invocation, for each cache budget, starts fresh simulated backends
 * ``--variant NAME=FLAGS``: our gateway with other flags, side by side (e.g.
   ``mlxgw-lw0='--load-weight 0'``, the routing default before queued prefill counted);
   ``--backend-variant NAME=FLAGS`` gives a run's backends extra flags (NAME starts
-  with ``mlxgw`` or ``pooled``, e.g. ``pooled-r0='--min-shared-tokens 0'``);
+  with ``mlxgw`` or ``pooled``, e.g. ``mlxgw-r6='--min-shared-tokens 16'``);
 * ``mlxgw-xG`` / ``sglang-xG``: G gateway (router) processes, the client
   spreading requests over them in turn (ours share one Redis; each sglang
   router has its own tree).
@@ -550,7 +550,7 @@ def main(argv=None) -> int:
                         "(NAME must start with mlxgw and be listed in --routers)")
     p.add_argument("--backend-variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="extra backend flags for the run NAME (mlxgw... or pooled..., listed in --routers), "
-                        "e.g. pooled-r0='--min-shared-tokens 0'")
+                        "e.g. mlxgw-r6='--min-shared-tokens 16'")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds per budget (every router once per round, side by side); tables give the median "
                         "and the range over rounds, and per-round ratios to sglang-router and the pooled cache")

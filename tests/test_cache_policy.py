@@ -174,6 +174,10 @@ def test_no_branch_point_without_two_siblings(model):
         _fill(model, c, after(3))
         assert c.shared_kept == 0, name
         assert sorted(len(e) for e in c.entries()) == [111, 111, 111], name
+    # Rule 6 is opt-in: by default three siblings leave nothing behind.
+    c = _fill(model, PromptCache(max_entries=3), [p[:100] + tail(k) for k in (1, 2, 3)])
+    _fill(model, c, after(3))
+    assert c.shared_kept == 0 and sorted(len(e) for e in c.entries()) == [111, 111, 111]
     # Good hits (300 of 400 tokens, min_hit_tokens 100): the same conversation by rule 3.
     c = _fill(model, PromptCache(max_entries=3, min_shared_tokens=64, min_hit_tokens=100),
               [p + tail(k) for k in (1, 2, 3)])

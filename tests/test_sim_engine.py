@@ -64,7 +64,7 @@ def _sequence():
 @pytest.mark.timeout(240)
 def test_sim_cached_tokens_equal_real(make_stack):
     st = make_stack()
-    flags = ("--cache-entries", "3", "--cache-bytes", "1GB")
+    flags = ("--cache-entries", "3", "--cache-bytes", "1GB", "--min-shared-tokens", "16")
     real = st.add_backend("real", None, *flags)
     sim = st.add_backend("sim", None, *flags, "--engine", "sim", "--sim-speed", "20",
                          "--sim-model-config", f"{st.model_path}/config.json", "--sim-dtype-bytes", "4")
