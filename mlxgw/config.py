@@ -30,6 +30,7 @@ class ModelConfig:
     cache_bytes: str = "2GB"
     cache_entries: int = 16
     min_hit_tokens: int = 1000
+    min_shared_tokens: int = 0  # cache rule 6, opt-in (docs/cache-policy.md)
 
 
 @dataclass

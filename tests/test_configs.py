@@ -22,6 +22,16 @@ def test_config_loads(path):
     assert len(ports) == len(set(ports)) and cfg.port not in ports
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_configs_keep_the_measured_routing_defaults(path):
+    # A shipped example once pinned load_weight 0 after the measured default moved on,
+    # so everyone who copied it got requests piling onto prefix owners.
+    from gateway.route import RoutingConfig
+
+    cfg = config.load(str(path))
+    assert {k: v for k, v in cfg.routing.items() if v != getattr(RoutingConfig(), k, v)} == {}
+
+
 def test_flags_override_file():
     cfg = config.load(str(CONFIGS[0]))
     args = argparse.Namespace(model="/tmp/m", served_name="x", backends=5, port=9000, redis_url=None,
