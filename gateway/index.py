@@ -17,8 +17,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import redis.asyncio as aioredis
-from redis.connection import HiredisRespSerializer
-from redis.utils import HIREDIS_AVAILABLE
+
+try:  # redis-py internals (5.x-8.x); without them commands are packed in Python as before
+    from redis.connection import HiredisRespSerializer
+    from redis.utils import HIREDIS_AVAILABLE
+except ImportError:  # pragma: no cover
+    HiredisRespSerializer, HIREDIS_AVAILABLE = None, False
 
 from mlxgw import schema
 from mlxgw.schema import Candidate
@@ -37,9 +41,10 @@ def hiredis_packing(client: aioredis.Redis) -> bool:
     the 513-argument lookup of a 32k-token prompt (``bench/micro_gateway.py``).
     Swaps the pool's connection class (plain, TLS or Unix socket alike) for a
     subclass using ``redis.connection.HiredisRespSerializer``; call it before
-    the first command. Returns False (and changes nothing) without hiredis.
+    the first command. Returns False (and changes nothing) without hiredis or
+    when redis-py no longer has that serializer.
     """
-    if not HIREDIS_AVAILABLE:
+    if not HIREDIS_AVAILABLE or HiredisRespSerializer is None:
         return False
     pool = client.connection_pool
     packer = HiredisRespSerializer()
