@@ -198,12 +198,15 @@ def connect(args) -> redis.Redis:
 
 
 def run(args) -> int:
+    from .util import serve_url_file
+
     try:
         data = collect(connect(args), args.namespace)
     except redis.RedisError as e:
         print(f"Redis unreachable at {redact_url(args.redis_url)}: {e}", file=sys.stderr)
         hint = {"serve": "the URL a `mlxgw serve` left: is it still running?",
-                "default": "no `mlxgw serve` is running here; start one, or pass --redis-url"}.get(args.url_source)
+                "default": f"no `mlxgw serve` left its URL in {serve_url_file()} (none running, or it runs with "
+                           "another MLXGW_CACHE_DIR); start one, or pass --redis-url"}.get(args.url_source)
         if hint:
             print(f"({hint})", file=sys.stderr)
         return 4

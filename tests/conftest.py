@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Tests never touch the user's cache dir: `mlxgw serve` leaves its Redis URL there for
+# `mlxgw status` and removes it on stop, so a test serve once took over (then deleted) a
+# live serve's file. Built demo models are linked in, not rebuilt.
+_user_cache = Path(os.environ.get("MLXGW_CACHE_DIR") or "~/.cache/mlxgw").expanduser()
+_test_cache = Path(tempfile.mkdtemp(prefix="mlxgw-test-cache-"))
+for _d in _user_cache.glob("demo-*-v*"):
+    if _d.is_dir():
+        (_test_cache / _d.name).symlink_to(_d.resolve(), target_is_directory=True)
+os.environ["MLXGW_CACHE_DIR"] = str(_test_cache)
+atexit.register(shutil.rmtree, _test_cache, ignore_errors=True)
 
 from mlxgw.harness import RedisServer, Stack  # noqa: E402
 

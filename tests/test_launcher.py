@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -65,8 +66,10 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
             time.sleep(0.1)
         out = (tmp_path / "serve.log").read_text()
         assert "mlxgw is ready" in out and f"http://127.0.0.1:{port}/v1" in out
-        # `mlxgw status` finds this stack's embedded Redis through the file serve leaves ...
+        # `mlxgw status` finds this stack's embedded Redis through the file serve leaves
+        # (in the tests' own cache dir, never the user's: tests/conftest.py) ...
         assert serve_url_file().read_text().startswith("redis://")
+        assert serve_url_file().parent == Path(os.environ["MLXGW_CACHE_DIR"]) and Path.home() not in serve_url_file().parents
         st = _run(["status", "--json"])
         assert st.returncode == 0 and "demo-tiny-0" in st.stdout
     finally:
