@@ -268,9 +268,13 @@ class PromptCache:
         if nbytes > self.max_bytes:
             return None
 
+        # Each entry's common prefix with the new tokens, computed once for
+        # the dedupe, rule 6 and the redundant-prefix drop below.
+        common = {e.id: common_prefix(e.tokens, t) for e in self._entries.values()}
+
         # Same tokens already cached: keep one entry, refresh it.
         for e in self._entries.values():
-            if len(e) == len(t) and common_prefix(e.tokens, t) == len(t):
+            if len(e) == len(t) and common[e.id] == len(t):
                 e.last_used = next(self._clock)
                 if e.cache_type != "system" and cache_type == "system":
                     e.cache_type = "system"
@@ -281,7 +285,7 @@ class PromptCache:
         branches, shared_used = [], 0
         now = next(self._clock)
         for e in self._entries.values():
-            c = common_prefix(e.tokens, t)
+            c = common[e.id]
             if c >= e.prompt_tokens:  # continues e's prompt: same conversation
                 branches += e.branches
                 shared_used = max(shared_used, e.shared_used)
@@ -310,7 +314,7 @@ class PromptCache:
                 if (
                     e.cache_type != "system"
                     and len(e) < len(t)
-                    and common_prefix(e.tokens, t) == len(e)
+                    and common[e.id] == len(e)
                 ):
                     self._remove(e)
 

@@ -17,7 +17,7 @@ from typing import Optional
 import redis
 
 from . import schema
-from .util import redact_url
+from .util import redact_url, serve_url_file
 
 # Event data fields worth showing (block lists are long and meaningless to people).
 _EVENT_FIELDS = ("request", "matched", "prompt_tokens", "lookup", "tokens", "cache_type")
@@ -189,8 +189,6 @@ def connect(args) -> redis.Redis:
     if args.redis_url:
         args.url_source = "flag"
     else:
-        from .util import serve_url_file
-
         f = serve_url_file()
         args.url_source = "serve" if f.exists() else "default"
         args.redis_url = f.read_text().strip() if f.exists() else "redis://127.0.0.1:6379/0"
@@ -198,8 +196,6 @@ def connect(args) -> redis.Redis:
 
 
 def run(args) -> int:
-    from .util import serve_url_file
-
     try:
         data = collect(connect(args), args.namespace)
     except redis.RedisError as e:
