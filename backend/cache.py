@@ -171,6 +171,8 @@ class PromptCache:
         self.ops = ops or KVOps()
         self.min_shared_tokens = min_shared_tokens
         self.shared_kept = 0  # rule 6: prefixes kept as their own entry
+        self.evictions = 0  # entries evicted by the budgets (rule 5), since start
+        self.evicted_tokens = 0
         self._entries: dict[int, CacheEntry] = {}
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
@@ -343,6 +345,10 @@ class PromptCache:
     ) -> int:
         """Evict until within ``max_entries`` and ``max_bytes``; returns entries evicted.
 
+        Only these evictions count in ``evictions`` / ``evicted_tokens`` (a
+        backend whose counts stay 0 had memory for everything it saw);
+        replacements by rule 3 and dropped redundant prefixes do not.
+
         ``keep`` is evicted last (the entry just saved). The engine calls this
         with ``max_bytes = budget - in_flight_bytes`` so live requests' KV
         counts against the budget.
@@ -357,6 +363,8 @@ class PromptCache:
             self._keep_shared_prefix(victim)
             self._remove(victim)
             n += 1
+            self.evictions += 1
+            self.evicted_tokens += len(victim)
         return n
 
     def _keep_shared_prefix(self, victim: CacheEntry) -> None:

@@ -214,6 +214,8 @@ class MLXEngine(Engine):
             "misses": self.misses,
             "abandoned_saves_skipped": self.saves_skipped,
             "shared_prefixes_kept": self.cache.shared_kept,
+            "cache_evictions": self.cache.evictions,
+            "cache_evicted_tokens": self.cache.evicted_tokens,
             "prompt_tokens": self.prompt_tokens_total,
             "cached_tokens": self.cached_tokens_total,
             "prefill_tokens": self.prefill_tokens_total,

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from aiohttp import web
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
+from prometheus_client.core import CounterMetricFamily
 
 # No ``*_created`` series (vLLM turns them off too): they double the output and nobody charts them.
 disable_created_metrics()
@@ -126,6 +127,7 @@ class BackendMetrics:
         self.queued_prefill.labels(m).set_function(lambda: stats()["queued_prefill_tokens"])
         self.cache_usage.labels(m).set_function(
             lambda: stats()["cache_bytes"] / budget_bytes if budget_bytes else 0.0)
+        self.registry.register(_EvictionCounters(m, stats))
 
     def record_fields(self) -> dict:
         """Fields added to the Redis registry record at each heartbeat."""
@@ -139,3 +141,26 @@ class BackendMetrics:
     async def handler(self, request: web.Request) -> web.Response:
         """``GET /metrics``: no internal token needed (aggregates only; docs/security.md)."""
         return web.Response(body=self.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+class _EvictionCounters:
+    """The prompt cache's budget evictions as counters, read from ``stats()`` at scrape
+    time (the cache counts them on the engine thread; a Counter object cannot be read
+    from a function)."""
+
+    def __init__(self, model_name: str, stats: Callable[[], dict]):
+        self.model_name, self.stats = model_name, stats
+
+    def describe(self):
+        return []  # collected only at scrape time: ``stats`` needs a running engine
+
+    def collect(self):
+        s = self.stats()
+        for name, key, doc in (
+            ("mlxgw:prompt_cache_evictions", "cache_evictions", "Prompt-cache entries evicted to keep within the budget."),
+            ("mlxgw:prompt_cache_evicted_tokens", "cache_evicted_tokens", "Tokens of the entries evicted by the budget."),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], s.get(key, 0))
+            yield c
+

@@ -315,13 +315,15 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
         "overhead_ms": overhead * 1000 if overhead is not None else None,
         "router_cpu_ms_per_request": router_cpu * 1000 / max(1, len(results)) if procs else None,
         "backend_cpu_s": backend_cpu,
+        # Budget evictions over the backends (0: every backend had memory for all it saved).
+        "evictions": sum(h.get("cache_evictions", 0) for h in health),
         "ttfts": sorted(r["ttft"] for r in ok),
         "per_request": sorted(results, key=lambda r: r["i"]),
     }
 
 
 _MEDIAN_KEYS = ("hit_ratio", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "throughput_rps", "wall_s",
-                "load_share_max_mean", "overhead_ms", "router_cpu_ms_per_request", "backend_cpu_s")
+                "load_share_max_mean", "overhead_ms", "router_cpu_ms_per_request", "backend_cpu_s", "evictions")
 _RANGE_KEYS = ("hit_ratio", "ttft_p50", "ttft_p99")
 
 
@@ -450,16 +452,17 @@ def table(res: dict) -> str:
         lines.append(f"\n**Cache budget {b['fraction']:g} x working set** ({b['per_backend_gb']:.2f} GB per backend, "
                      f"{b['per_backend_gb'] * res['config']['backends']:.2f} GB in all)\n")
         lines.append("| router | hit ratio | hit/oracle | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | req/s "
-                     "| max/mean load | added latency p50 (ms) | router CPU ms/request | errors |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+                     "| max/mean load | added latency p50 (ms) | router CPU ms/request | budget evictions | errors |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in b["runs"]:
             ov = "" if r["overhead_ms"] is None else f"{r['overhead_ms']:.2f}"
             cpu = "" if r.get("router_cpu_ms_per_request") is None else f"{r['router_cpu_ms_per_request']:.2f}"
+            ev = "" if r.get("evictions") is None else f"{r['evictions']:.0f}"
             lines.append(
                 f"| {r['router']} | {_spread(r, 'hit_ratio', '{:.3f}')} | {r['hit_ratio'] / res['oracle_ratio']:.3f} | "
                 f"{_spread(r, 'ttft_p50', '{:.0f}', 1000)} / {_spread(r, 'ttft_p99', '{:.0f}', 1000)} | "
                 f"{r['e2e_p50'] * 1000:.0f} / {r['e2e_p99'] * 1000:.0f} | {r['throughput_rps']:.2f} | "
-                f"{r['load_share_max_mean']:.2f} | {ov} | {cpu} | {r['errors']} |")
+                f"{r['load_share_max_mean']:.2f} | {ov} | {cpu} | {ev} | {r['errors']} |")
         notes = []
         for name, d in b.get("paired", {}).items():
             if "p99_vs_sglang" in d:

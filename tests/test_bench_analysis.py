@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import pytest
 
-from bench.replay_routers import _candidates, combine_rounds, dump_requests, lost_hits, multi_budget, paired
+from bench.replay_routers import _candidates, combine_rounds, dump_requests, lost_hits, multi_budget, paired, table
 from bench.trace import TraceRequest, oracle_hits
 from gateway.route import RoutingConfig, rank
 from mlxgw.schema import Candidate
 
 
-def _run(router: str, hit: float, p50: float, p99: float, per_request=None) -> dict:
+def _run(router: str, hit: float, p50: float, p99: float, per_request=None, evictions: int = 0) -> dict:
     return {"router": router, "requests": 2, "errors": 0, "error_samples": [], "per_backend": [1, 1],
             "ttfts": [p50, p99], "hit_ratio": hit, "ttft_p50": p50, "ttft_p99": p99, "e2e_p50": p50,
             "e2e_p99": p99, "throughput_rps": 1.0, "wall_s": 1.0, "load_share_max_mean": 1.0,
             "overhead_ms": None, "router_cpu_ms_per_request": None, "backend_cpu_s": 0.0,
-            "per_request": per_request or []}
+            "evictions": evictions, "per_request": per_request or []}
 
 
 def test_combine_rounds_gives_medians_ranges_and_pooled_ttfts():
@@ -32,6 +32,14 @@ def test_combine_rounds_gives_medians_ranges_and_pooled_ttfts():
     assert row["range"]["ttft_p50"] == [1.0, 4.0]
     assert row["ttfts"] == [1.0, 2.0, 3.0, 4.0, 4.0, 5.0]
     assert row["overhead_ms"] is None
+
+
+def test_table_gives_the_median_budget_evictions():
+    rounds = [[_run("mlxgw", 0.1, 1.0, 2.0, evictions=e)] for e in (5, 9, 7)]
+    res = {"budgets": [{"fraction": 1.0, "per_backend_gb": 2.0, "runs": combine_rounds(rounds)}],
+           "config": {"backends": 4}, "oracle_ratio": 0.2}
+    row = [ln for ln in table(res).splitlines() if ln.startswith("| mlxgw |")][0]
+    assert row.split(" | ")[-2:] == ["7", "0 |"]  # budget evictions (median of 5, 9, 7), errors
 
 
 def test_paired_ratios_are_per_round():

@@ -77,6 +77,7 @@ def test_good_hit_rule(model):
     c.insert(a2, kv_for(model, a2), reused_from=hit.entry_id, reused=70, prompt_len=len(a2), system_tokens=30)
     assert sorted(len(e) for e in c.entries()) == [65, 70, 90]
     assert rec.evicted == [70] and rec.saved == [70, 70, 65, 90]
+    assert c.evictions == 0 and c.evicted_tokens == 0  # a replacement is not a budget eviction
     assert not c.is_good_hit(30, 70, 30)  # exactly the system prompt is never a good hit
 
 
@@ -102,6 +103,7 @@ def test_eviction_order(model):
     # The largest group (assistant) loses its least recently used entry.
     assert rec.evicted == [11]
     assert sorted(int(e.tokens[0]) for e in c.entries()) == [1000, 1002, 2000]
+    assert c.evictions == 1 and c.evicted_tokens == 11
 
 
 def test_branch_point_kept_when_its_last_entry_is_evicted(model):
