@@ -76,7 +76,7 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
 
     Returns ``id, state, url, active, queued (prefill tokens), entries,
     cache_mb, cache_use (bytes / budget, 0..1, 0 without a budget),
-    requests, hit_ratio (cached / prompt tokens since start), age_s (since the
+    evictions (entries the budget evicted since start), requests, hit_ratio (cached / prompt tokens since start), age_s (since the
     last heartbeat), load`` where ``load`` (active requests, then queued
     tokens) is the sort key of ``mlxgw top``.
     """
@@ -93,6 +93,7 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
         "entries": int(_f(rec, "cache_entries")),
         "cache_mb": round(_f(rec, "cache_bytes") / 2**20, 2),
         "cache_use": round(_f(rec, "cache_bytes") / budget, 4) if budget else 0.0,
+        "evictions": int(_f(rec, "cache_evictions")),
         "requests": int(_f(rec, "requests")),
         "hits": int(_f(rec, "hits")),
         "hit_ratio": round(_f(rec, "cached_tokens") / pt, 4) if pt else 0.0,
@@ -217,11 +218,12 @@ def run(args) -> int:
     now = time.time()
     for m, d in data.items():
         t = Table(title=f"model {m}")
-        for col in ("backend", "state", "url", "active", "queued", "entries", "cache MB", "hit ratio (tokens)", "age s"):
+        for col in ("backend", "state", "url", "active", "queued", "entries", "cache MB", "evictions",
+                    "hit ratio (tokens)", "age s"):
             t.add_column(col)
         for b in map(lambda r: backend_view(r, now), d["backends"]):
             t.add_row(b["id"], b["state"], b["url"], str(b["active"]), str(b["queued"]), str(b["entries"]),
-                      f"{b['cache_mb']:.1f}", f"{b['hit_ratio']:.2f}", f"{b['age_s']:.1f}")
+                      f"{b['cache_mb']:.1f}", str(b["evictions"]), f"{b['hit_ratio']:.2f}", f"{b['age_s']:.1f}")
         con.print(t)
         for e in d["recent_events"]:
             con.print(f"  {event_time(e)} {e.get('type', ''):8} {e.get('backend', '')}")

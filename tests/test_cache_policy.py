@@ -1,7 +1,10 @@
 """The prompt-cache rules (docs/cache-policy.md), on real mlx-lm KV caches and real backends."""
 
 import json
+import re
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -295,8 +298,19 @@ def test_abandoned_request_is_saved_only_into_free_space(make_stack):
         time.sleep(0.05)
     h = get_json(b.url + "/health")
     assert h["abandoned_saves_skipped"] == 1
+    assert h["cache_evictions"] == 0  # nothing was evicted for it
     assert sorted(e["id"] for e in get_json(b.url + "/internal/cache")["entries"]) == before
     # The same request completed normally is saved, evicting one of the two.
     _chat(b.url, [{"role": "user", "content": words(300, seed=64)}])
     after = sorted(e["id"] for e in get_json(b.url + "/internal/cache")["entries"])
     assert len(after) == 2 and len(set(after) & set(before)) == 1 and max(after) > max(before)
+    h = get_json(b.url + "/health")
+    assert h["cache_evictions"] == 1 and h["cache_evicted_tokens"] > 300
+    # Ops see it in `mlxgw status` (from the registry record, one heartbeat later).
+    time.sleep(1.0)
+    r = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", s.redis_url, "--namespace", s.namespace],
+                       capture_output=True, text=True, timeout=60)
+    header = next(ln for ln in r.stdout.splitlines() if "evictions" in ln)
+    row = next(ln for ln in r.stdout.splitlines() if "│ b0 " in ln)
+    cols = [c.strip() for c in re.split("[│┃]", header)]  # rich draws the header with heavy bars
+    assert [c.strip() for c in row.split("│")][cols.index("evictions")] == "1", r.stdout
