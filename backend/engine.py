@@ -10,7 +10,10 @@ the simulated engine (issue: sim engine) can share it.
 Cache saves happen on every way a request ends after its prefill started
 (SharpAI/SwiftLM issue 245, PR 253): end of sequence, ``max_tokens``, a
 cancel (client disconnect, text stop sequence, server timeout), and at the
-end of the system-prompt segment (mlx-lm's segment save).
+end of the system-prompt segment (mlx-lm's segment save). A long prompt is
+also saved when its prefill ends, into free space only, so a request sharing
+it that arrives while this one still decodes (an agent's parallel calls, a
+retry, an edited last turn) reuses it; the final save then replaces it.
 """
 
 from __future__ import annotations
@@ -137,6 +140,9 @@ class MLXEngine(Engine):
         decode_concurrency / prefill_concurrency / prefill_step_size: passed to
             ``BatchGenerator`` (completion_batch_size, prefill_batch_size,
             prefill_step_size).
+        save_at_prefill_end: save a prompt's KV when its prefill ends, if at
+            least the cache's ``min_hit_tokens`` of it were computed and the
+            copy fits in free space (never evicts); docs/cache-policy.md.
     """
 
     def __init__(
@@ -149,9 +155,12 @@ class MLXEngine(Engine):
         prefill_step_size: int = 512,
         finish_prefill_on_cancel: bool = True,
         metrics: Optional[BackendMetrics] = None,
+        save_at_prefill_end: bool = True,
     ):
         self.model_path = model_path
         self.finish_prefill_on_cancel = finish_prefill_on_cancel
+        self.save_at_prefill_end = save_at_prefill_end
+        self.prefill_saves = 0
         self.cache = cache
         self.cache_bytes = cache_bytes
         self.decode_concurrency = decode_concurrency
@@ -213,6 +222,7 @@ class MLXEngine(Engine):
             "hits": self.hits,
             "misses": self.misses,
             "abandoned_saves_skipped": self.saves_skipped,
+            "prefill_saves": self.prefill_saves,
             "shared_prefixes_kept": self.cache.shared_kept,
             "cache_evictions": self.cache.evictions,
             "cache_evicted_tokens": self.cache.evicted_tokens,
@@ -384,6 +394,8 @@ class MLXEngine(Engine):
                 self.queued_prefill_tokens -= live.prompt_left
                 prefilled += live.prompt_left
                 live.prompt_left = 0
+                if self.save_at_prefill_end:
+                    self._save_prompt(r.uid, live)
                 if r.uid in self._cancel_after_prefill:
                     self._cancel_after_prefill.discard(r.uid)
                     self._cancels.put(live.req.rid)
@@ -421,6 +433,31 @@ class MLXEngine(Engine):
                 self._by_rid.pop(req.rid, None)
                 self._save(live, list(r.all_tokens), r.prompt_cache)
                 self._finish(live, r.finish_reason)
+
+    def _save_prompt(self, uid: int, live: _Live) -> None:
+        """Save the prompt's KV as the prefill ends (the request keeps running).
+
+        Only when at least ``min_hit_tokens`` of the prompt were computed here
+        (a shorter reuse is not worth a copy) and the copy fits in free space:
+        the prompt is already counted in flight, and its final save at the end
+        replaces this entry (a trimmable entry drops the prefixes it extends).
+        """
+        req = live.req
+        if len(req.prompt) - req.cached < self.cache.min_hit_tokens:
+            return
+        got = self._bg.extract_cache([uid]).get(uid)
+        if got is None:
+            return
+        kv, tokens = got
+        tokens = list(tokens)
+        if not tokens or tokens != req.prompt[: len(tokens)]:
+            return  # holds more than the prompt: nothing to gain over the final save
+        free = self.cache_bytes - self._bg.prompt_cache_nbytes - self.cache.nbytes
+        if self.cache.ops.nbytes(kv) > free or len(self.cache) >= self.cache.max_entries:
+            return
+        self.cache.insert(tokens, kv, "user", reused_from=live.reused_from, reused=req.cached,
+                          prompt_len=len(req.prompt), system_tokens=req.system_tokens)
+        self.prefill_saves += 1
 
     def _save(self, live: _Live, tokens: list[int], kv, only_into_free_space: bool = False) -> None:
         req = live.req

@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cancel-prefill", action="store_true",
                    help="on client disconnect or timeout, stop a running prefill at once (default: finish the "
                         "prefill and save it, so the client's retry reuses the whole prompt)")
+    p.add_argument("--prefill-save", action=argparse.BooleanOptionalAction, default=True,
+                   help="save a long prompt's KV when its prefill ends, into free space only, so requests sharing "
+                        "it reuse it while it still decodes (docs/cache-policy.md)")
     p.add_argument("--engine", choices=["mlx", "sim"], default="mlx",
                    help="mlx: the model; sim: a timing model, no weights (docs/sim.md)")
     p.add_argument(
@@ -109,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = BackendMetrics(name)
     kw = dict(decode_concurrency=args.decode_concurrency, prefill_concurrency=args.prefill_concurrency,
               prefill_step_size=args.prefill_step_size, finish_prefill_on_cancel=not args.cancel_prefill,
-              metrics=metrics)
+              metrics=metrics, save_at_prefill_end=args.prefill_save)
     if args.engine == "sim":
         try:
             timing = sim.timing_from_args(args)

@@ -31,6 +31,7 @@ class ModelConfig:
     cache_entries: int = 16
     min_hit_tokens: int = 1000
     min_shared_tokens: int = 0  # cache rule 6, opt-in (docs/cache-policy.md)
+    prefill_save: bool = True  # save a long prompt when its prefill ends (docs/cache-policy.md)
 
 
 @dataclass

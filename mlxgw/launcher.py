@@ -176,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
             cmd = py + ["backend", "--model", m.path, "--served-name", m.name, "--port", str(port),
                         "--id", f"{m.name}-{i}", "--namespace", cfg.namespace, "--block-size", str(cfg.block_size),
                         "--cache-bytes", str(m.cache_bytes), "--cache-entries", str(m.cache_entries),
-                        "--min-hit-tokens", str(m.min_hit_tokens), "--min-shared-tokens", str(m.min_shared_tokens)]
+                        "--min-hit-tokens", str(m.min_hit_tokens), "--min-shared-tokens", str(m.min_shared_tokens),
+                        "--prefill-save" if m.prefill_save else "--no-prefill-save"]
             children.append(Child(f"{m.name}-{i}", cmd, env, f"http://127.0.0.1:{port}/health"))
     gw_cmd = py + ["gateway", "--host", cfg.host, "--port", str(cfg.port), "--namespace", cfg.namespace,
                    "--block-size", str(cfg.block_size)]

@@ -314,3 +314,46 @@ def test_abandoned_request_is_saved_only_into_free_space(make_stack):
     row = next(ln for ln in r.stdout.splitlines() if "│ b0 " in ln)
     cols = [c.strip() for c in re.split("[│┃]", header)]  # rich draws the header with heavy bars
     assert [c.strip() for c in row.split("│")][cols.index("evictions")] == "1", r.stdout
+
+
+def _stream_until_first_token(port: int, body: dict) -> socket.socket:
+    """Open a streamed completion and return its socket once the first token arrived."""
+    raw = json.dumps({**body, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    buf = b""
+    while b'"text"' not in buf:
+        buf += sock.recv(4096)
+    return sock
+
+
+def test_prompt_saved_when_its_prefill_ends(make_stack):
+    """A request sharing a long prompt that is still decoding reuses it (saved at prefill end)."""
+    import numpy as np
+
+    s = make_stack()
+    on = s.add_backend("on", None, "--min-hit-tokens", "64")
+    off = s.add_backend("off", None, "--min-hit-tokens", "64", "--no-prefill-save")
+    s.wait()
+    a = np.random.default_rng(5).integers(16, 3000, 400).tolist()
+    sibling = a[:300] + np.random.default_rng(6).integers(16, 3000, 20).tolist()
+    for b, want in ((on, 300), (off, 0)):
+        sock = _stream_until_first_token(b.port, {"prompt": a, "max_tokens": 1500, "temperature": 0,
+                                                  "stop": None, "ignore_eos": True})
+        try:
+            st, _, body = post(b.url + "/v1/completions", {"prompt": sibling, "max_tokens": 1, "temperature": 0})
+            assert st == 200, body
+            assert get_json(b.url + "/health")["active"] == 1  # the first one still decodes
+        finally:
+            sock.close()
+        assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == want, b.name
+    # Only the long prompt was saved early (the sibling computed 21 tokens, under the 64 floor);
+    # when it ended, its final entry (prompt + answer) replaced the early one.
+    deadline = time.time() + 10
+    while time.time() < deadline and get_json(on.url + "/health")["active"]:
+        time.sleep(0.05)
+    h = get_json(on.url + "/health")
+    assert h["prefill_saves"] == 1 and get_json(off.url + "/health")["prefill_saves"] == 0
+    lengths = sorted(e["tokens"] for e in get_json(on.url + "/internal/cache")["entries"])
+    assert len(lengths) == 2 and lengths[0] == 321 and lengths[1] > 400, lengths
