@@ -10,26 +10,39 @@ the simulated engine (issue: sim engine) can share it.
 Cache saves happen on every way a request ends after its prefill started
 (SharpAI/SwiftLM issue 245, PR 253): end of sequence, ``max_tokens``, a
 cancel (client disconnect, text stop sequence, server timeout), and at the
-end of the system-prompt segment (mlx-lm's segment save). A long prompt is
-also saved when its prefill ends, into free space only, so a request sharing
-it that arrives while this one still decodes (an agent's parallel calls, a
-retry, an edited last turn) reuses it; the final save then replaces it.
+end of the system-prompt segment (mlx-lm's segment save).
+
+Requests wait in the engine's own FIFO queue, not in the ``BatchGenerator``'s:
+one is admitted (its prompt cache looked up and its prefill queued) only when
+the batch has a free prefill slot, so the lookup sees everything saved while it
+waited (vLLM's scheduler also matches the prefix cache when it schedules a
+request, not when it arrives). A waiting request that shares at least
+``min_hit_tokens`` of a prompt still being prefilled waits for that prefill to
+end (SGLang's in-batch prefix caching deprioritizes such a request), and that
+prompt is then saved at once (into free space; its final save replaces it), so
+the waiting one reuses it instead of computing it again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .cache import PromptCache
+import numpy as np
+
+from .cache import PromptCache, common_prefix
 from .metrics import BackendMetrics
 
 log = logging.getLogger("mlxgw.backend.engine")
+
+HOLD_SCAN = 16  # waiting requests looked at per admission pass (bounds the prefix comparisons)
 
 
 @dataclass
@@ -85,6 +98,14 @@ class GenRequest:
     cached: int = 0
     generated: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
+    _ids: Optional[np.ndarray] = field(default=None, repr=False)
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The prompt as an int32 array (made once, for prefix comparisons)."""
+        if self._ids is None:
+            self._ids = np.asarray(self.prompt, dtype=np.int32)
+        return self._ids
 
     def emit(self, ev: GenEvent) -> None:
         """Thread-safe: hand an event to the request's asyncio queue."""
@@ -140,9 +161,10 @@ class MLXEngine(Engine):
         decode_concurrency / prefill_concurrency / prefill_step_size: passed to
             ``BatchGenerator`` (completion_batch_size, prefill_batch_size,
             prefill_step_size).
-        save_at_prefill_end: save a prompt's KV when its prefill ends, if at
-            least the cache's ``min_hit_tokens`` of it were computed and the
-            copy fits in free space (never evicts); docs/cache-policy.md.
+        save_at_prefill_end: hold back a waiting request that shares at least
+            the cache's ``min_hit_tokens`` of a prompt being prefilled, and save
+            that prompt when its prefill ends (into free space only, never
+            evicting) so the held one reuses it; docs/cache-policy.md.
     """
 
     def __init__(
@@ -278,10 +300,13 @@ class MLXEngine(Engine):
         self._by_rid: dict[str, int] = {}
         self._pending_cancel: set[str] = set()
         self._cancel_after_prefill: set[int] = set()
+        self._waiting: deque[GenRequest] = deque()  # submitted, not yet admitted (FIFO)
 
     def _fail_all(self, msg: str) -> None:
         for live in list(getattr(self, "_live", {}).values()):
             live.req.emit(GenEvent("end", finish_reason="error", error=msg))
+        for r in getattr(self, "_waiting", ()):
+            r.emit(GenEvent("end", finish_reason="error", error=msg))
         while True:
             try:
                 r = self._incoming.get_nowait()
@@ -291,16 +316,59 @@ class MLXEngine(Engine):
 
     def _loop(self) -> None:
         while not self._stop:
-            idle = not self._live
+            idle = not self._live and not self._waiting
             try:
                 req = self._incoming.get(timeout=0.05) if idle else self._incoming.get_nowait()
-                self._admit(req)
+                self._waiting.append(req)
                 continue
             except queue.Empty:
                 pass
             self._drain_cancels()
+            self._admit_waiting()
             if self._live:
                 self._step()
+
+    def _admit_waiting(self) -> None:
+        """Admit waiting requests, oldest first, while the batch has a free prefill slot.
+
+        mlx-lm's ``BatchGenerator`` starts at most ``prefill_batch_size`` prompts
+        at a time, and none while ``completion_batch_size`` sequences run; a
+        request admitted beyond that would only wait inside it, with a cache
+        lookup already stale. A request sharing a prompt still being prefilled
+        (`_reuses`) is passed over until that prefill ends.
+        """
+        prefilling = [lv for lv in self._live.values() if lv.prompt_left > 0]
+        cap = max(self.decode_concurrency, self.prefill_concurrency)
+        held = []
+        while (self._waiting and len(held) < HOLD_SCAN and len(prefilling) < self.prefill_concurrency
+               and len(self._live) < cap):
+            req = self._waiting.popleft()
+            if req.rid in self._pending_cancel:
+                self._pending_cancel.discard(req.rid)
+                self._drop_waiting(req)
+            elif self.save_at_prefill_end and any(self._reuses(req, lv) for lv in prefilling):
+                held.append(req)
+            else:
+                prefilling.append(self._admit(req))
+        self._waiting.extendleft(reversed(held))
+
+    def _next_waiting(self):
+        """The waiting requests `_admit_waiting` looks at (the oldest ``HOLD_SCAN``)."""
+        return itertools.islice(self._waiting, HOLD_SCAN)
+
+    def _reuses(self, req: GenRequest, live: _Live) -> bool:
+        """True if ``req`` would reuse at least ``min_hit_tokens`` of what ``live`` computes."""
+        other = live.req
+        if not len(req.prompt) or not len(other.prompt) or req.prompt[0] != other.prompt[0]:
+            return False
+        return common_prefix(req.ids, other.ids) - other.cached >= self.cache.min_hit_tokens
+
+    def _drop_waiting(self, req: GenRequest) -> None:
+        """End a request cancelled before it was admitted (nothing computed, nothing to save)."""
+        self._abandoned.discard(req.rid)
+        self.active -= 1
+        self.queued_prefill_tokens -= len(req.prompt)
+        req.emit(GenEvent("end", finish_reason="cancelled"))
 
     def _drain_cancels(self) -> None:
         rids = []
@@ -315,8 +383,18 @@ class MLXEngine(Engine):
             later = {u for u in uids if self._live[u].prompt_left > 0}
             self._cancel_after_prefill |= later
             uids = [u for u in uids if u not in later]
-        # Not admitted yet: cancel on admission.
+        # Not admitted yet: cancel on admission (the request may not even have
+        # left the incoming queue).
         self._pending_cancel.update(r for r in rids if r not in self._by_rid)
+        if self._pending_cancel and self._waiting:
+            keep: deque[GenRequest] = deque()
+            for r in self._waiting:
+                if r.rid in self._pending_cancel:
+                    self._pending_cancel.discard(r.rid)
+                    self._drop_waiting(r)
+                else:
+                    keep.append(r)
+            self._waiting = keep
         if len(self._pending_cancel) > 10_000:
             self._pending_cancel.clear()
         if not uids:
@@ -332,7 +410,7 @@ class MLXEngine(Engine):
                 self._save(live, list(tokens), kv, only_into_free_space=abandoned)
             self._finish(live, "cancelled")
 
-    def _admit(self, req: GenRequest) -> None:
+    def _admit(self, req: GenRequest) -> _Live:
         from mlx_lm.generate import make_stop_sequences
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
@@ -374,9 +452,7 @@ class MLXEngine(Engine):
         self._live[uid] = live
         self._by_rid[req.rid] = uid
         req.emit(GenEvent("start", cached=hit.reused, total=len(prompt)))
-        if req.rid in self._pending_cancel:
-            self._pending_cancel.discard(req.rid)
-            self._cancels.put(req.rid)
+        return live
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -394,7 +470,7 @@ class MLXEngine(Engine):
                 self.queued_prefill_tokens -= live.prompt_left
                 prefilled += live.prompt_left
                 live.prompt_left = 0
-                if self.save_at_prefill_end:
+                if self.save_at_prefill_end and any(self._reuses(w, live) for w in self._next_waiting()):
                     self._save_prompt(r.uid, live)
                 if r.uid in self._cancel_after_prefill:
                     self._cancel_after_prefill.discard(r.uid)
@@ -435,16 +511,14 @@ class MLXEngine(Engine):
                 self._finish(live, r.finish_reason)
 
     def _save_prompt(self, uid: int, live: _Live) -> None:
-        """Save the prompt's KV as the prefill ends (the request keeps running).
+        """Save the prompt's KV as its prefill ends (the request keeps running),
+        for a waiting request that shares it.
 
-        Only when at least ``min_hit_tokens`` of the prompt were computed here
-        (a shorter reuse is not worth a copy) and the copy fits in free space:
-        the prompt is already counted in flight, and its final save at the end
-        replaces this entry (a trimmable entry drops the prefixes it extends).
+        Only if the copy fits in free space (the prompt is already counted in
+        flight); the request's final save replaces this entry (a trimmable entry
+        drops the prefixes it extends).
         """
         req = live.req
-        if len(req.prompt) - req.cached < self.cache.min_hit_tokens:
-            return
         got = self._bg.extract_cache([uid]).get(uid)
         if got is None:
             return

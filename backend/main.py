@@ -54,8 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on client disconnect or timeout, stop a running prefill at once (default: finish the "
                         "prefill and save it, so the client's retry reuses the whole prompt)")
     p.add_argument("--prefill-save", action=argparse.BooleanOptionalAction, default=True,
-                   help="save a long prompt's KV when its prefill ends, into free space only, so requests sharing "
-                        "it reuse it while it still decodes (docs/cache-policy.md)")
+                   help="a waiting request sharing at least --min-hit-tokens of a prompt being prefilled waits for "
+                        "that prefill, and the prompt is saved as it ends (into free space only) so the waiting one "
+                        "reuses it (docs/cache-policy.md)")
     p.add_argument("--engine", choices=["mlx", "sim"], default="mlx",
                    help="mlx: the model; sim: a timing model, no weights (docs/sim.md)")
     p.add_argument(

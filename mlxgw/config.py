@@ -31,7 +31,7 @@ class ModelConfig:
     cache_entries: int = 16
     min_hit_tokens: int = 1000
     min_shared_tokens: int = 0  # cache rule 6, opt-in (docs/cache-policy.md)
-    prefill_save: bool = True  # save a long prompt when its prefill ends (docs/cache-policy.md)
+    prefill_save: bool = True  # a request sharing a prompt in prefill waits for it and reuses it (docs/cache-policy.md)
 
 
 @dataclass

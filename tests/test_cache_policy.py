@@ -316,44 +316,80 @@ def test_abandoned_request_is_saved_only_into_free_space(make_stack):
     assert [c.strip() for c in row.split("│")][cols.index("evictions")] == "1", r.stdout
 
 
-def _stream_until_first_token(port: int, body: dict) -> socket.socket:
-    """Open a streamed completion and return its socket once the first token arrived."""
+def _open_stream(port: int, body: dict) -> socket.socket:
+    """Send a streamed completion; the caller reads or closes the socket."""
     raw = json.dumps({**body, "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
-    buf = b""
-    while b'"text"' not in buf:
-        buf += sock.recv(4096)
     return sock
 
 
-def test_prompt_saved_when_its_prefill_ends(make_stack):
-    """A request sharing a long prompt that is still decoding reuses it (saved at prefill end)."""
+def test_request_sharing_a_prompt_in_prefill_waits_and_reuses_it(make_stack):
+    """B arrives while A's long prompt is being prefilled: B waits for that prefill, A's prompt is
+    saved as it ends, and B reuses it (SGLang's in-batch prefix caching; our free-space save)."""
     import numpy as np
 
     s = make_stack()
-    on = s.add_backend("on", None, "--min-hit-tokens", "64")
-    off = s.add_backend("off", None, "--min-hit-tokens", "64", "--no-prefill-save")
+    flags = ("--min-hit-tokens", "64", "--prefill-step-size", "64")
+    on = s.add_backend("on", None, *flags)
+    off = s.add_backend("off", None, *flags, "--no-prefill-save")
     s.wait()
-    a = np.random.default_rng(5).integers(16, 3000, 400).tolist()
-    sibling = a[:300] + np.random.default_rng(6).integers(16, 3000, 20).tolist()
-    for b, want in ((on, 300), (off, 0)):
-        sock = _stream_until_first_token(b.port, {"prompt": a, "max_tokens": 1500, "temperature": 0,
-                                                  "stop": None, "ignore_eos": True})
+    a = np.random.default_rng(5).integers(16, 3000, 3000).tolist()
+    b = a[:2500] + np.random.default_rng(6).integers(16, 3000, 20).tolist()
+    for backend, want in ((on, 2500), (off, 0)):
+        sock = _open_stream(backend.port, {"prompt": a, "max_tokens": 1, "temperature": 0})
         try:
-            st, _, body = post(b.url + "/v1/completions", {"prompt": sibling, "max_tokens": 1, "temperature": 0})
+            time.sleep(0.05)  # A admitted; its 47 prefill steps of 64 tokens take far longer
+            st, _, body = post(backend.url + "/v1/completions", {"prompt": b, "max_tokens": 1, "temperature": 0})
             assert st == 200, body
-            assert get_json(b.url + "/health")["active"] == 1  # the first one still decodes
+            assert b"[DONE]" in _read_all(sock)
         finally:
             sock.close()
-        assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == want, b.name
-    # Only the long prompt was saved early (the sibling computed 21 tokens, under the 64 floor);
-    # when it ended, its final entry (prompt + answer) replaced the early one.
-    deadline = time.time() + 10
-    while time.time() < deadline and get_json(on.url + "/health")["active"]:
-        time.sleep(0.05)
+        assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == want, backend.name
+    # Only A was saved early (B computed 20 tokens and nobody waited for it); A's final save
+    # (prompt + answer) then replaced the early entry.
     h = get_json(on.url + "/health")
     assert h["prefill_saves"] == 1 and get_json(off.url + "/health")["prefill_saves"] == 0
     lengths = sorted(e["tokens"] for e in get_json(on.url + "/internal/cache")["entries"])
-    assert len(lengths) == 2 and lengths[0] == 321 and lengths[1] > 400, lengths
+    assert lengths == [2521, 3001], lengths
+
+
+def _read_all(sock: socket.socket, timeout: float = 60.0) -> bytes:
+    sock.settimeout(timeout)
+    buf = b""
+    while b"[DONE]" not in buf:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
+
+def test_request_cancelled_while_waiting_is_dropped(make_stack):
+    """A client that goes away while its request waits for a prefill slot ends it there:
+    nothing computed, nothing saved, the engine's counts back to zero."""
+    import numpy as np
+
+    s = make_stack()
+    b = s.add_backend("b0", None, "--prefill-concurrency", "1", "--prefill-step-size", "64")
+    s.wait()
+    a = np.random.default_rng(7).integers(16, 3000, 3000).tolist()
+    other = np.random.default_rng(8).integers(16, 3000, 200).tolist()
+    sock_a = _open_stream(b.port, {"prompt": a, "max_tokens": 1, "temperature": 0})
+    try:
+        time.sleep(0.05)
+        sock_b = _open_stream(b.port, {"prompt": other, "max_tokens": 5, "temperature": 0})
+        time.sleep(0.05)
+        assert get_json(b.url + "/health")["active"] == 2
+        sock_b.close()  # B still waits: A holds the only prefill slot
+        assert b"[DONE]" in _read_all(sock_a)
+    finally:
+        sock_a.close()
+    deadline = time.time() + 10
+    while time.time() < deadline and get_json(b.url + "/health")["active"]:
+        time.sleep(0.05)
+    h = get_json(b.url + "/health")
+    assert (h["active"], h["queued_prefill_tokens"], h["requests"]) == (0, 0, 1)
+    assert [e["tokens"] for e in get_json(b.url + "/internal/cache")["entries"]] == [3001]
