@@ -172,6 +172,7 @@ class PromptCache:
         self.min_shared_tokens = min_shared_tokens
         self.shared_kept = 0  # rule 6: prefixes kept as their own entry
         self.evictions = 0  # entries evicted by the budgets (rule 5), since start
+        self.version = 0  # bumped by every new entry (a pinned lookup may be bettered)
         self.evicted_tokens = 0
         self._entries: dict[int, CacheEntry] = {}
         self._ids = itertools.count(1)
@@ -410,6 +411,7 @@ class PromptCache:
     def _add(self, e: CacheEntry) -> None:
         self._entries[e.id] = e
         self.nbytes += e.nbytes
+        self.version += 1
         if self.listener is not None:
             self.listener.on_saved(e)
 

@@ -12,11 +12,13 @@ Cache saves happen on every way a request ends after its prefill started
 cancel (client disconnect, text stop sequence, server timeout), and at the
 end of the system-prompt segment (mlx-lm's segment save).
 
-Requests wait in the engine's own FIFO queue, not in the ``BatchGenerator``'s:
-one is admitted (its prompt cache looked up and its prefill queued) only when
-the batch has a free prefill slot, so the lookup sees everything saved while it
-waited (vLLM's scheduler also matches the prefix cache when it schedules a
-request, not when it arrives). A waiting request that shares at least
+Requests wait in the engine's own FIFO queue, not in the ``BatchGenerator``'s,
+and are admitted (prefill queued) only when the batch has a free prefill slot.
+A request's cache hit is taken (a private copy, as mlx-lm does) when it
+arrives, so an eviction while it waits cannot take it away, and looked up again
+at admission if an entry was saved meanwhile: a better match replaces it (vLLM's
+scheduler matches the prefix cache when it schedules a request; our entries are
+copies, not shared blocks, hence the pin). A waiting request that shares at least
 ``min_hit_tokens`` of a prompt still being prefilled waits for that prefill to
 end (SGLang's in-batch prefix caching deprioritizes such a request), and that
 prompt is then saved at once (into free space; its final save replaces it), so
@@ -99,6 +101,8 @@ class GenRequest:
     generated: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
     _ids: Optional[np.ndarray] = field(default=None, repr=False)
+    hit: Any = field(default=None, repr=False)  # the cache hit pinned on arrival (`CacheHit`)
+    cache_version: int = -1  # `PromptCache.version` when it was pinned
 
     @property
     def ids(self) -> np.ndarray:
@@ -319,6 +323,7 @@ class MLXEngine(Engine):
             idle = not self._live and not self._waiting
             try:
                 req = self._incoming.get(timeout=0.05) if idle else self._incoming.get_nowait()
+                req.hit, req.cache_version = self.cache.fetch(req.prompt), self.cache.version
                 self._waiting.append(req)
                 continue
             except queue.Empty:
@@ -366,9 +371,15 @@ class MLXEngine(Engine):
     def _drop_waiting(self, req: GenRequest) -> None:
         """End a request cancelled before it was admitted (nothing computed, nothing to save)."""
         self._abandoned.discard(req.rid)
+        req.hit = None
         self.active -= 1
         self.queued_prefill_tokens -= len(req.prompt)
         req.emit(GenEvent("end", finish_reason="cancelled"))
+
+    def _inflight_nbytes(self) -> int:
+        """KV bytes held outside the cache: the batch's, and the hits waiting requests pinned."""
+        pinned = sum(self.cache.ops.nbytes(r.hit.kv) for r in self._waiting if r.hit is not None and r.hit.kv)
+        return self._bg.prompt_cache_nbytes + pinned
 
     def _drain_cancels(self) -> None:
         rids = []
@@ -416,7 +427,10 @@ class MLXEngine(Engine):
 
         p = req.params
         prompt = req.prompt
-        hit = self.cache.fetch(prompt)
+        hit = req.hit if req.hit is not None else self.cache.fetch(prompt)
+        req.hit = None
+        if self.cache.version != req.cache_version and self.cache.best_match(prompt)[1] > hit.reused:
+            hit = self.cache.fetch(prompt)  # saved while it waited, and longer than its pinned hit
         req.cached = hit.reused
         self.requests_total += 1
         self.prompt_tokens_total += len(prompt)
@@ -526,7 +540,7 @@ class MLXEngine(Engine):
         tokens = list(tokens)
         if not tokens or tokens != req.prompt[: len(tokens)]:
             return  # holds more than the prompt: nothing to gain over the final save
-        free = self.cache_bytes - self._bg.prompt_cache_nbytes - self.cache.nbytes
+        free = self.cache_bytes - self._inflight_nbytes() - self.cache.nbytes
         if self.cache.ops.nbytes(kv) > free or len(self.cache) >= self.cache.max_entries:
             return
         self.cache.insert(tokens, kv, "user", reused_from=live.reused_from, reused=req.cached,
@@ -540,7 +554,7 @@ class MLXEngine(Engine):
             # An abandoned request (client gone, timeout) is kept only if it
             # fits beside everything else: under memory pressure the other
             # sessions' entries are worth more than a turn nobody waits for.
-            free = self.cache_bytes - self._bg.prompt_cache_nbytes - self.cache.nbytes
+            free = self.cache_bytes - self._inflight_nbytes() - self.cache.nbytes
             if self.cache.ops.nbytes(kv) > free or len(self.cache) >= self.cache.max_entries:
                 self.saves_skipped += 1
                 log.debug("abandoned request %s not saved: no free cache space", req.rid)
@@ -555,7 +569,7 @@ class MLXEngine(Engine):
             system_tokens=req.system_tokens,
         )
         # Live requests' KV counts against the byte budget.
-        self.cache.trim_to(max_bytes=self.cache_bytes - self._bg.prompt_cache_nbytes)
+        self.cache.trim_to(max_bytes=self.cache_bytes - self._inflight_nbytes())
 
     def _finish(self, live: _Live, reason: str) -> None:
         self._abandoned.discard(live.req.rid)

@@ -393,3 +393,32 @@ def test_request_cancelled_while_waiting_is_dropped(make_stack):
     h = get_json(b.url + "/health")
     assert (h["active"], h["queued_prefill_tokens"], h["requests"]) == (0, 0, 1)
     assert [e["tokens"] for e in get_json(b.url + "/internal/cache")["entries"]] == [3001]
+
+
+def test_waiting_request_keeps_the_hit_it_had_on_arrival(make_stack):
+    """The entry a waiting request matched on arrival can be evicted before it is admitted;
+    the hit was pinned on arrival, so it is still reused. Here B continues X; it waits behind A's
+    long prefill (one prefill slot) while D, decoding alongside, ends and its save evicts X
+    (one cache entry)."""
+    import numpy as np
+
+    s = make_stack()
+    b = s.add_backend("b0", None, "--prefill-concurrency", "1", "--prefill-step-size", "64", "--cache-entries", "1")
+    s.wait()
+    rng = np.random.default_rng(9)
+    x, d, a = (rng.integers(16, 3000, n).tolist() for n in (300, 50, 6000))
+    st, _, body = post(b.url + "/v1/completions", {"prompt": x, "max_tokens": 1, "temperature": 0})
+    assert st == 200, body
+    socks = [_open_stream(b.port, {"prompt": d, "max_tokens": 60, "temperature": 0, "ignore_eos": True})]
+    try:
+        time.sleep(0.02)
+        socks.append(_open_stream(b.port, {"prompt": a, "max_tokens": 1, "temperature": 0}))
+        time.sleep(0.02)
+        st, _, body = post(b.url + "/v1/completions", {"prompt": x + [7, 8, 9], "max_tokens": 1, "temperature": 0})
+        assert st == 200, body
+        for sk in socks:
+            assert b"[DONE]" in _read_all(sk)
+    finally:
+        for sk in socks:
+            sk.close()
+    assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == 300
