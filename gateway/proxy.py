@@ -226,14 +226,6 @@ class Proxy:
                         out = web.Response(status=up.status)
                         self._copy_headers(out, up, a, transform)  # transform.begin before any feed
                         out.body = t_feed(b"") + t_feed(data) + (transform.end() if transform else b"")
-                        # Sent here, not by aiohttp after the handler returns: the
-                        # caller's bookkeeping (claims, metrics, log line) then runs
-                        # after the client has its answer, not before.
-                        try:
-                            await out.prepare(request)
-                            await out.write_eof()
-                        except ConnectionResetError:
-                            log.info("client disconnected before the answer from %s", a.backend_id)
                         return out
                     out = web.StreamResponse(status=up.status)
                     self._copy_headers(out, up, a, transform)
