@@ -376,6 +376,11 @@ class MLXEngine(Engine):
         self.queued_prefill_tokens -= len(req.prompt)
         req.emit(GenEvent("end", finish_reason="cancelled"))
 
+    def _fits_in_free_space(self, kv) -> bool:
+        """True if ``kv`` can be saved without evicting anything (bytes and entry count)."""
+        free = self.cache_bytes - self._inflight_nbytes() - self.cache.nbytes
+        return self.cache.ops.nbytes(kv) <= free and len(self.cache) < self.cache.max_entries
+
     def _inflight_nbytes(self) -> int:
         """KV bytes held outside the cache: the batch's, and the hits waiting requests pinned."""
         pinned = sum(self.cache.ops.nbytes(r.hit.kv) for r in self._waiting if r.hit is not None and r.hit.kv)
@@ -540,8 +545,7 @@ class MLXEngine(Engine):
         tokens = list(tokens)
         if not tokens or tokens != req.prompt[: len(tokens)]:
             return  # holds more than the prompt: nothing to gain over the final save
-        free = self.cache_bytes - self._inflight_nbytes() - self.cache.nbytes
-        if self.cache.ops.nbytes(kv) > free or len(self.cache) >= self.cache.max_entries:
+        if not self._fits_in_free_space(kv):
             return
         self.cache.insert(tokens, kv, "user", reused_from=live.reused_from, reused=req.cached,
                           prompt_len=len(req.prompt), system_tokens=req.system_tokens)
@@ -554,8 +558,7 @@ class MLXEngine(Engine):
             # An abandoned request (client gone, timeout) is kept only if it
             # fits beside everything else: under memory pressure the other
             # sessions' entries are worth more than a turn nobody waits for.
-            free = self.cache_bytes - self._inflight_nbytes() - self.cache.nbytes
-            if self.cache.ops.nbytes(kv) > free or len(self.cache) >= self.cache.max_entries:
+            if not self._fits_in_free_space(kv):
                 self.saves_skipped += 1
                 log.debug("abandoned request %s not saved: no free cache space", req.rid)
                 return
