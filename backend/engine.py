@@ -22,7 +22,13 @@ copies, not shared blocks, hence the pin). A waiting request that shares at leas
 ``min_hit_tokens`` of a prompt still being prefilled waits for that prefill to
 end (SGLang's in-batch prefix caching deprioritizes such a request), and that
 prompt is then saved at once (into free space; its final save replaces it), so
-the waiting one reuses it instead of computing it again.
+the waiting one reuses it instead of computing it again. A request that shares
+as much with one already decoding gets that one's prompt saved the same way
+when it is admitted (a radix cache holds a running request's prefix too).
+
+Every request's prompt counts as owned by this backend from its arrival until
+it ends (`Reporter.claim`): gateways, including ones that did not route it,
+then send its siblings here, where the rules above let them reuse it.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .cache import PromptCache, common_prefix
+from .cache import PromptCache, common_prefix, kv_trimmable
 from .metrics import BackendMetrics
 
 log = logging.getLogger("mlxgw.backend.engine")
@@ -103,6 +109,7 @@ class GenRequest:
     _ids: Optional[np.ndarray] = field(default=None, repr=False)
     hit: Any = field(default=None, repr=False)  # the cache hit pinned on arrival (`CacheHit`)
     cache_version: int = -1  # `PromptCache.version` when it was pinned
+    claim: Optional[list] = field(default=None, repr=False)  # blocks claimed in Redis while it runs
 
     @property
     def ids(self) -> np.ndarray:
@@ -153,6 +160,7 @@ class _Live:
     prompt_left: int
     save_system_at: int = 0
     started: float = field(default_factory=time.monotonic)
+    prompt_saved: bool = False  # `_save_prompt` already saved it for a waiting request
 
 
 class MLXEngine(Engine):
@@ -168,7 +176,11 @@ class MLXEngine(Engine):
         save_at_prefill_end: hold back a waiting request that shares at least
             the cache's ``min_hit_tokens`` of a prompt being prefilled, and save
             that prompt when its prefill ends (into free space only, never
-            evicting) so the held one reuses it; docs/cache-policy.md.
+            evicting) so the held one reuses it; likewise save a decoding
+            request's prompt when such a request is admitted;
+            docs/cache-policy.md.
+        claims: the reporter; each request's prompt blocks are claimed
+            (`Reporter.claim`) from arrival to end. None: no claims.
     """
 
     def __init__(
@@ -182,10 +194,13 @@ class MLXEngine(Engine):
         finish_prefill_on_cancel: bool = True,
         metrics: Optional[BackendMetrics] = None,
         save_at_prefill_end: bool = True,
+        claims: Any = None,
     ):
         self.model_path = model_path
         self.finish_prefill_on_cancel = finish_prefill_on_cancel
         self.save_at_prefill_end = save_at_prefill_end
+        self.claims = claims
+        self.trimmable = False  # set at load: may a prompt's blocks be claimed (as `servable_blocks`)?
         self.prefill_saves = 0
         self.cache = cache
         self.cache_bytes = cache_bytes
@@ -283,7 +298,10 @@ class MLXEngine(Engine):
         from mlx_lm.generate import BatchGenerator
 
         self._mx = mx
+        from mlx_lm.models.cache import make_prompt_cache
+
         self.model, self.tokenizer = load(self.model_path)
+        self.trimmable = kv_trimmable(make_prompt_cache(self.model))
         cfg = getattr(self.model, "args", None)
         self.context_length = int(
             getattr(cfg, "max_position_embeddings", 0) or getattr(cfg, "context_length", 0) or 32768
@@ -308,8 +326,10 @@ class MLXEngine(Engine):
 
     def _fail_all(self, msg: str) -> None:
         for live in list(getattr(self, "_live", {}).values()):
+            self._release(live.req)
             live.req.emit(GenEvent("end", finish_reason="error", error=msg))
         for r in getattr(self, "_waiting", ()):
+            self._release(r)
             r.emit(GenEvent("end", finish_reason="error", error=msg))
         while True:
             try:
@@ -324,6 +344,8 @@ class MLXEngine(Engine):
             try:
                 req = self._incoming.get(timeout=0.05) if idle else self._incoming.get_nowait()
                 req.hit, req.cache_version = self.cache.fetch(req.prompt), self.cache.version
+                if self.claims is not None and self.trimmable:
+                    req.claim = self.claims.claim(req.prompt)
                 self._waiting.append(req)
                 continue
             except queue.Empty:
@@ -354,8 +376,17 @@ class MLXEngine(Engine):
             elif self.save_at_prefill_end and any(self._reuses(req, lv) for lv in prefilling):
                 held.append(req)
             else:
+                if self.save_at_prefill_end:
+                    self._save_decoding_prompt_for(req)
                 prefilling.append(self._admit(req))
         self._waiting.extendleft(reversed(held))
+
+    def _save_decoding_prompt_for(self, req: GenRequest) -> None:
+        """Save the prompt of a decoding request that ``req`` reuses (`_reuses`) before ``req`` is admitted."""
+        for uid, live in self._live.items():
+            if live.prompt_left == 0 and not live.prompt_saved and self._reuses(req, live):
+                self._save_prompt(uid, live)
+                return
 
     def _next_waiting(self):
         """The waiting requests `_admit_waiting` looks at (the oldest ``HOLD_SCAN``)."""
@@ -374,7 +405,14 @@ class MLXEngine(Engine):
         req.hit = None
         self.active -= 1
         self.queued_prefill_tokens -= len(req.prompt)
+        self._release(req)
         req.emit(GenEvent("end", finish_reason="cancelled"))
+
+    def _release(self, req: GenRequest) -> None:
+        """Drop the request's Redis claim (after its own save, so saved blocks never leave Redis)."""
+        if req.claim is not None:
+            self.claims.release(req.claim)
+            req.claim = None
 
     def _fits_in_free_space(self, kv) -> bool:
         """True if ``kv`` can be saved without evicting anything (bytes and entry count)."""
@@ -530,8 +568,9 @@ class MLXEngine(Engine):
                 self._finish(live, r.finish_reason)
 
     def _save_prompt(self, uid: int, live: _Live) -> None:
-        """Save the prompt's KV as its prefill ends (the request keeps running),
-        for a waiting request that shares it.
+        """Save a running request's prompt KV (the request keeps running), for a
+        waiting request that shares it: as its prefill ends, or while it decodes
+        (the generated tokens are trimmed off).
 
         Only if the copy fits in free space (the prompt is already counted in
         flight); the request's final save replaces this entry (a trimmable entry
@@ -542,13 +581,19 @@ class MLXEngine(Engine):
         if got is None:
             return
         kv, tokens = got
-        tokens = list(tokens)
+        tokens, n = list(tokens), len(req.prompt)
+        if len(tokens) > n:  # decoding: the KV holds the prompt and what was generated so far
+            if tokens[:n] != req.prompt or not self.cache.ops.trimmable(kv):
+                return
+            self.cache.ops.trim(kv, len(tokens) - n)
+            tokens = tokens[:n]
         if not tokens or tokens != req.prompt[: len(tokens)]:
-            return  # holds more than the prompt: nothing to gain over the final save
+            return
         if not self._fits_in_free_space(kv):
             return
         self.cache.insert(tokens, kv, "user", reused_from=live.reused_from, reused=req.cached,
-                          prompt_len=len(req.prompt), system_tokens=req.system_tokens)
+                          prompt_len=n, system_tokens=req.system_tokens)
+        live.prompt_saved = True
         self.prefill_saves += 1
 
     def _save(self, live: _Live, tokens: list[int], kv, only_into_free_space: bool = False) -> None:
@@ -580,5 +625,6 @@ class MLXEngine(Engine):
         if live.prompt_left:
             self.queued_prefill_tokens -= live.prompt_left
             live.prompt_left = 0
+        self._release(live.req)
         self.metrics.on_finish(live.req.rid, live.req.submitted_at, live.req.generated, reason)
         live.req.emit(GenEvent("end", finish_reason=reason))

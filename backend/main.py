@@ -56,7 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-save", action=argparse.BooleanOptionalAction, default=True,
                    help="a waiting request sharing at least --min-hit-tokens of a prompt being prefilled waits for "
                         "that prefill, and the prompt is saved as it ends (into free space only) so the waiting one "
-                        "reuses it (docs/cache-policy.md)")
+                        "reuses it; a request sharing as much with one already decoding gets that prompt saved as it "
+                        "is admitted (docs/cache-policy.md)")
+    p.add_argument("--inflight-claims", action=argparse.BooleanOptionalAction, default=True,
+                   help="report a request's prompt blocks as owned from its arrival until it ends, so every "
+                        "gateway sends its siblings here (docs/redis-schema.md); off: only saved entries")
     p.add_argument("--engine", choices=["mlx", "sim"], default="mlx",
                    help="mlx: the model; sim: a timing model, no weights (docs/sim.md)")
     p.add_argument(
@@ -113,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
     metrics = BackendMetrics(name)
     kw = dict(decode_concurrency=args.decode_concurrency, prefill_concurrency=args.prefill_concurrency,
               prefill_step_size=args.prefill_step_size, finish_prefill_on_cancel=not args.cancel_prefill,
-              metrics=metrics, save_at_prefill_end=args.prefill_save)
+              metrics=metrics, save_at_prefill_end=args.prefill_save,
+              claims=reporter if args.inflight_claims else None)
     if args.engine == "sim":
         try:
             timing = sim.timing_from_args(args)

@@ -1,9 +1,12 @@
 """The backend's reporter: mirrors the prompt cache into Redis.
 
-* Ownership: each cache entry covers the full blocks of its tokens; the
-  reporter keeps a reference count per block, and a block's ownership is
-  written when its count goes 0 -> 1 and removed when it goes 1 -> 0, so it
-  disappears exactly when the last entry covering it is evicted.
+* Ownership: each cache entry covers the full blocks of its tokens, and so
+  does each request being computed (`Reporter.claim`, from arrival until it
+  ends: its prefix will be cached here, and a sibling sent here meanwhile
+  waits for it; see backend.engine). The reporter keeps a reference count per
+  block; a block's ownership is written when its count goes 0 -> 1 and
+  removed when it goes 1 -> 0, so it disappears exactly when the last entry
+  or request covering it is gone.
 * Writes are batched: the engine thread records transitions under a lock and
   wakes the flusher; `Reporter.flush` sends them in one pipeline. The server
   awaits `flush` before it finishes an answer, so Redis is current before the
@@ -108,37 +111,53 @@ class Reporter:
     # -- engine-thread side (CacheListener) --------------------------------
     def on_saved(self, entry: CacheEntry) -> None:
         blocks = servable_blocks(entry, self.model, self.block_size)
-        with self._lock:
-            for b in blocks:
-                self._refs[b] += 1
-                if self._refs[b] == 1:
-                    self._pending[b] = True
-            self._events.append(
-                schema.event_fields(
-                    schema.EVENT_SAVED,
-                    self.backend_id,
-                    self.epoch,
-                    {"tokens": len(entry), "blocks": len(blocks), "cache_type": entry.cache_type},
-                )
-            )
-        self._notify()
+        self._change(blocks, +1, schema.EVENT_SAVED, entry)
 
     def on_evicted(self, entry: CacheEntry) -> None:
         blocks = servable_blocks(entry, self.model, self.block_size)
+        self._change(blocks, -1, schema.EVENT_EVICTED, entry)
+
+    def claim(self, tokens) -> list[str]:
+        """Own a prompt's full blocks while a request computes it; returns the handle for `release`.
+
+        Reporting only finished saves leaves a window, as long as the prefill,
+        in which nobody owns the prompt, and a sibling routed by another
+        gateway (whose pending claims this one cannot see) goes elsewhere and
+        computes it again. sglang-router and Dynamo's KV router both count a
+        request's prefix on its worker from the moment it is routed; here the
+        backend says so itself, so every gateway sees it. Only for trimmable
+        caches (the engine decides, as for `servable_blocks`). No event: the
+        stream records cache contents.
+        """
+        blocks = schema.block_keys(self.model, tokens, self.block_size)
+        self._change(blocks, +1)
+        return blocks
+
+    def release(self, blocks: list[str]) -> None:
+        """Drop a `claim` (the request ended; its own save, if any, already holds the blocks)."""
+        self._change(blocks, -1)
+
+    def _change(self, blocks: list[str], delta: int, event: str = "", entry: Optional[CacheEntry] = None) -> None:
+        """Add ``delta`` (+1/-1) to each block's reference count; ownership changes on 0 <-> 1."""
         with self._lock:
             for b in blocks:
-                self._refs[b] -= 1
-                if self._refs[b] <= 0:
-                    del self._refs[b]
+                n = self._refs[b] + delta
+                if n > 0:
+                    self._refs[b] = n
+                    if n == 1:
+                        self._pending[b] = True
+                else:
+                    self._refs.pop(b, None)
                     self._pending[b] = False
-            self._events.append(
-                schema.event_fields(
-                    schema.EVENT_EVICTED,
-                    self.backend_id,
-                    self.epoch,
-                    {"tokens": len(entry), "blocks": len(blocks), "cache_type": entry.cache_type},
+            if event:
+                self._events.append(
+                    schema.event_fields(
+                        event,
+                        self.backend_id,
+                        self.epoch,
+                        {"tokens": len(entry), "blocks": len(blocks), "cache_type": entry.cache_type},
+                    )
                 )
-            )
         self._notify()
 
     def owned_blocks(self) -> set[str]:

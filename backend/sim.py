@@ -352,6 +352,7 @@ class SimEngine(MLXEngine):
 
         p = Path(self.model_path).expanduser()
         self.tokenizer = load_tokenizer(p)
+        self.trimmable = True  # SimKV: a full-attention model
         self.context_length = read_context_length(p)
         self._bg = SimBatchGenerator(
             self.timing,

@@ -12,7 +12,8 @@ Redis cannot know yet: a claim lives while its request is in flight and
 Redis alone speaks. A failed request's claim is dropped at once.
 
 Claims are local to one gateway; other gateways see the prefix once the
-backend reports it (docs/routing.md).
+backend claims it in Redis, which it does when the request arrives
+(`backend.report.Reporter.claim`; docs/routing.md).
 """
 
 from __future__ import annotations

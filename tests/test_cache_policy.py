@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from transformers import AutoTokenizer
 
 from backend.cache import PromptCache
 from mlxgw.httpget import get_json, post
@@ -353,6 +354,36 @@ def test_request_sharing_a_prompt_in_prefill_waits_and_reuses_it(make_stack):
     assert h["prefill_saves"] == 1 and get_json(off.url + "/health")["prefill_saves"] == 0
     lengths = sorted(e["tokens"] for e in get_json(on.url + "/internal/cache")["entries"])
     assert lengths == [2521, 3001], lengths
+
+
+def test_request_sharing_a_decoding_prompt_reuses_it(make_stack):
+    """B arrives while A decodes: A's prompt is saved as B is admitted (the generated tokens
+    trimmed off the KV mlx-lm's generation batch holds), and B reuses it."""
+    import numpy as np
+
+    s = make_stack()
+    on = s.add_backend("on")
+    off = s.add_backend("off", None, "--no-prefill-save")
+    s.wait()
+    tok = AutoTokenizer.from_pretrained(s.model_path)
+    a = np.random.default_rng(9).integers(16, 3000, 800).tolist()
+    b = a[:700] + np.random.default_rng(10).integers(16, 3000, 20).tolist()
+    # A decodes 3000 tokens (EOS banned); B is sent once A's first token arrived.
+    body_a = {"prompt": a, "max_tokens": 3000, "temperature": 0, "logit_bias": {str(tok.eos_token_id): -100}}
+    for backend, want in ((on, 700), (off, 0)):
+        sock = _open_stream(backend.port, body_a)
+        try:
+            sock.settimeout(60)
+            buf = b""
+            while b'"text"' not in buf:
+                buf += sock.recv(65536)
+            st, _, body = post(backend.url + "/v1/completions", {"prompt": b, "max_tokens": 1, "temperature": 0})
+            assert st == 200, body
+            assert get_json(backend.url + "/health")["active"] == 1  # A was still decoding
+        finally:
+            sock.close()
+        assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == want, backend.name
+    assert get_json(on.url + "/health")["prefill_saves"] == 1
 
 
 def _read_all(sock: socket.socket, timeout: float = 60.0) -> bytes:

@@ -1,6 +1,7 @@
 """Pending ownership (gateway/pending.py): a prefix routed to a backend counts
 as owned there until the backend's own report can have landed in Redis."""
 
+import json
 import time
 
 from gateway.pending import PendingClaims
@@ -83,3 +84,35 @@ def test_a_shared_prefix_follows_its_first_request_before_any_report(demo_model)
     finally:
         s.stop()
         r.cleanup()
+
+
+def test_a_sibling_through_another_gateway_meets_the_prompt_in_prefill(make_stack):
+    """Gateway 1 cannot see gateway 0's pending claims, but the backend claims a prompt's
+    blocks in Redis from its arrival (backend.report `Reporter.claim`): a sibling sent through
+    gateway 1 during the first prompt's prefill goes to the same backend and reuses it."""
+    import threading
+
+    import numpy as np
+
+    a = np.random.default_rng(11).integers(16, 3000, 2000).tolist()
+    b = a[:1500] + np.random.default_rng(12).integers(16, 3000, 20).tolist()
+    # 2,000 tokens at 1,000 tokens/s: two seconds of prefill.
+    sim = ("--engine", "sim", "--sim-prefill-rate", "1000", "--prefill-step-size", "64")
+    for flags, same, cached in (((), True, 1500), (("--no-inflight-claims",), False, 0)):
+        s = make_stack()
+        for i in range(2):
+            s.add_backend(f"b{i}", None, *sim, *flags)
+        g0, g1 = s.add_gateway(), s.add_gateway()
+        s.wait()
+        first = {}
+        t = threading.Thread(target=lambda: first.update(
+            r=post(g0.url + "/v1/completions", {"model": s.model_name, "prompt": a, "max_tokens": 1})))
+        t.start()
+        time.sleep(0.5)
+        st, h, body = post(g1.url + "/v1/completions", {"model": s.model_name, "prompt": b, "max_tokens": 1})
+        t.join(30)
+        assert st == 200 and first["r"][0] == 200, body
+        assert (h["X-Mlxgw-Backend"] == first["r"][1]["X-Mlxgw-Backend"]) is same, flags
+        assert int(h["X-Mlxgw-Matched-Tokens"]) == (1500 // s.block_size * s.block_size if same else 0)
+        assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == cached, flags
+        s.stop()
