@@ -296,10 +296,9 @@ class MLXEngine(Engine):
         import mlx.core as mx
         from mlx_lm import load
         from mlx_lm.generate import BatchGenerator
-
-        self._mx = mx
         from mlx_lm.models.cache import make_prompt_cache
 
+        self._mx = mx
         self.model, self.tokenizer = load(self.model_path)
         self.trimmable = kv_trimmable(make_prompt_cache(self.model))
         cfg = getattr(self.model, "args", None)

@@ -7,6 +7,11 @@ median of per-request differences (same request, same round) against a
 reference router.
 
     python bench/ttft_bands.py /tmp/syn-requests.jsonl --budget 1.0
+
+With ``--tail IDS_PER_S`` it prints instead what the slowest 1% of each
+router's requests waited for: their own prefill (uncached ids at that rate,
+the sim's ``prefill_rate * sim_speed / token_scale``) and the rest, with the
+least prefill any backend had queued when the request was routed.
 """
 
 from __future__ import annotations
@@ -52,15 +57,61 @@ def bands_table(rows: list[dict], budget: float, routers: list[str], ref: str,
     return out
 
 
+def _least_queued(candidates: str) -> int | None:
+    """The smallest ``queued=N`` (ids) in a dumped candidates string; None without one."""
+    qs = [int(part.split("=", 1)[1]) for c in candidates.split() for part in c.split(",") if part.startswith("queued=")]
+    return min(qs) if qs else None
+
+
+def tail_table(rows: list[dict], budget: float, routers: list[str], ids_per_s: float, share: float = 0.01) -> dict:
+    """The slowest ``share`` of each router's requests per round, pooled over rounds.
+
+    Returns {router: {"n": count, "prefill": median own prefill s, "wait": median TTFT minus own
+    prefill s, "queued": median least queued ids over the backends at routing (None when the
+    router dumps no candidates), "cold": requests with nothing cached}}. Own prefill is
+    ``(prompt - cached) / ids_per_s``: the time the prompt alone would take on an idle backend.
+    """
+    by: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for r in rows:
+        if r["budget"] == budget and r["status"] == 200 and r["router"] in routers:
+            by[(r["router"], r["round"])].append(r)
+    out = {}
+    for name in routers:
+        tail = []
+        for (rt, _), reqs in by.items():
+            if rt == name:
+                reqs = sorted(reqs, key=lambda r: -r["ttft"])
+                tail += reqs[: max(1, round(share * len(reqs)))]
+        if not tail:
+            continue
+        pre = [(r["prompt"] - r["cached"]) / ids_per_s for r in tail]
+        qs = [q for q in (_least_queued(r.get("candidates") or "") for r in tail) if q is not None]
+        out[name] = {"n": len(tail), "prefill": statistics.median(pre),
+                     "wait": statistics.median(r["ttft"] - p for r, p in zip(tail, pre)),
+                     "queued": statistics.median(qs) if qs else None,
+                     "cold": sum(1 for r in tail if r["cached"] == 0)}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("dump", help="a --dump-requests file of bench/replay_routers.py")
     p.add_argument("--budget", type=float, default=1.0)
     p.add_argument("--routers", default="mlxgw,sglang,pooled")
     p.add_argument("--ref", default="sglang", help="router the paired differences are taken against")
+    p.add_argument("--tail", type=float, metavar="IDS_PER_S",
+                   help="print the slowest 1%% instead, own prefill taken at this many ids/s")
     args = p.parse_args(argv)
     rows = [json.loads(x) for x in Path(args.dump).read_text().splitlines() if x]
     routers = args.routers.split(",")
+    if args.tail:
+        print(f"budget {args.budget:g}; slowest 1% of requests per round, pooled over rounds; medians")
+        print("| router | requests | cold | own prefill ms | rest of TTFT ms | least queued at routing (ids) |")
+        print("|---|---|---|---|---|---|")
+        for name, t in tail_table(rows, args.budget, routers, args.tail).items():
+            q = "-" if t["queued"] is None else f"{t['queued']:.0f}"
+            print(f"| {name} | {t['n']} | {t['cold']} | {t['prefill'] * 1000:.0f} | {t['wait'] * 1000:.0f} | {q} |")
+        return 0
     t = bands_table(rows, args.budget, routers, args.ref)
     head = [f"{lo}-{hi if hi is not None else ''} ids" for lo, hi in t["bands"]]
     print(f"budget {args.budget:g}; TTFT median ms (requests), and median per-request difference to {args.ref} ms")

@@ -141,3 +141,27 @@ def test_ttft_bands_gives_band_medians_and_paired_differences():
     # Paired within a round: (0.010-0.005, 0.030-0.010, 0.012-0.002) -> median 0.010; band 2: -0.05.
     assert t["paired"]["a"] == [pytest.approx(0.010), pytest.approx(-0.05)]
     assert t["paired"]["b"] == [0.0, 0.0]
+
+
+def test_ttft_tail_splits_the_slowest_requests_into_own_prefill_and_wait():
+    from bench.ttft_bands import tail_table
+
+    def row(rnd, i, prompt, cached, ttft, cands=None, status=200):
+        r = {"budget": 1.0, "round": rnd, "router": "a", "i": i, "prompt": prompt, "cached": cached,
+             "ttft": ttft, "e2e": ttft, "status": status}
+        if cands:
+            r["candidates"] = cands
+        return r
+
+    # 150 requests per round: the slowest 1% is the slowest 2 (round(1.5)).
+    rows = [row(1, i, 100, 0, 0.1) for i in range(148)] + [row(2, i, 100, 0, 0.1) for i in range(148)]
+    rows += [row(1, 200, 1000, 0, 0.9, "b0:matched=0,queued=700,active=1 b1:matched=0,queued=300,active=2"),
+             row(1, 201, 2000, 500, 0.8, "b0:matched=0,queued=100,active=1"),
+             row(2, 200, 1000, 0, 0.7),
+             row(2, 201, 500, 0, 0.6),
+             row(2, 202, 100, 0, 9.0, status=500)]  # failed: not counted
+    t = tail_table(rows, 1.0, ["a"], ids_per_s=1000.0)["a"]
+    assert t["n"] == 4 and t["cold"] == 3
+    # Own prefill 1.0, 1.5, 1.0, 0.5 s -> median 1.0; rest -0.1, -0.7, -0.3, 0.1 -> median -0.2.
+    assert t["prefill"] == pytest.approx(1.0) and t["wait"] == pytest.approx(-0.2)
+    assert t["queued"] == pytest.approx(200)  # least queued per request: 300 and 100
