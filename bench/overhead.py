@@ -382,6 +382,7 @@ def main(argv=None) -> int:
     p.add_argument("--idle-load", type=float, default=1.0, help="wait for a 1-min load average below this")
     p.add_argument("--idle-wait", type=float, default=600.0, help="...for at most this many seconds, before starting")
     p.add_argument("--skip", default="", help="comma list of parts to skip: sequential,concurrent,conversation")
+    p.add_argument("--backend-args", default="", help="extra flags for the sim backend, one string")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
@@ -412,7 +413,7 @@ def main(argv=None) -> int:
     router = None
     t_all = time.time()
     try:
-        st.add_backend("b0", None, "--engine", "sim", "--sim-speed", str(args.sim_speed))
+        st.add_backend("b0", None, "--engine", "sim", "--sim-speed", str(args.sim_speed), *shlex.split(args.backend_args))
         st.add_gateway()
         st.add_gateway("--token-cache-mb", "0")
         st.wait()
