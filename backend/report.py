@@ -144,7 +144,7 @@ class Reporter:
                 n = self._refs[b] + delta
                 if n > 0:
                     self._refs[b] = n
-                    if n == 1:
+                    if delta > 0 and n == 1:  # 0 -> 1 (2 -> 1 changes nothing in Redis)
                         self._pending[b] = True
                 else:
                     self._refs.pop(b, None)

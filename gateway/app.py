@@ -275,6 +275,8 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         outcome = "client_disconnected"
         raise
     finally:
+        if resp is not None and resp.status >= 400:
+            st.counters["errors"] += 1  # the backend's own error answer, passed through
         st.pending.release(claim, outcome == "ok" and resp is not None and resp.status < 400)
         request_done(st.metrics, rid=rid, model=info.name, prompt_tokens=len(ids), lookup=lk, t0=t0,
                      route_s=route_ms / 1000, attempts=attempts, resp=resp, outcome=outcome)

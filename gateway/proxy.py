@@ -192,7 +192,9 @@ class Proxy:
         pass through untouched.
 
         Raises:
-            BackendUnavailable: every attempt failed before the first byte.
+            BackendUnavailable: every attempt failed before the first byte (no
+                connection, no answer in time, a 5xx, or a 401: the backend refused
+                this gateway's internal token).
         """
         headers = {"Content-Type": content_type}
         if self.internal_token:
@@ -206,8 +208,14 @@ class Proxy:
             try:
                 timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout)
                 async with self.session.post(a.url + path, data=payload, headers=headers, timeout=timeout) as up:
-                    if up.status >= 500:
-                        last_err = f"backend {a.backend_id} answered {up.status}"
+                    if up.status >= 500 or up.status == 401:
+                        # 401 is the backend refusing this gateway's internal token: a
+                        # setup error between the two, not the client's credentials.
+                        last_err = (f"backend {a.backend_id} rejected this gateway's internal token (start gateways "
+                                    "and backends with the same --internal-token / MLXGW_INTERNAL_TOKEN)"
+                                    if up.status == 401 else f"backend {a.backend_id} answered {up.status}")
+                        if up.status == 401:
+                            log.error("%s", last_err)
                         timed_out = False
                         await up.read()
                         continue

@@ -104,3 +104,27 @@ def test_restart_gets_new_epoch_and_old_claims_never_route(make_stack, redis_ser
     while time.time() < deadline and r.hget(k.block(blocks[0]), "b0") is not None:
         time.sleep(0.1)
     assert r.hget(k.block(blocks[0]), "b0") is None
+
+
+def test_a_claim_then_the_save_writes_each_block_once():
+    """Reference counts (backend/report.py): a request's claim makes its blocks owned (one
+    write each); its save and the claim's release only move the count between 1 and 2, which
+    Redis does not see; the entry's eviction then withdraws them (one delete each)."""
+    import numpy as np
+
+    from backend.cache import CacheEntry
+    from backend.report import Reporter
+
+    rep = Reporter("redis://127.0.0.1:1/0", "ns", "m", "b0", "http://x", block_size=16)
+    prompt = list(range(100, 164))  # 4 full blocks
+    keys = schema.block_keys("m", prompt, 16)
+    handle = rep.claim(prompt)
+    assert rep._pending == {k: True for k in keys}
+    rep._pending.clear()  # what a flush takes
+    entry = CacheEntry(tokens=np.array(prompt + [7], dtype=np.int32), kv=None, nbytes=0,
+                       cache_type="assistant", trimmable=True)
+    rep.on_saved(entry)
+    rep.release(handle)
+    assert rep._pending == {} and rep.owned_blocks() == set(keys)
+    rep.on_evicted(entry)
+    assert rep._pending == {k: False for k in keys} and rep.owned_blocks() == set()

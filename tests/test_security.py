@@ -182,9 +182,27 @@ def test_backend_refuses_requests_without_the_internal_token(sec):
 
 
 def test_a_backend_4xx_reaches_anthropic_clients_as_an_anthropic_error(sec):
-    # A gateway without the internal token: the backend answers 401 to every forward.
-    # The dialect must turn that JSON error into its own, streamed or not (its
-    # transform has to see the status before the body).
+    # The gateway passes tool choices through, and the backend refuses one naming a tool that
+    # is not in `tools`: its JSON 400 must come out as an Anthropic error, streamed or not
+    # (the dialect's transform has to see the status before the body).
+    g = sec.gateways[1]
+    body = {"model": "demo-tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "get_weather", "description": "w", "input_schema": {"type": "object", "properties": {}}}],
+            "tool_choice": {"type": "tool", "name": "nope"}}
+    errors = json.loads(_get(g.url + "/health", key=KEYS["val"])[2])["errors"]
+    for stream in (False, True):
+        status, hdrs, raw = _post(g.url + "/v1/messages", {**body, "stream": stream}, key=KEYS["val"])
+        err = json.loads(raw)
+        assert status == 400 and hdrs["Content-Type"].startswith("application/json"), (stream, hdrs, raw)
+        assert err["type"] == "error" and err["error"] == {
+            "type": "invalid_request_error", "message": "tool_choice names 'nope', which is not in 'tools'"}
+    assert json.loads(_get(g.url + "/health", key=KEYS["val"])[2])["errors"] == errors + 2  # passed-through errors count
+
+
+def test_a_gateway_without_the_internal_token_says_so_not_that_the_client_is_unauthorized(sec):
+    # The backend answers 401 to every forward of a gateway started without the internal
+    # token. That is a setup error between the two: the client gets a 503 naming the token
+    # (not a 401 about its own key), and the gateway counts the error.
     saved = sec.env_extra
     sec.env_extra = {k: v for k, v in saved.items() if k != "MLXGW_INTERNAL_TOKEN"}
     try:
@@ -193,13 +211,14 @@ def test_a_backend_4xx_reaches_anthropic_clients_as_an_anthropic_error(sec):
     finally:
         sec.env_extra = saved
     try:
-        for stream in (False, True):
-            status, hdrs, raw = _post(g.url + "/v1/messages", {"model": "demo-tiny", "max_tokens": 2, "stream": stream,
-                                                               "messages": [{"role": "user", "content": "hi"}]},
-                                      key=KEYS["val"])
-            body = json.loads(raw)
-            assert status == 401 and hdrs["Content-Type"].startswith("application/json"), (stream, hdrs, raw)
-            assert body["type"] == "error" and body["error"]["message"] == "missing or invalid internal token"
+        for path, body in (("/v1/chat/completions", CHAT),
+                           ("/v1/messages", {"model": "demo-tiny", "max_tokens": 2,
+                                             "messages": [{"role": "user", "content": "hi"}]})):
+            status, _, raw = _post(g.url + path, body, key=KEYS["val"])
+            assert status == 503, raw
+            assert "rejected this gateway's internal token" in raw.decode() and "MLXGW_INTERNAL_TOKEN" in raw.decode()
+        health = json.loads(_get(g.url + "/health", key=KEYS["val"])[2])
+        assert health["errors"] == 2
     finally:
         g.stop()
         sec.gateways.remove(g)
