@@ -133,22 +133,25 @@ def test_hung_backend_times_out_then_circuit_breaker(make_stack):
     text = words(300, seed=53)
     owner_name = _ask(s.gateway.url, text)[1]["X-Mlxgw-Backend"]
     owner, other = (b0, b1) if owner_name == "b0" else (b1, b0)
+    # A second prompt cached on the owner alone (sent to it directly), for the last check.
+    only_owner = words(300, seed=56)
+    assert _ask(owner.url, only_owner)[0] == 200
     owner.signal(signal.SIGSTOP)
     try:
         t0 = time.time()
         status, h, body = _ask(s.gateway.url, text + " more")  # its prefix lives on the hung backend
         took = time.time() - t0
         assert status == 200 and h["X-Mlxgw-Backend"] == other.name, body
-        assert 1.9 < took < 8
+        assert 1.9 < took < 8, took
         assert get_json(s.gateway.url + "/health")["circuit_open"] == [owner.name]
         t0 = time.time()
         status, h, _ = _ask(s.gateway.url, text + " again")  # skipped at once while the circuit is open
-        assert status == 200 and h["X-Mlxgw-Backend"] == other.name and time.time() - t0 < 1.9
+        assert status == 200 and h["X-Mlxgw-Backend"] == other.name and time.time() - t0 < 1.9, (status, h, time.time() - t0)
         other.signal(signal.SIGSTOP)  # every backend hung: a clear 504 within the configured time
         t0 = time.time()
         status, h, body = _ask(s.gateway.url, words(50, seed=54))
-        assert status == 504 and json.loads(body)["error"]["code"] == "backend_timeout"
-        assert time.time() - t0 < 2 * 2 + 3
+        assert status == 504 and json.loads(body)["error"]["code"] == "backend_timeout", (status, body)
+        assert time.time() - t0 < 2 * 2 + 3, time.time() - t0
     finally:
         owner.signal(signal.SIGCONT)
         other.signal(signal.SIGCONT)
@@ -156,7 +159,11 @@ def test_hung_backend_times_out_then_circuit_breaker(make_stack):
     while get_json(s.gateway.url + "/health")["circuit_open"] and time.time() < deadline:
         time.sleep(0.2)
     assert get_json(s.gateway.url + "/health")["circuit_open"] == []
-    assert _ask(s.gateway.url, text + " more")[1]["X-Mlxgw-Backend"] == owner.name
+    # Back in service: a prefix only the owner holds goes to it again. (Not `text + " more"`:
+    # the other backend answered that one, and the owner holds it too only if it happened to
+    # run the request that timed out on it after it resumed, which it may or may not do.)
+    _, h, _ = _ask(s.gateway.url, only_owner + " more")
+    assert h["X-Mlxgw-Backend"] == owner.name, h
 
 
 def test_client_disconnect_cancels_upstream_and_saves(make_stack):
