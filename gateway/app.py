@@ -80,25 +80,29 @@ STATE = web.AppKey("state", GatewayState)
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
+    """Every error becomes a JSON error in the request's dialect, and every answer with an
+    error status, ours or a backend's passed through, counts in ``errors``."""
     try:
-        return await handler(request)
+        resp = await handler(request)
     except RequestError as e:
-        request.app[STATE].counters["errors"] += 1
-        return dialects.error_response(request, e)
+        resp = dialects.error_response(request, e)
     except web.HTTPException as e:
-        if e.status >= 400:
-            err = RequestError(e.reason or "error", status=e.status)
-            if e.status == 404:
-                err = RequestError(f"no route for {request.method} {request.path}", status=404, code="not_found")
-            elif e.status == 413:
-                err = RequestError("request body too large", status=413, code="body_too_large")
-            return dialects.error_response(request, err)
-        raise
+        if e.status < 400:
+            raise
+        err = RequestError(e.reason or "error", status=e.status)
+        if e.status == 404:
+            err = RequestError(f"no route for {request.method} {request.path}", status=404, code="not_found")
+        elif e.status == 413:
+            err = RequestError("request body too large", status=413, code="body_too_large")
+        resp = dialects.error_response(request, err)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unhandled gateway error")
-        return dialects.error_response(request, RequestError("internal gateway error", status=500, type="server_error"))
+        resp = dialects.error_response(request, RequestError("internal gateway error", status=500, type="server_error"))
+    if resp.status >= 400:
+        request.app[STATE].counters["errors"] += 1
+    return resp
 
 
 async def _read_json(request: web.Request) -> dict:
@@ -275,8 +279,6 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         outcome = "client_disconnected"
         raise
     finally:
-        if resp is not None and resp.status >= 400:
-            st.counters["errors"] += 1  # the backend's own error answer, passed through
         st.pending.release(claim, outcome == "ok" and resp is not None and resp.status < 400)
         request_done(st.metrics, rid=rid, model=info.name, prompt_tokens=len(ids), lookup=lk, t0=t0,
                      route_s=route_ms / 1000, attempts=attempts, resp=resp, outcome=outcome)

@@ -209,13 +209,14 @@ class Proxy:
                 timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout)
                 async with self.session.post(a.url + path, data=payload, headers=headers, timeout=timeout) as up:
                     if up.status >= 500 or up.status == 401:
-                        # 401 is the backend refusing this gateway's internal token: a
-                        # setup error between the two, not the client's credentials.
-                        last_err = (f"backend {a.backend_id} rejected this gateway's internal token (start gateways "
-                                    "and backends with the same --internal-token / MLXGW_INTERNAL_TOKEN)"
-                                    if up.status == 401 else f"backend {a.backend_id} answered {up.status}")
                         if up.status == 401:
+                            # The backend refuses this gateway's internal token: a setup
+                            # error between the two, not the client's credentials.
+                            last_err = (f"backend {a.backend_id} rejected this gateway's internal token (start "
+                                        "gateways and backends with the same --internal-token / MLXGW_INTERNAL_TOKEN)")
                             log.error("%s", last_err)
+                        else:
+                            last_err = f"backend {a.backend_id} answered {up.status}"
                         timed_out = False
                         await up.read()
                         continue
