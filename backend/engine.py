@@ -51,6 +51,7 @@ from .metrics import BackendMetrics
 log = logging.getLogger("mlxgw.backend.engine")
 
 HOLD_SCAN = 16  # waiting requests looked at per admission pass (bounds the prefix comparisons)
+PREFILL_ORDERS = ("fifo", "shorter-beside", "step-beside")
 
 
 @dataclass
@@ -159,6 +160,7 @@ class _Live:
     detok: Any
     prompt_left: int
     save_system_at: int = 0
+    prompt_done: int = 0  # of ``prompt_left``, tokens already prefilled
     started: float = field(default_factory=time.monotonic)
     prompt_saved: bool = False  # `_save_prompt` already saved it for a waiting request
 
@@ -181,6 +183,9 @@ class MLXEngine(Engine):
             docs/cache-policy.md.
         claims: the reporter; each request's prompt blocks are claimed
             (`Reporter.claim`) from arrival to end. None: no claims.
+        prefill_order: ``"fifo"`` (default), ``"shorter-beside"`` or
+            ``"step-beside"``; which waiting request takes a free prefill slot
+            (`_admit_waiting`).
     """
 
     def __init__(
@@ -195,7 +200,11 @@ class MLXEngine(Engine):
         metrics: Optional[BackendMetrics] = None,
         save_at_prefill_end: bool = True,
         claims: Any = None,
+        prefill_order: str = "fifo",
     ):
+        if prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"unknown prefill order {prefill_order!r}; one of {', '.join(PREFILL_ORDERS)}")
+        self.prefill_order = prefill_order
         self.model_path = model_path
         self.finish_prefill_on_cancel = finish_prefill_on_cancel
         self.save_at_prefill_end = save_at_prefill_end
@@ -355,20 +364,37 @@ class MLXEngine(Engine):
                 self._step()
 
     def _admit_waiting(self) -> None:
-        """Admit waiting requests, oldest first, while the batch has a free prefill slot.
+        """Admit waiting requests while the batch has a free prefill slot.
 
         mlx-lm's ``BatchGenerator`` starts at most ``prefill_batch_size`` prompts
         at a time, and none while ``completion_batch_size`` sequences run; a
         request admitted beyond that would only wait inside it, with a cache
         lookup already stale. A request sharing a prompt still being prefilled
         (`_reuses`) is passed over until that prefill ends.
+
+        Which request (``prefill_order``): with no prefill running, the oldest.
+        Beside a running prefill, ``"fifo"`` also takes the oldest;
+        ``"shorter-beside"`` takes the waiting request with the fewest tokens
+        to compute, and only one with fewer than the longest running prefill
+        has left; ``"step-beside"`` likewise, but only one that fits in one
+        prefill step (`_pick_beside`). Prefill is compute bound, so prompts in
+        one batch share the compute (and mlx-lm pads each step's chunks to
+        the longest): two long prompts side by side both finish late, while a
+        short one (a turn whose prefix is cached) beside a long one is done in
+        a step or two instead of waiting for all of it. Measured in
+        docs/cache-policy.md; no order wins on both traces, so fifo stays.
         """
         prefilling = [lv for lv in self._live.values() if lv.prompt_left > 0]
         cap = max(self.decode_concurrency, self.prefill_concurrency)
         held = []
         while (self._waiting and len(held) < HOLD_SCAN and len(prefilling) < self.prefill_concurrency
                and len(self._live) < cap):
-            req = self._waiting.popleft()
+            if prefilling and self.prefill_order != "fifo":
+                req = self._pick_beside(prefilling)
+                if req is None:
+                    break
+            else:
+                req = self._waiting.popleft()
             if req.rid in self._pending_cancel:
                 self._pending_cancel.discard(req.rid)
                 self._drop_waiting(req)
@@ -379,6 +405,31 @@ class MLXEngine(Engine):
                     self._save_decoding_prompt_for(req)
                 prefilling.append(self._admit(req))
         self._waiting.extendleft(reversed(held))
+
+    def _pick_beside(self, prefilling: list[_Live]) -> Optional[GenRequest]:
+        """Remove and return the waiting request to prefill beside ``prefilling`` (not "fifo").
+
+        Among the oldest ``HOLD_SCAN`` waiting requests that are not held for a
+        running prefill (`_reuses`), the one with the fewest uncached tokens
+        (its pinned hit counts as cached), if that is fewer than the most any
+        running prefill has left ("step-beside": and at most
+        ``prefill_step_size``); ties go to the older. None: let them wait.
+        """
+        left = max(lv.prompt_left - lv.prompt_done for lv in prefilling)
+        if self.prefill_order == "step-beside":
+            left = min(left, self.prefill_step_size + 1)
+        best, best_i = left, -1
+        for i, req in enumerate(self._next_waiting()):
+            if self.save_at_prefill_end and any(self._reuses(req, lv) for lv in prefilling):
+                continue
+            todo = len(req.prompt) - (req.hit.reused if req.hit is not None else 0)
+            if todo < best:
+                best, best_i = todo, i
+        if best_i < 0:
+            return None
+        req = self._waiting[best_i]
+        del self._waiting[best_i]
+        return req
 
     def _save_decoding_prompt_for(self, req: GenRequest) -> None:
         """Save the prompt of a decoding request that ``req`` reuses (`_reuses`) before ``req`` is admitted."""
@@ -520,6 +571,7 @@ class MLXEngine(Engine):
             if live is None:
                 continue
             done, total = r.progress
+            live.prompt_done = done
             cached = live.req.cached
             live.req.emit(GenEvent("progress", done=cached + done, total=cached + total))
             if r.end_of_prompt:

@@ -17,6 +17,7 @@ from mlxgw.util import parse_bytes, redact_url
 
 from . import sim
 from .cache import PromptCache
+from .engine import PREFILL_ORDERS
 from .metrics import BackendMetrics
 from .report import Reporter
 from .server import BackendConfig, make_app
@@ -45,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-concurrency", type=int, default=8)
     p.add_argument("--prefill-concurrency", type=int, default=2)
     p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--prefill-order", choices=PREFILL_ORDERS, default=PREFILL_ORDERS[0],
+                   help="which waiting request takes a free prefill slot beside a running prefill: the oldest "
+                        "(fifo), or the one with the fewest tokens to compute if fewer than the running one has "
+                        "left (shorter-beside) and at most one prefill step (step-beside); docs/cache-policy.md")
     p.add_argument("--heartbeat-interval", type=float, default=schema.DEFAULT_HEARTBEAT_INTERVAL)
     p.add_argument("--heartbeat-ttl", type=float, default=schema.DEFAULT_HEARTBEAT_TTL)
     p.add_argument("--request-timeout", type=float, default=600.0,
@@ -118,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     kw = dict(decode_concurrency=args.decode_concurrency, prefill_concurrency=args.prefill_concurrency,
               prefill_step_size=args.prefill_step_size, finish_prefill_on_cancel=not args.cancel_prefill,
               metrics=metrics, save_at_prefill_end=args.prefill_save,
-              claims=reporter if args.inflight_claims else None)
+              claims=reporter if args.inflight_claims else None, prefill_order=args.prefill_order)
     if args.engine == "sim":
         try:
             timing = sim.timing_from_args(args)

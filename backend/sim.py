@@ -270,7 +270,7 @@ class SimBatchGenerator:
                 still.append(s)
         self._prompt = still
 
-        chunk_tokens = 0
+        widest = 0
         for s in self._prompt:
             seg = s.segments[0]
             k = min(len(seg), self.prefill_step_size)
@@ -282,8 +282,11 @@ class SimBatchGenerator:
                 s.segments.pop(0)
                 end_seg = True
             s.processed += k
-            chunk_tokens += k
+            widest = max(widest, k)
             prompt_resps.append(PromptResponse(s.uid, (s.processed, s.total), end_seg, False))
+        # mlx-lm right-pads the step's chunks to the longest, and the model
+        # computes the padding too.
+        chunk_tokens = widest * len(self._prompt)
         self.sleep(t_decode + self.timing.prefill_seconds(chunk_tokens))
         return prompt_resps, gen_resps
 
