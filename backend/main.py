@@ -32,8 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="listen address (loopback by default)")
     p.add_argument("--id", dest="backend_id", help="backend name, stable across restarts (default: host:port)")
     p.add_argument("--url", help="URL gateways reach this backend at (default: http://host:port)")
-    p.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--namespace", default=schema.DEFAULT_NAMESPACE)
+    p.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                   help="Redis holding the ownership index and registry (default: env MLXGW_REDIS_URL, else redis://127.0.0.1:6379/0)")
+    p.add_argument("--namespace", default=schema.DEFAULT_NAMESPACE,
+                   help="Redis key prefix shared with the gateways (default %(default)s; docs/redis-schema.md)")
     p.add_argument("--block-size", type=int, default=schema.DEFAULT_BLOCK_SIZE, help="tokens per block")
     p.add_argument("--cache-entries", type=int, default=16, help="most prompt-cache entries")
     p.add_argument("--cache-bytes", type=str, default="4GB", help="prompt-cache byte budget, e.g. 512MB, 8GB")

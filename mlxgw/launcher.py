@@ -175,9 +175,7 @@ def run(args: argparse.Namespace) -> int:
             port = m.port + i
             cmd = py + ["backend", "--model", m.path, "--served-name", m.name, "--port", str(port),
                         "--id", f"{m.name}-{i}", "--namespace", cfg.namespace, "--block-size", str(cfg.block_size),
-                        "--cache-bytes", str(m.cache_bytes), "--cache-entries", str(m.cache_entries),
-                        "--min-hit-tokens", str(m.min_hit_tokens), "--min-shared-tokens", str(m.min_shared_tokens),
-                        "--prefill-save" if m.prefill_save else "--no-prefill-save"]
+                        *backend_model_flags(m)]
             children.append(Child(f"{m.name}-{i}", cmd, env, f"http://127.0.0.1:{port}/health"))
     gw_cmd = py + ["gateway", "--host", cfg.host, "--port", str(cfg.port), "--namespace", cfg.namespace,
                    "--block-size", str(cfg.block_size)]
@@ -249,6 +247,14 @@ def _forget_url(redis_url: str) -> None:
             f.unlink()
     except OSError:
         pass
+
+
+def backend_model_flags(m: config_mod.ModelConfig) -> list[str]:
+    """The backend flags of one ``[[models]]`` table's cache and prefill settings."""
+    return ["--cache-bytes", str(m.cache_bytes), "--cache-entries", str(m.cache_entries),
+            "--min-hit-tokens", str(m.min_hit_tokens), "--min-shared-tokens", str(m.min_shared_tokens),
+            "--prefill-save" if m.prefill_save else "--no-prefill-save",
+            "--prefill-concurrency", str(m.prefill_concurrency), "--prefill-order", m.prefill_order]
 
 
 def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:

@@ -64,3 +64,18 @@ def test_serve_passes_routing_and_keepalive_to_the_gateway(tmp_path):
     with pytest.raises(ValueError, match="policy must be one of"):
         (tmp_path / "d.toml").write_text('[routing]\npolicy = "random"\n')
         config.load(str(tmp_path / "d.toml"))
+
+
+def test_serve_passes_prefill_settings_to_the_backends(tmp_path):
+    from mlxgw import launcher
+
+    p = tmp_path / "c.toml"
+    p.write_text('[[models]]\nname = "m"\nprefill_concurrency = 1\nprefill_order = "step-beside"\n')
+    flags = launcher.backend_model_flags(config.load(str(p)).models[0])
+    assert flags[flags.index("--prefill-concurrency") + 1] == "1"
+    assert flags[flags.index("--prefill-order") + 1] == "step-beside"
+    default = launcher.backend_model_flags(config.ModelConfig())
+    assert default[default.index("--prefill-order") + 1] == "fifo"
+    (tmp_path / "d.toml").write_text('[[models]]\nprefill_order = "lifo"\n')
+    with pytest.raises(ValueError, match="prefill_order must be one of fifo, shorter-beside, step-beside"):
+        config.load(str(tmp_path / "d.toml"))
