@@ -398,7 +398,7 @@ class MLXEngine(Engine):
             if req.rid in self._pending_cancel:
                 self._pending_cancel.discard(req.rid)
                 self._drop_waiting(req)
-            elif self.save_at_prefill_end and any(self._reuses(req, lv) for lv in prefilling):
+            elif self._held(req, prefilling):
                 held.append(req)
             else:
                 if self.save_at_prefill_end:
@@ -420,7 +420,7 @@ class MLXEngine(Engine):
             left = min(left, self.prefill_step_size + 1)
         best, best_i = left, -1
         for i, req in enumerate(self._next_waiting()):
-            if self.save_at_prefill_end and any(self._reuses(req, lv) for lv in prefilling):
+            if self._held(req, prefilling):
                 continue
             todo = len(req.prompt) - (req.hit.reused if req.hit is not None else 0)
             if todo < best:
@@ -441,6 +441,10 @@ class MLXEngine(Engine):
     def _next_waiting(self):
         """The waiting requests `_admit_waiting` looks at (the oldest ``HOLD_SCAN``)."""
         return itertools.islice(self._waiting, HOLD_SCAN)
+
+    def _held(self, req: GenRequest, prefilling: list[_Live]) -> bool:
+        """True if ``req`` waits for a running prefill it reuses (the hold of ``save_at_prefill_end``)."""
+        return self.save_at_prefill_end and any(self._reuses(req, lv) for lv in prefilling)
 
     def _reuses(self, req: GenRequest, live: _Live) -> bool:
         """True if ``req`` would reuse at least ``min_hit_tokens`` of what ``live`` computes."""

@@ -1,6 +1,6 @@
 """Which waiting request a backend prefills next (``--prefill-order``, backend/engine.py).
 
-Two sim backends, one per order, get the same three cold prompts: a long
+Three sim backends, one per order, get the same three cold prompts: a long
 one A, a second long one B 0.3 s later, a short one C 0.6 s later. Each
 long prompt is about 2 s of prefill alone, C one step. Prefill is compute
 bound, so prompts batched together share it.
