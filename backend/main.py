@@ -178,9 +178,11 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
         except NotImplementedError:  # pragma: no cover (Windows)
             pass
     await stop.wait()
+    log.info("backend %s stopping: draining, then withdrawing from Redis", cfg.backend_id)
     reporter.state = "draining"
     await runner.cleanup()
     await reporter.stop()
     engine.stop()
+    log.info("backend %s stopped", cfg.backend_id)
     return 0
 

@@ -10,6 +10,7 @@ last entry is evicted, continuing an answer).
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
 import numpy as np
@@ -117,3 +118,41 @@ def test_sim_sglang_endpoints(make_stack):
         urllib.request.urlopen(bad, timeout=10)
     assert ei.value.code == 400
     assert json.loads(ei.value.read())["error"]["param"] == "input_ids"
+
+
+@pytest.mark.timeout(120)
+def test_sigint_withdraws_the_backend_from_redis_and_says_so(make_stack, redis_server):
+    """A backend stopped with SIGINT (Ctrl-C) exits 0 and leaves nothing that
+    routes: its registry record, its heartbeat entry and its owned blocks are
+    gone, the stream records the ``cleared`` event, and its log says it stopped."""
+    import signal
+
+    import redis
+
+    from mlxgw import schema
+
+    st = make_stack()
+    b = st.add_backend("b0", None, "--engine", "sim", "--cache-bytes", "1TB")
+    st.wait()
+    ids = _ids(21, 64)
+    assert _cached(b.url, "/v1/completions", {"prompt": ids, "max_tokens": 1}) == 0
+    r = redis_server.client()
+    k = schema.Keys(st.namespace, st.model_name)
+    blocks = k.blocks(schema.block_keys(st.model_name, ids, st.block_size))
+    assert len(blocks) == 4
+    deadline = time.time() + 5  # the reporter flushes saves in the background
+    while not all(r.hexists(x, "b0") for x in blocks) and time.time() < deadline:
+        time.sleep(0.05)
+    assert all(r.hexists(x, "b0") for x in blocks)
+    assert r.exists(k.backend("b0")) and r.zscore(k.backends, "b0") is not None
+
+    b.signal(signal.SIGINT)
+    assert b.proc.wait(30) == 0
+    assert not r.exists(k.backend("b0"))
+    assert r.zscore(k.backends, "b0") is None
+    assert not any(r.hexists(x, "b0") for x in blocks)
+    raw = redis.Redis.from_url(redis_server.url)  # event data is msgpack: no decoding
+    last = schema.decode_event(raw.xrevrange(k.events, count=1)[0][1])
+    assert (last["type"], last["backend"]) == (schema.EVENT_CLEARED, "b0")
+    log = b.log_path.read_text()
+    assert "backend b0 stopping" in log and "backend b0 stopped" in log
