@@ -17,7 +17,10 @@ message, ``max_tokens`` 1, not streamed) on each path:
   tokenizes as in ``direct``);
 * ``floor``: the gateway's own forward (msgpack with the token ids) sent by
   the client straight to the backend: what the backend costs on the
-  ``mlxgw`` path.
+  ``mlxgw`` path;
+* ``aiohttp``: through `bench/bare_hop.py`, a bare aiohttp pass-through
+  proxy (no parsing, routing or Redis): the cost of the extra hop alone,
+  which any aiohttp gateway pays before doing any work of its own.
 
 "Added latency" is a path's percentile minus ``direct``'s at the same
 percentile (same client request, routed vs not). Because our gateway takes
@@ -69,10 +72,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.replay_routers import SglangRouter  # noqa: E402
 from mlxgw import schema  # noqa: E402
-from mlxgw.harness import RedisServer, Stack  # noqa: E402
+from mlxgw import httpget  # noqa: E402
+from mlxgw.harness import RedisServer, Stack, free_port  # noqa: E402
 from mlxgw.protocol import INTERNAL_FIELD  # noqa: E402
 
-PATHS = ("direct", "mlxgw", "sglang", "floor")
+PATHS = ("direct", "mlxgw", "sglang", "floor", "aiohttp")
 VOCAB = ("the of and to in is for that with on as by at from this which are be was it an or not have has but "
          "gateway backend cache prefix token router request response stream session model prompt memory latency "
          "function return value error result config server client file path import class module test run edit "
@@ -89,6 +93,16 @@ def filler(n_words: int, seed: int) -> str:
 
 def pct(xs, q) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def wait_http(url: str, timeout: float = 30.0) -> None:
+    """Poll ``url`` until it answers 200; raises RuntimeError after ``timeout`` seconds."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if httpget.get_status(url) == 200:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer in {timeout:g} s")
 
 
 def loadavg() -> list[float]:
@@ -322,19 +336,21 @@ def tables(res: dict) -> str:
         title = "one request at a time" if mode == "sequential" else f"{res['config']['concurrency']} concurrent"
         out.append(f"\n**{title}** (ms; added = path − direct at the same percentile)\n")
         out.append("| prompt tokens | direct p50 / p99 | mlxgw p50 / p99 | sglang p50 / p99 | floor p50 / p99 "
-                   "| mlxgw added p50 / p99 | sglang added p50 / p99 | mlxgw work (− floor) p50 / p99 | n/path "
-                   "| load avg before → after |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|")
+                   "| mlxgw added p50 / p99 | sglang added p50 / p99 | bare aiohttp hop added p50 / p99 "
+                   "| mlxgw work (− floor) p50 / p99 | n/path | load avg before → after |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in runs:
             s = r["summary"]
             g = s.get("mlxgw", {})
             sg = s.get("sglang", {})
+            hop = s.get("aiohttp", {})
             out.append(
                 f"| {r['prompt_tokens']} | {fmt(s['direct']['p50_ms'])} / {fmt(s['direct']['p99_ms'])} "
                 f"| {fmt(g.get('p50_ms'))} / {fmt(g.get('p99_ms'))} | {fmt(sg.get('p50_ms'))} / {fmt(sg.get('p99_ms'))} "
                 f"| {fmt(s.get('floor', {}).get('p50_ms'))} / {fmt(s.get('floor', {}).get('p99_ms'))} "
                 f"| **{fmt(g.get('added_p50_ms'))}** / {fmt(g.get('added_p99_ms'))} "
                 f"| **{fmt(sg.get('added_p50_ms'))}** / {fmt(sg.get('added_p99_ms'))} "
+                f"| {fmt(hop.get('added_p50_ms'))} / {fmt(hop.get('added_p99_ms'))} "
                 f"| {fmt(g.get('work_p50_ms'))} / {fmt(g.get('work_p99_ms'))} | {s['direct']['n']} "
                 f"| {r['load_before'][0]} → {r['load_after'][0]} |"
                 + (f" errors: {r['errors']} {r['error_samples'][:1]}" if r["errors"] else ""))
@@ -410,7 +426,7 @@ def main(argv=None) -> int:
            "plan": plan, "overhead": []}
     redis = RedisServer().start()
     st = Stack(redis.url, str(model), block_size=schema.DEFAULT_BLOCK_SIZE)
-    router = None
+    router = hop = None
     t_all = time.time()
     try:
         st.add_backend("b0", None, "--engine", "sim", "--sim-speed", str(args.sim_speed), *shlex.split(args.backend_args))
@@ -420,8 +436,13 @@ def main(argv=None) -> int:
         res["load_at_start"] = wait_idle(args.idle_load, args.idle_wait)
         router = SglangRouter([st.backends[0].url], "overhead")
         router.wait(1)
+        hop_port = free_port()
+        hop = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "bare_hop.py"), str(hop_port),
+                                st.backends[0].url])
+        hop_url = f"http://127.0.0.1:{hop_port}"
+        wait_http(hop_url + "/health")
         urls = {"direct": st.backends[0].url, "mlxgw": st.gateways[0].url, "sglang": router.url,
-                "mlxgw-nocache": st.gateways[1].url}
+                "mlxgw-nocache": st.gateways[1].url, "aiohttp": hop_url}
         paths = Paths(urls, st.model_name, tok)
         for mode in ("sequential", "concurrent"):
             if mode in skip:
@@ -468,6 +489,9 @@ def main(argv=None) -> int:
     finally:
         if router:
             router.stop()
+        if hop:
+            hop.terminate()
+            hop.wait(10)
         st.stop()
         redis.cleanup()
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
@@ -489,7 +513,8 @@ def main(argv=None) -> int:
             "our gateway (it templates, tokenizes, hashes, looks up Redis, forwards token ids; the backend does "
             "not tokenize); **sglang** = through sglang-router (it takes the same chat request, routes on the "
             "messages' text and forwards the JSON; the backend tokenizes); **floor** = our gateway's msgpack "
-            "forward sent straight to the backend (what the backend costs on the mlxgw path). "
+            "forward sent straight to the backend (what the backend costs on the mlxgw path); **aiohttp** = "
+            "through a bare aiohttp pass-through proxy (`bench/bare_hop.py`: the extra hop alone, no work). "
             "Added = path − direct; work = mlxgw − floor (everything the gateway does).\n")
     body = head + md + "\n"
     out = Path(args.out_dir)
