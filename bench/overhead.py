@@ -72,8 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.replay_routers import SglangRouter  # noqa: E402
 from mlxgw import schema  # noqa: E402
-from mlxgw import httpget  # noqa: E402
-from mlxgw.harness import RedisServer, Stack, free_port  # noqa: E402
+from mlxgw.harness import LOG_DIR, Proc, RedisServer, Stack, free_port  # noqa: E402
 from mlxgw.protocol import INTERNAL_FIELD  # noqa: E402
 
 PATHS = ("direct", "mlxgw", "sglang", "floor", "aiohttp")
@@ -93,16 +92,6 @@ def filler(n_words: int, seed: int) -> str:
 
 def pct(xs, q) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
-
-
-def wait_http(url: str, timeout: float = 30.0) -> None:
-    """Poll ``url`` until it answers 200; raises RuntimeError after ``timeout`` seconds."""
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if httpget.get_status(url) == 200:
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer in {timeout:g} s")
 
 
 def loadavg() -> list[float]:
@@ -436,13 +425,12 @@ def main(argv=None) -> int:
         res["load_at_start"] = wait_idle(args.idle_load, args.idle_wait)
         router = SglangRouter([st.backends[0].url], "overhead")
         router.wait(1)
-        hop_port = free_port()
-        hop = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "bare_hop.py"), str(hop_port),
-                                st.backends[0].url])
-        hop_url = f"http://127.0.0.1:{hop_port}"
-        wait_http(hop_url + "/health")
+        port = free_port()
+        hop = Proc("bare-hop", [sys.executable, str(Path(__file__).resolve().parent / "bare_hop.py"), str(port),
+                                st.backends[0].url], port, LOG_DIR / f"bare-hop-{port}.log").start(st.env())
+        hop.wait_healthy(30)
         urls = {"direct": st.backends[0].url, "mlxgw": st.gateways[0].url, "sglang": router.url,
-                "mlxgw-nocache": st.gateways[1].url, "aiohttp": hop_url}
+                "mlxgw-nocache": st.gateways[1].url, "aiohttp": hop.url}
         paths = Paths(urls, st.model_name, tok)
         for mode in ("sequential", "concurrent"):
             if mode in skip:
@@ -490,8 +478,7 @@ def main(argv=None) -> int:
         if router:
             router.stop()
         if hop:
-            hop.terminate()
-            hop.wait(10)
+            hop.stop()
         st.stop()
         redis.cleanup()
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
