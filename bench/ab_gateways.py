@@ -47,31 +47,12 @@ from mlxgw.harness import RedisServer, Stack, free_port  # noqa: E402
 
 
 def serve_proxy(target: str, port: int) -> None:
-    """A pass-through aiohttp proxy with no work: the floor of a Python hop."""
+    """A pass-through aiohttp proxy with no work: the floor of a Python hop (`bench.bare_hop`)."""
     from aiohttp import web
 
-    async def init():
-        app = web.Application()
-        session: dict = {}
+    from bench.bare_hop import make_app
 
-        async def start(_):
-            session["s"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
-
-        async def stop(_):
-            await session["s"].close()
-
-        async def handle(req):
-            body = await req.read()
-            async with session["s"].post(target + req.path, data=body,
-                                         headers={"Content-Type": req.content_type}) as up:
-                return web.Response(body=await up.read(), status=up.status, content_type=up.content_type)
-
-        app.on_startup.append(start)
-        app.on_cleanup.append(stop)
-        app.router.add_post("/{p:.*}", handle)
-        return app
-
-    web.run_app(init(), port=port, access_log=None, print=lambda *_: None)
+    web.run_app(make_app(target), host="127.0.0.1", port=port, access_log=None, print=None)
 
 
 async def _post(session, url: str, body: bytes) -> float:

@@ -32,7 +32,9 @@ def make_app(upstream: str) -> web.Application:
             return web.Response(status=up.status, body=data, content_type=up.content_type)
 
     async def session(app: web.Application):
-        app[SESSION] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
+        # auto_decompress off: the bytes pass through as the upstream sent them.
+        app[SESSION] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                                             auto_decompress=False)
         yield
         await app[SESSION].close()
 
