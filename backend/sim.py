@@ -21,7 +21,9 @@ ones, so a trace replay can send short prompts; see docs/sim.md):
   ``step = t_weights + sum(context_i) * kv_bytes_per_token / bandwidth`` with
   ``t_weights = 1/decode_rate - ref_context * kv_bytes_per_token / bandwidth``,
   so a lone sequence at ``ref_context`` tokens decodes at exactly
-  ``decode_rate``. A step then emits one token per running sequence.
+  ``decode_rate``. A real step adds one token to each running sequence; a
+  sim output token stands for ``token_scale`` real steps, and a step that
+  prefills is one real step (`SimBatchGenerator.next`).
 * both times are divided by ``speed`` (a benchmark that compresses trace time
   by C runs the sim C times faster to keep the same load).
 
@@ -101,13 +103,15 @@ class SimTiming:
     def prefill_seconds(self, sim_tokens: int) -> float:
         return sim_tokens * self.token_scale / self.prefill_rate / self.speed
 
-    def decode_seconds(self, contexts: list[int]) -> float:
-        """One batched decode step over sequences holding ``contexts`` sim tokens each."""
+    def decode_seconds(self, contexts: list[int], real_steps: float = 1.0) -> float:
+        """``real_steps`` batched real decode steps over sequences holding ``contexts`` sim tokens each.
+
+        One sim output token stands for ``token_scale`` real decode steps.
+        """
         if not contexts:
             return 0.0
         kv = sum(contexts) * self.token_scale * self.kv_bytes_per_token / self.bandwidth
-        # One sim token stands for token_scale real decode steps.
-        return (self.t_weights + kv) * self.token_scale / self.speed
+        return (self.t_weights + kv) * real_steps / self.speed
 
     def nbytes(self, sim_tokens: int) -> int:
         return int(sim_tokens * self.token_scale * self.kv_bytes_per_token)
@@ -179,6 +183,7 @@ class _Seq:
     generated: int = 0
     salt: int = 0
     extra: dict = field(default_factory=dict)
+    acc: float = 0.0  # real decode steps run since its last sim token (see `SimBatchGenerator.next`)
 
 
 class SimBatchGenerator:
@@ -231,12 +236,32 @@ class SimBatchGenerator:
         return uids
 
     def next(self):
-        """One step: decode every running sequence, then one prefill chunk; sleeps the modelled time."""
+        """One step: decode every running sequence, then one prefill chunk; sleeps the modelled time.
+
+        A step that has prompts to prefill is one real mlx-lm step: one batched
+        decode step for the running sequences, then one chunk per prompt. A sim
+        output token stands for ``token_scale`` real decode steps, so a running
+        sequence emits its next token once it has run that many (``_Seq.acc``);
+        a sequence whose prompt just ended emits its first token after one real
+        step (TTFT = prefill + one decode step, as on the hardware). A step with
+        nothing to prefill runs, at once, the real decode steps until the next
+        sequence is due. (Until session 11 every step decoded ``token_scale``
+        real steps, so a running decode slowed a prefill that many times more
+        than on the hardware.)
+        """
         gen_resps: list[GenResponse] = []
         prompt_resps: list[PromptResponse] = []
-        t_decode = self.timing.decode_seconds([len(s.tokens) for s in self._gen])
+        scale = self.timing.token_scale
+        prefill = bool(self._prompt or self._unprocessed) and len(self._gen) < self.completion_batch_size
+        steps = 1.0 if prefill else min((scale - s.acc for s in self._gen), default=scale)
+        t_decode = self.timing.decode_seconds([len(s.tokens) for s in self._gen], steps)
         keep = []
         for s in self._gen:
+            s.acc += steps
+            if s.acc < scale - 1e-9:
+                keep.append(s)
+                continue
+            s.acc = max(0.0, s.acc - scale)
             tok = self._token(s)
             # mlx-lm feeds each sampled token to the model before returning it
             # (one step of lookahead), so the KV already holds it.
@@ -264,6 +289,7 @@ class SimBatchGenerator:
                 # mlx-lm's split: the last prompt token is fed as the first decode input.
                 s.tokens.append(s.segments[0][0])
                 s.kv.n += 1
+                s.acc = max(0.0, scale - 1)  # its first token comes after one real decode step
                 self._gen.append(s)
                 prompt_resps.append(PromptResponse(s.uid, (s.total, s.total), True, True))
             else:
@@ -390,7 +416,7 @@ def timing_from_args(args) -> SimTiming:
     """Build the `SimTiming` from parsed flags.
 
     Raises:
-        ValueError: a non-positive rate, scale or speed.
+        ValueError: a non-positive rate or speed, or a token scale below 1.
     """
     layers, heads, dim = args.sim_layers, args.sim_kv_heads, args.sim_head_dim
     if args.sim_model_config:
@@ -398,6 +424,8 @@ def timing_from_args(args) -> SimTiming:
     for name in ("sim_prefill_rate", "sim_decode_rate", "sim_bandwidth", "sim_token_scale", "sim_speed"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    if args.sim_token_scale < 1:
+        raise ValueError("--sim-token-scale must be >= 1 (a sim token stands for at least one real token)")
     return SimTiming(
         prefill_rate=args.sim_prefill_rate,
         decode_rate=args.sim_decode_rate,

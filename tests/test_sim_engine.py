@@ -156,3 +156,34 @@ def test_sigint_withdraws_the_backend_from_redis_and_says_so(make_stack, redis_s
     assert (last["type"], last["backend"]) == (schema.EVENT_CLEARED, "b0")
     log = b.log_path.read_text()
     assert "backend b0 stopping" in log and "backend b0 stopped" in log
+
+
+def test_sim_step_times_follow_mlx_lm_steps_with_scaled_tokens():
+    """With ``token_scale`` S, a step that prefills is one real mlx-lm step (one
+    real decode step plus a chunk), a running sequence emits a sim token every S
+    real decode steps, a finished prompt's first token comes one real decode step
+    later, and a decode-only step runs the real steps until the next token is due."""
+    from backend.sim import SimBatchGenerator, SimTiming
+
+    # t_weights = 1/decode_rate = 0.01 s (no KV term); a chunk of n ids = n * 4 / 1000 s.
+    timing = SimTiming(prefill_rate=1000, decode_rate=100, kv_bytes_per_token=0, ref_context=0, token_scale=4)
+    slept: list[float] = []
+    gen = SimBatchGenerator(timing, (16, 100), completion_batch_size=8, prefill_batch_size=2,
+                            prefill_step_size=10, sleep=slept.append)
+
+    def step():
+        slept.clear()
+        _, resp = gen.next()
+        return round(slept[0], 6), [(r.uid, r.finish_reason) for r in resp]
+
+    (a,) = gen.insert_segments([[list(range(20, 41))]], [3], [None], [[]])  # 21 ids: 20 prefilled + the last
+    assert [step(), step()] == [(0.04, []), (0.04, [])]      # two chunks of 10, nothing decoding
+    assert step() == (0.0, [])                                # the prompt ends: a joins the decode batch
+    assert step() == (0.01, [(a, None)])                      # first token: one real decode step
+    (b,) = gen.insert_segments([[list(range(50, 91))]], [1], [None], [[]])  # 41 ids
+    # b prefills in 4 steps of (one real decode step + a chunk); a emits once every 4 of them.
+    assert [step() for _ in range(4)] == [(0.05, [])] * 3 + [(0.05, [(a, None)])]
+    assert step() == (0.01, [])                               # b ends its prompt (a decodes one real step)
+    assert step() == (0.01, [(b, "length")])                  # b's first token, one real step later
+    assert step() == (0.02, [(a, "length")])                  # a was due in 2 more real steps
+    assert step() == (0.0, [])                                # nothing left
