@@ -245,9 +245,7 @@ class SimBatchGenerator:
         a sequence whose prompt just ended emits its first token after one real
         step (TTFT = prefill + one decode step, as on the hardware). A step with
         nothing to prefill runs, at once, the real decode steps until the next
-        sequence is due. (Until session 11 every step decoded ``token_scale``
-        real steps, so a running decode slowed a prefill that many times more
-        than on the hardware.)
+        sequence is due.
         """
         gen_resps: list[GenResponse] = []
         prompt_resps: list[PromptResponse] = []
@@ -258,7 +256,7 @@ class SimBatchGenerator:
         keep = []
         for s in self._gen:
             s.acc += steps
-            if s.acc < scale - 1e-9:
+            if s.acc < scale - 1e-9:  # tolerance: acc sums float steps
                 keep.append(s)
                 continue
             s.acc = max(0.0, s.acc - scale)
