@@ -42,17 +42,9 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import bare_hop  # noqa: E402
 from bench.overhead import PromptMaker, loadavg, long_context_copy  # noqa: E402
-from mlxgw.harness import RedisServer, Stack, free_port  # noqa: E402
-
-
-def serve_proxy(target: str, port: int) -> None:
-    """A pass-through aiohttp proxy with no work: the floor of a Python hop (`bench.bare_hop`)."""
-    from aiohttp import web
-
-    from bench.bare_hop import make_app
-
-    web.run_app(make_app(target), host="127.0.0.1", port=port, access_log=None, print=None)
+from mlxgw.harness import RedisServer, Stack  # noqa: E402
 
 
 async def _post(session, url: str, body: bytes) -> float:
@@ -166,11 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--mixed-rounds", type=int, default=4)
     p.add_argument("--skip", default="", help="comma list: sequential,concurrent,mixed")
     p.add_argument("--out", help="write the results as JSON here")
-    p.add_argument("--serve-proxy", nargs=2, metavar=("TARGET", "PORT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.serve_proxy:
-        serve_proxy(args.serve_proxy[0], int(args.serve_proxy[1]))
-        return 0
     from mlx_lm.utils import load_tokenizer
 
     from mlxgw.demo_model import ensure_demo_model
@@ -191,12 +179,11 @@ def main(argv=None) -> int:
     try:
         backend = stack.add_backend("b0", None, "--engine", "sim", "--sim-speed", "1e9")
         new = stack.add_gateway()
+        proxy = bare_hop.start(backend.url, stack.env())
         stack.env_extra = {"PYTHONPATH": str(base_dir)}
         base = stack.add_gateway()
-        port = free_port()
-        proxy = subprocess.Popen([sys.executable, __file__, "--base", args.base, "--serve-proxy", backend.url, str(port)])
         stack.wait()
-        urls = {"direct": backend.url, "proxy": f"http://127.0.0.1:{port}", "base": base.url, "new": new.url}
+        urls = {"direct": backend.url, "proxy": proxy.url, "base": base.url, "new": new.url}
         asyncio.run(_wait_answering(urls["proxy"], bodies(100)))
         sizes = [int(x) for x in args.sizes.split(",")]
         for n in sizes:
@@ -217,8 +204,7 @@ def main(argv=None) -> int:
                 for k, v in r.items()), flush=True)
     finally:
         if proxy is not None:
-            proxy.terminate()
-            proxy.wait(10)
+            proxy.stop()
         stack.stop()
         redis.cleanup()
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_dir)], check=False)

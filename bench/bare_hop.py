@@ -45,5 +45,20 @@ def make_app(upstream: str) -> web.Application:
     return app
 
 
+def start(upstream: str, env: dict, timeout: float = 30.0):
+    """Run this proxy in front of ``upstream`` as a harness `Proc` on a free port, once it answers.
+
+    Raises:
+        RuntimeError: it did not answer ``/health`` within ``timeout`` seconds.
+    """
+    from mlxgw.harness import LOG_DIR, Proc, free_port
+
+    port = free_port()
+    hop = Proc("bare-hop", [sys.executable, __file__, str(port), upstream], port,
+               LOG_DIR / f"bare-hop-{port}.log").start(env)
+    hop.wait_healthy(timeout)
+    return hop
+
+
 if __name__ == "__main__":
     web.run_app(make_app(sys.argv[2]), host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)

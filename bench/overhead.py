@@ -56,8 +56,8 @@ import os
 import platform
 import random
 import shlex
+import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -70,9 +70,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import bare_hop  # noqa: E402
 from bench.replay_routers import SglangRouter  # noqa: E402
 from mlxgw import schema  # noqa: E402
-from mlxgw.harness import LOG_DIR, Proc, RedisServer, Stack, free_port  # noqa: E402
+from mlxgw.harness import RedisServer, Stack  # noqa: E402
 from mlxgw.protocol import INTERNAL_FIELD  # noqa: E402
 
 PATHS = ("direct", "mlxgw", "sglang", "floor", "aiohttp")
@@ -425,10 +426,7 @@ def main(argv=None) -> int:
         res["load_at_start"] = wait_idle(args.idle_load, args.idle_wait)
         router = SglangRouter([st.backends[0].url], "overhead")
         router.wait(1)
-        port = free_port()
-        hop = Proc("bare-hop", [sys.executable, str(Path(__file__).resolve().parent / "bare_hop.py"), str(port),
-                                st.backends[0].url], port, LOG_DIR / f"bare-hop-{port}.log").start(st.env())
-        hop.wait_healthy(30)
+        hop = bare_hop.start(st.backends[0].url, st.env())
         urls = {"direct": st.backends[0].url, "mlxgw": st.gateways[0].url, "sglang": router.url,
                 "mlxgw-nocache": st.gateways[1].url, "aiohttp": hop.url}
         paths = Paths(urls, st.model_name, tok)
@@ -481,7 +479,7 @@ def main(argv=None) -> int:
             hop.stop()
         st.stop()
         redis.cleanup()
-        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
     res["total_seconds"] = time.time() - t_all
     md = tables(res)
     m = res["machine"]
