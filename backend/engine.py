@@ -181,6 +181,9 @@ class MLXEngine(Engine):
             evicting) so the held one reuses it; likewise save a decoding
             request's prompt when such a request is admitted;
             docs/cache-policy.md.
+        prefill_save_evicts: such a save may evict other entries (LRU) when
+            free space is short, as long as the copy fits in the budget left by
+            the live requests' KV: the held request reuses it for certain.
         claims: the reporter; each request's prompt blocks are claimed
             (`Reporter.claim`) from arrival to end. None: no claims.
         prefill_order: ``"fifo"`` (default), ``"shorter-beside"`` or
@@ -199,6 +202,7 @@ class MLXEngine(Engine):
         finish_prefill_on_cancel: bool = True,
         metrics: Optional[BackendMetrics] = None,
         save_at_prefill_end: bool = True,
+        prefill_save_evicts: bool = False,
         claims: Any = None,
         prefill_order: str = "fifo",
     ):
@@ -208,6 +212,7 @@ class MLXEngine(Engine):
         self.model_path = model_path
         self.finish_prefill_on_cancel = finish_prefill_on_cancel
         self.save_at_prefill_end = save_at_prefill_end
+        self.prefill_save_evicts = prefill_save_evicts
         self.claims = claims
         self.trimmable = False  # set at load: may a prompt's blocks be claimed (as `servable_blocks`)?
         self.prefill_saves = 0
@@ -628,8 +633,9 @@ class MLXEngine(Engine):
         (the generated tokens are trimmed off).
 
         Only if the copy fits in free space (the prompt is already counted in
-        flight); the request's final save replaces this entry (a trimmable entry
-        drops the prefixes it extends).
+        flight), or with ``prefill_save_evicts`` in the budget the live
+        requests' KV leaves, evicting other entries; the request's final save
+        replaces this entry (a trimmable entry drops the prefixes it extends).
         """
         req = live.req
         got = self._bg.extract_cache([uid]).get(uid)
@@ -644,10 +650,14 @@ class MLXEngine(Engine):
             tokens = tokens[:n]
         if not tokens or tokens != req.prompt[: len(tokens)]:
             return
-        if not self._fits_in_free_space(kv):
+        room = self.cache_bytes - self._inflight_nbytes()
+        if not self._fits_in_free_space(kv) and not (self.prefill_save_evicts and self.cache.ops.nbytes(kv) <= room):
             return
-        self.cache.insert(tokens, kv, "user", reused_from=live.reused_from, reused=req.cached,
-                          prompt_len=n, system_tokens=req.system_tokens)
+        entry = self.cache.insert(tokens, kv, "user", reused_from=live.reused_from, reused=req.cached,
+                                  prompt_len=n, system_tokens=req.system_tokens)
+        if entry is None:
+            return
+        self.cache.trim_to(max_bytes=room, keep=entry)
         live.prompt_saved = True
         self.prefill_saves += 1
 

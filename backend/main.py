@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "that prefill, and the prompt is saved as it ends (into free space only) so the waiting one "
                         "reuses it; a request sharing as much with one already decoding gets that prompt saved as it "
                         "is admitted (docs/cache-policy.md)")
+    p.add_argument("--prefill-save-evicts", action=argparse.BooleanOptionalAction, default=False,
+                   help="the save for a waiting request (--prefill-save) may evict other entries when free space is "
+                        "short (the waiting request reuses it for certain); off: free space only")
     p.add_argument("--inflight-claims", action=argparse.BooleanOptionalAction, default=True,
                    help="report a request's prompt blocks as owned from its arrival until it ends, so every "
                         "gateway sends its siblings here (docs/redis-schema.md); off: only saved entries")
@@ -110,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         heartbeat_interval=args.heartbeat_interval,
         ttl=args.heartbeat_ttl,
-        extra={"model_path": str(model_path), "cache_budget_bytes": budget, "engine": args.engine},
+        extra={"model_path": str(model_path), "cache_budget_bytes": budget, "engine": args.engine,
+               "min_hit_tokens": args.min_hit_tokens},
     )
     cache = PromptCache(
         max_entries=args.cache_entries,
@@ -124,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = BackendMetrics(name)
     kw = dict(decode_concurrency=args.decode_concurrency, prefill_concurrency=args.prefill_concurrency,
               prefill_step_size=args.prefill_step_size, finish_prefill_on_cancel=not args.cancel_prefill,
-              metrics=metrics, save_at_prefill_end=args.prefill_save,
+              metrics=metrics, save_at_prefill_end=args.prefill_save, prefill_save_evicts=args.prefill_save_evicts,
               claims=reporter if args.inflight_claims else None, prefill_order=args.prefill_order)
     if args.engine == "sim":
         try:
@@ -170,7 +174,7 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
         return 4
     reporter.state = "ready"
     await reporter.heartbeat()
-    log.info("backend %s ready at %s (model %s, epoch %d)", cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch)
+    log.info("backend %s registered at %s (model %s, epoch %d)", cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:

@@ -3,10 +3,11 @@
 * Ownership: each cache entry covers the full blocks of its tokens, and so
   does each request being computed (`Reporter.claim`, from arrival until it
   ends: its prefix will be cached here, and a sibling sent here meanwhile
-  waits for it; see backend.engine). The reporter keeps a reference count per
-  block; a block's ownership is written when its count goes 0 -> 1 and
-  removed when it goes 1 -> 0, so it disappears exactly when the last entry
-  or request covering it is gone.
+  waits for it; see backend.engine). The reporter keeps two reference counts
+  per block, saved entries and claims; a block's value in Redis says which
+  (`schema.block_value`: the epoch for a saved copy, with a ``c`` for a claim
+  only) and is written when that changes, and removed when both counts reach
+  0, exactly when the last entry or request covering it is gone.
 * Writes are batched: the engine thread records transitions under a lock and
   wakes the flusher; `Reporter.flush` sends them in one pipeline. The server
   awaits `flush` before it finishes an answer, so Redis is current before the
@@ -95,8 +96,9 @@ class Reporter:
         self.started_at = time.time()
         self.redis: Optional[aioredis.Redis] = None
         self._lock = threading.Lock()
-        self._refs: Counter[str] = Counter()
-        self._pending: dict[str, bool] = {}  # block -> owned after the change
+        self._refs: Counter[str] = Counter()  # block -> saved entries covering it
+        self._claims: Counter[str] = Counter()  # block -> requests in flight claiming it
+        self._pending: dict[str, Optional[bool]] = {}  # block -> after the change: saved (True), claim only (False), gone (None)
         self._events: list[dict] = []
         self._dirty = True  # needs a full re-publish
         self._registered = False
@@ -130,25 +132,33 @@ class Reporter:
         stream records cache contents.
         """
         blocks = schema.block_keys(self.model, tokens, self.block_size)
-        self._change(blocks, +1)
+        self._change(blocks, +1, claim=True)
         return blocks
 
     def release(self, blocks: list[str]) -> None:
         """Drop a `claim` (the request ended; its own save, if any, already holds the blocks)."""
-        self._change(blocks, -1)
+        self._change(blocks, -1, claim=True)
 
-    def _change(self, blocks: list[str], delta: int, event: str = "", entry: Optional[CacheEntry] = None) -> None:
-        """Add ``delta`` (+1/-1) to each block's reference count; ownership changes on 0 <-> 1."""
+    def _state(self, b: str) -> Optional[bool]:
+        """A block's ownership: True (a saved copy), False (claimed only), None (neither)."""
+        return True if b in self._refs else (False if b in self._claims else None)
+
+    def _change(self, blocks: list[str], delta: int, event: str = "", entry: Optional[CacheEntry] = None,
+                claim: bool = False) -> None:
+        """Add ``delta`` (+1/-1) to each block's count of saved entries (or of claims, with
+        ``claim``); Redis hears of a block only when its `_state` changes."""
+        counts = self._claims if claim else self._refs
         with self._lock:
             for b in blocks:
-                n = self._refs[b] + delta
+                before = self._state(b)
+                n = counts[b] + delta
                 if n > 0:
-                    self._refs[b] = n
-                    if delta > 0 and n == 1:  # 0 -> 1 (2 -> 1 changes nothing in Redis)
-                        self._pending[b] = True
+                    counts[b] = n
                 else:
-                    self._refs.pop(b, None)
-                    self._pending[b] = False
+                    counts.pop(b, None)
+                after = self._state(b)
+                if after is not before:
+                    self._pending[b] = after
             if event:
                 self._events.append(
                     schema.event_fields(
@@ -161,9 +171,9 @@ class Reporter:
         self._notify()
 
     def owned_blocks(self) -> set[str]:
-        """The blocks this backend owns now (from its own reference counts)."""
+        """The blocks this backend owns now, saved or claimed (from its own reference counts)."""
         with self._lock:
-            return set(self._refs)
+            return set(self._refs) | set(self._claims)
 
     def _notify(self) -> None:
         if self._loop is not None and self._wake is not None:
@@ -235,15 +245,15 @@ class Reporter:
             if not pending and not events:
                 return
             owned = self.keys.owned(self.backend_id, self.epoch)
-            adds = [self.keys.block(b) for b, v in pending.items() if v]
-            dels = [self.keys.block(b) for b, v in pending.items() if not v]
+            adds = [(self.keys.block(b), schema.block_value(self.epoch, v)) for b, v in pending.items() if v is not None]
+            dels = [self.keys.block(b) for b, v in pending.items() if v is None]
             pipe = self.redis.pipeline(transaction=False)
-            for k in adds:
-                pipe.hset(k, self.backend_id, self.epoch)
+            for k, v in adds:
+                pipe.hset(k, self.backend_id, v)
             for k in dels:
                 pipe.hdel(k, self.backend_id)
             if adds:
-                pipe.sadd(owned, *adds)
+                pipe.sadd(owned, *(k for k, _ in adds))
             if dels:
                 pipe.srem(owned, *dels)
             for ev in events:
@@ -264,7 +274,7 @@ class Reporter:
     async def _republish(self) -> None:
         """Write this backend's whole ownership again (after an outage or a flush)."""
         with self._lock:
-            blocks = list(self._refs)
+            blocks = [(b, schema.block_value(self.epoch, self._state(b))) for b in set(self._refs) | set(self._claims)]
             self._pending = {}
             self._events = []
         owned = self.keys.owned(self.backend_id, self.epoch)
@@ -272,10 +282,10 @@ class Reporter:
             pipe = self.redis.pipeline(transaction=False)
             pipe.delete(owned)
             for i in range(0, len(blocks), 2000):
-                chunk = self.keys.blocks(blocks[i : i + 2000])
-                for k in chunk:
-                    pipe.hset(k, self.backend_id, self.epoch)
-                pipe.sadd(owned, *chunk)
+                chunk = blocks[i : i + 2000]
+                for b, v in chunk:
+                    pipe.hset(self.keys.block(b), self.backend_id, v)
+                pipe.sadd(owned, *self.keys.blocks(b for b, _ in chunk))
             await pipe.execute()
         except Exception as e:
             self._mark_dirty(e)
@@ -289,6 +299,8 @@ class Reporter:
         """Refresh the registry record; detect a lost record and re-publish."""
         info = dict(self.info())
         now = time.time()
+        with self._lock:
+            owned = len(self._refs.keys() | self._claims.keys())
         fields = {
             "id": self.backend_id,
             "url": self.url,
@@ -300,7 +312,7 @@ class Reporter:
             "block_size": self.block_size,
             "started_at": f"{self.started_at:.3f}",
             "last_heartbeat": f"{now:.3f}",
-            "blocks_owned": len(self._refs),
+            "blocks_owned": owned,
             "redis_write_failures": self.write_failures,
             **self.extra,
             **info,

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import sys
 import time
 from collections import Counter

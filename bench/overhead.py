@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import random
@@ -63,6 +64,7 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import Optional
 
 import aiohttp
 import msgpack
@@ -227,7 +229,39 @@ async def run_concurrent(paths: Paths, names, n: int, conc: int, n_words: int, s
     return {"lat": lat, "errors": errors}
 
 
-def summarize(lat: dict) -> dict:
+def median_ci95(xs: list[float]) -> tuple[float, float, float]:
+    """Median of ``xs`` and a distribution-free 95% interval for it: order statistics k and
+    n+1-k with k the largest such that P(Binomial(n, 1/2) < k) <= 2.5%.
+
+    Raises:
+        ValueError: fewer than 6 values (no such k exists).
+    """
+    n = len(xs)
+    ys = sorted(xs)
+    k, tail = 0, 0.0
+    while True:  # tail = P(B < k + 1)
+        tail += math.comb(n, k) / 2 ** n
+        if tail > 0.025:
+            break
+        k += 1
+    if k == 0:
+        raise ValueError(f"need at least 6 values for a 95% interval of the median, got {n}")
+    return statistics.median(ys), ys[k - 1], ys[n - k]
+
+
+def paired_added(lat: dict, name: str) -> Optional[dict]:
+    """Request-by-request added latency of path ``name`` over ``direct`` (ms), for the
+    sequential run, where request i of every path is sent in the same interleaved round:
+    ``{"median_ms", "lo_ms", "hi_ms"}`` (`median_ci95`), or None without both paths."""
+    if name not in lat or "direct" not in lat or len(lat[name]) != len(lat["direct"]) or len(lat[name]) < 6:
+        return None
+    m, lo, hi = median_ci95([(a - d) * 1000 for a, d in zip(lat[name], lat["direct"])])
+    return {"median_ms": m, "lo_ms": lo, "hi_ms": hi}
+
+
+def summarize(lat: dict, paired: bool = False) -> dict:
+    """Per path: n, p50/p99 ms, added p50/p99 over direct; with ``paired`` (sequential runs)
+    also the per-round paired added latency (`paired_added`)."""
     out = {}
     for k, xs in lat.items():
         out[k] = {"n": len(xs), "p50_ms": pct(xs, 50) * 1000, "p99_ms": pct(xs, 99) * 1000}
@@ -236,6 +270,10 @@ def summarize(lat: dict) -> dict:
         if d and k != "direct":
             v["added_p50_ms"] = v["p50_ms"] - d["p50_ms"]
             v["added_p99_ms"] = v["p99_ms"] - d["p99_ms"]
+    if paired:
+        for k in out:
+            if k != "direct" and (pa := paired_added(lat, k)) is not None:
+                out[k]["paired_added"] = pa
     f = out.get("floor")
     if f and "mlxgw" in out:
         out["mlxgw"]["work_p50_ms"] = out["mlxgw"]["p50_ms"] - f["p50_ms"]
@@ -344,6 +382,23 @@ def tables(res: dict) -> str:
                 f"| {fmt(g.get('work_p50_ms'))} / {fmt(g.get('work_p99_ms'))} | {s['direct']['n']} "
                 f"| {r['load_before'][0]} → {r['load_after'][0]} |"
                 + (f" errors: {r['errors']} {r['error_samples'][:1]}" if r["errors"] else ""))
+    seq = [r for r in res["overhead"] if r["mode"] == "sequential"
+           and any("paired_added" in v for v in r["summary"].values())]
+    if seq:
+        out.append("\n**One request at a time, paired**: added latency request by request (each path's "
+                   "request i minus direct's request i, sent in the same interleaved round), median and "
+                   "its distribution-free 95% interval, ms\n")
+        out.append("| prompt tokens | mlxgw | sglang | bare aiohttp hop | mlxgw − sglang (difference of medians) |")
+        out.append("|---|---|---|---|---|")
+        for r in seq:
+            s = r["summary"]
+            cells = []
+            for k in ("mlxgw", "sglang", "aiohttp"):
+                pa = s.get(k, {}).get("paired_added")
+                cells.append(f"{fmt(pa['median_ms'])} [{fmt(pa['lo_ms'])}, {fmt(pa['hi_ms'])}]" if pa else "")
+            g, sg = (s.get(k, {}).get("paired_added") for k in ("mlxgw", "sglang"))
+            diff = fmt(g["median_ms"] - sg["median_ms"]) if g and sg else ""
+            out.append(f"| {r['prompt_tokens']} | {' | '.join(cells)} | {diff} |")
     conv = res.get("conversation")
     if conv:
         rows = conv["render"]["rows"]
@@ -378,7 +433,7 @@ def tables(res: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="100,8192,32768", help="prompt sizes in tokens (demo tokenizer)")
-    p.add_argument("--sequential", type=int, default=50, help="requests per path and size, one at a time")
+    p.add_argument("--sequential", type=int, default=200, help="requests per path and size, one at a time")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--concurrent-requests", type=int, default=256, help="requests per path and size, concurrent")
     p.add_argument("--conv-tokens", type=int, default=30000, help="growing conversation's final size")
@@ -443,7 +498,7 @@ def main(argv=None) -> int:
                     r = asyncio.run(run_concurrent(paths, list(PATHS), args.concurrent_requests, args.concurrency,
                                                    plan[n]["words"], args.seed + n))
                 row = {"mode": mode, "size": n, "prompt_tokens": "/".join(map(str, plan[n]["tokens"])),
-                       "summary": summarize(r["lat"]), "errors": len(r["errors"]),
+                       "summary": summarize(r["lat"], paired=mode == "sequential"), "errors": len(r["errors"]),
                        "error_samples": r["errors"][:3], "load_before": before, "load_after": loadavg(),
                        "seconds": time.time() - t}
                 res["overhead"].append(row)

@@ -57,7 +57,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import aiohttp
@@ -384,31 +383,34 @@ def _candidates(header: str) -> dict[str, int]:
 LOST_CAUSES = ("moved", "behind", "unowned", "sub_block")  # see `lost_hits`
 
 
-def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw") -> dict | None:
-    """Where one of our gateway runs' cached tokens fall short of the pooled cache's, request by request.
+def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw", reference: str = "pooled") -> dict | None:
+    """Where one of our gateway runs' cached tokens fall short of a reference run's, request by request.
 
-    Each request the pooled cache served with more cached ids than ``router`` did falls in one of:
+    The reference is the pooled cache (no routing at all) or another router of the same
+    round, e.g. ``sglang``. Each request the reference served with more cached ids than
+    ``router`` did falls in one of:
 
     * ``moved``: routed past a backend that owned a longer prefix (the cost preferred less
       queued work; ``guard_requests`` of them by the balance guard, route reason ``balance``);
     * ``behind``: sent to a backend that owned (or had a pending claim on) at least the
-      prefix the pooled cache reused, but that backend's cache held less when the request
+      prefix the reference reused, but that backend's cache held less when the request
       got there (the prefix was still being computed, or was evicted);
     * ``unowned``: no live backend owned that prefix, by at least a block (never computed on
       one backend whole, or evicted everywhere);
     * ``sub_block``: the shortfall is less than one ``block`` of ids, below what ownership
       tracks.
 
-    Units are sim ids. None unless both ran in this round.
+    Units are sim ids; ``reference_cached_ids`` is all the reference reused. None unless
+    both ran in this round.
     """
     by = {r["router"]: r for r in runs}
-    if router not in by or "pooled" not in by:
+    if router not in by or reference not in by:
         return None
-    out = {"requests": 0, "ids": 0, "pooled_cached_ids": 0, "guard_requests": 0}
+    out = {"reference": reference, "requests": 0, "ids": 0, "reference_cached_ids": 0, "guard_requests": 0}
     for k in LOST_CAUSES:
         out[f"{k}_requests"] = out[f"{k}_ids"] = 0
-    for ours, pool in zip(by[router]["per_request"], by["pooled"]["per_request"]):
-        out["pooled_cached_ids"] += pool["cached"]
+    for ours, pool in zip(by[router]["per_request"], by[reference]["per_request"]):
+        out["reference_cached_ids"] += pool["cached"]
         short = pool["cached"] - ours["cached"]
         if short <= 0:
             continue
@@ -430,6 +432,16 @@ def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw") -> dict |
     return out
 
 
+def lost_hits_by_router(runs: list[dict], block: int) -> dict[str, list[dict]]:
+    """`lost_hits` of each of our gateway runs in one round against the pooled cache and
+    sglang-router (those that ran): ``{router: [result, ...]}``."""
+    out = {}
+    for r in runs:
+        if r["router"].startswith("mlxgw"):
+            out[r["router"]] = [lh for ref in ("pooled", "sglang") if (lh := lost_hits(runs, block, r["router"], ref))]
+    return out
+
+
 def _spread(r: dict, key: str, fmt: str, scale: float = 1.0) -> str:
     """``median`` or, over several rounds, ``median (min-max)``."""
     med = fmt.format(r[key] * scale)
@@ -439,9 +451,30 @@ def _spread(r: dict, key: str, fmt: str, scale: float = 1.0) -> str:
     return f"{med} ({fmt.format(lo * scale)}-{fmt.format(hi * scale)})"
 
 
+# Two-sided 95% Student t quantiles by degrees of freedom (normal beyond the table).
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093}
+
+
+def mean_ci95(xs: list[float]) -> tuple[float, float]:
+    """Mean of per-round values and the half-width of its 95% t-interval (rounds taken as independent).
+
+    Raises:
+        statistics.StatisticsError: fewer than 2 values.
+    """
+    n = len(xs)
+    return statistics.fmean(xs), _T975.get(n - 1, 1.96) * statistics.stdev(xs) / n ** 0.5
+
+
 def _series(xs: list[float], fmt: str) -> str:
     s = " / ".join(fmt.format(x) for x in xs)
-    return s if len(xs) < 2 else f"{s} (median {fmt.format(statistics.median(xs))})"
+    if len(xs) < 2:
+        return s
+    s = f"{s} (median {fmt.format(statistics.median(xs))}"
+    if len(xs) >= 4:  # enough rounds for an interval that says something
+        m, h = mean_ci95(xs)
+        s += f"; mean {fmt.format(m)}, 95% CI {fmt.format(m - h)} to {fmt.format(m + h)}"
+    return s + ")"
 
 
 def table(res: dict) -> str:
@@ -472,14 +505,14 @@ def table(res: dict) -> str:
             if "hit_minus_pooled" in d:
                 notes.append(f"- {name} hit ratio minus pooled per round: {_series(d['hit_minus_pooled'], '{:+.4f}')}")
         for i, per_router in enumerate(b.get("lost_hits") or []):
-            for name, lh in per_router.items():
-                if not lh:
-                    continue
-                parts = ", ".join(f"{k.replace('_', ' ')} {lh[k + '_requests']} ({lh[k + '_ids']} ids)"
-                                  for k in LOST_CAUSES)
-                notes.append(f"- round {i + 1}, {name} short of pooled: {lh['requests']} requests, {lh['ids']} of the "
-                             f"pooled cache's {lh['pooled_cached_ids']} cached ids; by cause (`lost_hits`): {parts}; "
-                             f"moved by the balance guard: {lh['guard_requests']}")
+            for name, lhs in per_router.items():
+                for lh in lhs:
+                    parts = ", ".join(f"{k.replace('_', ' ')} {lh[k + '_requests']} ({lh[k + '_ids']} ids)"
+                                      for k in LOST_CAUSES)
+                    ref = lh["reference"]
+                    notes.append(f"- round {i + 1}, {name} short of {ref}: {lh['requests']} requests, {lh['ids']} of "
+                                 f"{ref}'s {lh['reference_cached_ids']} cached ids; by cause (`lost_hits`): {parts}; "
+                                 f"moved by the balance guard: {lh['guard_requests']}")
         if notes:
             lines.append("")
             lines.extend(notes)
@@ -613,9 +646,7 @@ def main(argv=None) -> int:
                 rounds.append(runs)
             res["budgets"].append({"fraction": frac, "per_backend_gb": per_backend / 2**30,
                                    "runs": combine_rounds(rounds), "paired": paired(rounds),
-                                   "lost_hits": [{r["router"]: lost_hits(runs, args.k, r["router"])
-                                                  for r in runs if r["router"].startswith("mlxgw")}
-                                                 for runs in rounds]})
+                                   "lost_hits": [lost_hits_by_router(runs, args.k) for runs in rounds]})
     finally:
         redis.cleanup()
     res["total_seconds"] = time.time() - t_all

@@ -119,7 +119,7 @@ class OwnershipIndex:
 
     def _fallback(self, model: str) -> list[Candidate]:
         # Last known live backends, ownership unknown (depth 0): load-only routing.
-        return [dataclasses.replace(c, depth_blocks=0) for c in self.snapshot.get(model, [])]
+        return [dataclasses.replace(c, depth_blocks=0, saved_blocks=0) for c in self.snapshot.get(model, [])]
 
     async def refresh(self) -> None:
         """Re-read every model's live backends (the registry snapshot)."""

@@ -16,7 +16,6 @@ import logging
 import time
 from typing import Callable, Optional
 
-from mlxgw import schema
 from mlxgw.util import cancel_and_wait
 
 log = logging.getLogger("mlxgw.gateway.load")

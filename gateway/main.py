@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a session's backend may cost this much more than the best and still be chosen")
     p.add_argument("--heartbeat-load", action="store_true",
                    help="also count the backends' heartbeat load figures (up to a heartbeat stale)")
+    p.add_argument("--short-claims", action="store_true",
+                   help="count a prefix a backend is only computing even when shorter than its min_hit_tokens "
+                        "(the rule before session 12; docs/routing.md)")
     p.add_argument("--pending-grace", type=float, default=RoutingConfig.pending_grace,
                    help="seconds a routed prefix still counts as owned after its request ended")
     p.add_argument("--load-publish-ms", type=float, default=GatewayConfig.load_publish_interval * 1000,
@@ -139,7 +142,8 @@ def config_from_args(args) -> GatewayConfig:
         routing=RoutingConfig(policy=args.routing_policy, load_weight=args.load_weight,
                               decode_weight=args.decode_weight, balance_abs_tokens=args.balance_abs_tokens,
                               balance_rel=args.balance_rel, affinity_slack_tokens=args.affinity_slack_tokens,
-                              heartbeat_load=args.heartbeat_load, pending_grace=args.pending_grace),
+                              heartbeat_load=args.heartbeat_load, pending_grace=args.pending_grace,
+                              short_claims=args.short_claims),
         gateway_id=args.gateway_id or f"{socket.gethostname()}:{args.port}",
         janitor_grace=args.janitor_grace,
         load_publish_interval=args.load_publish_ms / 1000,

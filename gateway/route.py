@@ -6,9 +6,16 @@ Cost of sending a request to backend ``b``, in tokens of work:
     cost(b) = prefill(b) + load_weight * load(b)
 
 * ``prefill(b) = prompt_tokens - matched(b)``: the prompt tokens ``b`` would
-  still have to compute, ``matched(b)`` being its owned prefix from Redis or
-  this gateway's pending claims (`gateway.pending`), capped at
-  ``prompt_tokens - 1`` (one token is always prefilled).
+  still have to compute, ``matched(b)`` being the prefix it can serve, capped
+  at ``prompt_tokens - 1`` (one token is always prefilled): the part it holds
+  a saved copy of, or the longer part it is computing (a request's claim in
+  Redis, or this gateway's pending claim, `gateway.pending`) when that is at
+  least the backend's ``min_hit_tokens``. A request shares a prompt still
+  being computed only by waiting for its prefill, which the backend does from
+  ``min_hit_tokens`` on (backend.engine); a shorter claimed match reuses
+  nothing, so it must not attract the request (measured: a prompt's common
+  first block, claimed on every busy backend, sent requests to queues where
+  nothing was cached; README, session 12).
 * ``queued(b)``: prefill tokens the gateways sent ``b`` that it has not
   started answering (this gateway's own counters plus the others' published
   ones; see `gateway.load`). With ``heartbeat_load`` the backend's heartbeat
@@ -61,6 +68,8 @@ class RoutingConfig:
     heartbeat_load: also count the backends' heartbeat load figures.
     pending_grace: seconds a routed prefix still counts as owned after its
         request ended (`gateway.pending`).
+    short_claims: count a prefix a backend is only computing at any length,
+        not only from its ``min_hit_tokens`` on (the rule before; for A/B runs).
     """
 
     policy: str = "cache_aware"
@@ -71,6 +80,7 @@ class RoutingConfig:
     affinity_slack_tokens: int = 256
     heartbeat_load: bool = False
     pending_grace: float = 1.0
+    short_claims: bool = False
     _turn: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
 
     def __post_init__(self):
@@ -117,6 +127,17 @@ def _hash(key: str, backend_id: str) -> int:
     return xxhash.xxh3_64_intdigest(f"{key}|{backend_id}".encode())
 
 
+def servable_blocks(c: Candidate, pending_blocks: int, block_size: int, short_claims: bool = False) -> int:
+    """The prefix of the request (blocks) backend ``c`` can serve it from: its saved
+    copy, or the longer prefix it is computing (Redis claim or ``pending_blocks``, this
+    gateway's pending claim) when that reaches the backend's ``min_hit_tokens`` (any
+    length with ``short_claims``)."""
+    computing = max(c.depth_blocks, pending_blocks)
+    if computing > c.saved_blocks and (short_claims or computing * block_size >= c.min_hit_tokens):
+        return computing
+    return c.saved_blocks
+
+
 def rank(
     candidates: list[Candidate],
     prompt_tokens: int,
@@ -151,8 +172,8 @@ def rank(
     for c in candidates:
         if c.state not in ("ready", ""):
             continue
-        depth = max(c.depth_blocks, pending.get(c.backend_id, 0))
-        matched = min(depth * block_size, max(prompt_tokens - 1, 0))
+        matched = min(servable_blocks(c, pending.get(c.backend_id, 0), block_size, cfg.short_claims) * block_size,
+                      max(prompt_tokens - 1, 0))
         own_req, own_tok = inflight.get(c.backend_id, (0, 0))
         if cfg.heartbeat_load:
             queued = max(c.queued_prefill_tokens, own_tok + c.gw_prefill_tokens)

@@ -136,7 +136,8 @@ class Keys:
         return f"{self.namespace}:{{{model_tag(self.model)}}}"
 
     def block(self, block_hex: str) -> str:
-        """HASH backend id -> epoch: who holds the prefix ending at this block."""
+        """HASH backend id -> epoch (a saved copy) or epoch + `CLAIM_SUFFIX` (only being
+        computed there): who holds the prefix ending at this block."""
         return f"{self.prefix}:blk:{block_hex}"
 
     def blocks(self, block_hexes: Iterable[str]) -> list[str]:
@@ -188,13 +189,27 @@ def models_key(namespace: str) -> str:
     return f"{namespace}:models"
 
 
+# A block value ``f"{epoch}{CLAIM_SUFFIX}"``: the backend is computing that prefix (a request's
+# claim) but holds no saved copy of it yet. A claimed prefix can be shared only by a request
+# that waits for its prefill, which the backend does for at least its ``min_hit_tokens``
+# (backend.engine); a shorter match on a claim alone reuses nothing (gateway.route).
+CLAIM_SUFFIX = "c"  # the Lua scripts below spell it 'c'
+
+
+def block_value(epoch: int, saved: bool) -> str:
+    """The value a backend writes in a block hash: ``"7"`` (saved copy) or ``"7c"`` (claim only)."""
+    return str(epoch) if saved else f"{epoch}{CLAIM_SUFFIX}"
+
+
 # Lookup: KEYS[1] = backends zset, KEYS[2..] = block keys in prompt order.
 # ARGV[1] = backend hash key prefix; ARGV[2] = gateways zset ('' to skip the
 # other gateways' in-flight load); ARGV[3] = gateway-load hash prefix;
 # ARGV[4] = the calling gateway's id (its own load it knows fresher).
 # Returns one row per live backend: {id, epoch, url, active, queued_prefill,
 # state, cache_bytes, cache_budget_bytes, depth_in_blocks, gw_requests,
-# gw_prefill_tokens} (the last two summed over the other live gateways). A backend is live while its registry hash exists
+# gw_prefill_tokens, saved_depth_in_blocks, min_hit_tokens} (gw_* summed over
+# the other live gateways; the depth counts saved copies and claims, the saved
+# depth saved copies only). A backend is live while its registry hash exists
 # (the heartbeat TTL); ownership counts only when the stored epoch equals the
 # live epoch, so a restarted backend's old claims never route a request.
 # The walk stops at the first block nobody live owns: with chained hashes,
@@ -203,12 +218,15 @@ LOOKUP_LUA = """
 local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
 local rows = {}
 local cids = {}
+local claimed = {}
 for _, id in ipairs(ids) do
   local h = redis.call('HMGET', ARGV[1] .. id, 'epoch', 'url', 'active', 'queued_prefill_tokens', 'state',
-                      'cache_bytes', 'cache_budget_bytes')
+                      'cache_bytes', 'cache_budget_bytes', 'min_hit_tokens')
   if h[1] then
-    table.insert(rows, {id, h[1], h[2] or '', h[3] or '0', h[4] or '0', h[5] or '', h[6] or '0', h[7] or '0', 0, 0, 0})
+    table.insert(rows, {id, h[1], h[2] or '', h[3] or '0', h[4] or '0', h[5] or '', h[6] or '0', h[7] or '0', 0, 0, 0,
+                        0, h[8] or '0'})
     table.insert(cids, id)
+    table.insert(claimed, h[1] .. 'c')
   end
 end
 if ARGV[2] and ARGV[2] ~= '' and #cids > 0 then
@@ -231,9 +249,15 @@ if #cids > 0 then
     local owners = redis.call('HMGET', KEYS[i], unpack(cids))
     local any = false
     for j, row in ipairs(rows) do
-      if row[9] == i - 2 and owners[j] == row[2] then
-        row[9] = i - 1
-        any = true
+      if row[9] == i - 2 then
+        if owners[j] == row[2] then
+          row[9] = i - 1
+          if row[12] == i - 2 then row[12] = i - 1 end
+          any = true
+        elseif owners[j] == claimed[j] then
+          row[9] = i - 1
+          any = true
+        end
       end
     end
     if not any then break end
@@ -245,11 +269,12 @@ return rows
 # Cleanup of one dead epoch: KEYS[1] = owned set of (backend, epoch).
 # ARGV[1] = backend id, ARGV[2] = epoch, ARGV[3] = max keys this call.
 # Removes the backend's field from each block only if it still holds that
-# epoch, so a newer epoch's claims survive. Returns keys left to clean.
+# epoch (saved or claimed), so a newer epoch's survive. Returns keys left to clean.
 CLEANUP_LUA = """
 local keys = redis.call('SPOP', KEYS[1], tonumber(ARGV[3]))
 for _, k in ipairs(keys) do
-  if redis.call('HGET', k, ARGV[1]) == ARGV[2] then
+  local v = redis.call('HGET', k, ARGV[1])
+  if v == ARGV[2] or v == ARGV[2] .. 'c' then
     redis.call('HDEL', k, ARGV[1])
   end
 end
@@ -261,8 +286,11 @@ return redis.call('SCARD', KEYS[1])
 class Candidate:
     """One live backend as the lookup saw it.
 
-    ``depth_blocks`` is the longest prefix of the request it owns, in blocks;
-    ``matched_tokens = depth_blocks * block_size``.
+    ``depth_blocks`` is the longest prefix of the request it owns, in blocks,
+    saved or being computed there; ``saved_blocks`` (<= ``depth_blocks``) the
+    part it holds a saved copy of. ``min_hit_tokens`` is the backend's
+    threshold for holding a request back to share a prompt in prefill (0:
+    not published, every claim counts as before).
     """
 
     backend_id: str
@@ -276,6 +304,8 @@ class Candidate:
     depth_blocks: int = 0
     gw_requests: int = 0  # in flight to it from the other gateways (published)
     gw_prefill_tokens: int = 0
+    saved_blocks: int = 0
+    min_hit_tokens: int = 0
 
     @property
     def free_cache_bytes(self) -> int:
@@ -303,6 +333,9 @@ def parse_lookup(rows: list) -> list[Candidate]:
                 depth_blocks=int(r[8]),
                 gw_requests=int(r[9]) if len(r) > 9 else 0,
                 gw_prefill_tokens=int(r[10]) if len(r) > 10 else 0,
+                # rows without the saved depth (older scripts) count every owned block as saved
+                saved_blocks=int(r[11]) if len(r) > 11 else int(r[8]),
+                min_hit_tokens=int(float(s(r[12]) or 0)) if len(r) > 12 else 0,
             )
         )
     return out

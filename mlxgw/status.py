@@ -119,6 +119,17 @@ def event_time(event: dict) -> str:
 _COUNTERS = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_seconds_sum", "ttft_count")
 
 
+def event_line(event: dict) -> str:
+    """One event as a console line: time, type, backend and its details (``key=value``).
+
+    The details are the `collect` fields an event has: a routing decision's
+    ``matched`` / ``prompt_tokens`` (tokens) and ``lookup`` outcome, a save's or
+    eviction's ``tokens`` and ``cache_type``.
+    """
+    extra = " ".join(f"{k}={event[k]}" for k in _EVENT_FIELDS if k in event and k != "request")
+    return f"  {event_time(event)} {event.get('type', ''):8} {event.get('backend', ''):10} {extra}".rstrip()
+
+
 def _rates(prev: dict, cur: dict, dt: float) -> dict:
     """Rates between two sets of counters (a counter that went down restarted: count it from 0)."""
     d = {k: (cur[k] - prev[k]) if cur[k] >= prev[k] else cur[k] for k in _COUNTERS}
@@ -226,5 +237,5 @@ def run(args) -> int:
                       f"{b['cache_mb']:.1f}", str(b["evictions"]), f"{b['hit_ratio']:.2f}", f"{b['age_s']:.1f}")
         con.print(t)
         for e in d["recent_events"]:
-            con.print(f"  {event_time(e)} {e.get('type', ''):8} {e.get('backend', '')}")
+            con.print(event_line(e), markup=False, highlight=False)
     return 0

@@ -17,7 +17,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .status import History, backend_view, collect, connect, console, event_time
+from .status import History, backend_view, collect, connect, console, event_line
 from .util import redact_url
 
 _BARS = "▁▂▃▄▅▆▇█"
@@ -74,9 +74,7 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
                       _fmt(cur.get("ttft_ms"), ".1f"), f"{v['age_s']:.1f}")
         parts.append(t)
         for e in d["recent_events"]:
-            extra = " ".join(f"{k}={e[k]}" for k in ("matched", "prompt_tokens", "tokens", "cache_type") if k in e)
-            ts = event_time(e)
-            parts.append(Text(f"  {ts} {e.get('type', ''):8} {e.get('backend', ''):10} {extra}"))
+            parts.append(Text(event_line(e)))
     return Group(*parts)
 
 

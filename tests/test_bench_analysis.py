@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.replay_routers import _candidates, combine_rounds, dump_requests, lost_hits, multi_budget, paired, table
+from bench.replay_routers import (_candidates, _series, combine_rounds, dump_requests, lost_hits, lost_hits_by_router,
+                                  mean_ci95, multi_budget, paired, table)
 from bench.trace import TraceRequest, oracle_hits
 from gateway.route import RoutingConfig, rank
 from mlxgw.schema import Candidate
@@ -54,6 +55,16 @@ def test_paired_ratios_are_per_round():
     assert "sglang" not in d
 
 
+def test_per_round_series_gets_a_95_percent_interval_from_four_rounds():
+    m, h = mean_ci95([0.01, 0.03, 0.02, 0.04])
+    assert m == pytest.approx(0.025)
+    # sample sd 0.0129099, t(3) = 3.182, sqrt(4) = 2
+    assert h == pytest.approx(3.182 * 0.0129099 / 2, rel=1e-4)
+    assert _series([0.5, 1.5, 1.0], "{:.2f}x") == "0.50x / 1.50x / 1.00x (median 1.00x)"
+    assert _series([0.01, 0.03, 0.02, 0.04], "{:+.3f}") == (
+        "+0.010 / +0.030 / +0.020 / +0.040 (median +0.025; mean +0.025, 95% CI +0.004 to +0.046)")
+
+
 def _routed(owner_depth: int, owner_queued: int) -> dict:
     """Route headers as the gateway sends them: b0 owns ``owner_depth`` blocks and has
     ``owner_queued`` prefill tokens in flight from this gateway, b1 is idle and owns nothing."""
@@ -80,11 +91,19 @@ def test_lost_hits_splits_the_shortfall_by_cause():
             {"cached": 0, "route": guarded}]     # moved off b0's 2560 by the guard
     pool = [{"cached": 128}, {"cached": 9}, {"cached": 2560}, {"cached": 640}, {"cached": 2560}, {"cached": 2560}]
     lh = lost_hits([_run("mlxgw", 0, 0, 0, ours), _run("pooled", 0, 0, 0, pool)], block=64)
-    assert lh == {"requests": 5, "ids": 128 + 4 + 1560 + 640 + 2560, "pooled_cached_ids": 8457, "guard_requests": 1,
+    assert lh == {"reference": "pooled", "requests": 5, "ids": 128 + 4 + 1560 + 640 + 2560, "reference_cached_ids": 8457,
+                  "guard_requests": 1,
                   "moved_requests": 2, "moved_ids": 128 + 2560, "behind_requests": 1, "behind_ids": 1560,
                   "unowned_requests": 1, "unowned_ids": 640, "sub_block_requests": 1, "sub_block_ids": 4}
     assert lost_hits([_run("mlxgw", 0, 0, 0, ours)]) is None
     assert lost_hits([_run("mlxgw-lw0", 0, 0, 0, ours), _run("pooled", 0, 0, 0, pool)], 64, "mlxgw-lw0") == lh
+    # against another router of the round (sglang-router) the same way
+    vs = lost_hits([_run("mlxgw", 0, 0, 0, ours), _run("sglang", 0, 0, 0, pool)], 64, reference="sglang")
+    assert vs == {**lh, "reference": "sglang"}
+    both = lost_hits_by_router([_run("mlxgw", 0, 0, 0, ours), _run("sglang", 0, 0, 0, pool),
+                                _run("pooled", 0, 0, 0, pool[:1] + [{"cached": 0}] * 5)], 64)
+    assert [x["reference"] for x in both["mlxgw"]] == ["pooled", "sglang"]
+    assert both["mlxgw"][0]["requests"] == 1 and both["mlxgw"][1] == vs
 
 
 def test_oracle_reuses_the_longest_seen_prefix_and_leaves_one_token():
@@ -165,3 +184,17 @@ def test_ttft_tail_splits_the_slowest_requests_into_own_prefill_and_wait():
     # Own prefill 1.0, 1.5, 1.0, 0.5 s -> median 1.0; rest -0.1, -0.7, -0.3, 0.1 -> median -0.2.
     assert t["prefill"] == pytest.approx(1.0) and t["wait"] == pytest.approx(-0.2)
     assert t["queued"] == pytest.approx(200)  # least queued per request: 300 and 100
+
+
+def test_overhead_paired_median_interval_uses_binomial_order_statistics():
+    from bench.overhead import median_ci95, paired_added
+
+    # n = 10: P(B <= 1) = 11/1024 <= 2.5% < P(B <= 2) = 56/1024, so ranks 2 and 9
+    assert median_ci95([float(x) for x in range(10, 0, -1)]) == (5.5, 2.0, 9.0)
+    assert median_ci95([float(x) for x in range(1, 51)])[1:] == (18.0, 33.0)  # n = 50: ranks 18 and 33
+    with pytest.raises(ValueError):
+        median_ci95([1.0] * 5)
+    lat = {"direct": [0.010] * 8, "mlxgw": [0.011, 0.012, 0.0115, 0.013, 0.0105, 0.012, 0.011, 0.014]}
+    pa = paired_added(lat, "mlxgw")
+    assert pa["median_ms"] == pytest.approx(1.75) and (pa["lo_ms"], pa["hi_ms"]) == (pytest.approx(0.5), pytest.approx(4.0))
+    assert paired_added({"mlxgw": lat["mlxgw"]}, "mlxgw") is None

@@ -173,7 +173,7 @@ def test_tool_call_only_reply(backend, tok, stream):
                     {"role": "tool", "tool_call_id": call["id"], "content": "print('hello')"}]
     p2 = render_chat(tok, msgs2, TOOLS).token_ids
     st, out = chat(backend, msgs2, tools=TOOLS, max_tokens=2)
-    assert st == 200 and cached(out) >= len(p1)
+    assert st == 200 and len(p1) <= cached(out) <= len(p2) - 1  # one token always prefilled (PR 625)
 
 
 def _raw_stream(b, body: dict) -> socket.socket:

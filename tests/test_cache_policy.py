@@ -326,6 +326,20 @@ def _open_stream(port: int, body: dict) -> socket.socket:
     return sock
 
 
+def _sibling_during_prefill(backend, a: list[int], b: list[int]) -> int:
+    """Stream prompt ``a``; send ``b`` while ``a`` is in prefill (at 64 tokens a step, ``a``'s
+    3,000 tokens take far longer than 50 ms); return ``b``'s cached tokens once both ended."""
+    sock = _open_stream(backend.port, {"prompt": a, "max_tokens": 1, "temperature": 0})
+    try:
+        time.sleep(0.05)
+        st, _, body = post(backend.url + "/v1/completions", {"prompt": b, "max_tokens": 1, "temperature": 0})
+        assert st == 200, body
+        assert b"[DONE]" in _read_all(sock)
+    finally:
+        sock.close()
+    return json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
 def test_request_sharing_a_prompt_in_prefill_waits_and_reuses_it(make_stack):
     """B arrives while A's long prompt is being prefilled: B waits for that prefill, A's prompt is
     saved as it ends, and B reuses it (SGLang's in-batch prefix caching; our free-space save)."""
@@ -339,21 +353,35 @@ def test_request_sharing_a_prompt_in_prefill_waits_and_reuses_it(make_stack):
     a = np.random.default_rng(5).integers(16, 3000, 3000).tolist()
     b = a[:2500] + np.random.default_rng(6).integers(16, 3000, 20).tolist()
     for backend, want in ((on, 2500), (off, 0)):
-        sock = _open_stream(backend.port, {"prompt": a, "max_tokens": 1, "temperature": 0})
-        try:
-            time.sleep(0.05)  # A admitted; its 47 prefill steps of 64 tokens take far longer
-            st, _, body = post(backend.url + "/v1/completions", {"prompt": b, "max_tokens": 1, "temperature": 0})
-            assert st == 200, body
-            assert b"[DONE]" in _read_all(sock)
-        finally:
-            sock.close()
-        assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == want, backend.name
+        assert _sibling_during_prefill(backend, a, b) == want, backend.name
     # Only A was saved early (B computed 20 tokens and nobody waited for it); A's final save
     # (prompt + answer) then replaced the early entry.
     h = get_json(on.url + "/health")
     assert h["prefill_saves"] == 1 and get_json(off.url + "/health")["prefill_saves"] == 0
     lengths = sorted(e["tokens"] for e in get_json(on.url + "/internal/cache")["entries"])
     assert lengths == [2521, 3001], lengths
+
+
+def test_prefill_save_may_evict_for_the_waiting_request(make_stack):
+    """With one cache entry allowed and an unrelated prompt X in it, A's early save finds no free
+    space: by default B computes everything; with --prefill-save-evicts X is evicted for A's prompt
+    and B reuses it (B's reuse is certain, X's only possible)."""
+    import numpy as np
+
+    s = make_stack()
+    flags = ("--min-hit-tokens", "64", "--prefill-step-size", "64", "--cache-entries", "1")
+    ev = s.add_backend("ev", None, *flags, "--prefill-save-evicts")
+    free = s.add_backend("free", None, *flags)
+    s.wait()
+    x = np.random.default_rng(4).integers(16, 3000, 200).tolist()
+    a = np.random.default_rng(5).integers(16, 3000, 3000).tolist()
+    b = a[:2500] + np.random.default_rng(6).integers(16, 3000, 20).tolist()
+    for backend, want, saves in ((ev, 2500, 1), (free, 0, 0)):
+        st, _, body = post(backend.url + "/v1/completions", {"prompt": x, "max_tokens": 1, "temperature": 0})
+        assert st == 200, body
+        assert [e["tokens"] for e in get_json(backend.url + "/internal/cache")["entries"]] == [201]
+        assert _sibling_during_prefill(backend, a, b) == want, backend.name
+        assert get_json(backend.url + "/health")["prefill_saves"] == saves, backend.name
 
 
 def test_request_sharing_a_decoding_prompt_reuses_it(make_stack):

@@ -198,7 +198,7 @@ def test_janitor_removes_a_dead_backends_claims(make_stack, redis_server):
 
     s = make_stack()
     b0 = s.add_backend("b0")
-    b1 = s.add_backend("b1")
+    s.add_backend("b1")
     s.add_gateway("--janitor-grace", "2")
     s.wait()
     r = redis_server.client()

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import openai
-import pytest
 
 from mlxgw.httpget import get_json
 from mlxgw.harness import free_port, free_port_run

@@ -106,10 +106,11 @@ def test_restart_gets_new_epoch_and_old_claims_never_route(make_stack, redis_ser
     assert r.hget(k.block(blocks[0]), "b0") is None
 
 
-def test_a_claim_then_the_save_writes_each_block_once():
-    """Reference counts (backend/report.py): a request's claim makes its blocks owned (one
-    write each); its save and the claim's release only move the count between 1 and 2, which
-    Redis does not see; the entry's eviction then withdraws them (one delete each)."""
+def test_a_claim_then_the_save_write_each_state_change_once():
+    """Reference counts (backend/report.py): a request's claim makes its blocks owned as being
+    computed (one write each), its save turns them into a saved copy (one write each), the
+    claim's release then changes nothing Redis sees, and the entry's eviction withdraws them
+    (one delete each)."""
     import numpy as np
 
     from backend.cache import CacheEntry
@@ -119,12 +120,19 @@ def test_a_claim_then_the_save_writes_each_block_once():
     prompt = list(range(100, 164))  # 4 full blocks
     keys = schema.block_keys("m", prompt, 16)
     handle = rep.claim(prompt)
-    assert rep._pending == {k: True for k in keys}
+    assert rep._pending == {k: False for k in keys}  # claimed only: written "<epoch>c"
     rep._pending.clear()  # what a flush takes
     entry = CacheEntry(tokens=np.array(prompt + [7], dtype=np.int32), kv=None, nbytes=0,
                        cache_type="assistant", trimmable=True)
     rep.on_saved(entry)
+    assert rep._pending == {k: True for k in keys}  # now a saved copy: written "<epoch>"
+    rep._pending.clear()
     rep.release(handle)
-    assert rep._pending == {} and rep.owned_blocks() == set(keys)
+    assert rep._pending == {} and rep.owned_blocks() == set(keys)  # still saved: nothing to write
     rep.on_evicted(entry)
-    assert rep._pending == {k: False for k in keys} and rep.owned_blocks() == set()
+    assert rep._pending == {k: None for k in keys} and rep.owned_blocks() == set()
+    # a second claim on saved blocks changes nothing in Redis; its release neither
+    rep.on_saved(entry)
+    rep._pending.clear()
+    rep.release(rep.claim(prompt))
+    assert rep._pending == {}

@@ -1,7 +1,6 @@
 """The routing policy (gateway/route.py, docs/routing.md): pure-function cases,
 then several gateways sharing one Redis, and session affinity when Redis is gone."""
 
-import json
 import threading
 import time
 
@@ -52,6 +51,36 @@ def test_heartbeat_load_is_counted_only_when_asked():
 def test_pending_claims_count_as_owned_prefix():
     d = rank([cand("a", depth=2), cand("b")], 1000, 64, pending={"b": 10})
     assert d.best.cand.backend_id == "b" and d.best.matched == 640 and d.ranked[1].matched == 128
+
+
+def test_a_claimed_prefix_counts_only_from_the_backends_hold_threshold():
+    """A prefix only being computed on a backend is shared by waiting for its prefill, which the
+    backend does from its min_hit_tokens on; below that the claim reuses nothing, and only the
+    saved copy counts (gateway.route.servable_blocks)."""
+    def c(bid, depth, saved, min_hit=1000, queued=0):
+        x = cand(bid, depth=depth, queued=queued)
+        x.saved_blocks, x.min_hit_tokens = saved, min_hit
+        return x
+
+    # "a" computes the common first block (claim) and holds nothing; "b" holds it saved
+    d = rank([c("a", 1, 0), c("b", 1, 1, queued=200)], 1000, 64)
+    assert [(s.cand.backend_id, s.matched) for s in d.ranked] == [("b", 64), ("a", 0)]
+    # a claim of 16 blocks (1024 tokens >= 1000) is worth waiting for; 15 blocks are not
+    d = rank([c("a", 16, 2), c("b", 0, 0)], 2000, 64)
+    assert d.best.cand.backend_id == "a" and d.best.matched == 1024
+    d = rank([c("a", 15, 2), c("b", 0, 0)], 2000, 64)
+    assert d.ranked[[s.cand.backend_id for s in d.ranked].index("a")].matched == 128
+    # this gateway's pending claims follow the same rule
+    d = rank([c("a", 0, 0), c("b", 0, 0)], 2000, 64, pending={"a": 3})
+    assert [s.matched for s in d.ranked] == [0, 0]
+    d = rank([c("a", 0, 0), c("b", 0, 0)], 2000, 64, pending={"a": 20})
+    assert d.best.cand.backend_id == "a" and d.best.matched == 1280
+    # a backend that publishes no threshold (0) counts every claim, as before
+    d = rank([c("a", 1, 0, min_hit=0), c("b", 0, 0)], 1000, 64)
+    assert d.best.cand.backend_id == "a" and d.best.matched == 64
+    # --short-claims: the rule before (every claimed block counts)
+    d = rank([c("a", 1, 0), c("b", 1, 1, queued=200)], 1000, 64, cfg=RoutingConfig(short_claims=True))
+    assert [(s.cand.backend_id, s.matched) for s in d.ranked] == [("a", 64), ("b", 64)]
 
 
 def test_balance_guard_moves_work_off_an_overloaded_owner():

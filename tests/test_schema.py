@@ -84,6 +84,29 @@ def test_lookup_counts_live_epoch_only(redis_server):
     assert (c.url, c.active, c.queued_prefill_tokens, c.free_cache_bytes) == ("http://b0", 1, 7, 90)
 
 
+def test_lookup_tells_saved_copies_from_claims(redis_server):
+    """A block value with the claim suffix ("2c") is owned only as a prompt being computed: the
+    depth counts it, the saved depth stops before it. The backend's min_hit_tokens comes along."""
+    r = redis_server.client()
+    k = schema.Keys("tclaim", "m")
+    for bid in ("b0", "b1"):
+        r.hset(k.backend(bid), mapping={"epoch": 2, "url": f"http://{bid}", "state": "ready", "min_hit_tokens": 31})
+        r.zadd(k.backends, {bid: time.time()})
+    blocks = ["c1", "c2", "c3", "c4"]
+    # b0: saved copy of 2 blocks, computing 4; b1: computing 3, nothing saved; a stale "1c" never counts
+    vals = [("2", "2c"), ("2", "2c"), ("2c", "2c"), ("2c", "1c")]
+    for b, (v0, v1) in zip(blocks, vals):
+        r.hset(k.block(b), mapping={"b0": v0, "b1": v1})
+    assert schema.block_value(2, True) == "2" and schema.block_value(2, False) == "2c"
+    rows = r.eval(schema.LOOKUP_LUA, 1 + len(blocks), k.backends, *k.blocks(blocks), k.backend_prefix)
+    got = {c.backend_id: (c.depth_blocks, c.saved_blocks, c.min_hit_tokens) for c in schema.parse_lookup(rows)}
+    assert got == {"b0": (4, 2, 31), "b1": (3, 0, 31)}
+    # an epoch's cleanup removes its claims too, never a newer epoch's
+    r.sadd(k.owned("b1", 2), *k.blocks(blocks))
+    assert r.eval(schema.CLEANUP_LUA, 1, k.owned("b1", 2), "b1", 2, 10) == 0
+    assert [r.hget(k.block(b), "b1") for b in blocks] == [None, None, None, "1c"]
+
+
 def test_cleanup_keeps_newer_epoch(redis_server):
     r = redis_server.client()
     k = schema.Keys("tclean", "m")

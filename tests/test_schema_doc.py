@@ -87,3 +87,8 @@ def test_status_cli_reads_redis_alone(make_stack, redis_server):
     txt = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", redis_server.url,
                           "--namespace", s.namespace], capture_output=True, text=True, timeout=60)
     assert txt.returncode == 0 and "b0" in txt.stdout
+    # the text view gives each event's details, as `mlxgw top` does
+    saved = next(e for e in data[s.model_name]["recent_events"] if e["type"] == "saved")
+    assert saved["tokens"] > 0
+    lines = [ln for ln in txt.stdout.splitlines() if " saved " in ln]
+    assert any(f"tokens={saved['tokens']}" in ln and f"cache_type={saved['cache_type']}" in ln for ln in lines), lines
