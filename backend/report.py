@@ -299,8 +299,7 @@ class Reporter:
         """Refresh the registry record; detect a lost record and re-publish."""
         info = dict(self.info())
         now = time.time()
-        with self._lock:
-            owned = len(self._refs.keys() | self._claims.keys())
+        owned = len(self.owned_blocks())
         fields = {
             "id": self.backend_id,
             "url": self.url,
