@@ -409,9 +409,9 @@ def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw", reference
     out = {"reference": reference, "requests": 0, "ids": 0, "reference_cached_ids": 0, "guard_requests": 0}
     for k in LOST_CAUSES:
         out[f"{k}_requests"] = out[f"{k}_ids"] = 0
-    for ours, pool in zip(by[router]["per_request"], by[reference]["per_request"]):
-        out["reference_cached_ids"] += pool["cached"]
-        short = pool["cached"] - ours["cached"]
+    for ours, theirs in zip(by[router]["per_request"], by[reference]["per_request"]):
+        out["reference_cached_ids"] += theirs["cached"]
+        short = theirs["cached"] - ours["cached"]
         if short <= 0:
             continue
         out["requests"] += 1
@@ -423,7 +423,7 @@ def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw", reference
             out["guard_requests"] += ours["route"].get("reason") == "balance"
         elif short < block:
             kind = "sub_block"
-        elif chosen + block > pool["cached"]:
+        elif chosen + block > theirs["cached"]:
             kind = "behind"
         else:
             kind = "unowned"

@@ -106,7 +106,7 @@ def test_restart_gets_new_epoch_and_old_claims_never_route(make_stack, redis_ser
     assert r.hget(k.block(blocks[0]), "b0") is None
 
 
-def test_a_claim_then_the_save_write_each_state_change_once():
+def test_a_claim_then_the_save_writes_each_state_change_once():
     """Reference counts (backend/report.py): a request's claim makes its blocks owned as being
     computed (one write each), its save turns them into a saved copy (one write each), the
     claim's release then changes nothing Redis sees, and the entry's eviction withdraws them
