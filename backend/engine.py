@@ -22,7 +22,8 @@ copies, not shared blocks, hence the pin). A waiting request that shares at leas
 ``min_hit_tokens`` of a prompt still being prefilled waits for that prefill to
 end (SGLang's in-batch prefix caching deprioritizes such a request), and that
 prompt is then saved at once (into free space; its final save replaces it), so
-the waiting one reuses it instead of computing it again. A request that shares
+the waiting one reuses it instead of computing it again; when the save does not
+fit, the waiting one gets a copy of that KV directly, as its pinned hit. A request that shares
 as much with one already decoding gets that one's prompt saved the same way
 when it is admitted (a radix cache holds a running request's prefix too).
 
@@ -45,7 +46,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .cache import PromptCache, common_prefix, kv_trimmable
+from .cache import CacheHit, PromptCache, common_prefix, kv_trimmable
 from .metrics import BackendMetrics
 
 log = logging.getLogger("mlxgw.backend.engine")
@@ -184,6 +185,9 @@ class MLXEngine(Engine):
         prefill_save_evicts: such a save may evict other entries (LRU) when
             free space is short, as long as the copy fits in the budget left by
             the live requests' KV: the held request reuses it for certain.
+        prefill_handoff: when that save does not fit, hand a copy of the prompt's
+            KV to the waiting requests that reuse it, as their pinned hits
+            (`_hand_over`), instead of letting them compute it again.
         claims: the reporter; each request's prompt blocks are claimed
             (`Reporter.claim`) from arrival to end. None: no claims.
         prefill_order: ``"fifo"`` (default), ``"shorter-beside"`` or
@@ -203,6 +207,7 @@ class MLXEngine(Engine):
         metrics: Optional[BackendMetrics] = None,
         save_at_prefill_end: bool = True,
         prefill_save_evicts: bool = False,
+        prefill_handoff: bool = True,
         claims: Any = None,
         prefill_order: str = "fifo",
     ):
@@ -213,9 +218,11 @@ class MLXEngine(Engine):
         self.finish_prefill_on_cancel = finish_prefill_on_cancel
         self.save_at_prefill_end = save_at_prefill_end
         self.prefill_save_evicts = prefill_save_evicts
+        self.prefill_handoff = prefill_handoff
         self.claims = claims
         self.trimmable = False  # set at load: may a prompt's blocks be claimed (as `servable_blocks`)?
         self.prefill_saves = 0
+        self.prefill_handoffs = 0
         self.cache = cache
         self.cache_bytes = cache_bytes
         self.decode_concurrency = decode_concurrency
@@ -278,6 +285,7 @@ class MLXEngine(Engine):
             "misses": self.misses,
             "abandoned_saves_skipped": self.saves_skipped,
             "prefill_saves": self.prefill_saves,
+            "prefill_handoffs": self.prefill_handoffs,
             "shared_prefixes_kept": self.cache.shared_kept,
             "cache_evictions": self.cache.evictions,
             "cache_evicted_tokens": self.cache.evicted_tokens,
@@ -437,10 +445,10 @@ class MLXEngine(Engine):
         return req
 
     def _save_decoding_prompt_for(self, req: GenRequest) -> None:
-        """Save the prompt of a decoding request that ``req`` reuses (`_reuses`) before ``req`` is admitted."""
+        """Share the prompt of a decoding request that ``req`` reuses (`_reuses`) before ``req`` is admitted."""
         for uid, live in self._live.items():
             if live.prompt_left == 0 and not live.prompt_saved and self._reuses(req, live):
-                self._save_prompt(uid, live)
+                self._share_prompt(uid, live, [req])
                 return
 
     def _next_waiting(self):
@@ -587,8 +595,10 @@ class MLXEngine(Engine):
                 self.queued_prefill_tokens -= live.prompt_left
                 prefilled += live.prompt_left
                 live.prompt_left = 0
-                if self.save_at_prefill_end and any(self._reuses(w, live) for w in self._next_waiting()):
-                    self._save_prompt(r.uid, live)
+                if self.save_at_prefill_end:
+                    waiters = [w for w in self._next_waiting() if self._reuses(w, live)]
+                    if waiters:
+                        self._share_prompt(r.uid, live, waiters)
                 if r.uid in self._cancel_after_prefill:
                     self._cancel_after_prefill.discard(r.uid)
                     self._cancels.put(live.req.rid)
@@ -627,16 +637,11 @@ class MLXEngine(Engine):
                 self._save(live, list(r.all_tokens), r.prompt_cache)
                 self._finish(live, r.finish_reason)
 
-    def _save_prompt(self, uid: int, live: _Live) -> None:
-        """Save a running request's prompt KV (the request keeps running), for a
-        waiting request that shares it: as its prefill ends, or while it decodes
-        (the generated tokens are trimmed off).
-
-        Only if the copy fits in free space (the prompt is already counted in
-        flight), or with ``prefill_save_evicts`` in the budget the live
-        requests' KV leaves, evicting other entries; the request's final save
-        replaces this entry (a trimmable entry drops the prefixes it extends).
-        """
+    def _share_prompt(self, uid: int, live: _Live, waiters: list[GenRequest]) -> None:
+        """Give ``waiters`` (waiting requests that reuse it) the prompt KV of a running
+        request: saved as an entry (`_save_prompt`), or, when that does not fit and
+        ``prefill_handoff`` is on, handed to them directly (`_hand_over`). As its
+        prefill ends, or while it decodes (the generated tokens are trimmed off)."""
         req = live.req
         got = self._bg.extract_cache([uid]).get(uid)
         if got is None:
@@ -650,16 +655,55 @@ class MLXEngine(Engine):
             tokens = tokens[:n]
         if not tokens or tokens != req.prompt[: len(tokens)]:
             return
+        if not self._save_prompt(live, tokens, kv) and self.prefill_handoff:
+            self._hand_over(tokens, kv, waiters)
+
+    def _save_prompt(self, live: _Live, tokens: list[int], kv) -> bool:
+        """Save a running request's prompt KV (``tokens``, the request keeps running) for
+        a waiting request that shares it. False (``kv`` untouched) if it did not fit.
+
+        Only if the copy fits in free space (the prompt is already counted in
+        flight), or with ``prefill_save_evicts`` in the budget the live
+        requests' KV leaves, evicting other entries; the request's final save
+        replaces this entry (a trimmable entry drops the prefixes it extends).
+        """
+        req = live.req
         room = self.cache_bytes - self._inflight_nbytes()
         if not self._fits_in_free_space(kv) and not (self.prefill_save_evicts and self.cache.ops.nbytes(kv) <= room):
-            return
+            return False
         entry = self.cache.insert(tokens, kv, "user", reused_from=live.reused_from, reused=req.cached,
-                                  prompt_len=n, system_tokens=req.system_tokens)
+                                  prompt_len=len(req.prompt), system_tokens=req.system_tokens)
         if entry is None:
-            return
+            return False
         self.cache.trim_to(max_bytes=room, keep=entry)
         live.prompt_saved = True
         self.prefill_saves += 1
+        return True
+
+    def _hand_over(self, tokens: list[int], kv, waiters: list[GenRequest]) -> None:
+        """Make a prompt's KV (holding ``tokens``) the pinned hit of each waiting request
+        in ``waiters`` that reuses more of it than its own hit (each gets a private
+        copy trimmed to what it reuses; the last one takes ``kv`` itself).
+
+        No entry is made and nothing is evicted: a pinned hit is KV in flight, counted
+        against the budget like the hit every request pins on arrival
+        (`_inflight_nbytes`), and the request would hold the same KV once it had
+        computed it. The cache rules for a hit hold: at least one token left to
+        prefill (rule 1), an untrimmable KV only as an exact prefix (rule 4).
+        """
+        ops, ids = self.cache.ops, np.asarray(tokens, dtype=np.int32)
+        trimmable = ops.trimmable(kv)
+        takers = []
+        for w in waiters:
+            n = min(common_prefix(ids, w.ids), len(w.prompt) - 1)
+            if not trimmable and n != len(ids):
+                continue
+            if n >= self.cache.min_hit_tokens and n > (w.hit.reused if w.hit is not None else 0):
+                takers.append((w, n))
+        for i, (w, n) in enumerate(takers):
+            mine = kv if i == len(takers) - 1 else ops.copy(kv)
+            w.hit = CacheHit(ops.prefix(mine, len(ids), n), n, None, len(ids))
+            self.prefill_handoffs += 1
 
     def _save(self, live: _Live, tokens: list[int], kv, only_into_free_space: bool = False) -> None:
         req = live.req

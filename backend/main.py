@@ -68,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-save-evicts", action=argparse.BooleanOptionalAction, default=False,
                    help="the save for a waiting request (--prefill-save) may evict other entries when free space is "
                         "short (the waiting request reuses it for certain); off: free space only")
+    p.add_argument("--prefill-handoff", action=argparse.BooleanOptionalAction, default=True,
+                   help="when that save does not fit in free space, hand a copy of the prompt's KV straight to the "
+                        "waiting requests that reuse it (KV in flight, nothing evicted; docs/cache-policy.md); "
+                        "off: they compute it again")
     p.add_argument("--inflight-claims", action=argparse.BooleanOptionalAction, default=True,
                    help="report a request's prompt blocks as owned from its arrival until it ends, so every "
                         "gateway sends its siblings here (docs/redis-schema.md); off: only saved entries")
@@ -129,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     kw = dict(decode_concurrency=args.decode_concurrency, prefill_concurrency=args.prefill_concurrency,
               prefill_step_size=args.prefill_step_size, finish_prefill_on_cancel=not args.cancel_prefill,
               metrics=metrics, save_at_prefill_end=args.prefill_save, prefill_save_evicts=args.prefill_save_evicts,
+              prefill_handoff=args.prefill_handoff,
               claims=reporter if args.inflight_claims else None, prefill_order=args.prefill_order)
     if args.engine == "sim":
         try:

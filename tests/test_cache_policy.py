@@ -364,24 +364,27 @@ def test_request_sharing_a_prompt_in_prefill_waits_and_reuses_it(make_stack):
 
 def test_prefill_save_may_evict_for_the_waiting_request(make_stack):
     """With one cache entry allowed and an unrelated prompt X in it, A's early save finds no free
-    space: by default B computes everything; with --prefill-save-evicts X is evicted for A's prompt
-    and B reuses it (B's reuse is certain, X's only possible)."""
+    space. By default A's prompt KV is handed straight to B, which reuses it (nothing saved, nothing
+    evicted for it); with --no-prefill-handoff B computes everything; with --prefill-save-evicts X
+    is evicted for A's saved prompt and B reuses that (B's reuse is certain, X's only possible)."""
     import numpy as np
 
     s = make_stack()
     flags = ("--min-hit-tokens", "64", "--prefill-step-size", "64", "--cache-entries", "1")
     ev = s.add_backend("ev", None, *flags, "--prefill-save-evicts")
-    free = s.add_backend("free", None, *flags)
+    hand = s.add_backend("hand", None, *flags)
+    none = s.add_backend("none", None, *flags, "--no-prefill-handoff")
     s.wait()
     x = np.random.default_rng(4).integers(16, 3000, 200).tolist()
     a = np.random.default_rng(5).integers(16, 3000, 3000).tolist()
     b = a[:2500] + np.random.default_rng(6).integers(16, 3000, 20).tolist()
-    for backend, want, saves in ((ev, 2500, 1), (free, 0, 0)):
+    for backend, want, saves, handoffs in ((ev, 2500, 1, 0), (hand, 2500, 0, 1), (none, 0, 0, 0)):
         st, _, body = post(backend.url + "/v1/completions", {"prompt": x, "max_tokens": 1, "temperature": 0})
         assert st == 200, body
         assert [e["tokens"] for e in get_json(backend.url + "/internal/cache")["entries"]] == [201]
         assert _sibling_during_prefill(backend, a, b) == want, backend.name
-        assert get_json(backend.url + "/health")["prefill_saves"] == saves, backend.name
+        h = get_json(backend.url + "/health")
+        assert (h["prefill_saves"], h["prefill_handoffs"]) == (saves, handoffs), backend.name
 
 
 def test_request_sharing_a_decoding_prompt_reuses_it(make_stack):

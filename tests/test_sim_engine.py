@@ -85,7 +85,8 @@ def test_sim_cached_tokens_equal_real(make_stack):
     assert system_tokens is not None
     hr, hs = httpget.get_json(real.url + "/health"), httpget.get_json(sim.url + "/health")
     for k in ("requests", "hits", "misses", "prompt_tokens", "cached_tokens", "cache_entries", "cache_tokens",
-              "cache_bytes", "shared_prefixes_kept", "cache_evictions", "cache_evicted_tokens", "prefill_saves"):
+              "cache_bytes", "shared_prefixes_kept", "cache_evictions", "cache_evicted_tokens", "prefill_saves",
+              "prefill_handoffs"):
         assert hs[k] == hr[k], (k, hs[k], hr[k])
     assert hs["requests"] == 13 and hs["shared_prefixes_kept"] == 1
     # 12 entries were added (10 prompts not continuing their entry, the system segment, the kept
