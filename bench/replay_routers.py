@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend import sim as simmod  # noqa: E402
 from bench.replay import vocab_range  # noqa: E402
-from bench.trace import DEFAULT_TRACE, TRACE_BLOCK, BlockMapper, load_trace, oracle_hits  # noqa: E402
+from bench.trace import DEFAULT_TRACE, TRACE_BLOCK, BlockMapper, load_trace, oracle_hits, oracle_prefixes  # noqa: E402
 from gateway.route import RoutingConfig  # noqa: E402
 from mlxgw import httpget  # noqa: E402
 from mlxgw.harness import LOG_DIR, RedisServer, Stack, free_port  # noqa: E402
@@ -380,10 +380,11 @@ def _candidates(header: str) -> dict[str, int]:
     return out
 
 
-LOST_CAUSES = ("moved", "behind", "unowned", "sub_block")  # see `lost_hits`
+LOST_CAUSES = ("moved", "behind", "unowned", "sub_block", "chance")  # see `lost_hits`
 
 
-def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw", reference: str = "pooled") -> dict | None:
+def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw", reference: str = "pooled",
+              shared: list[int] | None = None) -> dict | None:
     """Where one of our gateway runs' cached tokens fall short of a reference run's, request by request.
 
     The reference is the pooled cache (no routing at all) or another router of the same
@@ -398,7 +399,11 @@ def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw", reference
     * ``unowned``: no live backend owned that prefix, by at least a block (never computed on
       one backend whole, or evicted everywhere);
     * ``sub_block``: the shortfall is less than one ``block`` of ids, below what ownership
-      tracks.
+      tracks;
+    * ``chance`` (given ``shared``, per request index the ids the trace itself shares,
+      `bench.trace.oracle_prefixes`): ``router`` reused all of that, and the reference
+      reused more only because unrelated blocks' random ids happened to start alike (a
+      cache holding more entries finds more such collisions). Checked first.
 
     Units are sim ids; ``reference_cached_ids`` is all the reference reused. None unless
     both ran in this round.
@@ -418,7 +423,9 @@ def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw", reference
         out["ids"] += short
         cands = _candidates(ours["route"].get("candidates", ""))
         chosen = cands.get(ours["route"].get("backend", ""), 0)
-        if cands and max(cands.values()) > chosen:
+        if shared is not None and ours["cached"] >= shared[ours["i"]]:
+            kind = "chance"
+        elif cands and max(cands.values()) > chosen:
             kind = "moved"
             out["guard_requests"] += ours["route"].get("reason") == "balance"
         elif short < block:
@@ -432,13 +439,13 @@ def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw", reference
     return out
 
 
-def lost_hits_by_router(runs: list[dict], block: int) -> dict[str, list[dict]]:
+def lost_hits_by_router(runs: list[dict], block: int, shared: list[int] | None = None) -> dict[str, list[dict]]:
     """`lost_hits` of each of our gateway runs in one round against the pooled cache and
     sglang-router (those that ran): ``{router: [result, ...]}``."""
     out = {}
     for r in runs:
         if r["router"].startswith("mlxgw"):
-            out[r["router"]] = [lh for ref in ("pooled", "sglang") if (lh := lost_hits(runs, block, r["router"], ref))]
+            out[r["router"]] = [lh for ref in ("pooled", "sglang") if (lh := lost_hits(runs, block, r["router"], ref, shared))]
     return out
 
 
@@ -611,6 +618,7 @@ def main(argv=None) -> int:
     lo, hi = vocab_range(model_path)
     mapper = BlockMapper(args.k, lo, hi)
     items = [(r.timestamp_ms, mapper.prompt(r.hash_ids), max(1, math.ceil(r.output_length / scale))) for r in reqs]
+    shared = oracle_prefixes(reqs, args.k)  # sim ids per request, for `lost_hits`' chance cause
     cmd = "python bench/replay_routers.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     print(f"trace {args.trace}: {len(reqs)} requests over {span:.0f} s; oracle hit ratio {o_hit / o_total:.3f}")
     print(f"offered load at real speed on {args.backends} backends: {load:.2f}; compress {args.compress:g}x, "
@@ -646,7 +654,7 @@ def main(argv=None) -> int:
                 rounds.append(runs)
             res["budgets"].append({"fraction": frac, "per_backend_gb": per_backend / 2**30,
                                    "runs": combine_rounds(rounds), "paired": paired(rounds),
-                                   "lost_hits": [lost_hits_by_router(runs, args.k) for runs in rounds]})
+                                   "lost_hits": [lost_hits_by_router(runs, args.k, shared) for runs in rounds]})
     finally:
         redis.cleanup()
     res["total_seconds"] = time.time() - t_all

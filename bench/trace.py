@@ -74,15 +74,16 @@ class BlockMapper:
         return out
 
 
-def oracle_hits(requests: list[TraceRequest], tokens_per_block: int) -> tuple[int, int]:
-    """Prefix-hit tokens of a single infinite cache over the requests, in arrival order.
+def oracle_prefixes(requests: list[TraceRequest], tokens_per_block: int) -> list[int]:
+    """Per request, in arrival order, the prefix tokens a single infinite cache reuses.
 
     A request reuses the longest prefix of its blocks that any earlier request
     had (capped at its length minus one token, as a real cache must prefill
-    one). Returns (hit tokens, prompt tokens).
+    one). This is all the sharing the trace itself holds: anything a cache
+    reuses beyond it comes from chance collisions of the token ids a block maps to.
     """
     nodes: dict[tuple[int, int], int] = {}  # (parent node, hash id) -> node: a trie of seen prefixes
-    hit = total = 0
+    out = []
     for r in requests:
         n = len(r.hash_ids)
         depth, node, matching = 0, 0, True
@@ -94,6 +95,10 @@ def oracle_hits(requests: list[TraceRequest], tokens_per_block: int) -> tuple[in
             elif matching:
                 depth = i + 1
             node = nxt
-        total += n * tokens_per_block
-        hit += min(depth * tokens_per_block, n * tokens_per_block - 1)
-    return hit, total
+        out.append(min(depth * tokens_per_block, n * tokens_per_block - 1))
+    return out
+
+
+def oracle_hits(requests: list[TraceRequest], tokens_per_block: int) -> tuple[int, int]:
+    """(hit tokens, prompt tokens) of a single infinite cache over the requests (`oracle_prefixes`)."""
+    return sum(oracle_prefixes(requests, tokens_per_block)), sum(len(r.hash_ids) for r in requests) * tokens_per_block

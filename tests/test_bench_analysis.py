@@ -11,7 +11,7 @@ import pytest
 
 from bench.replay_routers import (_candidates, _series, combine_rounds, dump_requests, lost_hits, lost_hits_by_router,
                                   mean_ci95, multi_budget, paired, table)
-from bench.trace import TraceRequest, oracle_hits
+from bench.trace import TraceRequest, oracle_hits, oracle_prefixes
 from gateway.route import RoutingConfig, rank
 from mlxgw.schema import Candidate
 
@@ -94,7 +94,16 @@ def test_lost_hits_splits_the_shortfall_by_cause():
     assert lh == {"reference": "pooled", "requests": 5, "ids": 128 + 4 + 1560 + 640 + 2560, "reference_cached_ids": 8457,
                   "guard_requests": 1,
                   "moved_requests": 2, "moved_ids": 128 + 2560, "behind_requests": 1, "behind_ids": 1560,
-                  "unowned_requests": 1, "unowned_ids": 640, "sub_block_requests": 1, "sub_block_ids": 4}
+                  "unowned_requests": 1, "unowned_ids": 640, "sub_block_requests": 1, "sub_block_ids": 4,
+                  "chance_requests": 0, "chance_ids": 0}
+    # Given what the trace itself shares per request: the second one's 4 ids and the
+    # fourth's 640 lie beyond it (ours reused all the trace shares), so they are chance.
+    for i, r in enumerate(ours):
+        r["i"] = i
+    shared = [128, 5, 2560, 0, 2560, 2560]
+    by_trace = lost_hits([_run("mlxgw", 0, 0, 0, ours), _run("pooled", 0, 0, 0, pool)], 64, shared=shared)
+    assert by_trace == {**lh, "requests": 5, "sub_block_requests": 0, "sub_block_ids": 0, "unowned_requests": 0,
+                        "unowned_ids": 0, "chance_requests": 2, "chance_ids": 4 + 640}
     assert lost_hits([_run("mlxgw", 0, 0, 0, ours)]) is None
     assert lost_hits([_run("mlxgw-lw0", 0, 0, 0, ours), _run("pooled", 0, 0, 0, pool)], 64, "mlxgw-lw0") == lh
     # against another router of the round (sglang-router) the same way
@@ -110,6 +119,7 @@ def test_oracle_reuses_the_longest_seen_prefix_and_leaves_one_token():
     reqs = [TraceRequest(0, 3 * 512, 1, [1, 2, 3]), TraceRequest(1, 4 * 512, 1, [1, 2, 3, 4]),
             TraceRequest(2, 2 * 512, 1, [1, 9]), TraceRequest(3, 2 * 512, 1, [1, 2])]
     hit, total = oracle_hits(reqs, 512)
+    assert oracle_prefixes(reqs, 512) == [0, 3 * 512, 512, 2 * 512 - 1]
     assert total == 11 * 512
     assert hit == 3 * 512 + 512 + (2 * 512 - 1)
 
