@@ -103,6 +103,7 @@ class Proc:
     port: int
     log_path: Path
     proc: Optional[subprocess.Popen] = None
+    port_retries: int = 0  # times it may move to a new free port if another process took its port first
 
     @property
     def url(self) -> str:
@@ -110,14 +111,37 @@ class Proc:
 
     def start(self, env: dict) -> "Proc":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._env = env
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         return self
+
+    def restart_if_port_lost(self) -> bool:
+        """Restart on a new free port if the process exited because its port was taken.
+
+        `free_port` closes its probe socket before the child binds, and outgoing
+        connections draw source ports from the same ephemeral range, so another
+        process can take the port in between (seen in CI: "address already in
+        use"). Only for ports the harness chose (``port_retries``); the servers
+        exit with 3 when they cannot listen. True if restarted.
+        """
+        if self.port_retries <= 0 or self.proc is None or self.proc.poll() != 3:
+            return False
+        if "address already in use" not in self.tail(5):
+            return False
+        self.port_retries -= 1
+        i = self.cmd.index("--port") + 1
+        self.port = free_port()
+        self.cmd[i] = str(self.port)
+        self.start(self._env)
+        return True
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
         t0 = time.time()
         while time.time() - t0 < timeout:
             if self.proc.poll() is not None:
+                if self.restart_if_port_lost():
+                    continue
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log: {self.log_path}\n" + self.tail())
             if http.get_status(self.url + "/health") == 200:
                 return
@@ -169,32 +193,34 @@ class Stack:
         return env
 
     def add_backend(self, backend_id: Optional[str] = None, port: Optional[int] = None, *extra: str, start=True) -> Proc:
+        retries = 0 if port else 3
         port = port or free_port()
         bid = backend_id or f"b{len(self.backends)}"
         cmd = [sys.executable, "-m", "mlxgw", "backend", "--model", self.model_path, "--served-name", self.model_name,
                "--port", str(port), "--id", bid, "--redis-url", self.redis_url, "--namespace", self.namespace,
                "--block-size", str(self.block_size), "--heartbeat-interval", "0.5", "--heartbeat-ttl", "2",
                "--min-hit-tokens", "64", *extra]
-        p = Proc(bid, cmd, port, LOG_DIR / f"{self.namespace}-{bid}.log")
+        p = Proc(bid, cmd, port, LOG_DIR / f"{self.namespace}-{bid}.log", port_retries=retries)
         self.backends.append(p)
         if start:
             p.start(self.env())
         return p
 
     def add_gateway(self, *extra: str, port: Optional[int] = None) -> Proc:
+        retries = 0 if port else 3
         port = port or free_port()
         name = f"gw{len(self.gateways)}"
         cmd = [sys.executable, "-m", "mlxgw", "gateway", "--model", f"{self.model_name}={self.model_path}",
                "--port", str(port), "--redis-url", self.redis_url, "--namespace", self.namespace,
                "--block-size", str(self.block_size), "--lookup-deadline-ms", "2000", *extra]
-        p = Proc(name, cmd, port, LOG_DIR / f"{self.namespace}-{name}.log")
+        p = Proc(name, cmd, port, LOG_DIR / f"{self.namespace}-{name}.log", port_retries=retries)
         self.gateways.append(p)
         p.start(self.env())
         return p
 
     def wait(self) -> "Stack":
         for p in self.backends + self.gateways:
-            if p.proc is not None and p.proc.poll() is None:
+            if p.proc is not None and (p.proc.poll() is None or p.restart_if_port_lost()):
                 p.wait_healthy()
         # Gateways see backends through the registry refresh (1 s).
         deadline = time.time() + 15
