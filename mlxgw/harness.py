@@ -58,6 +58,7 @@ class RedisServer:
     """A private redis-server on a free loopback port (no persistence)."""
 
     def __init__(self, port: Optional[int] = None):
+        self.port_retries = 0 if port else 3  # as `Proc.restart_if_port_lost`: only a port chosen here moves
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="mlxgw-test-redis-")
         self.proc: Optional[subprocess.Popen] = None
@@ -74,14 +75,23 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis.from_url(self.url)
+        client = redis.Redis.from_url(self.url, socket_timeout=2)
         for _ in range(200):
             try:
-                client.ping()
-                return self
-            except redis.exceptions.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
+                # Ours, not another server that took the port first (then ours exits).
+                if int(client.info("server")["process_id"]) == self.proc.pid:
+                    self.port_retries = 0  # a restart keeps this port (clients know it now)
+                    return self
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ResponseError):
+                pass
+            if self.proc.poll() is not None:
+                if self.port_retries <= 0:
+                    break
+                self.port_retries -= 1  # lost its port before binding (see `Proc.restart_if_port_lost`)
+                self.port = free_port()
+                return self.start()
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, decode_responses=True)
@@ -144,6 +154,7 @@ class Proc:
                     continue
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log: {self.log_path}\n" + self.tail())
             if http.get_status(self.url + "/health") == 200:
+                self.port_retries = 0  # a restart keeps this port (clients know it now)
                 return
             time.sleep(0.1)
         raise RuntimeError(f"{self.name} not healthy after {timeout}s\n" + self.tail())
