@@ -25,10 +25,25 @@ from . import httpget as http
 LOG_DIR = Path(os.environ.get("MLXGW_TEST_LOGS", Path.cwd() / "test-output"))
 
 
+_given: set[int] = set()  # ports free_port handed out in this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody listens on, never one this process was given before.
+
+    The probe socket is closed before the caller's server binds, so the OS may
+    hand the same port out again meanwhile: a stack's second backend and its
+    gateway once got the same port, and the slower one exited with "address
+    already in use" (`Proc.restart_if_port_lost` covers other processes).
+    """
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _given:
+            _given.add(port)
+            return port
+    raise RuntimeError("no free loopback port this process was not given before")
 
 
 def free_port_run(n: int, avoid: tuple = ()) -> int:
@@ -37,7 +52,7 @@ def free_port_run(n: int, avoid: tuple = ()) -> int:
     for _ in range(200):
         base = free_port()
         ports = range(base, base + n)
-        if any(p in avoid or p > 65535 for p in ports):
+        if any(p in avoid or p > 65535 or (p != base and p in _given) for p in ports):
             continue
         try:
             socks = []
@@ -45,6 +60,7 @@ def free_port_run(n: int, avoid: tuple = ()) -> int:
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", p))
+            _given.update(ports)
             return base
         except OSError:
             continue
@@ -129,11 +145,11 @@ class Proc:
     def restart_if_port_lost(self) -> bool:
         """Restart on a new free port if the process exited because its port was taken.
 
-        `free_port` closes its probe socket before the child binds, and outgoing
-        connections draw source ports from the same ephemeral range, so another
-        process can take the port in between (seen in CI: "address already in
-        use"). Only for ports the harness chose (``port_retries``); the servers
-        exit with 3 when they cannot listen. True if restarted.
+        `free_port` closes its probe socket before the child binds, and other
+        processes' sockets (outgoing connections' source ports too) draw from
+        the same ephemeral range, so one can take the port in between. Only for
+        ports the harness chose (``port_retries``); the servers exit with 3 when
+        they cannot listen. True if restarted.
         """
         if self.port_retries <= 0 or self.proc is None or self.proc.poll() != 3:
             return False

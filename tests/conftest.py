@@ -60,9 +60,11 @@ def make_stack(redis_server, demo_model):
 def stack2(redis_server, demo_model):
     """Two backends and one gateway on the session Redis, shared by a test module."""
     s = Stack(redis_server.url, demo_model)
-    s.add_backend("b0")
-    s.add_backend("b1")
-    s.add_gateway()
-    s.wait()
-    yield s
-    s.stop()
+    try:  # a failed start must not leave its processes running
+        s.add_backend("b0")
+        s.add_backend("b1")
+        s.add_gateway()
+        s.wait()
+        yield s
+    finally:
+        s.stop()

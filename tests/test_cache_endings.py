@@ -26,10 +26,12 @@ def backend(redis_server, demo_model):
     from mlxgw.harness import Stack
 
     s = Stack(redis_server.url, demo_model)
-    b = s.add_backend("b0", None, "--request-timeout", "2")
-    b.wait_healthy()
-    yield b
-    s.stop()
+    try:  # a failed start must not leave its process running
+        b = s.add_backend("b0", None, "--request-timeout", "2")
+        b.wait_healthy()
+        yield b
+    finally:
+        s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -53,3 +53,14 @@ def test_a_redis_server_whose_port_was_taken_moves_to_a_new_one(redis_server):
                 r.start()
         finally:
             r.cleanup()
+
+
+def test_free_port_never_gives_a_port_twice():
+    from mlxgw.harness import free_port, free_port_run
+
+    # Each probe socket is closed before the caller binds, so the OS offers ports again:
+    # 1,000 plain probes over Linux's ~28,000 ephemeral ports repeat one ~18 times on average.
+    ports = [free_port() for _ in range(1000)]
+    base = free_port_run(3)
+    assert len(set(ports)) == 1000 and not {base, base + 1, base + 2} & set(ports)
+    assert free_port() not in {base, base + 1, base + 2}
