@@ -26,6 +26,7 @@ LOG_DIR = Path(os.environ.get("MLXGW_TEST_LOGS", Path.cwd() / "test-output"))
 
 
 _given: set[int] = set()  # ports free_port handed out in this process
+PORT_RETRIES = 3  # moves to a new port a server on a port chosen here may make (`Proc.restart_if_port_lost`)
 
 
 def free_port() -> int:
@@ -74,7 +75,7 @@ class RedisServer:
     """A private redis-server on a free loopback port (no persistence)."""
 
     def __init__(self, port: Optional[int] = None):
-        self.port_retries = 0 if port else 3  # as `Proc.restart_if_port_lost`: only a port chosen here moves
+        self.port_retries = 0 if port else PORT_RETRIES  # only a port chosen here moves
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="mlxgw-test-redis-")
         self.proc: Optional[subprocess.Popen] = None
@@ -220,7 +221,7 @@ class Stack:
         return env
 
     def add_backend(self, backend_id: Optional[str] = None, port: Optional[int] = None, *extra: str, start=True) -> Proc:
-        retries = 0 if port else 3
+        retries = 0 if port else PORT_RETRIES
         port = port or free_port()
         bid = backend_id or f"b{len(self.backends)}"
         cmd = [sys.executable, "-m", "mlxgw", "backend", "--model", self.model_path, "--served-name", self.model_name,
@@ -234,7 +235,7 @@ class Stack:
         return p
 
     def add_gateway(self, *extra: str, port: Optional[int] = None) -> Proc:
-        retries = 0 if port else 3
+        retries = 0 if port else PORT_RETRIES
         port = port or free_port()
         name = f"gw{len(self.gateways)}"
         cmd = [sys.executable, "-m", "mlxgw", "gateway", "--model", f"{self.model_name}={self.model_path}",
