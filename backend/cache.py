@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
@@ -83,6 +84,7 @@ class CacheEntry:
     trimmable: bool
     id: int = 0
     last_used: int = 0
+    used_at: float = 0.0  # unix time (s) of last_used, for the gateway's placement (gateway.route)
     hits: int = 0
     prompt_tokens: int = 0
     branches: list = field(default_factory=list)  # rule 6: lengths where other prompts branched off, longest first
@@ -221,7 +223,7 @@ class PromptCache:
             return CacheHit(None, 0, None)
         kv = self.ops.copy(e.kv)
         self.ops.trim(kv, len(e) - n)
-        e.last_used = next(self._clock)
+        self._touch(e)
         e.hits += 1
         return CacheHit(kv, n, e.id, len(e))
 
@@ -278,7 +280,7 @@ class PromptCache:
         # Same tokens already cached: keep one entry, refresh it.
         for e in self._entries.values():
             if len(e) == len(t) and common[e.id] == len(t):
-                e.last_used = next(self._clock)
+                self._touch(e)
                 if e.cache_type != "system" and cache_type == "system":
                     e.cache_type = "system"
                 return e
@@ -329,6 +331,7 @@ class PromptCache:
             trimmable=trimmable,
             id=next(self._ids),
             last_used=next(self._clock),
+            used_at=time.time(),
             prompt_tokens=min(prompt_len, len(t)) if prompt_len else len(t),
             branches=_longest(branches),
             shared_used=shared_used,
@@ -385,7 +388,8 @@ class PromptCache:
         kv = self.ops.prefix(victim.kv, len(victim), n)
         kept = CacheEntry(
             tokens=head.copy(), kv=kv, nbytes=self.ops.nbytes(kv), cache_type="system", trimmable=True,
-            id=next(self._ids), last_used=max(victim.last_used, victim.shared_used), prompt_tokens=n,
+            id=next(self._ids), last_used=max(victim.last_used, victim.shared_used), used_at=victim.used_at,
+            prompt_tokens=n,
         )
         victim.kv = None  # ``prefix`` may have taken it over
         self._add(kept)
@@ -396,17 +400,28 @@ class PromptCache:
         for e in list(self._entries.values()):
             self._remove(e)
 
+    def victim_used_at(self) -> float:
+        """Unix time (s) the next eviction victim was last used; 0.0 when the cache is empty.
+
+        The gateway places a cold prompt where the budget would evict the
+        least recently used entry (gateway.route). Safe to call from another
+        thread: it works on a snapshot of the entries.
+        """
+        v = _victim(list(self._entries.values()), None)
+        return v.used_at if v is not None else 0.0
+
+    def kv_bytes_per_token(self) -> float:
+        """Bytes of KV cache per cached token, averaged over the entries (0.0 when empty)."""
+        entries = list(self._entries.values())
+        n = sum(len(e) for e in entries)
+        return sum(e.nbytes for e in entries) / n if n else 0.0
+
+    def _touch(self, e: CacheEntry) -> None:
+        e.last_used = next(self._clock)
+        e.used_at = time.time()
+
     def _pick_victim(self, keep: Optional[CacheEntry]) -> Optional[CacheEntry]:
-        # mlx-lm's CacheOrder: take from the largest group, ties in the order
-        # assistant, user, system; within a group the least recently used.
-        groups = {t: [] for t in CACHE_TYPES}
-        for e in self._entries.values():
-            if e is not keep:
-                groups[e.cache_type].append(e)
-        if not any(groups.values()):
-            return keep
-        kind = max(CACHE_TYPES, key=lambda t: (len(groups[t]), -CACHE_TYPES.index(t)))
-        return min(groups[kind], key=lambda e: e.last_used)
+        return _victim(self._entries.values(), keep)
 
     def _add(self, e: CacheEntry) -> None:
         self._entries[e.id] = e
@@ -422,6 +437,19 @@ class PromptCache:
         if self.listener is not None:
             self.listener.on_evicted(e)
         e.kv = None
+
+
+def _victim(entries, keep: Optional[CacheEntry]) -> Optional[CacheEntry]:
+    # mlx-lm's CacheOrder: take from the largest group, ties in the order
+    # assistant, user, system; within a group the least recently used.
+    groups = {t: [] for t in CACHE_TYPES}
+    for e in entries:
+        if e is not keep:
+            groups[e.cache_type].append(e)
+    if not any(groups.values()):
+        return keep
+    kind = max(CACHE_TYPES, key=lambda t: (len(groups[t]), -CACHE_TYPES.index(t)))
+    return min(groups[kind], key=lambda e: e.last_used)
 
 
 def _longest(lengths: list) -> list:

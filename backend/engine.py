@@ -279,6 +279,8 @@ class MLXEngine(Engine):
             "queued_prefill_tokens": max(0, self.queued_prefill_tokens),
             "cache_entries": len(self.cache),
             "cache_bytes": self.cache.nbytes,
+            "cache_victim_used_at": round(self.cache.victim_used_at(), 3),
+            "kv_bytes_per_token": round(self.cache.kv_bytes_per_token(), 1),
             "cache_tokens": sum(len(e) for e in self.cache.entries()),
             "requests": self.requests_total,
             "hits": self.hits,

@@ -258,11 +258,22 @@ class Reporter:
                 pipe.srem(owned, *dels)
             for ev in events:
                 pipe.xadd(self.keys.events, ev, maxlen=schema.EVENT_STREAM_MAXLEN, approximate=True)
+            if events:
+                self._update_cache_figures(pipe)
             try:
                 await pipe.execute()
                 self.redis_ok = True
             except Exception as e:
                 self._mark_dirty(e)
+
+    def _update_cache_figures(self, pipe) -> None:
+        """Queue the registry's cache figures (`schema.CACHE_FIGURES`) on ``pipe``: a cache
+        that changed is visible to placement before the next heartbeat."""
+        info = self.info()
+        args = [x for f in schema.CACHE_FIGURES if f in info for x in (f, info[f])]
+        if args:
+            # EVAL, not EVALSHA: a flushed script cache must not fail the ownership writes beside it
+            pipe.eval(schema.UPDATE_IF_LIVE_LUA, 1, self.keys.backend(self.backend_id), *args)
 
     def _mark_dirty(self, e: BaseException) -> None:
         if not self._dirty:

@@ -331,7 +331,7 @@ async def handle_cache(request: web.Request) -> web.Response:
     for e in engine.cache.entries():
         entries.append({
             "id": e.id, "tokens": len(e), "cache_type": e.cache_type, "nbytes": e.nbytes,
-            "trimmable": e.trimmable,
+            "trimmable": e.trimmable, "used_at": round(e.used_at, 3),
             "blocks": servable_blocks(e, reporter.model, reporter.block_size),
         })
     return web.json_response({"entries": entries, "owned": sorted(reporter.owned_blocks()), "epoch": reporter.epoch})

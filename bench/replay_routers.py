@@ -223,13 +223,19 @@ def sim_unit_flags(scale: float) -> list[str]:
 
     Each sim id stands for ``scale`` real tokens, and the gateway counts ids:
     a setting of N tokens must be N / scale ids to mean the same work
-    (decode weight, balance guard, affinity slack). The load weight is a
-    ratio and needs nothing. Flags given later (``--gateway-args``) win.
+    (decode weight, balance guard, affinity and placement slack). The load
+    weight is a ratio and needs nothing. Flags given later (a ``--variant``'s,
+    then ``--gateway-args``) win, so theirs are in sim ids.
     """
     d = RoutingConfig()
+
+    def ids(tokens: int) -> str:  # 0 stays 0 (off); anything else at least one id
+        return str(max(1, round(tokens / scale)) if tokens else 0)
+
     return ["--decode-weight", f"{d.decode_weight / scale:g}",
-            "--balance-abs-tokens", str(max(1, round(d.balance_abs_tokens / scale))),
-            "--affinity-slack-tokens", str(max(1, round(d.affinity_slack_tokens / scale)))]
+            "--balance-abs-tokens", ids(d.balance_abs_tokens),
+            "--affinity-slack-tokens", ids(d.affinity_slack_tokens),
+            "--placement-slack-tokens", ids(d.placement_slack_tokens)]
 
 
 def _cpu_seconds(proc) -> float:
@@ -271,7 +277,7 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
                 pol = {"mlxgw-rr": "round_robin", "mlxgw-ll": "least_loaded"}.get(base, "cache_aware")
                 flags = ["--routing-policy", pol]
             for _ in range(gws):
-                st.add_gateway(*flags, *sim_unit_flags(scale), *shlex.split(args.gateway_args))
+                st.add_gateway(*sim_unit_flags(scale), *flags, *shlex.split(args.gateway_args))
         st.wait()
         if base.startswith("mlxgw"):
             urls, kind = [g.url for g in st.gateways], "mlxgw"

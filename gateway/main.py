@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="... and more than this factor makes a backend overloaded")
     p.add_argument("--affinity-slack-tokens", type=int, default=RoutingConfig.affinity_slack_tokens,
                    help="a session's backend may cost this much more than the best and still be chosen")
+    p.add_argument("--placement-slack-tokens", type=int, default=RoutingConfig.placement_slack_tokens,
+                   help="a prompt that makes the cheapest backend evict may go to one costing up to this much more "
+                        "whose next eviction victim is older (0: off; docs/routing.md)")
     p.add_argument("--heartbeat-load", action="store_true",
                    help="also count the backends' heartbeat load figures (up to a heartbeat stale)")
     p.add_argument("--short-claims", action="store_true",
@@ -143,7 +146,7 @@ def config_from_args(args) -> GatewayConfig:
                               decode_weight=args.decode_weight, balance_abs_tokens=args.balance_abs_tokens,
                               balance_rel=args.balance_rel, affinity_slack_tokens=args.affinity_slack_tokens,
                               heartbeat_load=args.heartbeat_load, pending_grace=args.pending_grace,
-                              short_claims=args.short_claims),
+                              short_claims=args.short_claims, placement_slack_tokens=args.placement_slack_tokens),
         gateway_id=args.gateway_id or f"{socket.gethostname()}:{args.port}",
         janitor_grace=args.janitor_grace,
         load_publish_interval=args.load_publish_ms / 1000,

@@ -29,6 +29,20 @@ a backend whose load exceeds the least-loaded backend's by more than
 *overloaded* and ranks after every backend that is not, whatever prefix it
 owns. Below those thresholds the owned prefix decides.
 
+Placement (eviction-aware): when storing the request's new tokens would make
+the cheapest backend evict, the request goes to the candidate, among those
+with the same matched prefix that are not overloaded and cost at most
+``placement_slack_tokens`` more, whose cache evicts least: one with room for
+its queued prompts and this one first, then the one whose next eviction
+victim was used longest ago (``Candidate.victim_used_at``, the backends' own
+LRU order) and is not already due to go for the prompts queued there. Four LRU caches
+then evict in about the order one cache of their total size would, instead
+of one backend dropping prefixes another would have kept for longer
+(README, "Which lost ids are routing's": those evictions were the losses
+left against the pooled cache). Off by default: in the trace replays it
+bought little hit ratio for worse TTFT (docs/routing.md, "Eviction-aware
+placement").
+
 Ties: a client session key (header ``X-Session-Id``, or the body's
 ``prompt_cache_key`` / ``user``) picks its rendezvous-hash backend among the
 candidates within ``affinity_slack_tokens`` of the cheapest (never a much
@@ -70,6 +84,9 @@ class RoutingConfig:
         request ended (`gateway.pending`).
     short_claims: count a prefix a backend is only computing at any length,
         not only from its ``min_hit_tokens`` on (the rule before; for A/B runs).
+    placement_slack_tokens: how much costlier than the best a backend may be
+        and still take a prompt because its cache evicts an older entry (0,
+        the default: placement off; measured not to pay, docs/routing.md).
     """
 
     policy: str = "cache_aware"
@@ -81,6 +98,7 @@ class RoutingConfig:
     heartbeat_load: bool = False
     pending_grace: float = 1.0
     short_claims: bool = False
+    placement_slack_tokens: int = 0
     _turn: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
 
     def __post_init__(self):
@@ -102,9 +120,10 @@ class Scored:
     overloaded: bool = False
     free_cache: int = 0
     tiebreak: int = 0
+    evicts: bool = False
 
     def explain(self) -> str:
-        flag = ",overloaded" if self.overloaded else ""
+        flag = (",overloaded" if self.overloaded else "") + (",evicts" if self.evicts else "")
         return (
             f"{self.cand.backend_id}:matched={self.matched},queued={self.queued},"
             f"active={self.active},load={self.load:.0f},cost={self.cost:.0f}{flag}"
@@ -116,7 +135,7 @@ class Decision:
     """Candidates ranked best first (empty when none is live)."""
 
     ranked: list[Scored] = field(default_factory=list)
-    reason: str = ""  # "prefix", "load", "affinity", "balance", "round_robin"
+    reason: str = ""  # "prefix", "load", "placement", "affinity", "balance", "round_robin"
 
     @property
     def best(self) -> Optional[Scored]:
@@ -136,6 +155,29 @@ def servable_blocks(c: Candidate, pending_blocks: int, block_size: int, short_cl
     if computing > c.saved_blocks and (short_claims or computing * block_size >= c.min_hit_tokens):
         return computing
     return c.saved_blocks
+
+
+def _eviction_key(s: Scored) -> tuple:
+    # Room first (most free), then the oldest next victim. The queued prompts' KV is
+    # not in the published figures yet; when it already overflows the free room, the
+    # published victim is as good as gone and what goes next is unknown: such a backend
+    # ranks after those whose victim is still there, and among themselves by cost (the
+    # stable min), which keeps a burst of cold prompts from piling onto one backend
+    # whose victim looked oldest. A backend that publishes no victim (0) ranks last.
+    if not s.evicts:
+        return (0, -s.free_cache)
+    if s.queued * s.cand.kv_bytes_per_token > s.free_cache:
+        return (2, 0.0)
+    return (1, s.cand.victim_used_at or float("inf"))
+
+
+def _place(out: list[Scored], slack: int) -> Scored:
+    """The eviction-aware choice among ``out`` (ranked by cost): see the module docstring."""
+    best = out[0]
+    if slack <= 0 or not best.evicts or best.overloaded:
+        return best
+    near = [s for s in out if not s.overloaded and s.matched == best.matched and s.cost <= best.cost + slack]
+    return min(near, key=_eviction_key)  # min is stable: best wins ties
 
 
 def rank(
@@ -185,7 +227,9 @@ def rank(
         prefill = prompt_tokens - matched
         cost = prefill + cfg.load_weight * load
         tb = _hash(first_block, c.backend_id)
-        out.append(Scored(c, matched, prefill, queued, active, cost, load, False, c.free_cache_bytes, tb))
+        # Would storing this prompt's new tokens, after the queued ones, make the cache evict?
+        evicts = c.kv_bytes_per_token > 0 and c.free_cache_bytes < (queued + prefill) * c.kv_bytes_per_token
+        out.append(Scored(c, matched, prefill, queued, active, cost, load, False, c.free_cache_bytes, tb, evicts))
     if not out:
         return Decision([], "none")
 
@@ -207,6 +251,11 @@ def rank(
     reason = "prefix" if out[0].matched else "load"
     if any(s.overloaded for s in out) and max(out, key=lambda s: s.matched).overloaded and not out[0].overloaded:
         reason = "balance"
+    placed = _place(out, cfg.placement_slack_tokens)
+    if placed is not out[0]:
+        out.remove(placed)
+        out.insert(0, placed)
+        reason = "placement"
     if session:
         best = out[0]
         near = [s for s in out if not s.overloaded and s.cost <= best.cost + cfg.affinity_slack_tokens]

@@ -207,7 +207,8 @@ def block_value(epoch: int, saved: bool) -> str:
 # ARGV[4] = the calling gateway's id (its own load it knows fresher).
 # Returns one row per live backend: {id, epoch, url, active, queued_prefill,
 # state, cache_bytes, cache_budget_bytes, depth_in_blocks, gw_requests,
-# gw_prefill_tokens, saved_depth_in_blocks, min_hit_tokens} (gw_* summed over
+# gw_prefill_tokens, saved_depth_in_blocks, min_hit_tokens, cache_victim_used_at,
+# kv_bytes_per_token} (gw_* summed over
 # the other live gateways; the depth counts saved copies and claims, the saved
 # depth saved copies only). A backend is live while its registry hash exists
 # (the heartbeat TTL); ownership counts only when the stored epoch equals the
@@ -221,10 +222,11 @@ local cids = {}
 local claimed = {}
 for _, id in ipairs(ids) do
   local h = redis.call('HMGET', ARGV[1] .. id, 'epoch', 'url', 'active', 'queued_prefill_tokens', 'state',
-                      'cache_bytes', 'cache_budget_bytes', 'min_hit_tokens')
+                      'cache_bytes', 'cache_budget_bytes', 'min_hit_tokens', 'cache_victim_used_at',
+                      'kv_bytes_per_token')
   if h[1] then
     table.insert(rows, {id, h[1], h[2] or '', h[3] or '0', h[4] or '0', h[5] or '', h[6] or '0', h[7] or '0', 0, 0, 0,
-                        0, h[8] or '0'})
+                        0, h[8] or '0', h[9] or '0', h[10] or '0'})
     table.insert(cids, id)
     table.insert(claimed, h[1] .. 'c')
   end
@@ -266,6 +268,20 @@ end
 return rows
 """
 
+# Cache figures a backend refreshes between heartbeats, with each batch of saves and
+# evictions (backend.report), so placement (gateway.route) sees them within a request.
+# KEYS[1] = the backend's registry hash; ARGV = field, value, field, value, ...
+# Writes only while the record exists: a lapsed record stays gone until the
+# heartbeat re-registers it (with its TTL) and re-publishes ownership.
+CACHE_FIGURES = ("cache_bytes", "cache_victim_used_at", "kv_bytes_per_token")
+UPDATE_IF_LIVE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HSET', KEYS[1], unpack(ARGV))
+  return 1
+end
+return 0
+"""
+
 # Cleanup of one dead epoch: KEYS[1] = owned set of (backend, epoch).
 # ARGV[1] = backend id, ARGV[2] = epoch, ARGV[3] = max keys this call.
 # Removes the backend's field from each block only if it still holds that
@@ -290,7 +306,10 @@ class Candidate:
     saved or being computed there; ``saved_blocks`` (<= ``depth_blocks``) the
     part it holds a saved copy of. ``min_hit_tokens`` is the backend's
     threshold for holding a request back to share a prompt in prefill (0:
-    not published, every claim counts as before).
+    not published, every claim counts as before). ``victim_used_at`` is the
+    unix time (s) the entry its cache would evict next was last used (0: empty
+    or not published) and ``kv_bytes_per_token`` its KV bytes per cached token
+    (0: unknown); placement uses both (gateway.route).
     """
 
     backend_id: str
@@ -306,6 +325,8 @@ class Candidate:
     gw_prefill_tokens: int = 0
     saved_blocks: int = 0
     min_hit_tokens: int = 0
+    victim_used_at: float = 0.0
+    kv_bytes_per_token: float = 0.0
 
     @property
     def free_cache_bytes(self) -> int:
@@ -336,6 +357,8 @@ def parse_lookup(rows: list) -> list[Candidate]:
                 # rows without the saved depth (older scripts) count every owned block as saved
                 saved_blocks=int(r[11]) if len(r) > 11 else int(r[8]),
                 min_hit_tokens=int(float(s(r[12]) or 0)) if len(r) > 12 else 0,
+                victim_used_at=float(s(r[13]) or 0) if len(r) > 13 else 0.0,
+                kv_bytes_per_token=float(s(r[14]) or 0) if len(r) > 14 else 0.0,
             )
         )
     return out

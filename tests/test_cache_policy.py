@@ -108,6 +108,16 @@ def test_eviction_order(model):
     assert rec.evicted == [11]
     assert sorted(int(e.tokens[0]) for e in c.entries()) == [1000, 1002, 2000]
     assert c.evictions == 1 and c.evicted_tokens == 11
+    # The next victim (placement's figure, gateway.route) is the older assistant entry.
+    by_first = {int(e.tokens[0]): e for e in c.entries()}
+    assert by_first[1002].used_at <= by_first[2000].used_at
+    assert c.victim_used_at() == by_first[1002].used_at
+    assert c.kv_bytes_per_token() == sum(e.nbytes for e in c.entries()) / 33
+    # Every group now holds one entry and assistant goes first: using 1002 refreshes its
+    # time, and it stays the victim.
+    c.fetch([1002] + list(range(10, 20)) + [7])
+    assert c.victim_used_at() == by_first[1002].used_at and by_first[1002].used_at >= by_first[2000].used_at
+    assert PromptCache().victim_used_at() == 0.0 and PromptCache().kv_bytes_per_token() == 0.0
 
 
 def test_branch_point_kept_when_its_last_entry_is_evicted(model):

@@ -136,3 +136,33 @@ def test_a_claim_then_the_save_writes_each_state_change_once():
     rep._pending.clear()
     rep.release(rep.claim(prompt))
     assert rep._pending == {}
+
+
+def test_cache_figures_reach_the_registry_with_each_save(make_stack, redis_server):
+    # A heartbeat every 30 s: what the record shows after a request came with the save itself.
+    r = redis_server.client()
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--heartbeat-interval", "30", "--heartbeat-ttl", "60")
+    b0.wait_healthy()
+    k = schema.Keys(s.namespace, s.model_name)
+    assert float(r.hget(k.backend("b0"), "cache_bytes")) == 0
+    t0 = time.time()
+    _chat(b0.url, words(300, seed=13))
+    (e1,) = get_json(b0.url + "/internal/cache")["entries"]
+    rec = r.hgetall(k.backend("b0"))
+    assert int(rec["cache_bytes"]) == e1["nbytes"] > 0
+    assert float(rec["cache_victim_used_at"]) == e1["used_at"] >= round(t0, 3)
+    assert float(rec["kv_bytes_per_token"]) == round(e1["nbytes"] / e1["tokens"], 1)
+    _chat(b0.url, words(300, seed=14))
+    entries = get_json(b0.url + "/internal/cache")["entries"]
+    assert len(entries) == 2
+    rec = r.hgetall(k.backend("b0"))
+    assert int(rec["cache_bytes"]) == sum(e["nbytes"] for e in entries)
+    # The next victim is the first entry (least recently used; the second request's lookup
+    # touched it, as its template header is a shared prefix, before the new entry was saved).
+    first = next(e for e in entries if e["id"] == e1["id"])
+    assert float(rec["cache_victim_used_at"]) == first["used_at"] == min(e["used_at"] for e in entries)
+    # The gateway's lookup hands both figures to routing.
+    rows = r.eval(schema.LOOKUP_LUA, 1, k.backends, k.backend_prefix, "", "", "")
+    (cand,) = schema.parse_lookup(rows)
+    assert cand.victim_used_at == first["used_at"] and cand.kv_bytes_per_token == float(rec["kv_bytes_per_token"])

@@ -49,3 +49,61 @@ def test_least_loaded_orders_by_running_then_queued():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown routing policy 'random'"):
         RoutingConfig(policy="random")
+
+
+def _full(bid, victim_at, load_tokens=0, depth=0, free=0, queued=0):
+    # A backend whose 1 GB cache is full (``free`` bytes left), 1 KB of KV per token;
+    # its load is running requests (256 tokens each) unless ``queued`` prompt tokens are given.
+    return Candidate(bid, 1, f"http://{bid}", active=0, queued_prefill_tokens=0, gw_requests=load_tokens // 256,
+                     gw_prefill_tokens=queued, state="ready", depth_blocks=depth, saved_blocks=depth,
+                     cache_bytes=2**30 - free, cache_budget_bytes=2**30, victim_used_at=victim_at,
+                     kv_bytes_per_token=1024.0)
+
+
+PLACE = RoutingConfig(placement_slack_tokens=256)
+
+
+def test_placement_sends_a_cold_prompt_where_the_oldest_entry_is_evicted():
+    assert RoutingConfig().placement_slack_tokens == 0  # opt-in (docs/routing.md)
+    # b0 is the cheapest (no load) but would evict an entry used at t=500; b1 costs
+    # 0.03 x 19 x 256 = 146 tokens more (within the 256 slack) and evicts one used at t=100.
+    cands = [_full("b0", 500.0), _full("b1", 100.0, load_tokens=5000), _full("b2", 50.0, load_tokens=20000)]
+    d = rank(cands, 4000, 16, cfg=PLACE)
+    assert d.best.cand.backend_id == "b1" and d.reason == "placement" and d.best.evicts
+    # b2's victim is older still, but 0.03 x 78 x 256 = 599 tokens costlier: beyond the slack.
+    assert [s.cand.backend_id for s in d.ranked] == ["b1", "b0", "b2"]
+    # Slack 0 turns placement off: cost alone decides.
+    d = rank(cands, 4000, 16, cfg=RoutingConfig(placement_slack_tokens=0))
+    assert d.best.cand.backend_id == "b0" and d.reason == "load"
+    # A wider slack reaches b2.
+    assert rank(cands, 4000, 16, cfg=RoutingConfig(placement_slack_tokens=1000)).best.cand.backend_id == "b2"
+
+
+def test_placement_prefers_room_and_leaves_prefix_hits_and_roomy_bests_alone():
+    # b1 has room for the 4000 new tokens (4000 x 1 KB < 8 MB free): it evicts nothing.
+    cands = [_full("b0", 100.0), _full("b1", 900.0, load_tokens=5000, free=8 << 20)]
+    d = rank(cands, 4000, 16, cfg=PLACE)
+    assert d.best.cand.backend_id == "b1" and not d.best.evicts and d.ranked[1].evicts
+    # The cheapest has room itself: nothing to improve, cost decides.
+    cands = [_full("b0", 900.0, free=8 << 20), _full("b1", 100.0, load_tokens=100)]
+    assert rank(cands, 4000, 16, cfg=PLACE).best.cand.backend_id == "b0"
+    # b0 owns 100 blocks (1600 tokens): a different matched prefix is never traded for placement.
+    cands = [_full("b0", 900.0, depth=100), _full("b1", 100.0)]
+    d = rank(cands, 4000, 16, cfg=PLACE)
+    assert d.best.cand.backend_id == "b0" and d.reason == "prefix" and d.best.matched == 1600
+    # b1's victim is oldest, but the 2000 prompt tokens queued there overflow its 1 MB of
+    # room: that victim is as good as gone, so b2 (victim still there) takes the prompt.
+    cands = [_full("b0", 500.0), _full("b1", 100.0, queued=2000, free=1 << 20), _full("b2", 300.0, load_tokens=512)]
+    d = rank(cands, 4000, 16, cfg=PLACE)
+    assert d.best.cand.backend_id == "b2" and d.reason == "placement"
+    # With every victim due to go, cost decides (no burst piles onto one stale figure).
+    cands = [_full("b0", 500.0, queued=100), _full("b1", 100.0, queued=200)]
+    assert rank(cands, 4000, 16, cfg=PLACE).best.cand.backend_id == "b0"
+    # A backend that publishes no victim time (0) is not taken for the oldest.
+    cands = [_full("b0", 500.0), _full("b1", 0.0)]
+    assert rank(cands, 4000, 16, cfg=PLACE).best.cand.backend_id == "b0"
+    # Unknown KV size (an empty cache has published none): no eviction assumed.
+    empty = Candidate("b2", 1, "http://b2", active=0, queued_prefill_tokens=0, state="ready",
+                      cache_budget_bytes=2**30)
+    d = rank([_full("b0", 500.0), empty], 4000, 16, cfg=PLACE)
+    assert not d.ranked[[s.cand.backend_id for s in d.ranked].index("b2")].evicts

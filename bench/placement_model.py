@@ -1,0 +1,132 @@
+"""Offline model: does eviction-aware placement make four LRU caches evict like one?
+
+No processes, no sim: the trace's 512-token blocks are the unit. Each backend
+is an LRU of whole-prompt entries with a block budget (a prompt that continues
+an entry replaces it, as cache-policy rule 3 lets a conversation do); a
+request's hit is its longest common prefix with an entry. Routing follows the
+gateway's cost rule (``prefill + load_weight * queued work``) with one FIFO
+prefill queue per backend, served at a rate that makes the offered work
+``--util`` of the cluster. ``pooled`` is one LRU with the whole budget and
+four times the rate. ``placement`` applies the gateway's eviction-aware choice
+(`gateway.route`, docs/routing.md) when the cheapest backend would evict:
+among candidates with its matched prefix within ``slack`` tokens of its cost,
+room first, then the oldest LRU tail (the queued-KV rule is left out: this
+model's saves happen at routing time). The real replays (``bench/replay_routers.py``) decide; this model only
+says how much placement could take back when nothing else moves.
+
+    python bench/placement_model.py --trace ../shared/traces/conversation_trace.jsonl --requests 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.trace import TRACE_BLOCK, load_trace  # noqa: E402
+
+
+def _lcp(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class BlockLRU:
+    """Whole-prompt entries (tuples of block ids) within ``budget`` blocks, LRU order."""
+
+    def __init__(self, budget: float):
+        self.budget = budget
+        self.entries: OrderedDict[tuple, float] = OrderedDict()  # entry -> last use (s)
+        self.size = 0
+
+    def match(self, ids) -> tuple[int, tuple | None]:
+        best, key = 0, None
+        for k in self.entries:
+            m = _lcp(k, ids)
+            if m > best:
+                best, key = m, k
+        return best, key
+
+    def use(self, ids, now: float) -> int:
+        """Serve ``ids`` at time ``now``: returns the blocks reused, stores the prompt, evicts."""
+        m, k = self.match(ids)
+        if k is not None and m == len(k):
+            self.size -= len(k)
+            del self.entries[k]
+        elif k is not None:
+            self.entries[k] = now
+            self.entries.move_to_end(k)
+        key = tuple(ids)
+        if key not in self.entries:
+            self.size += len(key)
+        self.entries[key] = now
+        self.entries.move_to_end(key)
+        while self.size > self.budget and self.entries:
+            old, _ = self.entries.popitem(last=False)
+            self.size -= len(old)
+        return m
+
+    def eviction_key(self, need: int) -> tuple:
+        if self.budget - self.size >= need:
+            return (0, self.size)
+        return (1, next(iter(self.entries.values())) if self.entries else 0.0)
+
+
+def hit_ratio(reqs, frac: float, pooled: bool = False, slack: float = 0.0, n: int = 4,
+              util: float = 0.6, load_weight: float = 0.03) -> float:
+    """Prompt tokens reused / prompt tokens over ``reqs`` (block granularity, one token always prefilled)."""
+    ws = len({h for r in reqs for h in r.hash_ids})
+    caches = [BlockLRU(ws * frac)] if pooled else [BlockLRU(ws * frac / n) for _ in range(n)]
+    span = max(1e-9, (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000)
+    work = sum(len(r.hash_ids) * TRACE_BLOCK for r in reqs)
+    rate = work / (span * n * util) * 0.5  # tokens/s per backend; hits roughly halve the work
+    if pooled:
+        rate *= n
+    busy = [0.0] * len(caches)
+    hit = total = 0
+    for r in reqs:
+        now = (r.timestamp_ms - reqs[0].timestamp_ms) / 1000
+        ids, tokens = r.hash_ids, len(r.hash_ids) * TRACE_BLOCK
+        scored = []
+        for k, c in enumerate(caches):
+            m = min(c.match(ids)[0] * TRACE_BLOCK, tokens - 1)
+            scored.append(((tokens - m) + load_weight * max(0.0, busy[k] - now) * rate, k, m))
+        scored.sort()
+        j = scored[0][1]
+        if slack > 0 and caches[j].eviction_key(len(ids))[0] == 1:  # only when the cheapest would evict
+            near = [k for cost, k, m in scored if cost <= scored[0][0] + slack and m == scored[0][2]]
+            j = min(near, key=lambda k: caches[k].eviction_key(len(ids)))
+        reused = min(caches[j].use(ids, now) * TRACE_BLOCK, tokens - 1)
+        busy[j] = max(busy[j], now) + (tokens - reused) / rate
+        hit += reused
+        total += tokens
+    return hit / total
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trace", default="../shared/traces/conversation_trace.jsonl")
+    p.add_argument("--requests", type=int, default=600)
+    p.add_argument("--budgets", default="0.05,0.2,1.0", help="cluster budgets, fractions of the distinct blocks")
+    p.add_argument("--slacks", default="256,2048,8192,32768", help="placement slacks to model (tokens)")
+    args = p.parse_args()
+    reqs = load_trace(args.trace, args.requests)
+    slacks = [float(x) for x in args.slacks.split(",")]
+    print("| budget | pooled | no placement | " + " | ".join(f"slack {s:g}" for s in slacks) + " |")
+    print("|---" * (3 + len(slacks)) + "|")
+    for frac in (float(x) for x in args.budgets.split(",")):
+        row = [hit_ratio(reqs, frac, pooled=True), hit_ratio(reqs, frac)]
+        row += [hit_ratio(reqs, frac, slack=s) for s in slacks]
+        print(f"| {frac:g} | " + " | ".join(f"{x:.4f}" for x in row) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
