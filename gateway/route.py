@@ -35,12 +35,12 @@ with the same matched prefix that are not overloaded and cost at most
 ``placement_slack_tokens`` more, whose cache evicts least: one with room for
 its queued prompts and this one first, then the one whose next eviction
 victim was used longest ago (``Candidate.victim_used_at``, the backends' own
-LRU order) and is not already due to go for the prompts queued there. Four LRU caches
-then evict in about the order one cache of their total size would, instead
-of one backend dropping prefixes another would have kept for longer
-(README, "Which lost ids are routing's": those evictions were the losses
-left against the pooled cache). Off by default: in the trace replays it
-bought little hit ratio for worse TTFT (docs/routing.md, "Eviction-aware
+LRU order) and is not already due to go for the prompts queued there. Four
+LRU caches then evict in about the order one cache of their total size
+would, instead of one backend dropping prefixes another would have kept for
+longer (README, "Which lost ids are routing's": those evictions were the
+losses left against the pooled cache). Off by default: in the trace replays
+it bought little hit ratio for worse TTFT (docs/routing.md, "Eviction-aware
 placement").
 
 Ties: a client session key (header ``X-Session-Id``, or the body's
