@@ -27,15 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.trace import TRACE_BLOCK, load_trace  # noqa: E402
-
-
-def _lcp(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+from gateway.stability import common_prefix  # noqa: E402
 
 
 class BlockLRU:
@@ -46,10 +38,10 @@ class BlockLRU:
         self.entries: OrderedDict[tuple, float] = OrderedDict()  # entry -> last use (s)
         self.size = 0
 
-    def match(self, ids) -> tuple[int, tuple | None]:
+    def match(self, ids: tuple) -> tuple[int, tuple | None]:
         best, key = 0, None
         for k in self.entries:
-            m = _lcp(k, ids)
+            m = common_prefix(k, ids)
             if m > best:
                 best, key = m, k
         return best, key
@@ -93,7 +85,7 @@ def hit_ratio(reqs, frac: float, pooled: bool = False, slack: float = 0.0, n: in
     hit = total = 0
     for r in reqs:
         now = (r.timestamp_ms - reqs[0].timestamp_ms) / 1000
-        ids, tokens = r.hash_ids, len(r.hash_ids) * TRACE_BLOCK
+        ids, tokens = tuple(r.hash_ids), len(r.hash_ids) * TRACE_BLOCK
         scored = []
         for k, c in enumerate(caches):
             m = min(c.match(ids)[0] * TRACE_BLOCK, tokens - 1)
