@@ -127,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
 
             if not demo_model_dir("tiny").exists():
                 print("building the demo model (once)...", file=sys.stderr)
+            else:
+                print(f"using the demo model built earlier: {demo_model_dir('tiny')}", file=sys.stderr)
             m.path = str(ensure_demo_model("tiny"))
             m.name = m.name or "demo-tiny"
         from backend.main import looks_loadable

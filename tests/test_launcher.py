@@ -65,6 +65,8 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
             time.sleep(0.1)
         out = (tmp_path / "serve.log").read_text()
         assert "mlxgw is ready" in out and f"http://127.0.0.1:{port}/v1" in out
+        # The demo_model fixture built it: serve says it reuses that one (and where it is).
+        assert f"using the demo model built earlier: {demo_model}" in out and "building the demo model" not in out
         # `mlxgw status` finds this stack's embedded Redis through the file serve leaves
         # (in the tests' own cache dir, never the user's: tests/conftest.py) ...
         assert serve_url_file().read_text().startswith("redis://")
