@@ -273,14 +273,22 @@ class MLXEngine(Engine):
         if self._thread.is_alive():
             self._thread.join(timeout=10)
 
+    def cache_figures(self) -> dict:
+        """The registry's cache figures (`schema.CACHE_FIGURES`): bytes held, the next
+        eviction victim's last use (unix s), KV bytes per token. The reporter sends them with
+        every report batch, so they are computed alone, not with all of `stats`."""
+        return {
+            "cache_bytes": self.cache.nbytes,
+            "cache_victim_used_at": round(self.cache.victim_used_at(), 3),
+            "kv_bytes_per_token": round(self.cache.kv_bytes_per_token(), 1),
+        }
+
     def stats(self) -> dict:
         return {
             "active": self.active,
             "queued_prefill_tokens": max(0, self.queued_prefill_tokens),
             "cache_entries": len(self.cache),
-            "cache_bytes": self.cache.nbytes,
-            "cache_victim_used_at": round(self.cache.victim_used_at(), 3),
-            "kv_bytes_per_token": round(self.cache.kv_bytes_per_token(), 1),
+            **self.cache_figures(),
             "cache_tokens": sum(len(e) for e in self.cache.entries()),
             "requests": self.requests_total,
             "hits": self.hits,

@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         engine = MLXEngine(model_path, cache, budget, **kw)
     metrics.bind(engine.stats, budget)
     reporter.info = lambda: {**engine.stats(), **metrics.record_fields()}
+    reporter.cache_figures = engine.cache_figures
     cfg = BackendConfig(backend_id, name, str(model_path), internal_token=args.internal_token,
                         request_timeout=args.request_timeout)
     return asyncio.run(_serve(engine, reporter, cfg, args))

@@ -88,6 +88,8 @@ class Reporter:
         self.url = url
         self.block_size = block_size
         self.info = info or (lambda: {})
+        # `schema.CACHE_FIGURES` alone, for every report batch (the engine's `cache_figures`)
+        self.cache_figures: Callable[[], dict] = lambda: {}
         self.heartbeat_interval = heartbeat_interval
         self.ttl = ttl
         self.extra = extra or {}
@@ -269,8 +271,8 @@ class Reporter:
     def _update_cache_figures(self, pipe) -> None:
         """Queue the registry's cache figures (`schema.CACHE_FIGURES`) on ``pipe``: a cache
         that changed is visible to placement before the next heartbeat."""
-        info = self.info()
-        args = [x for f in schema.CACHE_FIGURES if f in info for x in (f, info[f])]
+        figures = self.cache_figures()
+        args = [x for f in schema.CACHE_FIGURES if f in figures for x in (f, figures[f])]
         if args:
             # EVAL, not EVALSHA: a flushed script cache must not fail the ownership writes beside it
             pipe.eval(schema.UPDATE_IF_LIVE_LUA, 1, self.keys.backend(self.backend_id), *args)
