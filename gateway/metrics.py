@@ -7,9 +7,10 @@ they never collide with a backend's when one Prometheus scrapes both. Every
 metric is listed in ``docs/metrics.md``; ``tests/test_metrics.py`` checks the
 list against a live scrape.
 
-`request_done` is the one hook the request path calls: it updates the
-request metrics and writes one logfmt line per request to the
-``mlxgw.requests`` logger.
+`request_done` is the one hook the request path calls, once the answer is
+written (`gateway.app` schedules it with ``call_soon``, so the log's blocking
+write is not in the client's latency): it updates the request metrics and
+writes one logfmt line per request to the ``mlxgw.requests`` logger.
 """
 
 from __future__ import annotations
