@@ -14,6 +14,10 @@ Modes:
   alternating; p50 per path and the median of per-request ``new - base``.
 * ``concurrent``: ``--concurrency`` requests at once per path, paths in
   alternating order, ``--rounds`` times.
+* ``stream``: ``--stream-requests`` streamed requests per gateway of
+  ``--stream-tokens`` output tokens each (one SSE event a token), gateways
+  alternating, ``--stream-concurrency`` at a time; each gateway process's CPU
+  time per streamed event (``psutil``), the cost of the pass-through loop.
 * ``mixed``: two clients keep a gateway busy with cold 32k-token prompts while a
   third sends 100-token ones; the short requests' latency through ``base`` vs
   ``new`` (phases alternate, ``--mixed-rounds`` each). This is where holding the
@@ -137,6 +141,46 @@ async def mixed(urls: dict, bodies: Bodies, seconds: float, rounds: int) -> dict
     return out
 
 
+async def _stream(session, url: str, body: bytes) -> int:
+    """One streamed chat request; returns the SSE data events received."""
+    events = 0
+    async with session.post(url + "/v1/chat/completions", data=body,
+                            headers={"Content-Type": "application/json"}) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status}")
+        async for line in r.content:
+            events += line.startswith(b"data:")
+    return events
+
+
+async def streaming(urls: dict, procs: dict, bodies: "Bodies", n: int, tokens: int, conc: int, rounds: int = 4) -> dict:
+    """Gateway CPU per streamed event, base vs new (see the module docstring)."""
+    import psutil
+
+    cpu = {k: 0.0 for k in procs}
+    events = {k: 0 for k in procs}
+    wall = {k: 0.0 for k in procs}
+    per_round = max(1, n // rounds)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        for rnd in range(rounds):
+            for k in (list(procs) if rnd % 2 else list(procs)[::-1]):
+                p = psutil.Process(procs[k])
+                c0, t0 = sum(p.cpu_times()[:2]), time.perf_counter()
+                sem = asyncio.Semaphore(conc)
+
+                async def one():
+                    async with sem:
+                        body = json.loads(bodies(100))
+                        body.update(stream=True, max_tokens=tokens)
+                        return await _stream(s, urls[k], json.dumps(body).encode())
+
+                events[k] += sum(await asyncio.gather(*[one() for _ in range(per_round)]))
+                cpu[k] += sum(p.cpu_times()[:2]) - c0
+                wall[k] += time.perf_counter() - t0
+    return {k: {"events": events[k], "cpu_s": round(cpu[k], 3), "wall_s": round(wall[k], 3),
+                "cpu_us_per_event": round(cpu[k] / max(1, events[k]) * 1e6, 2)} for k in procs}
+
+
 def _summary(lat: dict) -> dict:
     d = statistics.median(lat["direct"])
     out = {k: {"n": len(v), "p50_ms": _ms(statistics.median(v)), "added_p50_ms": _ms(statistics.median(v) - d)}
@@ -156,7 +200,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=4, help="concurrent rounds per size")
     p.add_argument("--mixed-seconds", type=float, default=8.0)
     p.add_argument("--mixed-rounds", type=int, default=4)
-    p.add_argument("--skip", default="", help="comma list: sequential,concurrent,mixed")
+    p.add_argument("--stream-requests", type=int, default=200, help="streamed requests per gateway")
+    p.add_argument("--stream-tokens", type=int, default=256, help="output tokens per streamed request")
+    p.add_argument("--stream-concurrency", type=int, default=8)
+    p.add_argument("--skip", default="", help="comma list: sequential,concurrent,stream,mixed")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     from mlx_lm.utils import load_tokenizer
@@ -197,6 +244,12 @@ def main(argv=None) -> int:
                 res["concurrent"][n] = r = asyncio.run(concurrent(urls, bodies, n, args.concurrency, args.rounds))
                 print(f"{args.concurrency} concurrent {n:6d} tok: " + "  ".join(
                     f"{k} {v['p50_ms']:.1f}" for k, v in r.items() if k in urls), flush=True)
+        if "stream" not in skip:
+            res["stream"] = r = asyncio.run(streaming(
+                {"base": base.url, "new": new.url}, {"base": base.proc.pid, "new": new.proc.pid}, bodies,
+                args.stream_requests, args.stream_tokens, args.stream_concurrency))
+            print("streamed: " + "  ".join(f"{k} {v['cpu_us_per_event']:.1f} us CPU/event ({v['events']} events, "
+                                           f"{v['wall_s']:.1f} s)" for k, v in r.items()), flush=True)
         if "mixed" not in skip:
             res["mixed"] = r = asyncio.run(mixed(urls, bodies, args.mixed_seconds, args.mixed_rounds))
             print("100-token requests while two clients send cold 32k-token prompts: " + "  ".join(
