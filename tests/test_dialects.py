@@ -212,6 +212,16 @@ def test_responses_stream_and_function_call(stack):
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     done = events[-1].response
     assert done.output[0].content[0].text == text and text
+    # The item max_output_tokens cut is incomplete too (OpenAI's Responses API does so),
+    # in the final response and in its output_item.done event.
+    assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"
+    assert [it.status for it in done.output] == ["incomplete"]
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
+    full = client.responses.create(model="demo-tiny", input="hello", max_output_tokens=6)
+    assert full.status == "incomplete" and [it.status for it in full.output] == ["incomplete"]
+    whole = client.responses.create(model="demo-tiny", input="Weather?", tools=RESPONSES_TOOLS, max_output_tokens=64,
+                                    tool_choice={"type": "function", "name": "get_weather"})
+    assert whole.status == "completed" and [it.status for it in whole.output] == ["completed"]
     assert done.usage.output_tokens == 6
     assert 0 <= done.usage.input_tokens_details.cached_tokens <= done.usage.input_tokens - 1
 

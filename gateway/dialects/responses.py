@@ -14,7 +14,7 @@ Shapes follow OpenAI's API reference ("Responses", "Streaming events"):
 * ``previous_response_id`` / ``item_reference``: 400, the gateway keeps no
   state (send the whole conversation, as Codex does with ``store: false``);
 * ``max_output_tokens`` -> ``max_tokens``; a length stop ends with status
-  ``incomplete`` (``response.incomplete``).
+  ``incomplete`` (``response.incomplete``), and so does the output item it cut.
 """
 
 from __future__ import annotations
@@ -156,13 +156,14 @@ class ResponsesTransform(ChatTransform):
         return (self._ev("response.created", response=self._response("in_progress"))
                 + self._ev("response.in_progress", response=self._response("in_progress")))
 
-    def _close(self) -> bytes:
+    def _close(self, status: str = "completed") -> bytes:
+        """End the open output item with ``status`` (``incomplete``: the item the length stop cut)."""
         it, self.open = self.open, None
         if it is None:
             return b""
         idx = len(self.items)
         self.items.append(it)
-        it["status"] = "completed"
+        it["status"] = status
         if it["type"] == "message":
             part = it["content"][0]
             return (self._ev("response.output_text.done", item_id=it["id"], output_index=idx, content_index=0,
@@ -205,8 +206,8 @@ class ResponsesTransform(ChatTransform):
                         output_index=len(self.items), delta=fragment)
 
     def on_done(self) -> bytes:
-        out = self._close()
         status = "incomplete" if self.finish_reason == "length" else "completed"
+        out = self._close(status)  # as OpenAI does, the item cut by max_output_tokens is incomplete too
         usage = usage_of(self.prompt_tokens, self.cached_tokens, self.output_tokens)
         return out + self._ev(f"response.{status}", response=self._response(status, usage))
 
@@ -226,6 +227,8 @@ class ResponsesTransform(ChatTransform):
                                "call_id": tc.get("id"), "name": fn.get("name"), "arguments": fn.get("arguments", "{}")})
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
         status = "incomplete" if reason == "length" else "completed"
+        if status == "incomplete" and self.items:
+            self.items[-1]["status"] = "incomplete"  # the last item is the one the length stop cut
         return self._response(status, usage_of(int(usage.get("prompt_tokens", 0)), cached,
                                                int(usage.get("completion_tokens", 0))))
 
