@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# -rs: a skipped test (e.g. the browser one without Chromium) is listed with its reason.
+.venv/bin/python -m pytest -q -rs -p no:cacheprovider "$@"
 rc=$?
 set -e
 # pytest's 5 means "no tests collected": a failure for CI, never a pass.
