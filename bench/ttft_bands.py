@@ -12,6 +12,12 @@ With ``--tail IDS_PER_S`` it prints instead what the slowest 1% of each
 router's requests waited for: their own prefill (uncached ids at that rate,
 the sim's ``prefill_rate * sim_speed / token_scale``) and the rest, with the
 least prefill any backend had queued when the request was routed.
+
+With ``--estimate IDS_PER_S`` it prints, for our gateway's requests, the wait
+the gateway predicted (prefill queued at the chosen backend, at that rate)
+against the wait that followed (TTFT minus own prefill), and how often the
+chosen backend was the least queued one: whether the tail comes from routing
+or from what happens after it.
 """
 
 from __future__ import annotations
@@ -93,6 +99,51 @@ def tail_table(rows: list[dict], budget: float, routers: list[str], ids_per_s: f
     return out
 
 
+def _queued(candidates: str) -> dict[str, int]:
+    """Backend id -> ``queued=N`` (ids) of a dumped candidates string."""
+    out = {}
+    for c in candidates.split():
+        bid, _, rest = c.partition(":")
+        for part in rest.split(","):
+            if part.startswith("queued="):
+                out[bid] = int(part.split("=", 1)[1])
+    return out
+
+
+def estimate_table(rows: list[dict], budget: float, router: str, ids_per_s: float, share: float = 0.01) -> dict:
+    """Predicted against actual wait for ``router``'s requests (those that dumped candidates).
+
+    Predicted: prefill ids queued at the chosen backend when routed, / ``ids_per_s`` (s).
+    Actual: TTFT minus own prefill ((prompt - cached) / ``ids_per_s``), s.
+    Returns {"n", "predicted": [p50, p90], "actual": [p50, p90, p99], "error": [p10, p50, p90]
+    (actual - predicted), "tail_n", "tail_least" (slowest ``share`` per round sent to a least
+    queued backend), "tail_predicted" / "tail_actual" (their medians)}; {} without such requests.
+    """
+    def q(xs, f):
+        xs = sorted(xs)
+        return xs[int(f * (len(xs) - 1))]
+
+    by_round: dict[int, list] = defaultdict(list)
+    for r in rows:
+        if r["budget"] != budget or r["router"] != router or r["status"] != 200:
+            continue
+        queued = _queued(r.get("candidates") or "")
+        if r.get("backend") not in queued:
+            continue
+        own = (r["prompt"] - r["cached"]) / ids_per_s
+        by_round[r["round"]].append((r["ttft"], queued[r["backend"]] / ids_per_s, r["ttft"] - own,
+                                     queued[r["backend"]] == min(queued.values())))
+    reqs = [x for xs in by_round.values() for x in xs]
+    if not reqs:
+        return {}
+    tail = [x for xs in by_round.values() for x in sorted(xs, reverse=True)[: max(1, round(share * len(xs)))]]
+    pred, act = [x[1] for x in reqs], [x[2] for x in reqs]
+    err = [a - p for p, a in zip(pred, act)]
+    return {"n": len(reqs), "predicted": [q(pred, .5), q(pred, .9)], "actual": [q(act, .5), q(act, .9), q(act, .99)],
+            "error": [q(err, .1), q(err, .5), q(err, .9)], "tail_n": len(tail), "tail_least": sum(x[3] for x in tail),
+            "tail_predicted": statistics.median(x[1] for x in tail), "tail_actual": statistics.median(x[2] for x in tail)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("dump", help="a --dump-requests file of bench/replay_routers.py")
@@ -101,9 +152,24 @@ def main(argv=None) -> int:
     p.add_argument("--ref", default="sglang", help="router the paired differences are taken against")
     p.add_argument("--tail", type=float, metavar="IDS_PER_S",
                    help="print the slowest 1%% instead, own prefill taken at this many ids/s")
+    p.add_argument("--estimate", type=float, metavar="IDS_PER_S",
+                   help="print our gateway's predicted against actual wait instead (first of --routers)")
     args = p.parse_args(argv)
     rows = [json.loads(x) for x in Path(args.dump).read_text().splitlines() if x]
     routers = args.routers.split(",")
+    if args.estimate:
+        e = estimate_table(rows, args.budget, routers[0], args.estimate)
+        if not e:
+            print(f"no {routers[0]} requests with routing candidates at budget {args.budget:g}")
+            return 1
+        ms = lambda xs: " / ".join(f"{x * 1000:.0f}" for x in xs)  # noqa: E731
+        print(f"{routers[0]}, budget {args.budget:g}, {e['n']} requests; waits in ms")
+        print(f"- predicted (queued at the chosen backend) p50 / p90: {ms(e['predicted'])}")
+        print(f"- actual (TTFT minus own prefill) p50 / p90 / p99: {ms(e['actual'])}")
+        print(f"- actual minus predicted p10 / p50 / p90: {ms(e['error'])}")
+        print(f"- slowest 1% per round: {e['tail_n']} requests, {e['tail_least']} sent to a least queued backend; "
+              f"median predicted {e['tail_predicted'] * 1000:.0f}, actual {e['tail_actual'] * 1000:.0f}")
+        return 0
     if args.tail:
         print(f"budget {args.budget:g}; slowest 1% of requests per round, pooled over rounds; medians")
         print("| router | requests | cold | own prefill ms | rest of TTFT ms | least queued at routing (ids) |")

@@ -196,6 +196,30 @@ def test_ttft_tail_splits_the_slowest_requests_into_own_prefill_and_wait():
     assert t["queued"] == pytest.approx(200)  # least queued per request: 300 and 100
 
 
+def test_estimate_compares_the_predicted_wait_with_the_actual_one():
+    from bench.ttft_bands import estimate_table
+
+    def row(rnd, i, prompt, cached, ttft, backend, cands, router="mlxgw"):
+        return {"budget": 1.0, "round": rnd, "router": router, "i": i, "prompt": prompt, "cached": cached,
+                "ttft": ttft, "e2e": ttft, "status": 200, "backend": backend, "candidates": cands}
+
+    two = "b0:matched=0,queued={},active=1,load=9,cost=9 b1:matched=0,queued={},active=0,load=9,cost=9"
+    rows = [row(1, 0, 1000, 0, 1.5, "b0", two.format(200, 400)),  # own 1.0 s, rest 0.5, predicted 0.2
+            row(1, 1, 500, 100, 0.6, "b1", two.format(100, 300)),  # own 0.4, rest 0.2, predicted 0.3
+            row(1, 2, 100, 0, 0.1, "b0", two.format(0, 0)),  # own 0.1, rest 0.0, predicted 0.0
+            row(1, 3, 100, 0, 9.0, "b0", "", router="sglang"),  # another router: not counted
+            {**row(1, 4, 100, 0, 0.1, "b0", two.format(0, 0)), "status": 500}]  # failed: not counted
+    e = estimate_table(rows, 1.0, "mlxgw", ids_per_s=1000.0)
+    assert e["n"] == 3
+    assert e["predicted"] == pytest.approx([0.2, 0.2])  # sorted 0.0, 0.2, 0.3: index 1 and int(1.8) = 1
+    assert e["actual"] == pytest.approx([0.2, 0.2, 0.2])
+    assert e["error"] == pytest.approx([-0.1, 0.0, 0.0])  # sorted -0.1, 0.0, 0.3: indexes 0, 1, 1
+    # The slowest request of the round (1.5 s) went to b0 with 200 queued against b1's 400: least queued.
+    assert e["tail_n"] == 1 and e["tail_least"] == 1
+    assert e["tail_predicted"] == pytest.approx(0.2) and e["tail_actual"] == pytest.approx(0.5)
+    assert estimate_table(rows, 0.2, "mlxgw", 1000.0) == {}
+
+
 def test_overhead_paired_median_interval_uses_binomial_order_statistics():
     from bench.overhead import median_ci95, paired_added
 
