@@ -63,10 +63,20 @@ def bands_table(rows: list[dict], budget: float, routers: list[str], ref: str,
     return out
 
 
+def _queued(candidates: str) -> dict[str, int]:
+    """Backend id -> ``queued=N`` (ids) of a dumped candidates string."""
+    out = {}
+    for c in candidates.split():
+        bid, _, rest = c.partition(":")
+        for part in rest.split(","):
+            if part.startswith("queued="):
+                out[bid] = int(part.split("=", 1)[1])
+    return out
+
+
 def _least_queued(candidates: str) -> int | None:
     """The smallest ``queued=N`` (ids) in a dumped candidates string; None without one."""
-    qs = [int(part.split("=", 1)[1]) for c in candidates.split() for part in c.split(",") if part.startswith("queued=")]
-    return min(qs) if qs else None
+    return min(_queued(candidates).values(), default=None)
 
 
 def tail_table(rows: list[dict], budget: float, routers: list[str], ids_per_s: float, share: float = 0.01) -> dict:
@@ -96,17 +106,6 @@ def tail_table(rows: list[dict], budget: float, routers: list[str], ids_per_s: f
                      "wait": statistics.median(r["ttft"] - p for r, p in zip(tail, pre)),
                      "queued": statistics.median(qs) if qs else None,
                      "cold": sum(1 for r in tail if r["cached"] == 0)}
-    return out
-
-
-def _queued(candidates: str) -> dict[str, int]:
-    """Backend id -> ``queued=N`` (ids) of a dumped candidates string."""
-    out = {}
-    for c in candidates.split():
-        bid, _, rest = c.partition(":")
-        for part in rest.split(","):
-            if part.startswith("queued="):
-                out[bid] = int(part.split("=", 1)[1])
     return out
 
 
