@@ -159,6 +159,16 @@ def test_sigint_withdraws_the_backend_from_redis_and_says_so(make_stack, redis_s
     assert "backend b0 stopping" in log and "backend b0 stopped" in log
 
 
+class FakeClock:
+    """A clock that moves only when told (``t`` in seconds)."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def test_sim_step_times_follow_mlx_lm_steps_with_scaled_tokens():
     """With ``token_scale`` S, a step that prefills is one real mlx-lm step (one
     real decode step plus a chunk), a running sequence emits a sim token every S
@@ -169,8 +179,14 @@ def test_sim_step_times_follow_mlx_lm_steps_with_scaled_tokens():
     # t_weights = 1/decode_rate = 0.01 s (no KV term); a chunk of n ids = n * 4 / 1000 s.
     timing = SimTiming(prefill_rate=1000, decode_rate=100, kv_bytes_per_token=0, ref_context=0, token_scale=4)
     slept: list[float] = []
+    clock = FakeClock()
+
+    def sleep(s):
+        slept.append(s)
+        clock.t += s
+
     gen = SimBatchGenerator(timing, (16, 100), completion_batch_size=8, prefill_batch_size=2,
-                            prefill_step_size=10, sleep=slept.append)
+                            prefill_step_size=10, sleep=sleep, clock=clock)
 
     def step():
         slept.clear()
@@ -188,3 +204,50 @@ def test_sim_step_times_follow_mlx_lm_steps_with_scaled_tokens():
     assert step() == (0.01, [(b, "length")])                  # b's first token, one real step later
     assert step() == (0.02, [(a, "length")])                  # a was due in 2 more real steps
     assert step() == (0.0, [])                                # nothing left
+
+
+def test_sim_real_step_overhead_is_taken_out_of_the_modelled_time():
+    """The real time a step spends (in the sim and, while work is left, in the
+    engine loop between steps) is part of the modelled step, not added to it;
+    an overrun is caught up by the next steps, by at most MAX_LAG seconds, and
+    an idle gap is never credited."""
+    from backend.sim import SimBatchGenerator, SimTiming
+
+    # No decode term: a step of one 10-id chunk models 10 / 1000 = 0.01 s.
+    timing = SimTiming(prefill_rate=1000, decode_rate=1e9, kv_bytes_per_token=0, ref_context=0, token_scale=1)
+    clock = FakeClock()
+    slept: list[float] = []
+    own: list[float] = []
+
+    def read():
+        now = clock.t
+        clock.t += own.pop() if own else 0.0  # the step's own real time passes after its first reading
+        return now
+
+    def sleep(s):
+        slept.append(round(s, 6))
+        clock.t += s
+
+    gen = SimBatchGenerator(timing, (16, 100), prefill_batch_size=1, prefill_step_size=10,
+                            sleep=sleep, clock=read)
+
+    def step(loop_s, step_s):
+        clock.t += loop_s  # the engine loop's real time before the step
+        own.append(step_s)
+        gen.next()
+        return slept[-1]
+
+    gen.insert_segments([[list(range(20, 81))]], [1], [None], [[]])  # 61 ids: six chunks of 10, then the last
+    assert step(0.002, 0.003) == 0.007   # a first step: its own 3 ms come off its 10
+    assert step(0.002, 0.003) == 0.005   # still busy: the loop's 2 ms come off too
+    assert step(0.0, 0.015) == 0.0       # overruns its 10 ms by 5 ms ...
+    assert step(0.0, 0.0) == 0.005       # ... which the next step catches up
+    assert clock.t == pytest.approx(0.042)  # 2 ms of idle loop before the first step, then 4 x 10 ms
+    assert step(0.3, 0.0) == 0.0         # a 300 ms stall: only MAX_LAG (50 ms) of it is caught up,
+    assert step(0.0, 0.0) == 0.0         # so these two steps are free (due 0.302 and 0.312 < now 0.342)
+    assert gen._prompt and not gen._gen
+    step(0.0, 0.0)                       # the last prompt id joins the decode batch
+    step(0.0, 0.0)                       # its one output token ends the work
+    assert not (gen._prompt or gen._gen or gen._unprocessed)
+    gen.insert_segments([[list(range(20, 31))]], [1], [None], [[]])  # 11 ids: one chunk of 10
+    assert step(1.0, 0.0) == 0.01        # after an idle second, a full 10 ms step: idle time is not credited
