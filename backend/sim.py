@@ -223,7 +223,6 @@ class SimBatchGenerator:
         self.prefill_step_size = prefill_step_size
         self.sleep = sleep
         self.clock = clock
-        self._began = 0.0  # clock at the start of this step
         self._due: Optional[float] = None  # when the last step's modelled time ended, if work was left
         self._uid = 0
         self._unprocessed: deque[_Seq] = deque()
@@ -266,7 +265,7 @@ class SimBatchGenerator:
         nothing to prefill runs, at once, the real decode steps until the next
         sequence is due.
         """
-        self._began = self.clock()
+        began = self.clock()
         gen_resps: list[GenResponse] = []
         prompt_resps: list[PromptResponse] = []
         scale = self.timing.token_scale
@@ -293,7 +292,7 @@ class SimBatchGenerator:
                 gen_resps.append(GenResponse(s.uid, tok, None, None, None))
         self._gen = keep
         if len(self._gen) >= self.completion_batch_size:
-            self._spend(t_decode)
+            self._spend(began, t_decode)
             return prompt_resps, gen_resps
 
         n = min(self.prefill_batch_size - len(self._prompt), self.completion_batch_size - len(self._gen),
@@ -331,18 +330,18 @@ class SimBatchGenerator:
         # mlx-lm right-pads the step's chunks to the longest, and the model
         # computes the padding too.
         chunk_tokens = widest * len(self._prompt)
-        self._spend(t_decode + self.timing.prefill_seconds(chunk_tokens))
+        self._spend(began, t_decode + self.timing.prefill_seconds(chunk_tokens))
         return prompt_resps, gen_resps
 
-    def _spend(self, seconds: float) -> None:
+    def _spend(self, began: float, seconds: float) -> None:
         """Wait until this step's modelled ``seconds`` have passed since it began.
 
-        A step begins when `next` is called, or, when the last step left work
+        A step begins when `next` is called (``began``, clock seconds), or, when the last step left work
         (the engine calls `next` again at once), when the last step's modelled
         time ended, but at most `MAX_LAG` before now.
         """
         now = self.clock()
-        start = self._began
+        start = began
         if self._due is not None:
             start = max(self._due, now - self.MAX_LAG)
         due = start + seconds

@@ -160,13 +160,18 @@ def test_sigint_withdraws_the_backend_from_redis_and_says_so(make_stack, redis_s
 
 
 class FakeClock:
-    """A clock that moves only when told (``t`` in seconds)."""
+    """A clock that moves only when told or slept on (``t`` in seconds); ``slept`` records each wait."""
 
     def __init__(self):
         self.t = 0.0
+        self.slept: list[float] = []
 
     def __call__(self) -> float:
         return self.t
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(round(s, 9))  # 9 places: float sums such as 0.012 - 0.005 compare exactly
+        self.t += s
 
 
 def test_sim_step_times_follow_mlx_lm_steps_with_scaled_tokens():
@@ -178,15 +183,10 @@ def test_sim_step_times_follow_mlx_lm_steps_with_scaled_tokens():
 
     # t_weights = 1/decode_rate = 0.01 s (no KV term); a chunk of n ids = n * 4 / 1000 s.
     timing = SimTiming(prefill_rate=1000, decode_rate=100, kv_bytes_per_token=0, ref_context=0, token_scale=4)
-    slept: list[float] = []
     clock = FakeClock()
-
-    def sleep(s):
-        slept.append(s)
-        clock.t += s
-
+    slept = clock.slept
     gen = SimBatchGenerator(timing, (16, 100), completion_batch_size=8, prefill_batch_size=2,
-                            prefill_step_size=10, sleep=sleep, clock=clock)
+                            prefill_step_size=10, sleep=clock.sleep, clock=clock)
 
     def step():
         slept.clear()
@@ -216,7 +216,6 @@ def test_sim_real_step_overhead_is_taken_out_of_the_modelled_time():
     # No decode term: a step of one 10-id chunk models 10 / 1000 = 0.01 s.
     timing = SimTiming(prefill_rate=1000, decode_rate=1e9, kv_bytes_per_token=0, ref_context=0, token_scale=1)
     clock = FakeClock()
-    slept: list[float] = []
     own: list[float] = []
 
     def read():
@@ -224,18 +223,14 @@ def test_sim_real_step_overhead_is_taken_out_of_the_modelled_time():
         clock.t += own.pop() if own else 0.0  # the step's own real time passes after its first reading
         return now
 
-    def sleep(s):
-        slept.append(round(s, 6))
-        clock.t += s
-
     gen = SimBatchGenerator(timing, (16, 100), prefill_batch_size=1, prefill_step_size=10,
-                            sleep=sleep, clock=read)
+                            sleep=clock.sleep, clock=read)
 
     def step(loop_s, step_s):
         clock.t += loop_s  # the engine loop's real time before the step
         own.append(step_s)
         gen.next()
-        return slept[-1]
+        return clock.slept[-1]
 
     gen.insert_segments([[list(range(20, 81))]], [1], [None], [[]])  # 61 ids: six chunks of 10, then the last
     assert step(0.002, 0.003) == 0.007   # a first step: its own 3 ms come off its 10
