@@ -17,7 +17,7 @@ from mlxgw.util import parse_bytes, redact_url
 
 from . import sim
 from .cache import PromptCache
-from .engine import PREFILL_ORDERS
+from .engine import DEFAULT_PREFILL_ORDER, PREFILL_ORDERS
 from .metrics import BackendMetrics
 from .report import Reporter
 from .server import BackendConfig, make_app
@@ -48,10 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-concurrency", type=int, default=8)
     p.add_argument("--prefill-concurrency", type=int, default=2)
     p.add_argument("--prefill-step-size", type=int, default=512)
-    p.add_argument("--prefill-order", choices=PREFILL_ORDERS, default=PREFILL_ORDERS[0],
+    p.add_argument("--prefill-order", choices=PREFILL_ORDERS, default=DEFAULT_PREFILL_ORDER,
                    help="which waiting request takes a free prefill slot beside a running prefill: the oldest "
                         "(fifo), or the one with the fewest tokens to compute if fewer than the running one has "
-                        "left (shorter-beside) and at most one prefill step (step-beside); docs/cache-policy.md")
+                        "left (shorter-beside) and at most one prefill step (step-beside, the default); "
+                        "docs/cache-policy.md")
     p.add_argument("--heartbeat-interval", type=float, default=schema.DEFAULT_HEARTBEAT_INTERVAL)
     p.add_argument("--heartbeat-ttl", type=float, default=schema.DEFAULT_HEARTBEAT_TTL)
     p.add_argument("--request-timeout", type=float, default=600.0,

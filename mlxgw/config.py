@@ -33,7 +33,7 @@ class ModelConfig:
     min_shared_tokens: int = 0  # cache rule 6, opt-in (docs/cache-policy.md)
     prefill_save: bool = True  # a request sharing a prompt in prefill waits for it and reuses it (docs/cache-policy.md)
     prefill_concurrency: int = 2  # prompts prefilled side by side per backend
-    prefill_order: str = "fifo"  # which waiting request prefills next (docs/cache-policy.md)
+    prefill_order: str = "step-beside"  # which waiting request prefills next (backend.engine.DEFAULT_PREFILL_ORDER)
 
 
 @dataclass

@@ -75,7 +75,8 @@ def test_serve_passes_prefill_settings_to_the_backends(tmp_path):
     assert flags[flags.index("--prefill-concurrency") + 1] == "1"
     assert flags[flags.index("--prefill-order") + 1] == "step-beside"
     default = launcher.backend_model_flags(config.ModelConfig())
-    assert default[default.index("--prefill-order") + 1] == "fifo"
+    from backend.engine import DEFAULT_PREFILL_ORDER
+    assert default[default.index("--prefill-order") + 1] == DEFAULT_PREFILL_ORDER == "step-beside"
     (tmp_path / "d.toml").write_text('[[models]]\nprefill_order = "lifo"\n')
     with pytest.raises(ValueError, match="prefill_order must be one of fifo, shorter-beside, step-beside"):
         config.load(str(tmp_path / "d.toml"))

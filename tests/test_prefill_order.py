@@ -5,10 +5,10 @@ one A, a second long one B 0.3 s later, a short one C 0.6 s later. Each
 long prompt is about 2 s of prefill alone, C one step. Prefill is compute
 bound, so prompts batched together share it.
 
-* ``shorter-beside`` and ``step-beside`` (C fits in one step): B is not shorter than what A has left, so it
+* ``shorter-beside`` and ``step-beside`` (default; C fits in one step): B is not shorter than what A has left, so it
   waits its turn; C is, and is prefilled beside A at once. Answers: C, then
   A, then B about a whole prefill later.
-* ``fifo`` (default): B joins A as it arrives and they share the compute, so both
+* ``fifo``: B joins A as it arrives and they share the compute, so both
   finish late and close together; C waits for a free slot and ends after A.
 """
 
@@ -57,9 +57,9 @@ def test_short_prompt_goes_beside_a_long_one_and_long_ones_keep_their_order(make
     # a 2000-id prompt is 32 steps, ~2 s.
     flags = ["--engine", "sim", "--sim-token-scale", "8", "--sim-speed", "5", "--prefill-step-size", "64",
              "--prefill-concurrency", "2", "--cache-bytes", "1TB"]
-    st.add_backend("fifo", None, *flags)
+    st.add_backend("fifo", None, *flags, "--prefill-order", "fifo")
     st.add_backend("beside", None, *flags, "--prefill-order", "shorter-beside")
-    st.add_backend("step", None, *flags, "--prefill-order", "step-beside")
+    st.add_backend("step", None, *flags)  # no flag: the default order is step-beside
     st.wait()
     out: dict[str, dict[str, float]] = {}
     runs = [threading.Thread(target=lambda b=b: out.__setitem__(b.name, _timed_requests(b.url))) for b in st.backends]
