@@ -15,13 +15,22 @@ model's saves happen at routing time). The real replays (``bench/replay_routers.
 says how much placement could take back when nothing else moves.
 
     python bench/placement_model.py --trace ../shared/traces/conversation_trace.jsonl --requests 600
+
+``--follow SRC:DST --dump FILE --budget B`` instead replays a replay's own
+routing (``bench/replay_routers.py --dump-requests``) into the same LRUs and
+says, per round, whether request SRC's entry is still held when request DST
+arrives, and how many entries would be evicted before it: where an
+``unowned`` loss against the pooled cache comes from.
+
+    python bench/placement_model.py --trace ../shared/traces/synthetic_trace.jsonl --follow 412:518 --dump /tmp/syn-requests.jsonl --budget 0.2
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -102,13 +111,63 @@ def hit_ratio(reqs, frac: float, pooled: bool = False, slack: float = 0.0, n: in
     return hit / total
 
 
+def follow(reqs, routing: dict[int, str], frac: float, src: int, dst: int) -> tuple[bool, int, int]:
+    """Replay ``reqs[:dst]`` into one LRU per backend named in ``routing`` (request index ->
+    backend id; one name for the pooled cache), each with ``frac`` of the distinct blocks
+    divided among them, and follow request ``src``'s entry.
+
+    Returns ``(held, older, new_blocks)``: whether the entry is still held when request
+    ``dst`` arrives, how many entries of its backend would be evicted before it (0: next
+    victim; -1 when not held), and the blocks its backend took in between that it did not
+    reuse. Raises ``KeyError`` when ``routing`` lacks a request below ``dst``.
+    """
+    ws = len({h for r in reqs for h in r.hash_ids})
+    names = sorted(set(routing[i] for i in range(dst)))
+    caches = {b: BlockLRU(ws * frac / len(names)) for b in names}
+    home, key, new = routing[src], tuple(reqs[src].hash_ids), 0
+    for i, r in enumerate(reqs[:dst]):
+        reused = caches[routing[i]].use(r.hash_ids, i)
+        if i > src and routing[i] == home:
+            new += len(r.hash_ids) - reused
+    order = list(caches[home].entries)
+    return (key in caches[home].entries, order.index(key) if key in order else -1, new)
+
+
+def _follow_main(args) -> int:
+    reqs = load_trace(args.trace, args.requests)
+    src, dst = (int(x) for x in args.follow.split(":"))
+    routes: dict[tuple, dict[int, str]] = defaultdict(dict)
+    with open(args.dump) as f:
+        for line in f:
+            r = json.loads(line)
+            if r["budget"] == args.budget and "backend" in r:
+                routes[(r["router"], r["round"])][r["i"]] = r["backend"]
+    print(f"| routing | held at request {dst} | entries evicted before it | new blocks on its backend since {src} |")
+    print("|---|---|---|---|")
+    rows = [("pooled", {i: "pooled" for i in range(dst)})]
+    rows += [(f"{router} round {rnd}", routing) for (router, rnd), routing in sorted(routes.items())
+             if router == args.router]
+    for name, routing in rows:
+        held, older, new = follow(reqs, routing, args.budget, src, dst)
+        print(f"| {name} | {'yes' if held else 'no'} | {older if held else '-'} | {new} |")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", default="../shared/traces/conversation_trace.jsonl")
     p.add_argument("--requests", type=int, default=600)
     p.add_argument("--budgets", default="0.05,0.2,1.0", help="cluster budgets, fractions of the distinct blocks")
     p.add_argument("--slacks", default="256,2048,8192,32768", help="placement slacks to model (tokens)")
+    p.add_argument("--follow", metavar="SRC:DST", help="follow request SRC's entry up to request DST (needs --dump)")
+    p.add_argument("--dump", help="a replay's --dump-requests file, whose routing --follow replays")
+    p.add_argument("--budget", type=float, default=0.2, help="with --follow: the dump's budget to replay")
+    p.add_argument("--router", default="mlxgw", help="with --follow: the dump's router to replay")
     args = p.parse_args()
+    if args.follow:
+        if not args.dump:
+            p.error("--follow needs --dump")
+        return _follow_main(args)
     reqs = load_trace(args.trace, args.requests)
     slacks = [float(x) for x in args.slacks.split(",")]
     print("| budget | pooled | no placement | " + " | ".join(f"slack {s:g}" for s in slacks) + " |")

@@ -232,3 +232,17 @@ def test_overhead_paired_median_interval_uses_binomial_order_statistics():
     pa = paired_added(lat, "mlxgw")
     assert pa["median_ms"] == pytest.approx(1.75) and (pa["lo_ms"], pa["hi_ms"]) == (pytest.approx(0.5), pytest.approx(4.0))
     assert paired_added({"mlxgw": lat["mlxgw"]}, "mlxgw") is None
+
+
+def test_follow_replays_a_dumps_routing_into_per_backend_lrus():
+    from bench.placement_model import follow
+    reqs = [TraceRequest(i, 1024, 1, ids) for i, ids in enumerate([[1, 2], [3, 4], [5, 6], [1, 2, 7]])]
+    routing = {0: "a", 1: "b", 2: "a", 3: "a"}
+    # 7 distinct blocks; 8/7 of them over two backends is 4 blocks each: request 0 and 2 fit.
+    assert follow(reqs, routing, 8 / 7, 0, 3) == (True, 0, 2)
+    # 3 blocks each: storing request 2 evicts request 0's entry on backend a.
+    assert follow(reqs, routing, 6 / 7, 0, 3) == (False, -1, 2)
+    # One pooled LRU of 8 blocks holds all three; request 0's is still the next victim.
+    assert follow(reqs, {i: "p" for i in range(4)}, 8 / 7, 0, 3) == (True, 0, 4)
+    with pytest.raises(KeyError):
+        follow(reqs, {0: "a"}, 1.0, 0, 3)
