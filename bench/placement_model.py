@@ -118,8 +118,8 @@ def follow(reqs, routing: dict[int, str], frac: float, src: int, dst: int) -> tu
 
     Returns ``(held, older, new_blocks)``: whether the entry is still held when request
     ``dst`` arrives, how many entries of its backend would be evicted before it (0: next
-    victim; -1 when not held), and the blocks its backend took in between that it did not
-    reuse. Raises ``KeyError`` when ``routing`` lacks a request below ``dst``.
+    victim; -1 when not held), and the trace blocks (512 tokens each) its backend took in
+    between that it did not reuse. Raises ``KeyError`` when ``routing`` lacks a request below ``dst``.
     """
     ws = len({h for r in reqs for h in r.hash_ids})
     names = sorted(set(routing[i] for i in range(dst)))
