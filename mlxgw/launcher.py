@@ -210,20 +210,7 @@ def run(args: argparse.Namespace) -> int:
         with os.fdopen(fd, "w") as fh:
             fh.write(redis_url + "\n")
         _summary(cfg, redis_url, embedded is not None, children)
-        while not stopping:
-            time.sleep(0.5)
-            for c in children + [gateway]:
-                if c.proc.poll() is None:
-                    continue
-                if c.next_start == 0.0:
-                    if time.time() - c.started_at > 60:
-                        c.restarts = 0  # it ran a while: reset the backoff
-                    delay = min(30.0, 0.5 * 2 ** c.restarts)
-                    log.warning("%s exited with code %s; restarting in %.1fs", c.name, c.proc.returncode, delay)
-                    c.next_start = time.time() + delay
-                elif time.time() >= c.next_start:
-                    c.restarts += 1
-                    _spawn(c)
+        watch(children + [gateway], lambda: stopping)
         return 0
     finally:
         for c in [gateway] + children:
@@ -270,6 +257,32 @@ def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:
     if cfg.allow_unauthenticated:
         out.append("--allow-unauthenticated")
     return out
+
+
+def watch(children: list[Child], stopping, interval: float = 0.5, sleep=time.sleep) -> None:
+    """Restart crashed children with exponential backoff (0.5 s doubling to 30 s, reset after
+    60 s up) until ``stopping()`` is true.
+
+    The stop check comes after every sleep, before any child is polled: a terminal's Ctrl-C
+    reaches the children too, and a child that exited because of it is not a crash to
+    restart (nor to log as one).
+    """
+    while not stopping():
+        sleep(interval)
+        if stopping():
+            return
+        for c in children:
+            if c.proc.poll() is None:
+                continue
+            if c.next_start == 0.0:
+                if time.time() - c.started_at > 60:
+                    c.restarts = 0  # it ran a while: reset the backoff
+                delay = min(30.0, 0.5 * 2 ** c.restarts)
+                log.warning("%s exited with code %s; restarting in %.1fs", c.name, c.proc.returncode, delay)
+                c.next_start = time.time() + delay
+            elif time.time() >= c.next_start:
+                c.restarts += 1
+                _spawn(c)
 
 
 def _spawn(c: Child) -> None:

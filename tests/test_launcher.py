@@ -121,3 +121,50 @@ def test_not_enough_memory_is_refused_before_loading(demo_model):
     r = _run(["serve", "--model", demo_model, "--backends", "100000", "--port", str(free_port()),
               "--backend-port", "20000"])
     assert r.returncode == 5 and "not enough memory" in r.stderr
+
+
+def test_watch_does_not_restart_children_stopped_with_the_launcher(caplog):
+    """A terminal's Ctrl-C reaches the whole process group: children that exit with the
+    launcher are not crashes (no "restarting" warning, no respawn); a crash is."""
+    from mlxgw.launcher import Child, _spawn, watch
+
+    c = Child("b0", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), "")
+    _spawn(c)
+    stop = []
+
+    def ctrl_c(_interval):  # the signal lands during the sleep; the child exits with it
+        stop.append(True)
+        c.proc.terminate()
+        c.proc.wait(10)
+
+    first = c.proc
+    with caplog.at_level("WARNING", logger="mlxgw.serve"):
+        watch([c], lambda: bool(stop), sleep=ctrl_c)
+    assert c.proc is first and c.restarts == 0 and c.next_start == 0.0
+    assert "restarting" not in caplog.text
+
+    # Without a stop, the same exit is a crash: logged, then restarted after the backoff.
+    calls = []
+
+    def crash_then_stop(_interval):
+        calls.append(True)
+        if len(calls) == 1:
+            c.proc.kill()
+            c.proc.wait(10)
+        elif len(calls) == 2:
+            c.next_start = time.time()  # skip the 0.5 s backoff
+        else:
+            stop.append(True)
+
+    stop.clear()
+    caplog.clear()
+    _spawn(c)
+    first = c.proc
+    with caplog.at_level("WARNING", logger="mlxgw.serve"):
+        watch([c], lambda: bool(stop), sleep=crash_then_stop)
+    try:
+        assert "b0 exited with code -9; restarting in 0.5s" in caplog.text
+        assert c.proc is not first and c.proc.poll() is None and c.restarts == 1
+    finally:
+        c.proc.kill()
+        c.proc.wait(10)
