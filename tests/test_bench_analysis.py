@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.placement_model import follow
 from bench.replay_routers import (_candidates, _series, combine_rounds, dump_requests, lost_hits, lost_hits_by_router,
                                   mean_ci95, multi_budget, paired, table)
 from bench.trace import TraceRequest, oracle_hits, oracle_prefixes
@@ -235,7 +236,6 @@ def test_overhead_paired_median_interval_uses_binomial_order_statistics():
 
 
 def test_follow_replays_a_dumps_routing_into_per_backend_lrus():
-    from bench.placement_model import follow
     reqs = [TraceRequest(i, 1024, 1, ids) for i, ids in enumerate([[1, 2], [3, 4], [5, 6], [1, 2, 7]])]
     routing = {0: "a", 1: "b", 2: "a", 3: "a"}
     # 7 distinct blocks; 8/7 of them over two backends is 4 blocks each: request 0 and 2 fit.

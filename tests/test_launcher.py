@@ -11,6 +11,7 @@ from pathlib import Path
 import openai
 
 from mlxgw.httpget import get_json
+from mlxgw.launcher import Child, _spawn, watch
 from mlxgw.harness import free_port, free_port_run
 from mlxgw.util import serve_url_file
 
@@ -126,8 +127,6 @@ def test_not_enough_memory_is_refused_before_loading(demo_model):
 def test_watch_does_not_restart_children_stopped_with_the_launcher(caplog):
     """A terminal's Ctrl-C reaches the whole process group: children that exit with the
     launcher are not crashes (no "restarting" warning, no respawn); a crash is."""
-    from mlxgw.launcher import Child, _spawn, watch
-
     c = Child("b0", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), "")
     _spawn(c)
     stop = []
