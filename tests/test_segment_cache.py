@@ -4,7 +4,8 @@
 caches each piece's ids; these tests compare it with the plain path
 (``apply_chat_template(tokenize=True)``, i.e. transformers' own call) on
 generated conversations, on a growing agent conversation, under eviction, and
-show the tokenizers where per-piece encoding is wrong and the cache refuses.
+show the tokenizers where per-piece encoding is wrong and the cache refuses;
+the same for cutting long uncached pieces into chunks.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import sys
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from gateway.segcache import BYTES_PER_ID, SegmentEncoder, unsupported_reason
+from gateway.segcache import (BYTES_PER_ID, DEFAULT_CHUNK_CHARS, SegmentEncoder, chunking_unsupported_reason,
+                              cut_points, unsupported_reason)
 from gateway.tokenize import Tokenizers, load_model_info
 from mlxgw.prompt import render_chat
 from texts import words
@@ -81,6 +83,8 @@ def test_generated_conversations_equal_plain_path(info):
     tok = info.tokenizer
     shared = SegmentEncoder(tok._tokenizer)  # warm across examples: pieces come back from the cache
     tiny = SegmentEncoder(tok._tokenizer, max_bytes=4096)  # evicts all the time
+    # Cuts every uncached piece of 32+ characters into up to 8 chunks: most cut sites get tried.
+    chunky = SegmentEncoder(tok._tokenizer, max_bytes=4096, chunk_chars=16, max_chunks=8)
     seen = {"n": 0, "long": 0, "injected": 0}
 
     @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), database=None,
@@ -89,7 +93,7 @@ def test_generated_conversations_equal_plain_path(info):
     def check(conv):
         msgs, tools = conv
         plain = render_chat(tok, msgs, tools)
-        for enc in (shared, tiny, shared):  # the second `shared` call is all hits
+        for enc in (shared, tiny, chunky, shared):  # the second `shared` call is all hits
             cached = render_chat(tok, msgs, tools, encode=enc.encode)
             assert cached.token_ids == plain.token_ids
             assert cached.system_tokens == plain.system_tokens
@@ -102,6 +106,8 @@ def test_generated_conversations_equal_plain_path(info):
     assert seen["long"] >= 10 and seen["injected"] >= 10, seen  # the edge cases did come up
     assert shared.hits > 0 and shared.misses > 0
     assert tiny.bytes <= 4096
+    # Cut pieces did come up, in the forced encoder and, for the 1,500+ word messages, the default one.
+    assert chunky.chunked > 1000 and shared.chunked >= 10
 
 
 def _agent_turns(n_turns: int):
@@ -167,6 +173,30 @@ def test_gateway_tokenizers_use_the_cache(demo_model):
     assert Tokenizers(segment_cache_bytes=0).add("x", demo_model).segments is None
 
 
+def test_cut_points_fall_on_spaces_between_letters():
+    text = "ab cd 12 34 ef gh. ij kl"
+    #       0123456789012345678901234
+    assert cut_points(text, 2) == [14]  # from 12: "34 ef" (digit before) no, "ef gh" yes
+    # Targets 6, 12, 18: 6 -> 14; 12 -> past the last cut, "gh. ij" no, 21; 18 -> nothing after 21.
+    assert cut_points(text, 4) == [14, 21]
+    assert cut_points("12 34 56 78", 4) == []  # no letters: nothing to cut
+    assert cut_points("é ü", 2) == [1] and cut_points("a  b", 2) == []  # two spaces: no letter after the first
+    long = "x " * 50_000 + "1 " * 50_000
+    assert len(cut_points(long, 8)) == 3  # cuts only in the letter half
+
+
+def test_long_cold_piece_is_tokenized_in_chunks(info):
+    hf = info.tokenizer._tokenizer
+    assert chunking_unsupported_reason(hf) is None
+    assert info.segments.chunk_chars == DEFAULT_CHUNK_CHARS
+    enc = SegmentEncoder(hf, max_chunks=4)
+    text = f"<|im_start|>user\n{words(3000, 5)}<|im_end|>\n<|im_start|>assistant\n"
+    assert enc.encode(text) == hf(text, add_special_tokens=False)["input_ids"]
+    assert enc.stats()["chunked"] == 1  # the 3,000-word piece; "\n" and "assistant\n" go whole
+    assert enc.encode(text) == hf(text, add_special_tokens=False)["input_ids"]  # now from the cache
+    assert enc.stats()["chunked"] == 1 and enc.stats()["hits"] == 3
+
+
 # -- tokenizers for which per-piece encoding is wrong -------------------------
 
 CORPUS = ["hello world this is a test of the tokenizer", "another line with words and more words"] * 50
@@ -207,3 +237,47 @@ def test_metaspace_always_is_safe():
     assert unsupported_reason(hf) is None
     text = "hello</s>world <s> this  and more words</s>"
     assert SegmentEncoder(hf).encode(text) == hf(text, add_special_tokens=False)["input_ids"]
+
+
+# -- tokenizers for which cutting inside a piece is wrong ---------------------
+
+def _bpe(pre, normalizer=None) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_gpt2_byte_level_tokenizer_chunks_safely():
+    hf = _bpe(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    assert chunking_unsupported_reason(hf) is None
+    enc = SegmentEncoder(hf, chunk_chars=8, max_chunks=16)
+    for seed in range(20):
+        text = words(200, seed) + "</s>" + " ".join(CORPUS[:3]) + "  it's x.y é\n" + words(50, seed + 99)
+        assert enc.encode(text) == hf(text, add_special_tokens=False)["input_ids"]
+    assert enc.chunked >= 20
+
+
+# A regex that keeps a word's trailing space ("word |word"): a cut before the space moves it.
+TRAILING_SPACE = pre_tokenizers.Sequence([
+    pre_tokenizers.Split(Regex(r"\S+\s*"), behavior="isolated"), pre_tokenizers.ByteLevel(use_regex=False)])
+
+
+@pytest.mark.parametrize("make,reason", [
+    (lambda: _bpe(TRAILING_SPACE), "probe"),
+    (lambda: _metaspace("always"), "pre-tokenizer Metaspace"),
+    (lambda: _bpe(pre_tokenizers.ByteLevel(use_regex=False)), "no pre-tokenizer regex"),
+    (lambda: _bpe(pre_tokenizers.ByteLevel(), normalizers.Strip()), "normalizer Strip"),
+])
+def test_chunking_is_refused_where_a_cut_changes_ids(make, reason):
+    hf = make()
+    assert reason in chunking_unsupported_reason(hf)
+    assert SegmentEncoder.create(hf).chunk_chars == 0  # the segment cache stays, chunking is off
+    if reason == "probe":  # the refusal is needed: forced cuts give different ids
+        text = "hello world this is a test"
+        forced = SegmentEncoder(hf, chunk_chars=4, max_chunks=4)
+        assert forced.encode(text) != hf(text, add_special_tokens=False)["input_ids"]
+        assert forced.chunked == 1
