@@ -2,8 +2,11 @@
 
 One sim backend (``--sim-speed 1e9``: compute is free), one Redis, and in front
 of the backend: our gateway from this checkout (``new``), our gateway from a git
-revision (``base``, checked out into a temporary worktree and run with
-``PYTHONPATH`` pointing there), and a pass-through aiohttp proxy that does no
+revision (``base``, checked out into a temporary worktree and run from there:
+``python -m`` imports from its working directory before ``PYTHONPATH``, so
+before session 19, when the base ran from this checkout's directory, both
+sides ran this checkout's code; `code_root` now checks each side's imports
+before the run), and a pass-through aiohttp proxy that does no
 work at all (``proxy``: read the body, post it on, return the answer), so the
 cost of the Python hop itself is measured in the same run. Chat requests as in
 ``bench/overhead.py`` (every prompt distinct, ``max_tokens`` 1).
@@ -71,6 +74,14 @@ async def _wait_answering(url: str, body: bytes, timeout: float = 30.0) -> None:
                 if time.perf_counter() - t0 > timeout:
                     raise
                 await asyncio.sleep(0.1)
+
+
+def code_root(env: dict, cwd: Path) -> Path:
+    """The checkout whose ``gateway/app.py`` ``python -m mlxgw`` would import when started in
+    ``cwd`` with ``env`` (the directory holding ``gateway/``, resolved)."""
+    out = subprocess.run([sys.executable, "-c", "import gateway.app as m; print(m.__file__)"], env=env, cwd=cwd,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    return Path(out).resolve().parent.parent
 
 
 def _ms(x: float) -> float:
@@ -225,10 +236,17 @@ def main(argv=None) -> int:
            "base": rev, "load_before": loadavg(), "sequential": {}, "concurrent": {}}
     try:
         backend = stack.add_backend("b0", None, "--engine", "sim", "--sim-speed", "1e9")
-        new = stack.add_gateway()
+        sides = {"new": ROOT, "base": base_dir}
+        for side, root in sides.items():
+            stack.env_extra = {"PYTHONPATH": str(root)}
+            got = code_root(stack.env(), root)
+            if got != root.resolve():
+                raise SystemExit(f"the {side} gateway would import its code from {got}, not {root}")
+        stack.env_extra = {"PYTHONPATH": str(ROOT)}
+        new = stack.add_gateway(cwd=str(ROOT))
         proxy = bare_hop.start(backend.url, stack.env())
         stack.env_extra = {"PYTHONPATH": str(base_dir)}
-        base = stack.add_gateway()
+        base = stack.add_gateway(cwd=str(base_dir))
         stack.wait()
         urls = {"direct": backend.url, "proxy": proxy.url, "base": base.url, "new": new.url}
         asyncio.run(_wait_answering(urls["proxy"], bodies(100)))

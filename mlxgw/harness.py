@@ -131,6 +131,7 @@ class Proc:
     log_path: Path
     proc: Optional[subprocess.Popen] = None
     port_retries: int = 0  # times it may move to a new free port if another process took its port first
+    cwd: Optional[str] = None  # working directory; with ``python -m`` it is also the first import path
 
     @property
     def url(self) -> str:
@@ -140,7 +141,7 @@ class Proc:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._env = env
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.cwd)
         return self
 
     def restart_if_port_lost(self) -> bool:
@@ -234,14 +235,15 @@ class Stack:
             p.start(self.env())
         return p
 
-    def add_gateway(self, *extra: str, port: Optional[int] = None) -> Proc:
+    def add_gateway(self, *extra: str, port: Optional[int] = None, cwd: Optional[str] = None) -> Proc:
+        """Start a gateway in ``cwd`` (default: this process's); ``python -m`` imports from there first."""
         retries = 0 if port else PORT_RETRIES
         port = port or free_port()
         name = f"gw{len(self.gateways)}"
         cmd = [sys.executable, "-m", "mlxgw", "gateway", "--model", f"{self.model_name}={self.model_path}",
                "--port", str(port), "--redis-url", self.redis_url, "--namespace", self.namespace,
                "--block-size", str(self.block_size), "--lookup-deadline-ms", "2000", *extra]
-        p = Proc(name, cmd, port, LOG_DIR / f"{self.namespace}-{name}.log", port_retries=retries)
+        p = Proc(name, cmd, port, LOG_DIR / f"{self.namespace}-{name}.log", port_retries=retries, cwd=cwd)
         self.gateways.append(p)
         p.start(self.env())
         return p

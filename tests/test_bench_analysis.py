@@ -246,3 +246,17 @@ def test_follow_replays_a_dumps_routing_into_per_backend_lrus():
     assert follow(reqs, {i: "p" for i in range(4)}, 8 / 7, 0, 3) == (True, 0, 4)
     with pytest.raises(KeyError):
         follow(reqs, {0: "a"}, 1.0, 0, 3)
+
+
+def test_ab_gateways_sees_which_checkout_a_gateway_imports(tmp_path):
+    """``python -m`` imports from its working directory before PYTHONPATH: the base side of
+    bench/ab_gateways.py must run from its own worktree (it did not before session 19)."""
+    import os
+
+    from bench.ab_gateways import ROOT, code_root
+
+    (tmp_path / "gateway").mkdir()  # a namespace package, as in the repository
+    (tmp_path / "gateway" / "app.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    assert code_root(env, tmp_path) == tmp_path.resolve()
+    assert code_root(env, ROOT) == ROOT.resolve()  # started from this checkout: its code wins
