@@ -270,6 +270,8 @@ TRAILING_SPACE = pre_tokenizers.Sequence([
     (lambda: _bpe(TRAILING_SPACE), "probe"),
     (lambda: _metaspace("always"), "pre-tokenizer Metaspace"),
     (lambda: _bpe(pre_tokenizers.ByteLevel(use_regex=False)), "no pre-tokenizer regex"),
+    (lambda: _bpe(pre_tokenizers.Sequence([pre_tokenizers.Split(" ", behavior="merged_with_previous"),
+                                           pre_tokenizers.ByteLevel(use_regex=False)])), "Split (MergedWithPrevious)"),
     (lambda: _bpe(pre_tokenizers.ByteLevel(), normalizers.Strip()), "normalizer Strip"),
 ])
 def test_chunking_is_refused_where_a_cut_changes_ids(make, reason):
