@@ -28,7 +28,7 @@ from .limits import LimitConfig
 from .index import OwnershipIndex
 from .janitor import Janitor
 from .load import LoadPublisher
-from .metrics import GatewayMetrics, request_done
+from .metrics import GatewayMetrics, request_done, request_refused
 from .pending import PendingClaims
 from .proxy import Attempt, BackendUnavailable, Proxy
 from .route import RoutingConfig, rank
@@ -77,6 +77,8 @@ class GatewayState:
 
 
 STATE = web.AppKey("state", GatewayState)
+# Request key, set once a request is handed to a backend (a web.RequestKey where aiohttp has them).
+FORWARDED = web.RequestKey("mlxgw_forwarded", bool) if hasattr(web, "RequestKey") else "mlxgw_forwarded"
 
 
 @web.middleware
@@ -86,7 +88,7 @@ async def error_middleware(request: web.Request, handler):
     try:
         resp = await handler(request)
     except RequestError as e:
-        resp = dialects.error_response(request, e)
+        resp = _refuse(request, e)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -95,15 +97,26 @@ async def error_middleware(request: web.Request, handler):
             err = RequestError(f"no route for {request.method} {request.path}", status=404, code="not_found")
         elif e.status == 413:
             err = RequestError("request body too large", status=413, code="body_too_large")
-        resp = dialects.error_response(request, err)
+        resp = _refuse(request, err)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unhandled gateway error")
-        resp = dialects.error_response(request, RequestError("internal gateway error", status=500, type="server_error"))
+        resp = _refuse(request, RequestError("internal gateway error", status=500, type="server_error"))
     if resp.status >= 400:
         request.app[STATE].counters["errors"] += 1
     return resp
+
+
+def _refuse(request: web.Request, err: RequestError) -> web.Response:
+    """The error answer for ``err``, logged as refused unless a backend already had the request.
+
+    Called inside the ``except`` clause: keeping a raised error past it would tie its traceback
+    (and the request body its frames hold) into a reference cycle with the middleware's frame.
+    """
+    if not request.get(FORWARDED):  # a forwarded request has its own log line (request_done)
+        request_refused(request, err)
+    return dialects.error_response(request, err)
 
 
 async def _read_json(request: web.Request) -> dict:
@@ -268,6 +281,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
     )
     outcome, resp = "ok", None
     claim = st.pending.add(ranked[0].cand.backend_id, blocks)
+    request[FORWARDED] = True
     try:
         resp = await st.proxy.forward(request, attempts, path, payload, "application/x-msgpack", stream, transform)
         return resp

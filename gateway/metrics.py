@@ -11,10 +11,13 @@ list against a live scrape.
 written (`gateway.app` schedules it with ``call_soon``, so the log's blocking
 write is not in the client's latency): it updates the request metrics and
 writes one logfmt line per request to the ``mlxgw.requests`` logger.
+`request_refused` writes the line of a request the gateway answered with an
+error itself, before any backend saw it (bad JSON, auth, limits, no backend).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Optional
@@ -160,4 +163,19 @@ def request_done(m: GatewayMetrics, *, rid: str, model: str, prompt_tokens: int,
         "outcome": outcome,
     }
     reqlog.info("request " + " ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items()))
+    return fields
+
+
+def request_refused(request: web.Request, err) -> dict:
+    """Log one request the gateway refused itself (``err``: a `mlxgw.protocol.RequestError`).
+
+    The message is cut to 200 characters (it can quote the client's input); it is the
+    message the client got, which never holds a secret (``tests/test_security.py``).
+    Returns the logged fields.
+    """
+    fields = {
+        "method": request.method, "path": request.path, "status": err.status, "type": err.type, "code": err.code,
+        "param": err.param, "remote": request.remote, "message": json.dumps(err.message[:200], ensure_ascii=False),
+    }
+    reqlog.info("refused " + " ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items()))
     return fields

@@ -1,5 +1,5 @@
 """/metrics on gateway and backends: docs/metrics.md lists exactly what is exported,
-values move with real traffic, and the request log line carries the right figures."""
+values move with real traffic, and the request log lines carry the right figures."""
 
 import json
 import re
@@ -99,6 +99,19 @@ def test_metrics_move_with_traffic(make_stack):
         assert int(f["prompt_tokens"]) == prompt and int(f["cached_tokens"]) == c
         assert int(f["matched_tokens"]) == int(hdr["X-Mlxgw-Matched-Tokens"])
         assert 0 < float(f["ttft_ms"]) <= float(f["duration_ms"])
+    assert " refused " not in log  # forwarded requests never get a refused line
+
+    # A request the gateway refuses itself (no backend saw it) gets one line, with what the client got.
+    st_bad, _, raw_bad = post(g + "/v1/chat/completions", {"model": m, "max_tokens": 4})
+    err = json.loads(raw_bad)["error"]
+    assert st_bad == 400 and err["param"] == "messages"
+    refused = [ln for ln in s.gateway.log_path.read_text().splitlines() if " refused " in ln]
+    assert len(refused) == 1
+    head, message = refused[0].split(" refused ", 1)[1].split(" message=", 1)
+    assert dict(kv.split("=", 1) for kv in head.split()) == {
+        "method": "POST", "path": "/v1/chat/completions", "status": "400", "type": err["type"],
+        "code": err["code"] or "-", "param": "messages", "remote": "127.0.0.1"}
+    assert json.loads(message) == err["message"]
 
 
 def test_grafana_dashboard_charts_only_documented_metrics():
