@@ -81,6 +81,8 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
 def run(args) -> int:
     """Refresh every ``args.interval`` s; stop after ``args.iterations`` frames (0: until Ctrl-C).
 
+    The first frame comes after ``min(interval, 1)`` s, so that its rates are already measured.
+
     On a terminal the frame is redrawn in place; otherwise each frame is printed.
     Returns 4 when Redis is unreachable.
     """
@@ -94,6 +96,10 @@ def run(args) -> int:
             hist.add(data)
             return render(data, hist, args.namespace)
 
+        # Per-interval rates need two snapshots: take one first, so even the first frame (and
+        # `--iterations 1`) has them, over a window of at most a second.
+        hist.add(collect(r, args.namespace, events=args.events))
+        time.sleep(min(args.interval, 1.0))
         n = 0
         if con.is_terminal:
             with Live(frame(), console=con, refresh_per_second=4, screen=False) as live:

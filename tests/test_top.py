@@ -1,5 +1,6 @@
 """``mlxgw top``: live view from Redis alone, bounded by --iterations."""
 
+import re
 import subprocess
 import sys
 import time
@@ -32,6 +33,8 @@ def test_top_live_against_stack(make_stack, redis_server):
     assert time.time() - t0 < 30
     frames = stdout.split("mlxgw top  namespace")[1:]
     assert len(frames) == 4  # bounded: exactly --iterations frames
+    # Even the first frame has measured rates (a baseline snapshot is taken before it), not "-".
+    assert re.search(r"model demo-tiny: 2 backends, \d+ active, \d+\.\d\d req/s, token hit ratio \d\.\d\d", frames[0])
     last = frames[-1]
     assert "model demo-tiny: 2 backends" in last
     rows = {ln.split("│")[1].strip(): ln for ln in last.splitlines() if ln.startswith("│")}
