@@ -197,6 +197,26 @@ def cut_points(text: str, n: int) -> list[int]:
     return out
 
 
+def special_affixes(hf) -> Optional[tuple[list[int], list[int]]]:
+    """The ids ``hf(text)`` puts before and after ``hf(text, add_special_tokens=False)`` for one
+    text (a BOS, an EOS: the tokenizer's post-processor), or None when they are not the same for
+    every probe. A text-completion prompt is then ``prefix + SegmentEncoder.encode(text) + suffix``.
+    """
+    found = None
+    for probe in ("a", "hello world", "x <|im_start|> y\n", " 12 é"):
+        full = list(hf(probe)["input_ids"])
+        bare = list(hf(probe, add_special_tokens=False)["input_ids"])
+        n = len(bare)
+        k = next((k for k in range(len(full) - n + 1) if full[k:k + n] == bare), None)
+        if k is None:
+            return None
+        got = (full[:k], full[k + n:])
+        if found is not None and got != found:
+            return None
+        found = got
+    return found
+
+
 def _splitter(contents: list[str]) -> re.Pattern:
     # Longest first: at one position the regex takes the first alternative that
     # matches, which is then the longest, as the Rust side's leftmost-longest

@@ -5,7 +5,8 @@ underneath, plus mlx-lm's per-model template arguments), so the token ids the
 gateway hashes and forwards are the ones the backend would compute
 (`tests/test_tokenize.py`). Chats are tokenized through a per-model
 `gateway.segcache.SegmentEncoder` (token ids cached per template segment, same
-ids, `tests/test_segment_cache.py`) when the tokenizer allows it.
+ids, `tests/test_segment_cache.py`) when the tokenizer allows it; so are
+text-completion prompts, with the special tokens the tokenizer adds around them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Optional
 from mlxgw import prompt as prompt_mod
 from mlxgw.prompt import ChatPrompt
 
-from .segcache import DEFAULT_CACHE_BYTES, SegmentEncoder
+from .segcache import DEFAULT_CACHE_BYTES, SegmentEncoder, special_affixes
 
 log = logging.getLogger("mlxgw.gateway.tokenize")
 
@@ -41,13 +42,15 @@ def _text_chars(messages) -> int:
 @dataclass
 class ModelInfo:
     """A served model as the gateway knows it: name, local path, tokenizer, context (tokens),
-    and its token-id segment cache (None: the tokenizer needs the plain path)."""
+    its token-id segment cache (None: the tokenizer needs the plain path) and the special-token
+    ids put around a text prompt (`gateway.segcache.special_affixes`; None: plain path for text)."""
 
     name: str
     path: str
     tokenizer: object
     context_length: int
     segments: Optional[SegmentEncoder] = None
+    text_affixes: Optional[tuple[list[int], list[int]]] = None
 
 
 def read_context_length(path: Path) -> int:
@@ -76,8 +79,10 @@ def load_model_info(name: str, path: str, segment_cache_bytes: int = DEFAULT_CAC
     if not (p / "config.json").exists():
         raise FileNotFoundError(f"no model directory at {path}")
     tok = load_tokenizer(p)
-    segments = SegmentEncoder.create(getattr(tok, "_tokenizer", tok), segment_cache_bytes)
-    return ModelInfo(name, str(p), tok, read_context_length(p), segments)
+    hf = getattr(tok, "_tokenizer", tok)
+    segments = SegmentEncoder.create(hf, segment_cache_bytes)
+    affixes = special_affixes(hf) if segments is not None else None
+    return ModelInfo(name, str(p), tok, read_context_length(p), segments, affixes)
 
 
 class Tokenizers:
@@ -108,5 +113,16 @@ class Tokenizers:
         return await asyncio.get_running_loop().run_in_executor(None, work)
 
     async def encode(self, info: ModelInfo, text: str) -> list[int]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, prompt_mod.encode_text, info.tokenizer, text)
+        """A text-completion prompt's ids, those of `mlxgw.prompt.encode_text` (mlx-lm's server),
+        through the segment cache when the tokenizer allows it; off the event loop when long."""
+        if info.segments is not None and info.text_affixes is not None:
+            work = partial(_affixed, info.segments, info.text_affixes, text)
+        else:
+            work = partial(prompt_mod.encode_text, info.tokenizer, text)
+        if len(text) < INLINE_CHARS:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(None, work)
+
+
+def _affixed(segments: SegmentEncoder, affixes: tuple[list[int], list[int]], text: str) -> list[int]:
+    return [*affixes[0], *segments.encode(text), *affixes[1]]

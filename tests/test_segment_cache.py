@@ -17,13 +17,13 @@ import sys
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from gateway.segcache import (BYTES_PER_ID, DEFAULT_CHUNK_CHARS, SegmentEncoder, chunking_unsupported_reason,
-                              cut_points, unsupported_reason)
-from gateway.tokenize import Tokenizers, load_model_info
-from mlxgw.prompt import render_chat
+                              cut_points, special_affixes, unsupported_reason)
+from gateway.tokenize import ModelInfo, Tokenizers, load_model_info
+from mlxgw.prompt import encode_text, render_chat
 from texts import words
 
 TOOLS = [
@@ -171,6 +171,37 @@ def test_gateway_tokenizers_use_the_cache(demo_model):
     assert cp.token_ids == plain.token_ids and cp.system_tokens == plain.system_tokens
     assert info.segments.stats()["hit_tokens"] > 0  # the system probe reused the system piece
     assert Tokenizers(segment_cache_bytes=0).add("x", demo_model).segments is None
+
+
+def test_text_prompts_equal_plain_encode(demo_model):
+    """/v1/completions prompts go through the segment cache (and its chunking) with the same ids."""
+    toks = Tokenizers(segment_cache_bytes=1 << 20)
+    info = toks.add("demo-tiny", demo_model)
+    assert info.text_affixes == ([], [])  # the demo tokenizer adds no BOS/EOS to a text
+    seen = {"n": 0, "long": 0}
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+              derandomize=True)
+    @given(st.one_of(content, long_content))
+    def check(text):
+        assert asyncio.run(toks.encode(info, text)) == encode_text(info.tokenizer, text)
+        seen["n"] += 1
+        seen["long"] += len(text) >= 2 * DEFAULT_CHUNK_CHARS
+
+    check()
+    assert seen["long"] >= 10 and info.segments.stats()["chunked"] >= 10
+
+
+def test_text_prompt_affixes_of_a_bos_tokenizer():
+    hf = _bpe(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    bos, eos = hf.convert_tokens_to_ids("<unk>"), hf.convert_tokens_to_ids("</s>")
+    hf.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<unk> $A </s>", special_tokens=[("<unk>", bos), ("</s>", eos)])
+    assert special_affixes(hf) == ([bos], [eos])
+    info = ModelInfo("bos", "", hf, 4096, SegmentEncoder.create(hf), special_affixes(hf))
+    for text in ["hello world", words(900, 3) + "</s> more words", " "]:
+        ids = asyncio.run(Tokenizers().encode(info, text))
+        assert ids == hf(text)["input_ids"] and ids[0] == bos and ids[-1] == eos
 
 
 def test_cut_points_fall_on_spaces_between_letters():
