@@ -236,17 +236,16 @@ def main(argv=None) -> int:
            "base": rev, "load_before": loadavg(), "sequential": {}, "concurrent": {}}
     try:
         backend = stack.add_backend("b0", None, "--engine", "sim", "--sim-speed", "1e9")
-        sides = {"new": ROOT, "base": base_dir}
-        for side, root in sides.items():
+        gateways = {}
+        for side, root in (("new", ROOT), ("base", base_dir)):
             stack.env_extra = {"PYTHONPATH": str(root)}
             got = code_root(stack.env(), root)
             if got != root.resolve():
                 raise SystemExit(f"the {side} gateway would import its code from {got}, not {root}")
-        stack.env_extra = {"PYTHONPATH": str(ROOT)}
-        new = stack.add_gateway(cwd=str(ROOT))
+            gateways[side] = stack.add_gateway(cwd=str(root))
+        new, base = gateways["new"], gateways["base"]
+        stack.env_extra = {}
         proxy = bare_hop.start(backend.url, stack.env())
-        stack.env_extra = {"PYTHONPATH": str(base_dir)}
-        base = stack.add_gateway(cwd=str(base_dir))
         stack.wait()
         urls = {"direct": backend.url, "proxy": proxy.url, "base": base.url, "new": new.url}
         asyncio.run(_wait_answering(urls["proxy"], bodies(100)))

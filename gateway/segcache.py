@@ -122,18 +122,21 @@ def unsupported_reason(hf) -> Optional[str]:
 _UNICODE_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}
 
 
+def _steps(node: Optional[dict], seq_key: str) -> list[dict]:
+    """A pipeline stage's steps: a ``Sequence``'s ``seq_key`` list, one step, or none."""
+    if not node:
+        return []
+    return (node.get(seq_key) or []) if node.get("type") == "Sequence" else [node]
+
+
 def _shape_reason(spec: dict) -> Optional[str]:
     """Why the tokenizer's pipeline (``Tokenizer.to_str()`` as JSON) may merge across a
     letter-space-letter cut; None when it is the byte-level BPE shape the module docstring names."""
-    norm = spec.get("normalizer")
-    norms = (norm.get("normalizers") or []) if norm and norm.get("type") == "Sequence" else [norm] if norm else []
-    for n in norms:
+    for n in _steps(spec.get("normalizer"), "normalizers"):
         if n.get("type") not in _UNICODE_NORMALIZERS:
             return f"normalizer {n.get('type')} is not per character"
-    pre = spec.get("pre_tokenizer")
-    steps = (pre.get("pretokenizers") or []) if pre and pre.get("type") == "Sequence" else [pre] if pre else []
     splits = False
-    for step in steps:
+    for step in _steps(spec.get("pre_tokenizer"), "pretokenizers"):
         kind = step.get("type")
         if kind == "ByteLevel":
             splits |= bool(step.get("use_regex", True))
@@ -205,7 +208,7 @@ def special_affixes(hf) -> Optional[tuple[list[int], list[int]]]:
     found = None
     for probe in ("a", "hello world", "x <|im_start|> y\n", " 12 é"):
         full = list(hf(probe)["input_ids"])
-        bare = list(hf(probe, add_special_tokens=False)["input_ids"])
+        bare = _plain(hf, probe)
         n = len(bare)
         k = next((k for k in range(len(full) - n + 1) if full[k:k + n] == bare), None)
         if k is None:

@@ -108,9 +108,7 @@ class Tokenizers:
         """Template + tokenize off the event loop (a cold 30k-token prompt takes tens of ms)."""
         encode = info.segments.encode if info.segments is not None else None
         work = partial(prompt_mod.render_chat, info.tokenizer, messages, tools, template_kwargs, encode)
-        if not tools and _text_chars(messages) < INLINE_CHARS:
-            return work()  # ~0.2 ms: cheaper than the hop to a worker thread and back
-        return await asyncio.get_running_loop().run_in_executor(None, work)
+        return await _run(work, inline=not tools and _text_chars(messages) < INLINE_CHARS)
 
     async def encode(self, info: ModelInfo, text: str) -> list[int]:
         """A text-completion prompt's ids, those of `mlxgw.prompt.encode_text` (mlx-lm's server),
@@ -119,9 +117,15 @@ class Tokenizers:
             work = partial(_affixed, info.segments, info.text_affixes, text)
         else:
             work = partial(prompt_mod.encode_text, info.tokenizer, text)
-        if len(text) < INLINE_CHARS:
-            return work()
-        return await asyncio.get_running_loop().run_in_executor(None, work)
+        return await _run(work, inline=len(text) < INLINE_CHARS)
+
+
+async def _run(work, inline: bool):
+    """``work()`` on the event loop when ``inline`` (a short prompt: ~0.2 ms, cheaper than the hop
+    to a worker thread and back), else in the default executor."""
+    if inline:
+        return work()
+    return await asyncio.get_running_loop().run_in_executor(None, work)
 
 
 def _affixed(segments: SegmentEncoder, affixes: tuple[list[int], list[int]], text: str) -> list[int]:
