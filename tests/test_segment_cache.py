@@ -240,13 +240,20 @@ def _metaspace(scheme: str) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-def _lstrip() -> PreTrainedTokenizerFast:
+def _bpe(pre, normalizer=None, added=()) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on CORPUS, with ``pre``, ``normalizer`` and ``added`` tokens."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"],
+    tok.pre_tokenizer = pre
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.add_special_tokens([AddedToken("<mask>", lstrip=True)])
+    tok.add_special_tokens(list(added))
     return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def _lstrip() -> PreTrainedTokenizerFast:
+    return _bpe(pre_tokenizers.ByteLevel(add_prefix_space=False), added=[AddedToken("<mask>", lstrip=True)])
 
 
 @pytest.mark.parametrize("make,text,reason", [
@@ -271,16 +278,6 @@ def test_metaspace_always_is_safe():
 
 
 # -- tokenizers for which cutting inside a piece is wrong ---------------------
-
-def _bpe(pre, normalizer=None) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre
-    if normalizer is not None:
-        tok.normalizer = normalizer
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=tok)
-
 
 def test_gpt2_byte_level_tokenizer_chunks_safely():
     hf = _bpe(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
