@@ -252,51 +252,59 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
             "X-Mlxgw-Cached-Tokens": "0",
         }
     )
-    first = True
-    reason = None
-    started = False
-    while True:
-        try:
-            ev = await _next_event(req, timeout)
-        except GenerationTimeout as e:
+    ended = False
+    try:
+        first = True
+        reason = None
+        started = False
+        while True:
+            try:
+                ev = await _next_event(req, timeout)
+            except GenerationTimeout as e:
+                if not started:
+                    raise  # nothing sent yet: a plain 504
+                engine.cancel(req.rid, abandoned=True)
+                await resp.write(_sse(e.body()))
+                break
+            if ev.kind == "start":
+                resp.headers["X-Mlxgw-Cached-Tokens"] = str(ev.cached)
+                await resp.prepare(request)
+                started = True
+                continue
             if not started:
-                raise  # nothing sent yet: a plain 504
+                await resp.prepare(request)
+                started = True
+            if ev.kind == "progress":
+                await resp.write(f": keepalive {ev.done}/{ev.total}\n\n".encode())
+                continue
+            ended = ev.kind == "end"
+            final = ev.finish_reason if ended else None
+            if ended and ev.finish_reason == "error":
+                await resp.write(_sse({"error": {"message": ev.error or "generation failed", "type": "server_error", "param": None, "code": None}}))
+                break
+            piece = builder.feed(ev.text, final)
+            if builder.stopped and reason is None:
+                reason = "stop"
+                engine.cancel(req.rid)
+            if piece.content or piece.reasoning or piece.tool_calls or first:
+                for obj in renderer.stream_chunks(piece, first=first):
+                    await resp.write(_sse(obj))
+                first = False
+            if ev.kind == "end":
+                reason = builder.finish_reason(ev.finish_reason)
+                await reporter.flush()
+                await resp.write(_sse(renderer.chunk(Piece(), reason)))
+                if pr.include_usage:
+                    usage = renderer.usage(len(req.prompt), req.generated, req.cached)
+                    await resp.write(_sse(renderer.usage_chunk(usage)))
+                break
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionResetError:
+        # The client went away mid-answer, a normal ending: stop generating (the
+        # engine still saves the prompt cache) without logging a traceback.
+        if not ended:
             engine.cancel(req.rid, abandoned=True)
-            await resp.write(_sse(e.body()))
-            break
-        if ev.kind == "start":
-            resp.headers["X-Mlxgw-Cached-Tokens"] = str(ev.cached)
-            await resp.prepare(request)
-            started = True
-            continue
-        if not started:
-            await resp.prepare(request)
-            started = True
-        if ev.kind == "progress":
-            await resp.write(f": keepalive {ev.done}/{ev.total}\n\n".encode())
-            continue
-        final = ev.finish_reason if ev.kind == "end" else None
-        if ev.kind == "end" and ev.finish_reason == "error":
-            await resp.write(_sse({"error": {"message": ev.error or "generation failed", "type": "server_error", "param": None, "code": None}}))
-            break
-        piece = builder.feed(ev.text, final)
-        if builder.stopped and reason is None:
-            reason = "stop"
-            engine.cancel(req.rid)
-        if piece.content or piece.reasoning or piece.tool_calls or first:
-            for obj in renderer.stream_chunks(piece, first=first):
-                await resp.write(_sse(obj))
-            first = False
-        if ev.kind == "end":
-            reason = builder.finish_reason(ev.finish_reason)
-            await reporter.flush()
-            await resp.write(_sse(renderer.chunk(Piece(), reason)))
-            if pr.include_usage:
-                usage = renderer.usage(len(req.prompt), req.generated, req.cached)
-                await resp.write(_sse(renderer.usage_chunk(usage)))
-            break
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
     return resp
 
 

@@ -60,6 +60,7 @@ def render_chat(
             template error is a client error: e.g. roles out of order).
     """
     kwargs = dict(template_kwargs or {})
+    messages = template_roles(tokenizer, messages)
     try:
         ids = tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=True, tokenize=encode is None, **kwargs
@@ -68,6 +69,24 @@ def render_chat(
         raise RequestError(f"the chat template failed to render the messages: {e}", param="messages") from e
     ids = encode(ids) if encode is not None else list(ids["input_ids"] if isinstance(ids, dict) else ids)
     return ChatPrompt(ids, system_prefix_tokens(tokenizer, messages, tools, kwargs, ids, encode))
+
+
+def template_roles(tokenizer, messages: list[dict]) -> list[dict]:
+    """Messages with the roles OpenAI accepts but many chat templates drop renamed.
+
+    ``developer`` becomes ``system`` unless the template names the developer role
+    (OpenAI treats the two alike; ChatML-style templates render only system,
+    user, assistant and tool, and silently drop the rest). The deprecated
+    ``function`` role (a function's result) becomes ``tool``. Gateway and backend
+    both render through here, so the token ids stay the same on both sides.
+    Returns ``messages`` itself when nothing is renamed.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    keep_developer = "developer" in str(template or "")
+    rename = {"function": "tool"} if keep_developer else {"function": "tool", "developer": "system"}
+    if not any(m.get("role") in rename for m in messages):
+        return messages
+    return [{**m, "role": rename[m["role"]]} if m.get("role") in rename else m for m in messages]
 
 
 def system_prefix_tokens(tokenizer, messages, tools, kwargs, ids, encode=None) -> int:

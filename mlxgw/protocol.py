@@ -191,6 +191,11 @@ def number_field(body: dict, name: str, default, lo=None, hi=None, integer=False
     return v
 
 
+# Content part types a text model can take (OpenAI chat: text, and an assistant's
+# refusal; the Responses names too). Images, audio and files are refused.
+TEXT_PARTS = ("text", "input_text", "output_text", "refusal")
+
+
 def _validate_messages(messages) -> list:
     if messages is None:
         raise RequestError("'messages' is required", param="messages")
@@ -213,10 +218,16 @@ def _validate_messages(messages) -> list:
                 q = f"{p}.content[{j}]"
                 if not isinstance(part, dict):
                     raise RequestError(f"'{q}' must be an object", param=q)
-                if not isinstance(part.get("type", "text"), str):
+                kind = part.get("type", "text")
+                if not isinstance(kind, str):
                     raise RequestError(f"'{q}.type' must be a string", param=f"{q}.type")
-                if "text" in part and not isinstance(part["text"], str):
-                    raise RequestError(f"'{q}.text' must be a string", param=f"{q}.text")
+                if kind not in TEXT_PARTS:
+                    # Answering as if an image or file had not been sent would be silent data loss.
+                    raise RequestError(f"content part type '{kind}' is not supported (text models)",
+                                       param=f"{q}.type")
+                field = "refusal" if kind == "refusal" else "text"
+                if field in part and not isinstance(part[field], str):
+                    raise RequestError(f"'{q}.{field}' must be a string", param=f"{q}.{field}")
         for name in ("name", "tool_call_id"):
             if m.get(name) is not None and not isinstance(m[name], str):
                 raise RequestError(f"'{p}.{name}' must be a string", param=f"{p}.{name}")
@@ -275,7 +286,7 @@ def normalize_messages(messages: list) -> list:
         c = m.get("content")
         if isinstance(c, list):
             m["content"] = "".join(
-                p.get("text", "") for p in c if isinstance(p, dict) and p.get("type", "text") in ("text", "input_text", "output_text")
+                p.get("refusal" if p.get("type") == "refusal" else "text", "") for p in c if isinstance(p, dict)
             )
         elif c is None:
             m["content"] = ""

@@ -37,6 +37,14 @@ CASES = [
     ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature", None),
     (b"[1, 2]", 400, None, None),
     (b"\xff\xfe", 400, None, None),
+    # Text models: an image or a file is refused, not dropped from the prompt unseen.
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "https://x/cat.png"}}]}]},
+     400, "messages[0].content[1].type", None),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}]},
+     400, "messages[0].content[0].type", None),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+        {"type": "refusal", "refusal": 5}]}]}, 400, "messages[1].content[0].refusal", None),
 ]
 
 

@@ -262,6 +262,56 @@ def test_errors_in_each_dialect(stack):
     assert r.status == 400 and json.loads(r.read())["type"] == "error"
 
 
+USER = {"role": "user", "content": "x"}
+MALFORMED = [  # (path, body, param): each once crashed the conversion (500) or was silently accepted
+    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/messages", {"messages": [USER, {"role": "assistant", "content": [{"type": "text", "text": []}]}]},
+     "messages[1].content[0].text"),
+    ("/v1/messages", {"system": [{"type": "text", "text": 5}], "messages": [USER]}, "system[0].text"),
+    ("/v1/messages", {"system": [5, "x"], "messages": [USER]}, "system[0]"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": 5}]}]}]},
+     "messages[0].content[0].content[0].text"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": 5}]}]},
+     "messages[0].content[0].tool_use_id"),
+    ("/v1/messages", {"messages": [USER], "stop_sequences": [5]}, "stop_sequences"),
+    ("/v1/messages", {"messages": [USER], "tools": [{"name": "f", "input_schema": "zz"}]}, "tools[0].input_schema"),
+    ("/v1/messages", {"messages": [USER], "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool"}},
+     "tool_choice.name"),
+    ("/v1/messages", {"messages": [USER], "tool_choice": {"type": "any"}}, "tool_choice"),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+     "input[0].content[0].text"),
+    ("/v1/responses", {"input": [{"role": "user", "content": 5}]}, "input[0].content"),
+    ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c1",
+                                  "output": [{"type": "input_text", "text": 5}]}]}, "input[0].output[0].text"),
+    ("/v1/responses", {"input": [{"type": "function_call", "call_id": "c1", "arguments": "{}"}]}, "input[0].name"),
+    ("/v1/responses", {"input": "x", "tool_choice": "required", "tools": [{"type": "web_search_preview"}]},
+     "tool_choice"),
+    ("/v1/responses", {"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", MALFORMED, ids=[m[2] + " " + m[0] for m in MALFORMED])
+def test_malformed_dialect_bodies_get_a_400_naming_the_clients_field(stack, path, body, param):
+    from mlxgw.httpget import post
+
+    status, _, raw = post(stack.gateway.url + path, {"model": "demo-tiny", "max_tokens": 4, **body})
+    err = json.loads(raw)
+    assert status == 400, raw
+    if path.startswith("/v1/messages"):
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+        assert f"'{param}'" in err["error"]["message"], err  # Anthropic errors have no param field
+    else:
+        assert err["error"]["param"] == param and err["error"]["type"] == "invalid_request_error", err
+        if "item_reference" in json.dumps(body):
+            assert err["error"]["code"] == "unsupported_parameter"
+
+
 def test_billing_header_stripped_and_drift_counted(stack):
     client = _ant(stack)
     body = words(200, seed=55)

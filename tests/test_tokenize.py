@@ -50,3 +50,35 @@ def test_system_tokens_is_the_system_prefix(demo_model):
     assert cp.system_tokens > 100
     assert cp.system_tokens == sys_only.system_tokens  # depends on the system message only
     assert render_chat(info.tokenizer, CONVERSATIONS[0]).system_tokens == 0
+
+
+def test_developer_and_function_roles_render_like_system_and_tool(demo_model):
+    """The demo's ChatML template drops roles it does not know; OpenAI's developer and
+    (deprecated) function roles must still reach the prompt, as system and tool."""
+    info = load_model_info("demo-tiny", demo_model)
+    tok = info.tokenizer
+    rule = "You are a very helpful pirate assistant."
+    as_system = render_chat(tok, [{"role": "system", "content": rule}, {"role": "user", "content": "hi"}])
+    as_developer = render_chat(tok, [{"role": "developer", "content": rule}, {"role": "user", "content": "hi"}])
+    dropped = render_chat(tok, [{"role": "user", "content": "hi"}])
+    assert as_developer.token_ids == as_system.token_ids != dropped.token_ids
+    assert as_developer.system_tokens == as_system.system_tokens > 0
+    result = {"role": "function", "name": "get_weather", "content": "21 degrees"}
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    head = [{"role": "user", "content": "Weather?"}, call]
+    as_tool = render_chat(tok, head + [{"role": "tool", "name": "get_weather", "content": "21 degrees"}])
+    assert render_chat(tok, head + [result]).token_ids == as_tool.token_ids != render_chat(tok, head).token_ids
+
+
+def test_developer_role_kept_for_templates_that_name_it(demo_model):
+    from mlxgw.prompt import template_roles
+
+    info = load_model_info("demo-tiny", demo_model)
+    msgs = [{"role": "developer", "content": "x"}]
+    assert template_roles(info.tokenizer, msgs) == [{"role": "system", "content": "x"}]
+
+    class Harmony:  # a template that renders developer messages itself (as gpt-oss's does)
+        chat_template = "{% for m in messages %}{% if m.role == 'developer' %}...{% endif %}{% endfor %}"
+
+    assert template_roles(Harmony(), msgs) is msgs

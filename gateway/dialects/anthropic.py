@@ -29,7 +29,8 @@ from typing import Optional
 
 from mlxgw.protocol import RequestError
 
-from .base import ChatTransform, chat_message, chat_request, function_tools, new_id, sse_event, text_of, with_stream
+from .base import (ChatTransform, chat_message, chat_request, function_tools, new_id, part_text, sse_event, text_of,
+                   with_stream)
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -57,12 +58,13 @@ def _blocks(content, p: str) -> list[dict]:
     return content
 
 
-def _tool_result_text(content) -> str:
+def _tool_result_text(content, p: str) -> str:
     if isinstance(content, list):
-        for b in content:
+        for j, b in enumerate(content):
             if isinstance(b, dict) and b.get("type") not in (None, "text"):
-                raise RequestError(f"tool_result content of type '{b.get('type')}' is not supported (text models)")
-    return text_of(content)
+                raise RequestError(f"tool_result content of type '{b.get('type')}' is not supported (text models)",
+                                   param=f"{p}[{j}].type")
+    return text_of(content, p)
 
 
 def system_messages(system) -> list[dict]:
@@ -72,10 +74,22 @@ def system_messages(system) -> list[dict]:
     if isinstance(system, str):
         text = system
     elif isinstance(system, list):
-        text = "\n".join(t for t in (text_of([b]) for b in system if isinstance(b, dict)) if t.strip())
+        texts = []
+        for j, b in enumerate(system):
+            if not isinstance(b, dict) or b.get("type", "text") != "text":
+                raise RequestError(f"'system[{j}]' must be a text block", param=f"system[{j}]")
+            texts.append(part_text(b, f"system[{j}]"))
+        text = "\n".join(t for t in texts if t.strip())
     else:
         raise RequestError("'system' must be a string or an array of text blocks", param="system")
     return [{"role": "system", "content": text}] if text else []
+
+
+def _optional_str(block: dict, key: str, p: str):
+    v = block.get(key)
+    if v is not None and not isinstance(v, str):
+        raise RequestError(f"'{p}.{key}' must be a string", param=f"{p}.{key}")
+    return v
 
 
 def convert_messages(system, messages) -> list[dict]:
@@ -94,13 +108,17 @@ def convert_messages(system, messages) -> list[dict]:
         blocks = _blocks(m.get("content"), f"{p}.content")
         if m["role"] == "assistant":
             text, calls = [], []
-            for b in blocks:
-                t = b.get("type")
+            for j, b in enumerate(blocks):
+                t, q = b.get("type"), f"{p}.content[{j}]"
                 if t == "text":
-                    text.append(b.get("text", ""))
+                    text.append(part_text(b, q))
                 elif t in ("tool_use", "server_tool_use"):
-                    calls.append({"id": b.get("id"), "type": "function",
-                                  "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {})}})
+                    if not isinstance(b.get("name"), str):
+                        raise RequestError(f"'{q}.name' must be a string", param=f"{q}.name")
+                    if b.get("input") is not None and not isinstance(b["input"], dict):
+                        raise RequestError(f"'{q}.input' must be an object", param=f"{q}.input")
+                    calls.append({"id": _optional_str(b, "id", q), "type": "function",
+                                  "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}})
                 elif t in ("thinking", "redacted_thinking"):
                     continue
                 else:
@@ -111,13 +129,13 @@ def convert_messages(system, messages) -> list[dict]:
             out.append(msg)
         else:
             text = []
-            for b in blocks:
-                t = b.get("type")
+            for j, b in enumerate(blocks):
+                t, q = b.get("type"), f"{p}.content[{j}]"
                 if t == "text":
-                    text.append(b.get("text", ""))
+                    text.append(part_text(b, q))
                 elif t == "tool_result":
-                    out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
-                                "content": _tool_result_text(b.get("content"))})
+                    out.append({"role": "tool", "tool_call_id": _optional_str(b, "tool_use_id", q),
+                                "content": _tool_result_text(b.get("content"), f"{q}.content")})
                 else:
                     raise RequestError(f"user content block type '{t}' is not supported (text models)", param=f"{p}.content")
             if text or not any(b.get("type") == "tool_result" for b in blocks):
@@ -128,8 +146,7 @@ def convert_messages(system, messages) -> list[dict]:
 def convert_tools(tools) -> Optional[list[dict]]:
     """Anthropic custom tools -> OpenAI function tools; server tools (web_search,
     bash, ...) are the client's or Anthropic's business and are dropped."""
-    return function_tools(tools, lambda t: t.get("type") in (None, "custom"),
-                          lambda t: t.get("name"), lambda t: t.get("input_schema"))
+    return function_tools(tools, lambda t: t.get("type") in (None, "custom"), "input_schema")
 
 
 def convert_tool_choice(tc):
@@ -140,7 +157,9 @@ def convert_tool_choice(tc):
         raise RequestError("'tool_choice' must be an object", param="tool_choice")
     kind = tc.get("type")
     if kind == "tool":
-        return {"type": "function", "function": {"name": tc.get("name")}}
+        if not isinstance(tc.get("name"), str):
+            raise RequestError("'tool_choice.name' must name a tool", param="tool_choice.name")
+        return {"type": "function", "function": {"name": tc["name"]}}
     choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
     if choice is None:
         raise RequestError("'tool_choice.type' must be auto, any, tool or none", param="tool_choice")
@@ -166,6 +185,8 @@ def to_chat(body: dict, count_only: bool = False) -> dict:
             out[k] = body[k]
     stops = body.get("stop_sequences")
     if stops is not None:
+        if not (isinstance(stops, list) and all(isinstance(x, str) for x in stops)):
+            raise RequestError("'stop_sequences' must be an array of strings", param="stop_sequences")
         out["stop"] = stops
     return with_stream(out, body)
 

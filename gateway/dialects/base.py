@@ -19,17 +19,19 @@ from typing import Mapping, Optional
 import uuid
 
 
-def function_tools(tools, keep, name_of, schema_of) -> Optional[list[dict]]:
+def function_tools(tools, keep, schema_field: str) -> Optional[list[dict]]:
     """A dialect's tool list -> OpenAI function tools (None when there are none).
 
     ``keep(t)`` selects the client's own tools (built-in/server tools are
-    dropped); ``name_of`` / ``schema_of`` read a tool's name and JSON schema.
+    dropped); each kept tool has ``name``, optional ``description`` and its
+    JSON schema in ``schema_field`` (``input_schema``, ``parameters``).
     Keys are written in OpenAI's order (name, description, parameters):
     templates dump tools with ``tojson`` unsorted, and the same tools must give
     the same tokens in every dialect, or the prefix cache misses.
 
     Raises:
-        RequestError: 400 for a malformed list or a tool without a name.
+        RequestError: 400 for a malformed list, a tool without a name or a
+            schema that is not an object (``param`` names the client's field).
     """
     from mlxgw.protocol import RequestError
 
@@ -38,15 +40,18 @@ def function_tools(tools, keep, name_of, schema_of) -> Optional[list[dict]]:
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise RequestError("'tools' must be an array of objects", param="tools")
     out = []
-    for t in tools:
+    for i, t in enumerate(tools):
         if not keep(t):
             continue
-        if not isinstance(name_of(t), str):
-            raise RequestError("every tool needs a 'name'", param="tools")
-        fn = {"name": name_of(t)}
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise RequestError(f"'tools[{i}].name' must be a non-empty string", param=f"tools[{i}].name")
+        schema = t.get(schema_field)
+        if schema is not None and not isinstance(schema, dict):
+            raise RequestError(f"'tools[{i}].{schema_field}' must be an object", param=f"tools[{i}].{schema_field}")
+        fn = {"name": t["name"]}
         if t.get("description"):
             fn["description"] = t["description"]
-        fn["parameters"] = schema_of(t) or {"type": "object", "properties": {}}
+        fn["parameters"] = schema or {"type": "object", "properties": {}}
         out.append({"type": "function", "function": fn})
     return out or None
 
@@ -60,7 +65,8 @@ def chat_request(body: dict, messages, tools, convert_tool_choice) -> dict:
     order the fields are read).
 
     Raises:
-        RequestError: 400 when ``model`` is missing.
+        RequestError: 400 when ``model`` is missing, or ``tool_choice`` forces a
+            call and no function tools are left.
     """
     from mlxgw.protocol import RequestError
 
@@ -69,11 +75,15 @@ def chat_request(body: dict, messages, tools, convert_tool_choice) -> dict:
         raise RequestError("'model' is required", param="model")
     out = {"model": model, "messages": messages()}
     tools = tools()
+    tc = convert_tool_choice(body.get("tool_choice"))
     if tools:
         out["tools"] = tools
-        tc = convert_tool_choice(body.get("tool_choice"))
         if tc is not None:
             out["tool_choice"] = tc
+    elif tc is not None and tc not in ("auto", "none"):
+        # As the chat endpoint answers: a forced call needs a tool the client runs.
+        raise RequestError("'tool_choice' forces a tool call but the request has no function tools",
+                           param="tool_choice")
     return out
 
 
@@ -258,12 +268,44 @@ def chat_message(completion: dict) -> tuple[dict, Optional[str], dict]:
     return ch.get("message") or {}, ch.get("finish_reason"), completion.get("usage") or {}
 
 
-def text_of(content, types=("text", "input_text", "output_text")) -> str:
-    """Concatenated text of a string or an array of text parts/blocks."""
+def text_of(content, param: str, types=("text", "input_text", "output_text")) -> str:
+    """Concatenated text of a string or an array of text parts/blocks (parts of
+    other types are skipped: each dialect refuses the ones it cannot serve first).
+
+    Args:
+        content: None, a string, or a list of objects with ``type`` and ``text``.
+        param: the client's name of the field, for the error.
+
+    Raises:
+        RequestError: 400 when ``content`` is another type, an item is not an
+            object, or a text part's ``text`` is not a string.
+    """
+    from mlxgw.protocol import RequestError
+
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") in types)
-    return ""
+    if not isinstance(content, list):
+        raise RequestError(f"'{param}' must be a string or an array of text parts", param=param)
+    out = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise RequestError(f"'{param}[{j}]' must be an object", param=f"{param}[{j}]")
+        if part.get("type", "text") in types:
+            out.append(part_text(part, f"{param}[{j}]"))
+    return "".join(out)
+
+
+def part_text(part: dict, param: str) -> str:
+    """A text part's ``text`` (missing: empty).
+
+    Raises:
+        RequestError: 400 when it is present and not a string.
+    """
+    from mlxgw.protocol import RequestError
+
+    text = part.get("text", "")
+    if not isinstance(text, str):
+        raise RequestError(f"'{param}.text' must be a string", param=f"{param}.text")
+    return text

@@ -9,7 +9,8 @@ Shapes follow OpenAI's API reference ("Responses", "Streaming events"):
   message) or items: messages (``input_text`` / ``output_text`` parts),
   ``function_call`` (merged into the preceding assistant message, as chat
   clients send it), ``function_call_output`` -> ``tool`` message,
-  ``reasoning`` dropped; ``developer`` messages become ``system`` ones;
+  ``reasoning`` dropped; ``developer`` messages stay (rendering makes them
+  ``system`` ones for templates without that role);
 * ``tools``: ``function`` tools kept, built-in tool types ignored;
 * ``previous_response_id`` / ``item_reference``: 400, the gateway keeps no
   state (send the whole conversation, as Codex does with ``store: false``);
@@ -60,24 +61,29 @@ def convert_input(instructions, items) -> list[dict]:
                     if isinstance(part, dict) and part.get("type") not in ("input_text", "output_text", "text", "refusal"):
                         raise RequestError(f"content part type '{part.get('type')}' is not supported (text models)",
                                            param=f"{p}.content")
-            # Codex sends its instructions as developer messages; chat templates only know
-            # system (ChatML drops other roles), and OpenAI treats the two alike.
-            out.append({"role": "system" if role == "developer" else role, "content": text_of(content)})
+            # Codex sends its instructions as developer messages: rendering makes them
+            # system ones unless the template knows the role (mlxgw.prompt.template_roles).
+            out.append({"role": role, "content": text_of(content, f"{p}.content", ("input_text", "output_text", "text"))})
         elif kind == "function_call":
+            if not isinstance(it.get("name"), str) or not it["name"]:
+                raise RequestError(f"'{p}.name' must be a non-empty string", param=f"{p}.name")
+            for key in ("arguments", "call_id"):
+                if it.get(key) is not None and not isinstance(it[key], str):
+                    raise RequestError(f"'{p}.{key}' must be a string", param=f"{p}.{key}")
             call = {"id": it.get("call_id") or it.get("id"), "type": "function",
-                    "function": {"name": it.get("name"), "arguments": it.get("arguments") or "{}"}}
+                    "function": {"name": it["name"], "arguments": it.get("arguments") or "{}"}}
             prev = out[-1] if out else None
             if prev is not None and prev["role"] == "assistant":
                 prev.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": text_of(it.get("output"))})
+            out.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": text_of(it.get("output"), f"{p}.output")})
         elif kind == "reasoning":
             continue
         elif kind == "item_reference":
             raise RequestError("item references need stored responses; this gateway is stateless: send the items",
-                               param=p)
+                               param=p, code="unsupported_parameter")
         else:
             raise RequestError(f"input item type '{kind}' is not supported", param=f"{p}.type")
     return out
@@ -85,15 +91,16 @@ def convert_input(instructions, items) -> list[dict]:
 
 def convert_tools(tools) -> Optional[list[dict]]:
     """Responses function tools -> chat tools; built-in tools (web_search, ...) ignored."""
-    return function_tools(tools, lambda t: t.get("type") == "function",
-                          lambda t: t.get("name"), lambda t: t.get("parameters"))
+    return function_tools(tools, lambda t: t.get("type") == "function", "parameters")
 
 
 def convert_tool_choice(tc):
     if tc is None or tc in ("auto", "none", "required"):
         return tc
     if isinstance(tc, dict) and tc.get("type") == "function":
-        return {"type": "function", "function": {"name": tc.get("name")}}
+        if not isinstance(tc.get("name"), str):
+            raise RequestError("'tool_choice.name' must name a function", param="tool_choice.name")
+        return {"type": "function", "function": {"name": tc["name"]}}
     if isinstance(tc, dict):
         return "auto"  # a built-in tool: not ours to force
     raise RequestError("'tool_choice' must be auto, none, required or a function", param="tool_choice")
