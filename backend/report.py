@@ -285,7 +285,8 @@ class Reporter:
         self.write_failures += 1
 
     async def _republish(self) -> None:
-        """Write this backend's whole ownership again (after an outage or a flush)."""
+        """Write this backend's whole ownership again (after an outage or a flush),
+        and put back the epoch counter if Redis lost it (`schema.RAISE_EPOCH_LUA`)."""
         with self._lock:
             blocks = [(b, schema.block_value(self.epoch, self._state(b))) for b in set(self._refs) | set(self._claims)]
             self._pending = {}
@@ -293,6 +294,7 @@ class Reporter:
         owned = self.keys.owned(self.backend_id, self.epoch)
         try:
             pipe = self.redis.pipeline(transaction=False)
+            pipe.eval(schema.RAISE_EPOCH_LUA, 1, self.keys.epoch_counter(self.backend_id), self.epoch)
             pipe.delete(owned)
             for i in range(0, len(blocks), 2000):
                 chunk = blocks[i : i + 2000]

@@ -282,6 +282,20 @@ end
 return 0
 """
 
+# KEYS[1] = a backend's epoch counter, ARGV[1] = its running epoch: raise the
+# counter to at least that epoch. A re-publish runs it, so a Redis that lost its
+# data (a restart without persistence, FLUSHALL) cannot hand the backend's next
+# start an epoch its previous life still holds blocks under. Returns the counter.
+RAISE_EPOCH_LUA = """
+local c = tonumber(redis.call('GET', KEYS[1]) or '0')
+local e = tonumber(ARGV[1])
+if c < e then
+  redis.call('SET', KEYS[1], e)
+  return e
+end
+return c
+"""
+
 # Cleanup of one dead epoch: KEYS[1] = owned set of (backend, epoch).
 # ARGV[1] = backend id, ARGV[2] = epoch, ARGV[3] = max keys this call.
 # Removes the backend's field from each block only if it still holds that

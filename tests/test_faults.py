@@ -84,6 +84,25 @@ def test_redis_outage_and_flush_recovery(demo_model):
                 break
             time.sleep(0.3)
         assert int(h["X-Mlxgw-Matched-Tokens"]) >= 150
+        # The flush took the epoch counter too; the re-publish put it back, so a restart
+        # gets a new epoch and the old life's blocks neither route nor stay behind.
+        from mlxgw import schema
+
+        keys = schema.Keys(s.namespace, s.model_name)
+        old = get_json(s.backends[0].url + "/internal/cache")["epoch"]
+        assert int(r.client().get(keys.epoch_counter("b0"))) == old
+        s.backends[0].kill()
+        b0 = s.add_backend("b0")
+        b0.wait_healthy()
+        assert get_json(b0.url + "/internal/cache")["epoch"] == old + 1
+        status, h, _ = _ask(s.gateway.url, text + " again")
+        assert status == 200 and h["X-Mlxgw-Lookup"] == "ok" and h["X-Mlxgw-Matched-Tokens"] == "0"
+        deadline = time.time() + 10
+        while time.time() < deadline and r.client().exists(keys.owned("b0", old)):
+            time.sleep(0.2)
+        stale = [k for k in r.client().scan_iter(match=keys.prefix + ":blk:*")
+                 if r.client().hget(k, "b0") in (str(old).encode(), f"{old}c".encode())]
+        assert stale == [] and not r.client().exists(keys.owned("b0", old))
     finally:
         s.stop()
         r.cleanup()
