@@ -108,6 +108,10 @@ async def error_middleware(request: web.Request, handler):
     return resp
 
 
+# Routing headers that name an answering backend, left off when none answered.
+UNANSWERED_DROP = ("X-Mlxgw-Backend", "X-Mlxgw-Matched-Tokens")
+
+
 def _refuse(request: web.Request, err: RequestError) -> web.Response:
     """The error answer for ``err``, logged as refused unless a backend already had the request.
 
@@ -284,12 +288,20 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
     request[FORWARDED] = True
     try:
         resp = await st.proxy.forward(request, attempts, path, payload, "application/x-msgpack", stream, transform)
+        if any(a.failed for a in attempts):
+            # A 200 whose stream ended in an error event: an error all the same.
+            outcome = "backend_failed"
+            st.counters["errors"] += 1
         return resp
     except BackendUnavailable as e:
         outcome = "unavailable"
+        # Routed but unanswered: the routing headers still tell the client what was tried.
+        route = {k: v for k, v in attempts[0].headers.items() if k not in UNANSWERED_DROP}
         if e.timed_out:
-            raise RequestError(f"backend timed out: {e}", status=504, type="server_error", code="backend_timeout")
-        raise RequestError(f"no backend could take the request: {e}", status=503, type="server_error", code="backend_unavailable")
+            raise RequestError(f"backend timed out: {e}", status=504, type="server_error", code="backend_timeout",
+                               headers=route)
+        raise RequestError(f"no backend could take the request: {e}", status=503, type="server_error",
+                           code="backend_unavailable", headers=route)
     except asyncio.CancelledError:
         outcome = "client_disconnected"
         raise

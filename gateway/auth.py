@@ -1,4 +1,4 @@
-"""Gateway API keys: who may call the gateway, and errors in the caller's dialect.
+"""Gateway API keys: who may call the gateway.
 
 Keys come from a file (``--api-key-file``, one key a line, ``#`` comments) and
 from the ``MLXGW_API_KEYS`` environment variable (comma-separated); never from
@@ -19,12 +19,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import json
 import os
 from pathlib import Path
 from typing import Iterable, Optional
 
 from aiohttp import web
+
+from mlxgw.protocol import RequestError
 
 ENV_KEYS = "MLXGW_API_KEYS"
 # Paths that never need a key: liveness probes from load balancers and the launcher.
@@ -32,19 +33,6 @@ OPEN_PATHS = frozenset({"/health"})
 # The request attribute holding the caller's id (set by the auth middleware);
 # a typed key where aiohttp has them (3.13+).
 CALLER = web.RequestKey("mlxgw_caller", str) if hasattr(web, "RequestKey") else "mlxgw_caller"
-
-# Anthropic's error type per HTTP status (docs.anthropic.com/en/api/errors).
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    529: "overloaded_error",
-}
-
 
 class AuthConfigError(ValueError):
     """The gateway must not start with these settings (message says why and how to fix)."""
@@ -137,26 +125,6 @@ def presented_key(request: web.Request) -> Optional[str]:
     return k or None
 
 
-def dialect(path: str) -> str:
-    """``"anthropic"`` for the Anthropic Messages API paths, else ``"openai"``."""
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
-
-
-def error_response(path: str, status: int, message: str, type_: str, code: Optional[str] = None,
-                   headers: Optional[dict] = None) -> web.Response:
-    """A JSON error in the dialect of the endpoint at ``path``.
-
-    OpenAI: ``{"error": {"message", "type", "param", "code"}}``; Anthropic:
-    ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's type
-    for the status (docs.anthropic.com/en/api/errors).
-    """
-    if dialect(path) == "anthropic":
-        body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, type_), "message": message}}
-    else:
-        body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return web.Response(status=status, text=json.dumps(body), content_type="application/json", headers=headers)
-
-
 def auth_middleware(keys: list[str]):
     """An aiohttp middleware: 401 unless the request carries a configured key.
 
@@ -176,8 +144,9 @@ def auth_middleware(keys: list[str]):
         kid = check.match(k) if k else None
         if kid is None:
             msg = "invalid API key" if k else "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
-            return error_response(request.path, 401, msg, "authentication_error", code="invalid_api_key",
-                                  headers={"WWW-Authenticate": "Bearer"})
+            # Raised, so the error middleware answers in the endpoint's dialect and logs it as refused.
+            raise RequestError(msg, status=401, type="authentication_error", code="invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"})
         request[CALLER] = kid
         return await handler(request)
 

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from mlxgw.protocol import RequestError
 
-from .auth import CALLER, OPEN_PATHS, error_response
+from .auth import CALLER, OPEN_PATHS
 
 
 @dataclass
@@ -147,8 +147,8 @@ def limits_middleware(cfg: LimitConfig):
             msg = (f"too many requests in flight for this API key (limit {cfg.max_concurrent_per_key})"
                    if reason == "concurrency" else
                    f"rate limit exceeded for this API key ({cfg.rate_per_minute:g} requests per minute)")
-            return error_response(request.path, 429, msg, "rate_limit_error", code="rate_limit_exceeded",
-                                  headers={"Retry-After": str(retry)})
+            raise RequestError(msg, status=429, type="rate_limit_error", code="rate_limit_exceeded",
+                               headers={"Retry-After": str(retry)})
         try:
             return await handler(request)
         finally:

@@ -128,7 +128,7 @@ def request_done(m: GatewayMetrics, *, rid: str, model: str, prompt_tokens: int,
         attempts: the `gateway.proxy.Attempt` list; the answering one is named by
             the response's ``X-Mlxgw-Backend`` header and carries ``first_byte_at``.
         resp: the response sent to the client, or None when none was.
-        outcome: ``ok``, ``unavailable`` or ``client_disconnected``.
+        outcome: ``ok``, ``unavailable``, ``backend_failed`` (mid-stream) or ``client_disconnected``.
 
     Returns the logged fields (``ttft_ms`` and ``cached_tokens`` are None when unknown).
     """
@@ -159,7 +159,7 @@ def request_done(m: GatewayMetrics, *, rid: str, model: str, prompt_tokens: int,
         "id": rid, "model": model, "backend": backend, "prompt_tokens": prompt_tokens, "matched_tokens": matched,
         "cached_tokens": cached, "ttft_ms": None if ttft is None else round(ttft * 1000, 1),
         "duration_ms": round((now - t0) * 1000, 1), "route_ms": round(route_s * 1000, 2),
-        "lookup": lookup.status, "retries": max(0, attempts.index(used)) if used in attempts else 0,
+        "lookup": lookup.status, "retries": max(0, sum(a.tried for a in attempts) - 1),
         "outcome": outcome,
     }
     reqlog.info("request " + " ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items()))

@@ -77,6 +77,8 @@ class Attempt:
     prefill_tokens: int
     headers: dict
     first_byte_at: float = 0.0  # perf_counter() of the first answer byte (SSE: first data event)
+    failed: bool = False  # the backend failed mid-stream (the client got an error event)
+    tried: bool = False  # the request was sent to this backend
 
 
 class Transform(Protocol):
@@ -204,6 +206,7 @@ class Proxy:
         for i, a in enumerate(attempts):
             if i > 0:
                 self.retries += 1
+            a.tried = True
             handle = self.inflight.begin(a.backend_id, a.prefill_tokens)
             try:
                 timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout)
@@ -300,6 +303,7 @@ class Proxy:
                 await self._write(request, out, data)
         if upstream_err is not None:
             log.warning("backend %s failed mid-answer: %s", a.backend_id, upstream_err)
+            a.failed = True
             self._trip(a.backend_id, a.url)
             msg = f"backend failed mid-stream: {type(upstream_err).__name__}"
             if transform is not None:

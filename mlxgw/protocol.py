@@ -23,7 +23,8 @@ class RequestError(Exception):
     """A client error, rendered as an OpenAI-style JSON error.
 
     Attributes: status (HTTP, 4xx), message, param (offending field or None),
-    code (machine-readable, e.g. ``"context_length_exceeded"``), type.
+    code (machine-readable, e.g. ``"context_length_exceeded"``), type, headers
+    (extra response headers, e.g. ``Retry-After``; None for none).
     """
 
     def __init__(
@@ -33,6 +34,7 @@ class RequestError(Exception):
         param: Optional[str] = None,
         code: Optional[str] = None,
         type: str = "invalid_request_error",
+        headers: Optional[dict] = None,
     ):
         super().__init__(message)
         self.status = status
@@ -40,6 +42,7 @@ class RequestError(Exception):
         self.param = param
         self.code = code
         self.type = type
+        self.headers = headers
 
     def body(self) -> dict:
         return {

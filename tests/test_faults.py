@@ -50,6 +50,12 @@ def test_backend_killed_mid_stream_gives_sse_error(make_stack):
     except openai.APIError as e:  # the SDK raises on an SSE error event
         got_error = e
     assert n >= 2 and got_error is not None and "backend failed" in str(got_error)
+    # A 200 whose stream ended in an error is an error in the counts and the log line.
+    assert get_json(s.gateway.url + "/health")["errors"] == 1
+    deadline = time.time() + 5
+    while "outcome=backend_failed" not in s.gateway.log_path.read_text() and time.time() < deadline:
+        time.sleep(0.1)
+    assert "outcome=backend_failed" in s.gateway.log_path.read_text()
 
 
 def test_redis_outage_and_flush_recovery(demo_model):

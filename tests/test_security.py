@@ -146,6 +146,9 @@ def test_health_is_open_and_everything_else_needs_a_key(sec):
     assert status == 401
     # A key is checked before the route: unknown paths do not reveal themselves.
     assert _post(gw + "/v1/nothing", {}, key=None)[0] == 401
+    refused = [ln for ln in sec.gateways[0].log_path.read_text().splitlines() if " refused " in ln and "status=401" in ln]
+    assert any("path=/v1/nothing" in ln and "code=invalid_api_key" in ln and "type=authentication_error" in ln
+               for ln in refused), refused
 
 
 def test_anthropic_paths_answer_401_in_anthropic_dialect(sec):
@@ -214,11 +217,16 @@ def test_a_gateway_without_the_internal_token_says_so_not_that_the_client_is_una
         for path, body in (("/v1/chat/completions", CHAT),
                            ("/v1/messages", {"model": "demo-tiny", "max_tokens": 2,
                                              "messages": [{"role": "user", "content": "hi"}]})):
-            status, _, raw = _post(g.url + path, body, key=KEYS["val"])
+            status, hdrs, raw = _post(g.url + path, body, key=KEYS["val"])
             assert status == 503, raw
             assert "rejected this gateway's internal token" in raw.decode() and "MLXGW_INTERNAL_TOKEN" in raw.decode()
+            # Routed, so the routing headers say what was tried; no backend answered.
+            assert len(hdrs["X-Mlxgw-Request-Id"]) == 32 and hdrs["X-Mlxgw-Route-Reason"] in ("prefix", "load")
+            assert "X-Mlxgw-Backend" not in hdrs and hdrs["X-Mlxgw-Candidates"].startswith("b0:")
         health = json.loads(_get(g.url + "/health", key=KEYS["val"])[2])
         assert health["errors"] == 2
+        lines = [ln for ln in g.log_path.read_text().splitlines() if "mlxgw.requests: request " in ln]
+        assert len(lines) == 2 and all("outcome=unavailable" in ln and "retries=0" in ln for ln in lines), lines
     finally:
         g.stop()
         sec.gateways.remove(g)
@@ -279,6 +287,8 @@ def test_per_key_concurrency_limit_answers_429_with_retry_after(sec):
         status, _, raw = _post(gw.url + "/v1/messages", {}, headers={"x-api-key": KEYS["conc"]})
         assert status == 429 and json.loads(raw)["error"]["type"] == "rate_limit_error"
         assert json.loads(raw)["type"] == "error"
+        refused = [ln for ln in gw.log_path.read_text().splitlines() if " refused " in ln and "status=429" in ln]
+        assert any("path=/v1/messages" in ln and "code=rate_limit_exceeded" in ln for ln in refused), refused
         # Another key is not affected.
         assert _post(gw.url + "/v1/chat/completions", CHAT, key=KEYS["other"])[0] == 200
         for s in held:  # finish the bodies: both are answered

@@ -18,14 +18,18 @@ from mlxgw.protocol import RequestError
 
 from . import anthropic, responses
 
-ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
-
-
 def error_response(request: web.Request, err: RequestError) -> web.Response:
-    """``err`` as a JSON error in the dialect of ``request``'s endpoint (OpenAI's unless Anthropic's)."""
-    if request.path in ANTHROPIC_PATHS:
-        return web.json_response(anthropic.error_body(err.message, err.status), status=err.status)
-    return web.json_response(err.body(), status=err.status)
+    """``err`` as a JSON error in the dialect of ``request``'s endpoint, with its headers.
+
+    Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``, the type
+    from the status) under ``/v1/messages``, unknown sub-paths included (an Anthropic
+    SDK parses it); OpenAI's ``{"error": {"message", "type", "param", "code"}}`` elsewhere.
+    """
+    if request.path.startswith("/v1/messages"):
+        body = anthropic.error_body(err.message, err.status)
+    else:
+        body = err.body()
+    return web.json_response(body, status=err.status, headers=err.headers)
 
 
 Route = Callable[..., Awaitable[web.StreamResponse]]
