@@ -372,7 +372,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
             log.warning("Redis not reachable at start (%s); routing on load until it is", type(e).__name__)
         index.start()
         proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout, keepalive=cfg.keepalive,
-                      write_timeout=cfg.limits.write_timeout)
+                      write_timeout=cfg.limits.write_timeout, url_of=index.url_of)
         await proxy.start()
         app[STATE] = GatewayState(cfg, toks, index, proxy, strip=compile_patterns(cfg.strip_lines),
                                   pending=PendingClaims(cfg.routing.pending_grace))

@@ -121,6 +121,10 @@ class OwnershipIndex:
         # Last known live backends, ownership unknown (depth 0): load-only routing.
         return [dataclasses.replace(c, depth_blocks=0, saved_blocks=0) for c in self.snapshot.get(model, [])]
 
+    def url_of(self, backend_id: str) -> Optional[str]:
+        """The URL a live backend registered, from the last snapshot (None: not registered)."""
+        return next((c.url for cs in self.snapshot.values() for c in cs if c.backend_id == backend_id), None)
+
     async def refresh(self) -> None:
         """Re-read every model's live backends (the registry snapshot)."""
         models = await self.redis.smembers(schema.models_key(self.namespace))

@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Mapping, Optional, Protocol
+from typing import Callable, Mapping, Optional, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -127,10 +127,15 @@ class Proxy:
             idle streams after 30-300 s; 10 s or less keeps them all waiting.
         write_timeout: seconds a client may leave a chunk unread before the
             answer is dropped (a client that stopped reading a stream).
+        url_of: the registry's current URL of a backend id, None when it is not
+            registered (the gateway's registry snapshot). An open circuit is probed
+            at that URL, so a backend that came back elsewhere is seen, and dropped
+            once the backend has left the registry. None: probe the URL that failed.
     """
 
     def __init__(self, internal_token: Optional[str] = None, connect_timeout: float = 2.0, read_timeout: float = 300.0,
-                 keepalive: float = 5.0, write_timeout: float = 60.0):
+                 keepalive: float = 5.0, write_timeout: float = 60.0,
+                 url_of: Optional[Callable[[str], Optional[str]]] = None):
         self.internal_token = internal_token
         self.keepalive = keepalive
         self.write_timeout = write_timeout
@@ -142,6 +147,7 @@ class Proxy:
         # Circuit breaker: a backend that failed (refused, reset, hung) is
         # skipped until its /health answers again (probed every second).
         self.open: dict[str, str] = {}  # backend id -> url, while its circuit is open
+        self.url_of = url_of
         self._prober: Optional[asyncio.Task] = None
 
     async def start(self) -> None:
@@ -169,6 +175,12 @@ class Proxy:
         while True:
             await asyncio.sleep(interval)
             for bid, url in list(self.open.items()):
+                if self.url_of is not None:
+                    url = self.url_of(bid)
+                    if url is None:  # gone from the registry: nothing routes to it any more
+                        self.open.pop(bid, None)
+                        log.info("circuit dropped for backend %s (no longer registered)", bid)
+                        continue
                 try:
                     async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1.0)) as r:
                         ok = r.status == 200

@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         with os.fdopen(fd, "w") as fh:
             fh.write(redis_url + "\n")
         _summary(cfg, redis_url, embedded is not None, children)
-        watch(children + [gateway], lambda: stopping)
+        watch(children + [gateway], lambda: stopping, redis=embedded)
         return 0
     finally:
         for c in [gateway] + children:
@@ -259,9 +259,14 @@ def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:
     return out
 
 
-def watch(children: list[Child], stopping, interval: float = 0.5, sleep=time.sleep) -> None:
+def watch(children: list[Child], stopping, interval: float = 0.5, sleep=time.sleep, redis=None) -> None:
     """Restart crashed children with exponential backoff (0.5 s doubling to 30 s, reset after
     60 s up) until ``stopping()`` is true.
+
+    ``redis``: the embedded `mlxgw.redis_embed.EmbeddedRedis`, if any; when it dies it is
+    started again on the same port and password, empty (it never persisted anything): the
+    backends notice their lost records and re-publish their caches within a heartbeat, and
+    the gateways' lookups recover on their own. Until then the gateways route on load.
 
     The stop check comes after every sleep, before any child is polled: a terminal's Ctrl-C
     reaches the children too, and a child that exited because of it is not a crash to
@@ -271,6 +276,8 @@ def watch(children: list[Child], stopping, interval: float = 0.5, sleep=time.sle
         sleep(interval)
         if stopping():
             return
+        if redis is not None and redis.proc is not None and redis.proc.poll() is not None:
+            _restart_redis(redis)
         for c in children:
             if c.proc.poll() is None:
                 continue
@@ -283,6 +290,18 @@ def watch(children: list[Child], stopping, interval: float = 0.5, sleep=time.sle
             elif time.time() >= c.next_start:
                 c.restarts += 1
                 _spawn(c)
+
+
+def _restart_redis(redis) -> None:
+    log.warning("embedded Redis exited with code %s; starting it again on port %d (empty: backends re-publish)",
+                redis.proc.returncode, redis.port)
+    redis.stop()  # removes its directory; the process is already reaped
+    try:
+        redis.start()
+    except (OSError, RuntimeError) as e:  # the port taken meanwhile, ...: tried again next round
+        log.error("could not restart the embedded Redis: %s", e)
+    else:
+        log.info("embedded Redis is back on port %d", redis.port)
 
 
 def _spawn(c: Child) -> None:

@@ -30,6 +30,16 @@ def test_killed_idle_backend_no_client_error(make_stack):
         status, h, body = _ask(s.gateway.url, text + f" {i}")
         assert status == 200, body
         assert h["X-Mlxgw-Backend"] != owner
+    assert get_json(s.gateway.url + "/health")["circuit_open"] == [owner]
+    # Once its record has expired, the dead backend's circuit goes too (it used to stay
+    # open, and probed, for good; a backend back under the same id at another URL was
+    # then skipped for good).
+    deadline = time.time() + 20
+    while get_json(s.gateway.url + "/health")["circuit_open"] and time.time() < deadline:
+        time.sleep(0.2)
+    health = get_json(s.gateway.url + "/health")
+    survivor = b1 if victim is b0 else b0
+    assert health["circuit_open"] == [] and health["backends"]["demo-tiny"] == [survivor.name]
 
 
 def test_backend_killed_mid_stream_gives_sse_error(make_stack):

@@ -74,6 +74,26 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
         assert serve_url_file().parent == Path(os.environ["MLXGW_CACHE_DIR"]) and Path.home() not in serve_url_file().parents
         st = _run(["status", "--json"])
         assert st.returncode == 0 and "demo-tiny-0" in st.stdout
+        # The embedded Redis dies: serve starts it again (same URL, empty), the backends
+        # re-publish and register, and prefix routing comes back.
+        import redis
+
+        url = serve_url_file().read_text().strip()
+        text = "You are a careful assistant. " * 40
+        client.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": text}], max_tokens=2)
+        os.kill(redis.Redis.from_url(url).info()["process_id"], signal.SIGKILL)
+        deadline = time.time() + 30
+        headers = {}
+        while time.time() < deadline:
+            raw = client.chat.completions.with_raw_response.create(
+                model="demo-tiny", messages=[{"role": "user", "content": text}], max_tokens=2)
+            headers = raw.headers
+            if headers.get("X-Mlxgw-Lookup") == "ok" and int(headers["X-Mlxgw-Matched-Tokens"]) >= 128:
+                break
+            time.sleep(0.3)
+        assert headers.get("X-Mlxgw-Lookup") == "ok" and int(headers["X-Mlxgw-Matched-Tokens"]) >= 128, dict(headers)
+        assert get_json(f"http://127.0.0.1:{port}/health")["degraded"] is False
+        assert "embedded Redis exited with code -9; starting it again" in (tmp_path / "serve.log").read_text()
     finally:
         p.send_signal(signal.SIGTERM)
         rc = p.wait(30)
