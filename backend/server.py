@@ -26,7 +26,7 @@ from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, parse_opena
 from .engine import Engine, GenEvent, GenParams, GenRequest
 from .render import AnswerBuilder, OpenAIRenderer, Piece
 from .report import Reporter
-from .toolchoice import tool_choice_processors
+from .toolchoice import constrained_processors
 
 log = logging.getLogger("mlxgw.backend")
 
@@ -172,7 +172,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
             logit_bias=pr.logit_bias,
             repetition_penalty=pr.repetition_penalty,
             seed=pr.seed,
-            processors=tool_choice_processors(engine.tokenizer, pr.tools, pr.tool_choice),
+            processors=constrained_processors(engine.tokenizer, pr.tools, pr.tool_choice, pr.json_schema),
         ),
         system_tokens=system_tokens,
         loop=loop,

@@ -1,4 +1,5 @@
-"""Forced tool calls (``tool_choice`` "required" or a named function) by constrained decoding.
+"""Constrained decoding: forced tool calls (``tool_choice`` "required" or a named
+function) and JSON answers (``response_format`` ``json_schema`` / ``json_object``).
 
 A logits processor masks every token the grammar of a well-formed tool call
 does not allow, so the model itself writes the call and mlx-lm's own tool
@@ -12,6 +13,11 @@ Only mlx-lm's ``json_tools`` syntax (``<tool_call>\\n{"name": ..., "arguments":
 ...}\\n</tool_call>``, Qwen/Hermes style; the demo model's) is built here; for
 another tool parser the request is answered unforced (logged once).
 Once the call is complete the processor allows only the end-of-turn token.
+
+A JSON response format is the same processor with the grammar of one JSON value
+of the schema (``{"type": "object"}`` for ``json_object``), from the answer's
+first token: the model writes the JSON as its whole answer (OpenAI's structured
+outputs); a forced tool call takes precedence when a request has both.
 """
 
 from __future__ import annotations
@@ -76,23 +82,31 @@ def call_grammar(tokenizer, fns: list[dict]) -> str:
     end = _token_or_text(tokenizer, tokenizer.tool_call_end)
     lines, alts = [], []
     for i, f in enumerate(fns):
-        schema = dict(f.get("parameters") or {"type": "object"})
-        # Compact, deterministic JSON, as models write it.
-        schema["x-guidance"] = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
         head = json.dumps('\n{"name": ' + json.dumps(f.get("name")) + ', "arguments": ')
-        lines.append(f"args{i}: %json {json.dumps(schema)}")
+        lines.append(f"args{i}: %json {_compact(f.get('parameters') or {'type': 'object'})}")
         alts.append(f"{head} args{i}")
     return "\n".join([f"start: {start} call {end}", "call: (" + " | ".join(alts) + ') "}\\n"', *lines])
 
 
-class ForcedToolCall:
+def _compact(schema: dict) -> str:
+    """``schema`` for llguidance's ``%json``, asking for compact, deterministic JSON, as models write it."""
+    return json.dumps({**schema, "x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
+                                                "item_separator": ", "}})
+
+
+def json_grammar(schema: dict) -> str:
+    """A lark grammar (llguidance dialect) of one JSON value matching ``schema``."""
+    return f"start: answer\nanswer: %json {_compact(schema)}"
+
+
+class GrammarMask:
     """mlx-lm logits processor: ``(tokens, logits) -> logits`` with disallowed tokens at -inf.
 
     ``tokens`` ends with the previous step's token (the last prompt token on
     the first call), as mlx-lm's generators pass it.
     """
 
-    def __init__(self, tokenizer, grammar: str):
+    def __init__(self, tokenizer, grammar: str, what: str = "this tool call", param: str = "tools"):
         from llguidance import LLMatcher
         import llguidance.numpy as lln
 
@@ -100,7 +114,7 @@ class ForcedToolCall:
         lt = _lltokenizer(tokenizer)
         self.matcher = LLMatcher(lt, LLMatcher.grammar_from_lark(grammar))
         if self.matcher.is_error():
-            raise RequestError(f"cannot force this tool call: {self.matcher.get_error()}", param="tools")
+            raise RequestError(f"cannot constrain the answer to {what}: {self.matcher.get_error()}", param=param)
         self.mask = lln.allocate_token_bitmask(1, lt.vocab_size)
         self.eos = list(tokenizer.eos_token_ids)
         self.calls = 0
@@ -124,15 +138,18 @@ class ForcedToolCall:
         return mx.where(mx.array(allowed), logits, -mx.inf)
 
 
-def tool_choice_processors(tokenizer, tools, tool_choice) -> list:
-    """The logits processors a request's ``tool_choice`` needs ([] when nothing is forced).
+def constrained_processors(tokenizer, tools, tool_choice, json_schema: Optional[dict] = None) -> list:
+    """The logits processors a request needs: a forced tool call (``tool_choice``), else a
+    JSON answer (``json_schema``, from ``response_format``), else none ([]).
 
     Raises:
-        RequestError: 400 for an impossible ``tool_choice``.
+        RequestError: 400 for an impossible ``tool_choice`` or a schema llguidance refuses.
     """
     fns = forced_tools(tools, tool_choice)
     if not fns:
-        return []
+        if json_schema is None:
+            return []
+        return [GrammarMask(tokenizer, json_grammar(json_schema), "this JSON schema", "response_format")]
     parser = getattr(tokenizer, "tool_parser", None)
     module = getattr(parser, "__module__", "") or ""
     if not module.endswith(".json_tools") or not tokenizer.tool_call_start:
@@ -141,4 +158,4 @@ def tool_choice_processors(tokenizer, tools, tool_choice) -> list:
             log.warning("tool_choice forcing is only built for mlx-lm's json_tools syntax; this model uses %r: "
                         "answering unforced", module or None)
         return []
-    return [ForcedToolCall(tokenizer, call_grammar(tokenizer, fns))]
+    return [GrammarMask(tokenizer, call_grammar(tokenizer, fns))]

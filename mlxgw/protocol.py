@@ -84,6 +84,7 @@ class ParsedRequest:
     template_kwargs: dict = field(default_factory=dict)
     user: Optional[str] = None
     prompt_cache_key: Optional[str] = None
+    json_schema: Optional[dict] = None  # from response_format: the answer must be JSON of this schema
 
 
 # Deepest JSON nesting accepted. Real requests (tool schemas included) stay
@@ -269,6 +270,29 @@ def _validate_tools(tools) -> Optional[list]:
     return tools or None
 
 
+def _response_format(body: dict) -> Optional[dict]:
+    """The JSON schema ``response_format`` asks for: None for ``text`` (or none),
+    ``{"type": "object"}`` for ``json_object``, ``json_schema.schema`` for ``json_schema``.
+
+    Raises:
+        RequestError: 400 for another type or a ``json_schema`` without a schema object.
+    """
+    rf = _optional(body, "response_format", (dict,), "an object")
+    kind = (rf or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestError("'response_format.json_schema.schema' must be an object",
+                               param="response_format.json_schema.schema")
+        return schema
+    raise RequestError("'response_format.type' must be text, json_object or json_schema", param="response_format.type")
+
+
 def _optional(body: dict, name: str, types, what: str):
     """``body[name]`` when absent/None or of ``types``; else a 400 naming the field."""
     v = body.get(name)
@@ -336,7 +360,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
     _optional(body, "logprobs", (bool,), "a boolean")
     number_field(body, "top_logprobs", 0, lo=0, hi=20, integer=True)
     _optional(body, "parallel_tool_calls", (bool,), "a boolean")
-    _optional(body, "response_format", (dict,), "an object")
+    json_schema = _response_format(body)
     tc = body.get("tool_choice")
     if tc is not None and not (isinstance(tc, dict) or tc in ("none", "auto", "required")):
         raise RequestError("'tool_choice' must be 'none', 'auto', 'required' or an object", param="tool_choice")
@@ -390,6 +414,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         template_kwargs=tk,
         user=user,
         prompt_cache_key=pck,
+        json_schema=json_schema,
     )
     if kind == "chat":
         req.messages = normalize_messages(_validate_messages(body.get("messages")))

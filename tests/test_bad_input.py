@@ -45,6 +45,14 @@ CASES = [
      400, "messages[0].content[0].type", None),
     ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [
         {"type": "refusal", "refusal": 5}]}]}, 400, "messages[1].content[0].refusal", None),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     400, "response_format.type", None),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "w"}}}, 400, "response_format.json_schema.schema", None),
+    # Refused by the backend's grammar compiler, passed through in OpenAI's shape.
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "nonsense"}}}},
+     400, "response_format", None),
 ]
 
 

@@ -262,6 +262,36 @@ def test_errors_in_each_dialect(stack):
     assert r.status == 400 and json.loads(r.read())["type"] == "error"
 
 
+def test_response_format_json_schema_and_json_object(stack):
+    """The openai SDK's structured outputs: the answer is JSON of the schema (constrained
+    decoding; the demo model's random weights alone would write gibberish)."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Weather(BaseModel):
+        city: Literal["Paris", "Oslo"]
+        sunny: bool
+
+    msgs = [{"role": "user", "content": "Weather in Paris, as JSON?"}]
+    c = _oai(stack).chat.completions.parse(model="demo-tiny", messages=msgs, response_format=Weather, max_tokens=64)
+    assert c.choices[0].finish_reason == "stop"
+    assert isinstance(c.choices[0].message.parsed, Weather)
+    assert c.choices[0].message.content == c.choices[0].message.parsed.model_dump_json().replace(",", ", ").replace(
+        ":", ": ")  # compact JSON with the model's usual separators
+    r = _oai(stack).responses.parse(model="demo-tiny", input="Weather in Oslo?", text_format=Weather,
+                                    max_output_tokens=64)
+    assert isinstance(r.output_parsed, Weather) and r.text.format.type == "json_schema"
+    for stream in (False, True):
+        out = _oai(stack).chat.completions.create(model="demo-tiny", messages=msgs, max_tokens=48, stream=stream,
+                                                  response_format={"type": "json_object"})
+        text = "".join(ch.choices[0].delta.content or "" for ch in out if ch.choices) if stream else \
+            out.choices[0].message.content
+        assert text.startswith("{"), text
+        if not stream and out.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+
+
 USER = {"role": "user", "content": "x"}
 MALFORMED = [  # (path, body, param): each once crashed the conversion (500) or was silently accepted
     ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},

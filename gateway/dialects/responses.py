@@ -123,7 +123,28 @@ def to_chat(body: dict) -> dict:
     for k in ("temperature", "top_p"):
         if body.get(k) is not None:
             out[k] = body[k]
+    fmt = response_format(body.get("text"))
+    if fmt is not None:
+        out["response_format"] = fmt
     return with_stream(out, body)
+
+
+def response_format(text) -> Optional[dict]:
+    """``text.format`` (Responses) -> the chat ``response_format`` (None: plain text).
+
+    Raises:
+        RequestError: 400 when ``text`` or ``text.format`` is not an object.
+    """
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict) or not isinstance(fmt, (dict, type(None))):
+        raise RequestError("'text.format' must be an object", param="text.format")
+    if fmt is None or fmt.get("type") in (None, "text"):
+        return None
+    if fmt.get("type") == "json_schema":  # flat in Responses, nested in chat
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+    return {"type": fmt.get("type")}
 
 
 def usage_of(prompt: int, cached: int, output: int) -> dict:
@@ -150,7 +171,8 @@ class ResponsesTransform(ChatTransform):
              "top_p": self.request.get("top_p"), "max_output_tokens": self.request.get("max_output_tokens"),
              "previous_response_id": None, "instructions": self.request.get("instructions"),
              "error": None, "incomplete_details": None, "metadata": self.request.get("metadata") or {},
-             "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": False, "usage": usage}
+             "text": {"format": (self.request.get("text") or {}).get("format") or {"type": "text"}},
+             "truncation": "disabled", "store": False, "usage": usage}
         if status == "incomplete":
             r["incomplete_details"] = {"reason": "max_output_tokens"}
         return r
