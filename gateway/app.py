@@ -103,7 +103,7 @@ async def error_middleware(request: web.Request, handler):
     except Exception:
         log.exception("unhandled gateway error")
         resp = _refuse(request, RequestError("internal gateway error", status=500, type="server_error"))
-    if resp.status >= 400:
+    if resp.status >= 400 and request.path != "/health":  # /health's 503 reports the stack, not a failed request
         request.app[STATE].counters["errors"] += 1
     return resp
 
@@ -332,7 +332,10 @@ async def handle_model(request: web.Request) -> web.Response:
 
 async def handle_health(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    live = {m: [c.backend_id for c in cs] for m, cs in st.index.snapshot.items()}
+    # A model nobody serves any more stays in Redis's model set (no TTL): list it only with
+    # live backends, and this gateway's own models always.
+    live = {m: [c.backend_id for c in cs] for m, cs in st.index.snapshot.items() if cs or m in st.tokenizers.models}
+    live.update({m: [] for m in st.tokenizers.models if m not in live})
     ok = any(live.values())
     body = {
         "status": "ok" if ok else "no_backends",

@@ -1,5 +1,7 @@
 """Acceptance: the running stack, driven by the official openai SDK."""
 
+import time
+
 import openai
 
 from texts import words
@@ -48,13 +50,24 @@ def test_conversation_sticks_to_its_backend_and_reuses_cache(stack2):
     assert usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_models_and_health(stack2):
+def test_models_and_health(stack2, redis_server):
     client = openai.OpenAI(base_url=stack2.gateway.url + "/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == ["demo-tiny"]
+    from mlxgw import schema
     from mlxgw.httpget import get_json
 
     h = get_json(stack2.gateway.url + "/health")
     assert h["status"] == "ok" and sorted(h["backends"]["demo-tiny"]) == ["b0", "b1"]
+    # A model whose backends are all gone stays in Redis's model set (no TTL): /health
+    # does not list it (it used to show as a phantom empty model).
+    r = redis_server.client()
+    r.sadd(schema.models_key(stack2.namespace), "gone-model")
+    try:
+        time.sleep(1.5)  # one registry refresh
+        h = get_json(stack2.gateway.url + "/health")
+        assert sorted(h["backends"]) == ["demo-tiny"] and sorted(h["backends"]["demo-tiny"]) == ["b0", "b1"]
+    finally:
+        r.srem(schema.models_key(stack2.namespace), "gone-model")
 
 
 def test_text_completion_through_gateway(stack2):
