@@ -239,7 +239,9 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
     )
     ranked = [s for s in decision.ranked if not st.proxy.recently_failed(s.cand.backend_id)] or decision.ranked
     if not ranked:
-        raise RequestError(f"no live backend serves '{info.name}'", status=503, type="server_error", code="no_backend")
+        # Retry-After: backends (re-)register within a heartbeat, e.g. after Redis restarted empty.
+        raise RequestError(f"no live backend serves '{info.name}'", status=503, type="server_error", code="no_backend",
+                           headers={"Retry-After": "1"})
     rid = uuid.uuid4().hex
     route_ms = (time.perf_counter() - t0) * 1000
     explain = " ".join(s.explain() for s in ranked)
