@@ -265,8 +265,10 @@ def watch(children: list[Child], stopping, interval: float = 0.5, sleep=time.sle
 
     ``redis``: the embedded `mlxgw.redis_embed.EmbeddedRedis`, if any; when it dies it is
     started again on the same port and password, empty (it never persisted anything): the
-    backends notice their lost records and re-publish their caches within a heartbeat, and
-    the gateways' lookups recover on their own. Until then the gateways route on load.
+    backends notice their lost records and register and re-publish their caches at their next
+    heartbeat (1 s), and the gateways' lookups recover on their own. While Redis is down the
+    gateways route on load; in the moment it is back but empty they answer 503 ``no_backend``
+    with ``Retry-After: 1``.
 
     The stop check comes after every sleep, before any child is polled: a terminal's Ctrl-C
     reaches the children too, and a child that exited because of it is not a crash to
