@@ -323,6 +323,8 @@ MALFORMED = [  # (path, body, param): each once crashed the conversion (500) or 
     ("/v1/responses", {"input": "x", "tool_choice": "required", "tools": [{"type": "web_search_preview"}]},
      "tool_choice"),
     ("/v1/responses", {"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
+    ("/v1/responses", {"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema", "name": "w"}}}, "text.format.schema"),
 ]
 
 

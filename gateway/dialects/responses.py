@@ -133,18 +133,25 @@ def response_format(text) -> Optional[dict]:
     """``text.format`` (Responses) -> the chat ``response_format`` (None: plain text).
 
     Raises:
-        RequestError: 400 when ``text`` or ``text.format`` is not an object.
+        RequestError: 400 naming the Responses field: ``text`` or ``text.format`` not an
+            object, another format type, a ``json_schema`` format without a schema object.
     """
     if text is None:
         return None
     fmt = text.get("format") if isinstance(text, dict) else None
     if not isinstance(text, dict) or not isinstance(fmt, (dict, type(None))):
         raise RequestError("'text.format' must be an object", param="text.format")
-    if fmt is None or fmt.get("type") in (None, "text"):
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
         return None
-    if fmt.get("type") == "json_schema":  # flat in Responses, nested in chat
-        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
-    return {"type": fmt.get("type")}
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind != "json_schema":
+        raise RequestError("'text.format.type' must be text, json_object or json_schema", param="text.format.type")
+    if not isinstance(fmt.get("schema"), dict):
+        raise RequestError("'text.format.schema' must be an object", param="text.format.schema")
+    # Flat in Responses, nested in chat.
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
 
 
 def usage_of(prompt: int, cached: int, output: int) -> dict:
