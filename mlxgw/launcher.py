@@ -196,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
+    previous_url = ""  # the URL another serve left for `mlxgw status`, put back at stop
     try:
         for c in children:
             _spawn(c)
@@ -206,9 +207,8 @@ def run(args: argparse.Namespace) -> int:
             return 1 if not stopping else 0
         f = serve_url_file()
         f.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(redis_url + "\n")
+        previous_url = f.read_text().strip() if f.exists() else ""
+        _write_url(redis_url)
         _summary(cfg, redis_url, embedded is not None, children)
         watch(children + [gateway], lambda: stopping, redis=embedded)
         return 0
@@ -224,18 +224,39 @@ def run(args: argparse.Namespace) -> int:
                     c.proc.kill()
         if embedded:
             embedded.stop()
-        _forget_url(redis_url)
+        _forget_url(redis_url, previous_url)
         print("mlxgw stopped.", file=sys.stderr)
 
 
-def _forget_url(redis_url: str) -> None:
-    """Remove the Redis URL this serve left for ``mlxgw status``, unless another serve replaced it."""
+def _write_url(redis_url: str) -> None:
+    fd = os.open(serve_url_file(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(redis_url + "\n")
+
+
+def _forget_url(redis_url: str, previous_url: str = "") -> None:
+    """Take back the Redis URL this serve left for ``mlxgw status``, unless another serve
+    replaced it since: put back the URL it replaced if that Redis still answers (another
+    serve of this user still runs), else remove the file."""
     f = serve_url_file()
     try:
-        if f.read_text().strip() == redis_url:
+        if f.read_text().strip() != redis_url:
+            return
+        if previous_url and previous_url != redis_url and _answers(previous_url):
+            _write_url(previous_url)
+        else:
             f.unlink()
     except OSError:
         pass
+
+
+def _answers(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
 
 
 def backend_model_flags(m: config_mod.ModelConfig) -> list[str]:

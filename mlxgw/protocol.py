@@ -213,7 +213,8 @@ def _validate_messages(messages) -> list:
         if not isinstance(role, str) or role not in (
             "system", "developer", "user", "assistant", "tool", "function"
         ):
-            raise RequestError(f"'{p}.role' must be one of system, developer, user, assistant, tool", param=f"{p}.role")
+            raise RequestError(f"'{p}.role' must be one of system, developer, user, assistant, tool (or the deprecated "
+                               "function)", param=f"{p}.role")
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise RequestError(f"'{p}.content' must be a string or an array of parts", param=f"{p}.content")

@@ -224,6 +224,8 @@ def run(args) -> int:
     from rich.table import Table
 
     con = console()
+    source = {"flag": "--redis-url", "serve": str(serve_url_file()), "default": "default"}[args.url_source]
+    con.print(f"Redis {redact_url(args.redis_url)} (from {source})", markup=False, highlight=False, soft_wrap=True)
     if not data:
         con.print(f"no models registered under namespace '{args.namespace}'")
     now = time.time()

@@ -74,6 +74,8 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
         assert serve_url_file().parent == Path(os.environ["MLXGW_CACHE_DIR"]) and Path.home() not in serve_url_file().parents
         st = _run(["status", "--json"])
         assert st.returncode == 0 and "demo-tiny-0" in st.stdout
+        st = _run(["status"])  # says which Redis it read, and from where
+        assert st.returncode == 0 and f"(from {serve_url_file()})" in st.stdout
         # The embedded Redis dies: serve starts it again (same URL, empty), the backends
         # re-publish and register, and prefix routing comes back.
         import redis
@@ -194,3 +196,25 @@ def test_watch_does_not_restart_children_stopped_with_the_launcher(caplog):
     finally:
         c.proc.kill()
         c.proc.wait(10)
+
+
+def test_a_stopping_serve_puts_back_the_url_of_one_still_running(redis_server):
+    """Two serves of one user: the second overwrites the URL file `mlxgw status` reads; when
+    it stops, the first one's URL comes back if that Redis still answers, else the file goes."""
+    from mlxgw.launcher import _forget_url, _write_url
+
+    f = serve_url_file()
+    f.parent.mkdir(parents=True, exist_ok=True)
+    mine = f"redis://127.0.0.1:{free_port()}/0"
+    try:
+        _write_url(mine)
+        _forget_url(mine, previous_url=redis_server.url)  # the first serve's Redis answers
+        assert f.read_text().strip() == redis_server.url
+        _write_url(mine)
+        _forget_url(mine, previous_url=f"redis://127.0.0.1:{free_port()}/0")  # it is gone
+        assert not f.exists()
+        _write_url(redis_server.url)  # a third serve replaced ours meanwhile: left alone
+        _forget_url(mine, previous_url="")
+        assert f.read_text().strip() == redis_server.url
+    finally:
+        f.unlink(missing_ok=True)
