@@ -124,6 +124,65 @@ def load(path: str) -> ServeConfig:
     return cfg
 
 
+def _type_errors(cls, values: dict, where: str) -> None:
+    """Each value must have the type of its field's default in dataclass ``cls`` (an int is a
+    float too; fields without a default, or defaulting to None, are not checked)."""
+    defaults = {f.name: f.default for f in fields(cls)}
+    for k, v in values.items():
+        if k in ("cache_bytes", "max_body_bytes"):
+            continue  # a size: a string or a number of bytes, checked by parse_bytes
+        want = type(defaults.get(k))
+        if defaults.get(k) is None or v is None or not isinstance(defaults.get(k), (int, float, str, bool)):
+            continue
+        ok = isinstance(v, want) and not (isinstance(v, bool) and want is not bool)
+        if want is float and isinstance(v, int) and not isinstance(v, bool):
+            ok = True
+        if not ok:
+            raise ValueError(f"{where}: {k} must be {_WHAT.get(want, want.__name__)}, not {v!r}")
+
+
+_WHAT = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def validate(cfg: ServeConfig) -> None:
+    """Check a config (file and flags merged) before anything starts.
+
+    Raises:
+        ValueError: a value of the wrong type, a size that does not parse, fewer than one
+            backend, a port out of range, two models with one name or overlapping ports.
+    """
+    from gateway.route import RoutingConfig
+
+    from .util import parse_bytes
+
+    _type_errors(ServeConfig, {k: getattr(cfg, k) for k in GATEWAY_KEYS + ("namespace",)}, "[gateway]")
+    _type_errors(RoutingConfig, cfg.routing, "[routing]")
+    for name, size in [("[gateway] max_body_bytes", cfg.max_body_bytes)] + \
+            [(f"[[models]] {m.name or m.path or 'demo'} cache_bytes", m.cache_bytes) for m in cfg.models]:
+        try:
+            parse_bytes(size)
+        except (ValueError, AttributeError):
+            raise ValueError(f"{name}: {size!r} is not a size (e.g. 2GB, 512MB)") from None
+    ranges = [("[gateway] port", cfg.port, cfg.port)]
+    names = set()
+    for m in cfg.models:
+        where = f"[[models]] {m.name or m.path or 'demo'}"
+        _type_errors(ModelConfig, vars(m), where)
+        if m.backends < 1:
+            raise ValueError(f"{where}: backends must be at least 1, not {m.backends}")
+        if m.name and m.name in names:
+            raise ValueError(f"{where}: two models are named {m.name!r}")
+        names.add(m.name)
+        ranges.append((f"{where} backend ports", m.port, m.port + m.backends - 1))
+    for where, lo, hi in ranges:
+        if not (1 <= lo and hi <= 65535):
+            raise ValueError(f"{where}: {lo}-{hi} is outside 1-65535")
+    for i, (a, lo, hi) in enumerate(ranges):
+        for b, lo2, hi2 in ranges[i + 1:]:
+            if lo <= hi2 and lo2 <= hi:
+                raise ValueError(f"{a} ({lo}-{hi}) and {b} ({lo2}-{hi2}) overlap")
+
+
 def apply_flags(cfg: ServeConfig, args) -> ServeConfig:
     """Override ``cfg`` with the flags the user gave (None means not given)."""
     for flag, attr in (("host", "host"), ("port", "port"), ("redis_url", "redis_url"),

@@ -114,6 +114,11 @@ def run(args: argparse.Namespace) -> int:
         log.error("config: %s", e)
         return 2
     cfg = config_mod.apply_flags(cfg, args)
+    try:
+        config_mod.validate(cfg)
+    except ValueError as e:
+        log.error("config: %s", e)
+        return 2
     from gateway.auth import AuthConfigError, check_exposure, read_keys
 
     try:  # refuse before starting anything

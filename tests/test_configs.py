@@ -49,6 +49,50 @@ def test_unknown_keys_are_errors(tmp_path):
         config.load(str(p))
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    config.validate(config.load(str(path)))
+
+
+BAD = [  # (toml, message): each once reached a traceback, a child's argparse dump or a hang
+    ('[[models]]\nname = "a"\nbackends = "two"\n', "backends must be an integer, not 'two'"),
+    ('[[models]]\nname = "a"\nport = "9110"\n', "port must be an integer, not '9110'"),
+    ('[[models]]\nname = "a"\ncache_bytes = "lots"\n', "cache_bytes: 'lots' is not a size"),
+    ('[[models]]\nname = "a"\nbackends = 0\n', "backends must be at least 1, not 0"),
+    ('[[models]]\nname = "a"\nmin_hit_tokens = "x"\n', "min_hit_tokens must be an integer"),
+    ('[routing]\nload_weight = "high"\n', "[routing]: load_weight must be a number, not 'high'"),
+    ('[gateway]\nkeepalive = true\n', "keepalive must be a number, not True"),
+    ('[[models]]\nname = "a"\n[[models]]\nname = "a"\nport = 8200\n', "two models are named 'a'"),
+    ('[[models]]\nname = "a"\n[[models]]\nname = "b"\n', "(8100-8101) and [[models]] b backend ports (8100-8101) overlap"),
+    ('[gateway]\nport = 8101\n', "[gateway] port (8101-8101) and [[models]] demo backend ports (8100-8101) overlap"),
+    ('[[models]]\nname = "a"\nport = 65535\n', "65535-65536 is outside 1-65535"),
+]
+
+
+@pytest.mark.parametrize("toml,message", BAD, ids=[m for _, m in BAD])
+def test_bad_values_are_config_errors(tmp_path, toml, message):
+    p = tmp_path / "bad.toml"
+    p.write_text(toml)
+    with pytest.raises(ValueError) as e:
+        config.validate(config.load(str(p)))
+    assert message in str(e.value)
+
+
+def test_serve_exits_2_on_a_bad_value(tmp_path):
+    import subprocess
+    import sys
+
+    p = tmp_path / "bad.toml"
+    p.write_text(BAD[0][0])
+    r = subprocess.run([sys.executable, "-m", "mlxgw", "serve", "--config", str(p)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "config: [[models]] a: backends must be an integer" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "mlxgw", "serve", "--backends", "0"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "backends must be at least 1, not 0" in r.stderr
+
+
 def test_serve_passes_routing_and_keepalive_to_the_gateway(tmp_path):
     from mlxgw import launcher
 
