@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--events", type=int, default=5, help="recent events shown per model")
 
     args = p.parse_args(argv)
+    if getattr(args, "redis_url", None) == "":
+        # An unset variable expanded to nothing must not quietly mean "the default Redis"
+        # (serve would start a private one; a fleet of gateways would each talk to its own).
+        p.error("--redis-url (or MLXGW_REDIS_URL) is empty; leave it out for the default")
     _logging(args.log_level)
     if args.cmd == "serve":
         return launcher.run(args)

@@ -163,6 +163,8 @@ def validate(cfg: ServeConfig) -> None:
             parse_bytes(size)
         except (ValueError, AttributeError):
             raise ValueError(f"{name}: {size!r} is not a size (e.g. 2GB, 512MB)") from None
+    if cfg.redis_url == "":
+        raise ValueError("[redis] url is empty; leave it out for the embedded Redis")
     ranges = [("[gateway] port", cfg.port, cfg.port)]
     names = set()
     for m in cfg.models:

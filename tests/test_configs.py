@@ -66,6 +66,7 @@ BAD = [  # (toml, message): each once reached a traceback, a child's argparse du
     ('[[models]]\nname = "a"\n[[models]]\nname = "b"\n', "(8100-8101) and [[models]] b backend ports (8100-8101) overlap"),
     ('[gateway]\nport = 8101\n', "[gateway] port (8101-8101) and [[models]] demo backend ports (8100-8101) overlap"),
     ('[[models]]\nname = "a"\nport = 65535\n', "65535-65536 is outside 1-65535"),
+    ('[redis]\nurl = ""\n', "[redis] url is empty"),
 ]
 
 
@@ -91,6 +92,10 @@ def test_serve_exits_2_on_a_bad_value(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mlxgw", "serve", "--backends", "0"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "backends must be at least 1, not 0" in r.stderr
+    for cmd in ("serve", "gateway", "status"):  # an empty URL (an unset variable) is not "the default"
+        r = subprocess.run([sys.executable, "-m", "mlxgw", cmd, "--redis-url", ""], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and "--redis-url (or MLXGW_REDIS_URL) is empty" in r.stderr, (cmd, r.stderr)
 
 
 def test_serve_passes_routing_and_keepalive_to_the_gateway(tmp_path):
