@@ -131,9 +131,10 @@ def _type_errors(cls, values: dict, where: str) -> None:
     for k, v in values.items():
         if k in ("cache_bytes", "max_body_bytes"):
             continue  # a size: a string or a number of bytes, checked by parse_bytes
-        want = type(defaults.get(k))
-        if defaults.get(k) is None or v is None or not isinstance(defaults.get(k), (int, float, str, bool)):
+        default = defaults.get(k)
+        if v is None or not isinstance(default, (int, float, str, bool)):
             continue
+        want = type(default)
         ok = isinstance(v, want) and not (isinstance(v, bool) and want is not bool)
         if want is float and isinstance(v, int) and not isinstance(v, bool):
             ok = True

@@ -234,8 +234,7 @@ def _validate_messages(messages) -> list:
                 if field in part and not isinstance(part[field], str):
                     raise RequestError(f"'{q}.{field}' must be a string", param=f"{q}.{field}")
         for name in ("name", "tool_call_id"):
-            if m.get(name) is not None and not isinstance(m[name], str):
-                raise RequestError(f"'{p}.{name}' must be a string", param=f"{p}.{name}")
+            optional_field(m, name, (str,), "a string", p)
         tcs = m.get("tool_calls")
         if tcs is not None and not isinstance(tcs, list):
             raise RequestError(f"'{p}.tool_calls' must be an array", param=f"{p}.tool_calls")
@@ -278,7 +277,7 @@ def _response_format(body: dict) -> Optional[dict]:
     Raises:
         RequestError: 400 for another type or a ``json_schema`` without a schema object.
     """
-    rf = _optional(body, "response_format", (dict,), "an object")
+    rf = optional_field(body, "response_format", (dict,), "an object")
     kind = (rf or {}).get("type", "text")
     if kind == "text":
         return None
@@ -294,11 +293,13 @@ def _response_format(body: dict) -> Optional[dict]:
     raise RequestError("'response_format.type' must be text, json_object or json_schema", param="response_format.type")
 
 
-def _optional(body: dict, name: str, types, what: str):
-    """``body[name]`` when absent/None or of ``types``; else a 400 naming the field."""
+def optional_field(body: dict, name: str, types, what: str, where: str = ""):
+    """``body[name]`` when absent/None or of ``types``; else a 400 naming the field
+    (``where.name`` when ``where``, the path of ``body`` in the request, is given)."""
     v = body.get(name)
     if v is not None and (not isinstance(v, types) or (isinstance(v, bool) and bool not in types)):
-        raise RequestError(f"'{name}' must be {what}", param=name)
+        path = f"{where}.{name}" if where else name
+        raise RequestError(f"'{path}' must be {what}", param=path)
     return v
 
 
@@ -349,7 +350,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise RequestError("'stream' must be a boolean", param="stream")
-    so = _optional(body, "stream_options", (dict,), "an object") or {}
+    so = optional_field(body, "stream_options", (dict,), "an object") or {}
     include_usage = so.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise RequestError("'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
@@ -358,9 +359,9 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         raise RequestError("'n' must be 1: one choice per request is supported", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
         number_field(body, name, 0.0, lo=-2, hi=2)
-    _optional(body, "logprobs", (bool,), "a boolean")
+    optional_field(body, "logprobs", (bool,), "a boolean")
     number_field(body, "top_logprobs", 0, lo=0, hi=20, integer=True)
-    _optional(body, "parallel_tool_calls", (bool,), "a boolean")
+    optional_field(body, "parallel_tool_calls", (bool,), "a boolean")
     json_schema = _response_format(body)
     tc = body.get("tool_choice")
     if tc is not None and not (isinstance(tc, dict) or tc in ("none", "auto", "required")):
@@ -394,10 +395,10 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
             0 <= k < 2**32 and -100 <= v <= 100 for k, v in lb.items()
         ):
             raise RequestError("'logit_bias' must map token ids to numbers from -100 to 100", param="logit_bias")
-    tk = _optional(body, "chat_template_kwargs", (dict,), "an object") or {}
+    tk = optional_field(body, "chat_template_kwargs", (dict,), "an object") or {}
     seed = number_field(body, "seed", None, integer=True)
-    user = _optional(body, "user", (str,), "a string")
-    pck = _optional(body, "prompt_cache_key", (str,), "a string")
+    user = optional_field(body, "user", (str,), "a string")
+    pck = optional_field(body, "prompt_cache_key", (str,), "a string")
     req = ParsedRequest(
         kind=kind,
         model=model,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from mlxgw.protocol import RequestError
+from mlxgw.protocol import RequestError, optional_field
 
 from .base import (ChatTransform, chat_message, chat_request, function_tools, new_id, part_text, sse_event, text_of,
                    with_stream)
@@ -85,13 +85,6 @@ def system_messages(system) -> list[dict]:
     return [{"role": "system", "content": text}] if text else []
 
 
-def _optional_str(block: dict, key: str, p: str):
-    v = block.get(key)
-    if v is not None and not isinstance(v, str):
-        raise RequestError(f"'{p}.{key}' must be a string", param=f"{p}.{key}")
-    return v
-
-
 def convert_messages(system, messages) -> list[dict]:
     """Anthropic ``system`` + ``messages`` -> OpenAI chat messages.
 
@@ -117,7 +110,7 @@ def convert_messages(system, messages) -> list[dict]:
                         raise RequestError(f"'{q}.name' must be a string", param=f"{q}.name")
                     if b.get("input") is not None and not isinstance(b["input"], dict):
                         raise RequestError(f"'{q}.input' must be an object", param=f"{q}.input")
-                    calls.append({"id": _optional_str(b, "id", q), "type": "function",
+                    calls.append({"id": optional_field(b, "id", (str,), "a string", q), "type": "function",
                                   "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}})
                 elif t in ("thinking", "redacted_thinking"):
                     continue
@@ -134,7 +127,7 @@ def convert_messages(system, messages) -> list[dict]:
                 if t == "text":
                     text.append(part_text(b, q))
                 elif t == "tool_result":
-                    out.append({"role": "tool", "tool_call_id": _optional_str(b, "tool_use_id", q),
+                    out.append({"role": "tool", "tool_call_id": optional_field(b, "tool_use_id", (str,), "a string", q),
                                 "content": _tool_result_text(b.get("content"), f"{q}.content")})
                 else:
                     raise RequestError(f"user content block type '{t}' is not supported (text models)", param=f"{p}.content")

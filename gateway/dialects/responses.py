@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from mlxgw.protocol import RequestError, number_field
+from mlxgw.protocol import RequestError, number_field, optional_field
 
 from .base import ChatTransform, chat_message, chat_request, function_tools, new_id, sse_event, text_of, with_stream
 
@@ -68,8 +68,7 @@ def convert_input(instructions, items) -> list[dict]:
             if not isinstance(it.get("name"), str) or not it["name"]:
                 raise RequestError(f"'{p}.name' must be a non-empty string", param=f"{p}.name")
             for key in ("arguments", "call_id"):
-                if it.get(key) is not None and not isinstance(it[key], str):
-                    raise RequestError(f"'{p}.{key}' must be a string", param=f"{p}.{key}")
+                optional_field(it, key, (str,), "a string", p)
             call = {"id": it.get("call_id") or it.get("id"), "type": "function",
                     "function": {"name": it["name"], "arguments": it.get("arguments") or "{}"}}
             prev = out[-1] if out else None
