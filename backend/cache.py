@@ -23,7 +23,7 @@ trimmable one), with these rules on top (``docs/cache-policy.md``):
    system (mlx-lm's ``CacheOrder``), and ``trim_to`` lets the engine count
    in-flight requests' KV against the byte budget.
 6. Shared prefixes outlive their conversations (opt-in, ``min_shared_tokens``
-   > 0; measured in the README: within noise at tight budgets, a small loss
+   > 0; measured in docs/benchmarks.md: within noise at tight budgets, a small loss
    with memory for the working set, likely because kept entries are shielded
    like system prompts by rule 5's grouping): when budget pressure evicts
    the last entry holding a prefix that at least two other prompts branched

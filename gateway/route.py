@@ -15,7 +15,7 @@ Cost of sending a request to backend ``b``, in tokens of work:
   ``min_hit_tokens`` on (backend.engine); a shorter claimed match reuses
   nothing, so it must not attract the request (measured: a prompt's common
   first block, claimed on every busy backend, sent requests to queues where
-  nothing was cached; README, session 12).
+  nothing was cached; docs/benchmarks.md, session 12).
 * ``queued(b)``: prefill tokens the gateways sent ``b`` that it has not
   started answering (this gateway's own counters plus the others' published
   ones; see `gateway.load`). With ``heartbeat_load`` the backend's heartbeat
@@ -38,7 +38,7 @@ victim was used longest ago (``Candidate.victim_used_at``, the backends' own
 LRU order) and is not already due to go for the prompts queued there. Four
 LRU caches then evict in about the order one cache of their total size
 would, instead of one backend dropping prefixes another would have kept for
-longer (README, "Which lost ids are routing's": those evictions were the
+longer (docs/benchmarks.md, "Which lost ids are routing's": those evictions were the
 losses left against the pooled cache). Off by default: in the trace replays
 it bought little hit ratio for worse TTFT (docs/routing.md, "Eviction-aware
 placement").
