@@ -538,6 +538,7 @@ def plots(res: dict, out: Path) -> list[str]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     except ImportError:
         print("matplotlib not installed: no plots (pip install -e .[bench])")
         return []
@@ -550,6 +551,8 @@ def plots(res: dict, out: Path) -> list[str]:
         ax.plot(xs, ys, marker="o", label=name)
     ax.axhline(res["oracle_ratio"], color="k", ls="--", lw=1, label="oracle")
     ax.set_xscale("log")
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])  # the budgets run, not log-scale minor ticks
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("cache budget (fraction of the trace's working set, whole cluster)")
     ax.set_ylabel("prefix-hit ratio")
     ax.set_title(f"{Path(res['config']['trace']).stem}, {res['config']['requests']} requests")
@@ -565,6 +568,10 @@ def plots(res: dict, out: Path) -> list[str]:
             t = np.array(r["ttfts"]) * 1000
             ax.plot(t, np.arange(1, len(t) + 1) / max(1, len(t)), label=r["router"])
         ax.set_xscale("log")
+        # 1-2-5 labels: over a narrow range matplotlib labels every minor tick and they overlap
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("TTFT (ms, wall)")
         ax.set_title(f"budget {b['fraction']:g} x working set")
     axes[0][0].set_ylabel("fraction of requests")
