@@ -12,9 +12,10 @@ trimmable one), with these rules on top (``docs/cache-policy.md``):
 3. An entry is replaced by the request that reused it only on a *good hit*:
    ``reused > max(min_hit_tokens, system_tokens)`` and
    ``reused / prompt_len > min_hit_ratio`` (exo PR 1817 / issue 1816), and
-   the new prompt continues the entry's own prompt (``reused >= the entry's
-   prompt tokens``: the same conversation, not a sibling that shares the
-   system prompt plus a few tokens). A ``system`` entry is never replaced,
+   the new prompt continues the entry's own prompt (it starts with all of
+   the entry's prompt tokens: the same conversation, a retry or a
+   regeneration, not a sibling that shares the system prompt plus a few
+   tokens). A ``system`` entry is never replaced,
    so a shared system prompt survives every conversation built on it.
 4. Non-trimmable caches (rotating windows, SSM state) are reused only when the
    entry is an exact prefix of the prompt (mlx-lm ``can_trim_prompt_cache``).
@@ -306,7 +307,11 @@ class PromptCache:
             old = self._entries[reused_from]
             if (
                 old.cache_type != "system"
-                and reused >= old.prompt_tokens
+                # The new tokens continue old's whole prompt. Not `reused >=
+                # old.prompt_tokens`: rule 1 caps an exact repeat's reuse one
+                # token short, so a retry or regeneration would never replace
+                # its entry and each one kept a full copy of the prompt.
+                and common[old.id] >= old.prompt_tokens
                 and self.is_good_hit(reused, prompt_len, system_tokens)
             ):
                 self._remove(old)

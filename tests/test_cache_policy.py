@@ -85,6 +85,30 @@ def test_good_hit_rule(model):
     assert not c.is_good_hit(30, 70, 30)  # exactly the system prompt is never a good hit
 
 
+def test_retry_replaces_the_entry_it_repeats(model):
+    """A retry or regeneration of the same prompt (a new answer) replaces the entry holding
+    the old answer: rule 1 leaves its reuse one token short of the prompt, and that must not
+    make it a different conversation (each retry used to keep a full copy)."""
+    rec = Recorder()
+    c = PromptCache(min_hit_tokens=10, min_hit_ratio=0.5, listener=rec)
+    p = list(range(100, 160))  # 60-token prompt
+    first = p + [7, 8, 9]
+    c.insert(first, kv_for(model, first), prompt_len=len(p))
+    for answer in ([11, 12, 13], [21, 22, 23, 24]):
+        hit = c.fetch(p)
+        assert hit.reused == 59  # rule 1: one token left to prefill
+        again = p + answer
+        c.insert(again, kv_for(model, again), reused_from=hit.entry_id, reused=hit.reused, prompt_len=len(p))
+    assert [len(e) for e in c.entries()] == [64]
+    assert rec.saved == [63, 63, 64] and rec.evicted == [63, 63]
+    # A prompt that stops short of the entry's prompt is a sibling, not a retry: both stay.
+    short = p[:50] + [5, 5]
+    hit = c.fetch(short)
+    assert hit.reused == 50 and c.is_good_hit(50, len(short), 0)
+    c.insert(short, kv_for(model, short), reused_from=hit.entry_id, reused=hit.reused, prompt_len=len(short))
+    assert sorted(len(e) for e in c.entries()) == [52, 64]
+
+
 def test_trimmable_drops_redundant_prefixes(model):
     c = PromptCache()
     s = list(range(10, 30))
