@@ -50,6 +50,7 @@ class GatewayConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     internal_token: Optional[str] = None
     read_timeout: float = 300.0
+    gone_after: float = 3.0  # seconds out of the registry before a backend's waiting requests move on (proxy)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     models: dict[str, str] = field(default_factory=dict)  # served name -> local path
     gateway_id: str = "gateway"
@@ -377,7 +378,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
             log.warning("Redis not reachable at start (%s); routing on load until it is", type(e).__name__)
         index.start()
         proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout, keepalive=cfg.keepalive,
-                      write_timeout=cfg.limits.write_timeout, url_of=index.url_of)
+                      write_timeout=cfg.limits.write_timeout, url_of=index.url_of, gone_after=cfg.gone_after)
         await proxy.start()
         app[STATE] = GatewayState(cfg, toks, index, proxy, strip=compile_patterns(cfg.strip_lines),
                                   pending=PendingClaims(cfg.routing.pending_grace))

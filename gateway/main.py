@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "when it changed (ms)")
     p.add_argument("--internal-token", default=os.environ.get("MLXGW_INTERNAL_TOKEN"))
     p.add_argument("--read-timeout", type=float, default=300.0, help="seconds of backend silence before failing")
+    p.add_argument("--gone-after", type=float, default=3.0,
+                   help="seconds a backend may be out of the Redis registry (no heartbeat: hung or dead) before "
+                        "the requests waiting on it go to another backend, or a stream it began ends with an "
+                        "error event (0: wait for --read-timeout)")
     p.add_argument("--keepalive", type=float, default=5.0,
                    help="seconds of silence on a streamed answer before the gateway sends an SSE keep-alive (0: off)")
     p.add_argument("--strip-line", action="append", default=None, metavar="REGEX",
@@ -142,6 +146,7 @@ def config_from_args(args) -> GatewayConfig:
         max_retries=args.max_retries,
         internal_token=args.internal_token,
         read_timeout=args.read_timeout,
+        gone_after=args.gone_after,
         routing=RoutingConfig(policy=args.routing_policy, load_weight=args.load_weight,
                               decode_weight=args.decode_weight, balance_abs_tokens=args.balance_abs_tokens,
                               balance_rel=args.balance_rel, affinity_slack_tokens=args.affinity_slack_tokens,

@@ -11,11 +11,19 @@ sent to the client (connection refused or reset, a 5xx before any body, or
 a whole JSON answer cut off before it was complete: those are read in full,
 then sent in one write), so retries are idempotent. Once streaming, a
 backend failure becomes a well-formed SSE error event and end of stream.
+
+A backend that hangs without closing its sockets (stopped, swapping, a
+wedged GPU) stops heartbeating and leaves the Redis registry within its
+heartbeat TTL. Its requests are not left waiting for ``read_timeout``: once
+it has been out of the registry for ``gone_after`` seconds, a request still
+waiting for its answer goes to the next backend, and a stream it had begun
+ends with the error event.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -62,6 +70,10 @@ class InFlight:
     def end(self, backend: str, handle: int) -> None:
         self._live.get(backend, {}).pop(handle, None)
 
+    def backends(self) -> set[str]:
+        """Backends with at least one request in flight from this gateway."""
+        return {b for b, d in self._live.items() if d}
+
     def view(self) -> dict[str, tuple[int, int]]:
         now = time.monotonic()
         return {
@@ -79,6 +91,7 @@ class Attempt:
     first_byte_at: float = 0.0  # perf_counter() of the first answer byte (SSE: first data event)
     failed: bool = False  # the backend failed mid-stream (the client got an error event)
     tried: bool = False  # the request was sent to this backend
+    gone: bool = False  # given up: the backend left the registry while this request waited on it
 
 
 class Transform(Protocol):
@@ -113,6 +126,10 @@ class BackendUnavailable(Exception):
         self.timed_out = timed_out
 
 
+class BackendGone(Exception):
+    """The backend stopped heartbeating (left the registry) while a stream from it was silent."""
+
+
 class Proxy:
     """Forwards requests to backends over one pooled ``aiohttp.ClientSession``.
 
@@ -130,12 +147,19 @@ class Proxy:
         url_of: the registry's current URL of a backend id, None when it is not
             registered (the gateway's registry snapshot). An open circuit is probed
             at that URL, so a backend that came back elsewhere is seen, and dropped
-            once the backend has left the registry. None: probe the URL that failed.
+            once the backend has left the registry. None: probe the URL that failed,
+            and never give up on a backend for leaving the registry.
+        gone_after: seconds a backend with requests in flight may be missing from
+            the registry before they are given up (retried elsewhere while nothing
+            reached the client, else ended with an error event); 0: never. A
+            registry emptied by a Redis restart fills again within a heartbeat
+            (1 s), well inside the default; a snapshot kept while Redis is down
+            still lists every backend, so an outage gives nothing up.
     """
 
     def __init__(self, internal_token: Optional[str] = None, connect_timeout: float = 2.0, read_timeout: float = 300.0,
                  keepalive: float = 5.0, write_timeout: float = 60.0,
-                 url_of: Optional[Callable[[str], Optional[str]]] = None):
+                 url_of: Optional[Callable[[str], Optional[str]]] = None, gone_after: float = 3.0):
         self.internal_token = internal_token
         self.keepalive = keepalive
         self.write_timeout = write_timeout
@@ -148,7 +172,11 @@ class Proxy:
         # skipped until its /health answers again (probed every second).
         self.open: dict[str, str] = {}  # backend id -> url, while its circuit is open
         self.url_of = url_of
+        self.gone_after = gone_after
         self._prober: Optional[asyncio.Task] = None
+        self._watcher: Optional[asyncio.Task] = None
+        self._waiting: dict[object, tuple[Attempt, object]] = {}  # requests awaiting an answer -> their timer
+        self._absent: dict[str, float] = {}  # backend id -> monotonic time first seen out of the registry
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
@@ -156,9 +184,12 @@ class Proxy:
             auto_decompress=False,
         )
         self._prober = asyncio.create_task(self._probe_loop(), name="circuit-prober")
+        if self.url_of is not None and self.gone_after > 0:
+            self._watcher = asyncio.create_task(self._watch_loop(), name="gone-backend-watch")
 
     async def close(self) -> None:
         await cancel_and_wait(self._prober)
+        await cancel_and_wait(self._watcher)
         if self.session:
             await self.session.close()
 
@@ -189,6 +220,41 @@ class Proxy:
                 if ok:
                     self.open.pop(bid, None)
                     log.info("circuit closed for backend %s (healthy again)", bid)
+
+    def gone(self, backend_id: str) -> bool:
+        """True once the backend has been out of the registry for ``gone_after`` seconds."""
+        t = self._absent.get(backend_id)
+        return t is not None and time.monotonic() - t >= self.gone_after
+
+    async def _watch_loop(self, interval: float = 0.5) -> None:
+        """Track which backends with requests in flight left the registry; give up on theirs."""
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            busy = self.inflight.backends()
+            for b in busy:
+                if self.url_of(b) is None:
+                    self._absent.setdefault(b, now)
+                else:
+                    self._absent.pop(b, None)
+            for b in list(self._absent):
+                if b not in busy:
+                    del self._absent[b]
+            for a, timer in list(self._waiting.values()):
+                if not a.gone and self.gone(a.backend_id):
+                    a.gone = True
+                    timer.reschedule(asyncio.get_running_loop().time())  # raises TimeoutError in forward
+
+    @contextlib.asynccontextmanager
+    async def _waiting_on(self, a: Attempt):
+        """The block waits for ``a``'s answer; `_watch_loop` ends it (TimeoutError) if the backend is gone."""
+        async with deadline(None) as timer:
+            key = object()
+            self._waiting[key] = (a, timer)
+            try:
+                yield
+            finally:
+                del self._waiting[key]
 
     async def forward(
         self,
@@ -222,29 +288,34 @@ class Proxy:
             handle = self.inflight.begin(a.backend_id, a.prefill_tokens)
             try:
                 timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout)
-                async with self.session.post(a.url + path, data=payload, headers=headers, timeout=timeout) as up:
-                    if up.status >= 500 or up.status == 401:
-                        if up.status == 401:
-                            # The backend refuses this gateway's internal token: a setup
-                            # error between the two, not the client's credentials.
-                            last_err = (f"backend {a.backend_id} rejected this gateway's internal token (start "
-                                        "gateways and backends with the same --internal-token / MLXGW_INTERNAL_TOKEN)")
-                            log.error("%s", last_err)
-                        else:
-                            last_err = f"backend {a.backend_id} answered {up.status}"
-                        timed_out = False
-                        await up.read()
-                        continue
-                    is_sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
+                async with contextlib.AsyncExitStack() as upstream:
+                    async with self._waiting_on(a):  # until the answer is ours to send
+                        up = await upstream.enter_async_context(
+                            self.session.post(a.url + path, data=payload, headers=headers, timeout=timeout))
+                        if up.status >= 500 or up.status == 401:
+                            if up.status == 401:
+                                # The backend refuses this gateway's internal token: a setup
+                                # error between the two, not the client's credentials.
+                                last_err = (f"backend {a.backend_id} rejected this gateway's internal token (start "
+                                            "gateways and backends with the same --internal-token / "
+                                            "MLXGW_INTERNAL_TOKEN)")
+                                log.error("%s", last_err)
+                            else:
+                                last_err = f"backend {a.backend_id} answered {up.status}"
+                            timed_out = False
+                            await up.read()
+                            continue
+                        is_sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
+                        if not is_sse:
+                            # A whole JSON answer: read it, then send headers and body in
+                            # one write. Nothing reached the client yet, so a backend that
+                            # fails mid-body is retried like one that failed before it.
+                            try:
+                                data = await up.read()
+                            except aiohttp.ClientPayloadError as e:
+                                raise aiohttp.ClientConnectionError(f"answer cut off: {e}") from e
                     t_feed = transform.feed if transform else (lambda b: b)
                     if not is_sse:
-                        # A whole JSON answer: read it, then send headers and body in
-                        # one write. Nothing reached the client yet, so a backend that
-                        # fails mid-body is retried like one that failed before it.
-                        try:
-                            data = await up.read()
-                        except aiohttp.ClientPayloadError as e:
-                            raise aiohttp.ClientConnectionError(f"answer cut off: {e}") from e
                         self.inflight.started(a.backend_id, handle)
                         a.first_byte_at = time.perf_counter()
                         out = web.Response(status=up.status)
@@ -265,7 +336,10 @@ class Proxy:
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 # Nothing reached the client yet: try the next backend.
                 timed_out = isinstance(e, asyncio.TimeoutError)
-                what = f"no answer within {self.read_timeout:g} s" if timed_out else f"{type(e).__name__}: {e}"
+                if a.gone:
+                    what = f"out of the registry for {self.gone_after:g} s (no heartbeat) while this request waited"
+                else:
+                    what = f"no answer within {self.read_timeout:g} s" if timed_out else f"{type(e).__name__}: {e}"
                 last_err = f"{a.backend_id}: {what}"
                 self._trip(a.backend_id, a.url)
                 log.warning("backend %s unavailable before first byte: %s", a.backend_id, what)
@@ -302,6 +376,10 @@ class Proxy:
                 upstream_err = e
                 break
             if chunk is None:
+                if self.gone(a.backend_id):  # silent, and out of the registry: hung, not thinking
+                    upstream_err = BackendGone(f"backend {a.backend_id} left the registry mid-answer")
+                    a.gone = True
+                    break
                 await self._write(request, out, transform.keepalive() if transform else KEEPALIVE)
                 continue
             if not chunk:

@@ -202,6 +202,59 @@ def test_hung_backend_times_out_then_circuit_breaker(make_stack):
     assert h["X-Mlxgw-Backend"] == owner.name, h
 
 
+def test_hung_backend_out_of_the_registry_is_given_up(make_stack):
+    """A backend that hangs (SIGSTOP: its sockets stay open) leaves the registry within its
+    heartbeat TTL; its requests then move on instead of waiting for --read-timeout (300 s):
+    a request waiting for its answer goes to the other backend, a stream it began ends with
+    the error event. (Both waited the full 300 s before.)"""
+    import threading
+
+    s = make_stack()
+    b0, b1 = s.add_backend("b0"), s.add_backend("b1")
+    s.add_gateway("--gone-after", "1", "--keepalive", "1")
+    s.wait()
+    text = words(1500, seed=57)  # a long prefix: the next turns go to its owner
+    status, h, _ = _ask(s.gateway.url, text)
+    owner, other = (b0, b1) if h["X-Mlxgw-Backend"] == "b0" else (b1, b0)
+    client = openai.OpenAI(base_url=s.gateway.url + "/v1", api_key="x", max_retries=0)
+    out = {}
+
+    def stream():
+        n = 0
+        try:
+            for _ in client.chat.completions.create(model="demo-tiny", max_tokens=4000, stream=True,
+                                                    messages=[{"role": "user", "content": text + " on"}]):
+                n += 1
+                if n == 2:
+                    out["stopped"] = time.time()
+                    owner.signal(signal.SIGSTOP)
+        except openai.APIError as e:
+            out["error"], out["error_at"] = e, time.time()
+        out["chunks"] = n
+
+    retries = get_json(s.gateway.url + "/health")["retries"]
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        deadline = time.time() + 30
+        while "stopped" not in out and time.time() < deadline:
+            time.sleep(0.05)
+        assert "stopped" in out, out
+        t0 = time.time()
+        status, h, body = _ask(s.gateway.url, text + " more")  # routed to the owner, still registered
+        took = time.time() - t0
+        t.join(30)
+    finally:
+        owner.signal(signal.SIGCONT)
+    assert status == 200 and h["X-Mlxgw-Backend"] == other.name, (status, h, body)
+    assert took < 15, took  # heartbeat TTL 5 s + 1 s + registry refresh, not 300 s
+    assert get_json(s.gateway.url + "/health")["retries"] == retries + 1
+    assert "out of the registry for 1 s" in s.gateway.log_path.read_text()
+    assert "error" in out and "backend failed mid-stream" in str(out["error"]), out
+    assert out["error_at"] - out["stopped"] < 15, out
+    assert out["chunks"] >= 2
+
+
 def test_client_disconnect_cancels_upstream_and_saves(make_stack):
     import socket
 
