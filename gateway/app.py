@@ -263,11 +263,12 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
                 "X-Mlxgw-Prompt-Tokens": str(len(ids)),
                 "X-Mlxgw-Lookup": lk.status,
                 "X-Mlxgw-Candidates": explain,
-                "X-Mlxgw-Route-Reason": decision.reason,
+                # The next-ranked backends answer only when those before failed.
+                "X-Mlxgw-Route-Reason": decision.reason if i == 0 else "retry",
                 "X-Mlxgw-Request-Id": rid,
             },
         )
-        for s in ranked[: 1 + cfg.max_retries]
+        for i, s in enumerate(ranked[: 1 + cfg.max_retries])
     ]
     log.debug("route %s: %s (reason %s, lookup %s, %.2f ms)", rid, explain, decision.reason, lk.status, route_ms)
     st.index.record_routed(
