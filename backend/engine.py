@@ -251,6 +251,7 @@ class MLXEngine(Engine):
         self.hits = 0
         self.misses = 0
         self.prefill_tps = 0.0
+        self._prefill_window = [0, 0.0]  # prompt tokens, seconds of steps that computed them
         self.decode_tps = 0.0
         self.metrics = metrics or BackendMetrics()
 
@@ -599,11 +600,13 @@ class MLXEngine(Engine):
         prompt_resps, gen_resps = self._bg.next()
         dt = time.perf_counter() - t0
         prefilled = 0
+        stepped = 0  # prompt tokens this step computed (``prefilled`` counts a prompt at its end)
         for r in prompt_resps:
             live = self._live.get(r.uid)
             if live is None:
                 continue
             done, total = r.progress
+            stepped += max(0, done - live.prompt_done)
             live.prompt_done = done
             cached = live.req.cached
             live.req.emit(GenEvent("progress", done=cached + done, total=cached + total))
@@ -626,8 +629,16 @@ class MLXEngine(Engine):
                         self.cache.insert(list(tokens), kv, "system")
                 live.save_system_at = 0
         self.prefill_tokens_total += prefilled
-        if prefilled and dt > 0:
-            self.prefill_tps = prefilled / dt
+        if stepped and dt > 0:
+            # Over at least 0.25 s of prefill steps, or up to the last prompt's end.
+            # Not ``prefilled`` over this step: a prompt prefilled over several steps
+            # counted whole in its last one (a rate overstated a thousandfold).
+            w = self._prefill_window
+            w[0] += stepped
+            w[1] += dt
+            if w[1] >= 0.25 or not any(lv.prompt_left > 0 for lv in self._live.values()):
+                self.prefill_tps = w[0] / w[1]
+                self._prefill_window = [0, 0.0]
         if gen_resps and dt > 0 and not prompt_resps:
             self.decode_tps = len(gen_resps) / dt
         for r in gen_resps:

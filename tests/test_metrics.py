@@ -2,13 +2,14 @@
 values move with real traffic, and the request log lines carry the right figures."""
 
 import json
+import time
 import re
 import urllib.request
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlxgw.httpget import get_status, post
+from mlxgw.httpget import get_json, get_status, post
 from texts import words
 
 DOC = (Path(__file__).parent.parent / "docs" / "metrics.md").read_text()
@@ -127,3 +128,24 @@ def test_grafana_dashboard_charts_only_documented_metrics():
     assert {"mlxgw:time_to_first_token_seconds", "mlxgw:inter_token_latency_seconds", "mlxgw:prefix_cache_hits_total",
             "mlxgw:routing_decisions_total", "mlxgw:redis_lookup_duration_seconds", "mlxgw:gateway_degraded",
             "mlxgw:gateway_retries_total", "mlxgw:backend_up"} <= used
+
+
+def test_prefill_rate_counts_each_step_not_the_whole_prompt(make_stack):
+    """`prefill_tps` (/health, the registry) is prompt tokens over the time of the prefill
+    steps that computed them. It used to count a prompt prefilled over several 512-token steps
+    whole in its last step, a one-token step: a thousand times the real rate."""
+    s = make_stack()
+    b0 = s.add_backend("b0")
+    s.wait()
+    text = words(4000, seed=58)
+    t0 = time.perf_counter()
+    status, _, body = post(b0.url + "/v1/chat/completions",
+                           {"model": "demo-tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 1})
+    took = time.perf_counter() - t0
+    assert status == 200, body
+    prompt = json.loads(body)["usage"]["prompt_tokens"]
+    assert prompt > 8 * 512  # at least nine prefill steps
+    rate = get_json(b0.url + "/health")["prefill_tps"]
+    # Over the whole prefill, well inside the request's own time: not above the prompt over
+    # the request's time (the old figure was 1.9 M tokens/s against 1.8 k here), nor far below.
+    assert prompt / took / 8 < rate < 1.5 * prompt / took, (rate, prompt, took)
