@@ -101,6 +101,7 @@ class Reporter:
         self._refs: Counter[str] = Counter()  # block -> saved entries covering it
         self._claims: Counter[str] = Counter()  # block -> requests in flight claiming it
         self._pending: dict[str, Optional[bool]] = {}  # block -> after the change: saved (True), claim only (False), gone (None)
+        self._unsure: set[str] = set()  # blocks whose last write may not have landed (a failed flush)
         self._events: list[dict] = []
         self._dirty = True  # needs a full re-publish
         self._registered = False
@@ -266,6 +267,10 @@ class Reporter:
                 await pipe.execute()
                 self.redis_ok = True
             except Exception as e:
+                # Some of these writes may have landed, some not (a pipeline cut off
+                # midway): the re-publish settles each of these blocks.
+                with self._lock:
+                    self._unsure.update(pending)
                 self._mark_dirty(e)
 
     def _update_cache_figures(self, pipe) -> None:
@@ -286,15 +291,31 @@ class Reporter:
 
     async def _republish(self) -> None:
         """Write this backend's whole ownership again (after an outage or a flush),
-        and put back the epoch counter if Redis lost it (`schema.RAISE_EPOCH_LUA`)."""
+        and put back the epoch counter if Redis lost it (`schema.RAISE_EPOCH_LUA`).
+
+        Blocks Redis may still name for this backend but it no longer owns lose
+        its field: those in the owned set Redis kept (it survives a dropped
+        connection, or comes back from a restart with persistence) and those
+        whose write failed or was still queued. Else the deletions lost with a
+        failed flush left fields with the live epoch that nothing would ever
+        remove, routing prompts to a cache that no longer held them.
+        """
         with self._lock:
-            blocks = [(b, schema.block_value(self.epoch, self._state(b))) for b in set(self._refs) | set(self._claims)]
+            current = set(self._refs) | set(self._claims)
+            blocks = [(b, schema.block_value(self.epoch, self._state(b))) for b in current]
+            unsure = (self._unsure | set(self._pending)) - current
+            self._unsure = set()
             self._pending = {}
             self._events = []
         owned = self.keys.owned(self.backend_id, self.epoch)
         try:
+            kept = {k.decode() if isinstance(k, bytes) else k for k in await self.redis.smembers(owned)}
+            mine = set(self.keys.blocks(b for b, _ in blocks))
+            stale = (kept | set(self.keys.blocks(unsure))) - mine
             pipe = self.redis.pipeline(transaction=False)
             pipe.eval(schema.RAISE_EPOCH_LUA, 1, self.keys.epoch_counter(self.backend_id), self.epoch)
+            for k in stale:
+                pipe.hdel(k, self.backend_id)
             pipe.delete(owned)
             for i in range(0, len(blocks), 2000):
                 chunk = blocks[i : i + 2000]
@@ -303,6 +324,8 @@ class Reporter:
                 pipe.sadd(owned, *self.keys.blocks(b for b, _ in chunk))
             await pipe.execute()
         except Exception as e:
+            with self._lock:
+                self._unsure |= unsure  # still to settle at the next try
             self._mark_dirty(e)
             return
         self._dirty = False

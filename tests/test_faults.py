@@ -125,6 +125,49 @@ def test_redis_outage_and_flush_recovery(demo_model):
         r.cleanup()
 
 
+def test_evictions_during_an_outage_leave_no_ownership_behind(demo_model):
+    """Redis comes back with its data (a restart with persistence; a dropped connection is
+    the same) after the backend evicted a prompt it could not report. The re-publish removes
+    the fields those lost deletions left: they kept the live epoch and sat in no owned set,
+    so nothing ever removed them, and gateways routed the prompt to a backend that no longer
+    held it (helper repro: matched 4,544 tokens, cached 11)."""
+    from mlxgw import schema
+
+    r = RedisServer().start()
+    s = Stack(r.url, demo_model)
+    try:
+        b0 = s.add_backend("b0", None, "--cache-entries", "2")
+        b0.wait_healthy()
+        c = r.client()
+        keys = schema.Keys(s.namespace, s.model_name)
+        assert _ask(b0.url, words(600, seed=59))[0] == 200
+        (entry,) = get_json(b0.url + "/internal/cache")["entries"]
+        gone = entry["blocks"]
+        assert len(gone) >= 10 and all(c.hexists(keys.block(x), "b0") for x in gone)
+        c.save()  # what Redis comes back with
+        r.stop()
+        for i in range(3):  # two entries at most: the first prompt's goes while Redis is away
+            assert _ask(b0.url, words(300, seed=60 + i))[0] == 200
+        owned = set(get_json(b0.url + "/internal/cache")["owned"])
+        gone = [x for x in gone if x not in owned]
+        assert len(gone) >= 9
+        r.proc = None
+        r.start()  # same port, loads the dump: the evicted prompt's blocks name b0 again
+        deadline = time.time() + 15
+        named = None
+        while time.time() < deadline:
+            named = {k.split(":blk:")[1] for k in c.scan_iter(match=keys.prefix + ":blk:*") if c.hexists(k, "b0")}
+            if named == owned and c.exists(keys.backend("b0")):
+                break
+            time.sleep(0.2)
+        assert named == owned, (len(named - owned), len(owned - named))
+        assert not any(c.hexists(keys.block(x), "b0") for x in gone)
+        assert c.smembers(keys.owned("b0", get_json(b0.url + "/internal/cache")["epoch"])) == set(keys.blocks(owned))
+    finally:
+        s.stop()
+        r.cleanup()
+
+
 def _busy(b) -> bool:
     return (get_json(b.url + "/health") or {}).get("active", 0) > 0
 
