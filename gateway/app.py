@@ -69,7 +69,7 @@ class GatewayState:
     tokenizers: Tokenizers
     index: OwnershipIndex
     proxy: Proxy
-    counters: dict = field(default_factory=lambda: {"requests": 0, "errors": 0, "routed_prefix": 0, "routed_load": 0,
+    counters: dict = field(default_factory=lambda: {"requests": 0, "errors": 0, "routed_prefix": 0, "routed_load": 0, "routed_fallback": 0,
                                                     "prefix_drift": 0})
     drift: DriftDetector = field(default_factory=DriftDetector)
     strip: list = field(default_factory=list)
@@ -184,7 +184,6 @@ async def _route(request: web.Request, kind: str, path: str, body: Optional[dict
                  transform=None) -> web.StreamResponse:
     """Validate, tokenize and forward one OpenAI request; dialects pass their translated ``body``."""
     st = request.app[STATE]
-    st.counters["requests"] += 1
     t0 = time.perf_counter()
     body = await _read_json(request) if body is None else body
     pr = parse_openai(body, kind)
@@ -225,6 +224,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
                             transform=None) -> web.StreamResponse:
     """Look up ownership, rank backends, forward; shared by every dialect."""
     cfg = st.cfg
+    st.counters["requests"] += 1  # reached routing (docs: errors is not a part of requests)
     packed = schema.token_bytes(ids)  # once, for the block hashes and the forward
     blocks = schema.block_keys(info.name, packed, cfg.block_size)
     lk = await st.index.lookup(info.name, blocks)
@@ -246,10 +246,10 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
     rid = uuid.uuid4().hex
     route_ms = (time.perf_counter() - t0) * 1000
     explain = " ".join(s.explain() for s in ranked)
-    if ranked[0].matched > 0:
-        st.counters["routed_prefix"] += 1
-    else:
-        st.counters["routed_load"] += 1
+    # The metrics' classes (gateway.metrics.request_done): a failed lookup is a fallback,
+    # whatever this gateway's own pending claims matched.
+    st.counters["routed_fallback" if lk.status != "ok" else
+                ("routed_prefix" if ranked[0].matched > 0 else "routed_load")] += 1
     body[INTERNAL_FIELD] = {"prompt_ids": packed, "system_tokens": system_tokens, "request_id": rid}
     payload = msgpack.packb(body, use_bin_type=True)
     attempts = [
@@ -296,6 +296,8 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
             # A 200 whose stream ended in an error event: an error all the same.
             outcome = "backend_failed"
             st.counters["errors"] += 1
+        elif any(a.client_gone for a in attempts):
+            outcome = "client_disconnected"  # left mid-answer (before it: CancelledError below)
         return resp
     except BackendUnavailable as e:
         outcome = "unavailable"

@@ -134,9 +134,25 @@ class OwnershipIndex:
             k = self.keys(m)
             rows = await self._lookup(keys=[k.backends], args=self._args(k))
             snap[m] = schema.parse_lookup(rows)
+        self._log_changes(self.snapshot, snap)
         self.snapshot = snap
         self.snapshot_at = time.time()
         self.healthy = True
+
+    def _log_changes(self, old: dict[str, list[Candidate]], new: dict[str, list[Candidate]]) -> None:
+        """One line per backend that joined or left the registry (or moved), for the operator."""
+        if not self.snapshot_at:
+            return  # the first snapshot: `ready` lines are the launcher's
+        before = {(m, c.backend_id): c for m, cs in old.items() for c in cs}
+        after = {(m, c.backend_id): c for m, cs in new.items() for c in cs}
+        for (m, b), c in after.items():
+            was = before.get((m, b))
+            if was is None:
+                log.info("backend %s (%s) joined the registry at %s, epoch %d", b, m, c.url, c.epoch)
+            elif (was.url, was.epoch) != (c.url, c.epoch):
+                log.info("backend %s (%s) is back at %s, epoch %d", b, m, c.url, c.epoch)
+        for (m, b) in before.keys() - after.keys():
+            log.warning("backend %s (%s) left the registry: stopped, or no heartbeat within its TTL", b, m)
 
     async def registry(self, model: str) -> list[dict]:
         """Full registry records of a model's live backends (for status and the dashboard)."""

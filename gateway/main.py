@@ -13,7 +13,7 @@ from aiohttp import web
 
 from mlxgw import schema
 
-from mlxgw.util import parse_bytes
+from mlxgw.util import parse_bytes, redact_url
 
 from .app import GatewayConfig, make_app
 from .auth import AuthConfigError, check_exposure, read_keys
@@ -187,10 +187,13 @@ def run(args: argparse.Namespace) -> int:
             log.error("model %s: no model directory at %s", name, path)
             return 2
     app = make_app(cfg)
+    log.info("gateway %s starting on %s:%d: Redis %s (namespace %s), models %s", cfg.gateway_id, args.host, args.port,
+             redact_url(cfg.redis_url), cfg.namespace, ", ".join(cfg.models) or "-")
     try:
         web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
                     access_log=None, print=lambda *_: None)
     except OSError as e:
         log.error("cannot listen on %s:%d: %s", args.host, args.port, e)
         return 3
+    log.info("gateway %s stopped", cfg.gateway_id)
     return 0

@@ -83,9 +83,11 @@ class GatewayMetrics:
         self.decisions = Counter("mlxgw:routing_decisions", "Routing decisions: prefix (best backend owned a prefix), "
                                  "load (it owned none), fallback (lookup failed; load on the last snapshot).",
                                  lab + ["outcome"], registry=r)
-        self.matched = Histogram("mlxgw:routing_matched_prefix_tokens", "Prompt tokens the chosen backend owned per Redis.",
+        self.matched = Histogram("mlxgw:routing_matched_prefix_tokens",
+                                 "Prompt tokens the chosen backend held per Redis and pending claims.",
                                  lab, buckets=B.TOKENS, registry=r)
-        self.prompt_tokens = Counter("mlxgw:gateway_prompt_tokens", "Prompt tokens of forwarded requests.", lab, registry=r)
+        self.prompt_tokens = Counter("mlxgw:gateway_prompt_tokens",
+                                     "Prompt tokens of forwarded requests a backend began answering.", lab, registry=r)
         self.cached_tokens = Counter("mlxgw:gateway_cached_tokens", "Prompt tokens the backends reported reused.",
                                      lab, registry=r)
         self.lookup = Histogram("mlxgw:redis_lookup_duration_seconds", "One ownership lookup round trip.",
@@ -146,8 +148,10 @@ def request_done(m: GatewayMetrics, *, rid: str, model: str, prompt_tokens: int,
     m.requests.labels(model, outcome).inc()
     m.decisions.labels(model, decision).inc()
     m.matched.labels(model).observe(matched)
-    m.prompt_tokens.labels(model).inc(prompt_tokens)
     if cached is not None:
+        # Both or neither: a client that left before its backend began answering leaves
+        # its reuse unknown, and counting its prompt alone read the hit ratio low.
+        m.prompt_tokens.labels(model).inc(prompt_tokens)
         m.cached_tokens.labels(model).inc(cached)
     m.lookup.labels(lookup.status).observe(lookup.seconds)
     m.overhead.labels(model).observe(route_s)

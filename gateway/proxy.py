@@ -92,6 +92,7 @@ class Attempt:
     failed: bool = False  # the backend failed mid-stream (the client got an error event)
     tried: bool = False  # the request was sent to this backend
     gone: bool = False  # given up: the backend left the registry while this request waited on it
+    client_gone: bool = False  # the client left during the answer (a write to it failed)
 
 
 class Transform(Protocol):
@@ -331,6 +332,7 @@ class Proxy:
                         # The client went away (aiohttp's ClientConnectionResetError
                         # is one): not the backend's fault, so no circuit trip and no
                         # retry. Leaving the upstream context cancels the backend's work.
+                        a.client_gone = True
                         log.info("client disconnected during the answer from %s", a.backend_id)
                     return out
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:

@@ -40,6 +40,9 @@ def test_killed_idle_backend_no_client_error(make_stack):
     health = get_json(s.gateway.url + "/health")
     survivor = b1 if victim is b0 else b0
     assert health["circuit_open"] == [] and health["backends"]["demo-tiny"] == [survivor.name]
+    # The operator hears of it once (the gateway said nothing before).
+    log = s.gateway.log_path.read_text()
+    assert log.count(f"backend {owner} (demo-tiny) left the registry") == 1, log[-2000:]
 
 
 def test_backend_killed_mid_stream_gives_sse_error(make_stack):

@@ -192,14 +192,23 @@ def test_a_backend_4xx_reaches_anthropic_clients_as_an_anthropic_error(sec):
     body = {"model": "demo-tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
             "tools": [{"name": "get_weather", "description": "w", "input_schema": {"type": "object", "properties": {}}}],
             "tool_choice": {"type": "tool", "name": "nope"}}
-    errors = json.loads(_get(g.url + "/health", key=KEYS["val"])[2])["errors"]
+    before = json.loads(_get(g.url + "/health", key=KEYS["val"])[2])
+    errors = before["errors"]
     for stream in (False, True):
         status, hdrs, raw = _post(g.url + "/v1/messages", {**body, "stream": stream}, key=KEYS["val"])
         err = json.loads(raw)
         assert status == 400 and hdrs["Content-Type"].startswith("application/json"), (stream, hdrs, raw)
         assert err["type"] == "error" and err["error"] == {
             "type": "invalid_request_error", "message": "tool_choice names 'nope', which is not in 'tools'"}
-    assert json.loads(_get(g.url + "/health", key=KEYS["val"])[2])["errors"] == errors + 2  # passed-through errors count
+    after = json.loads(_get(g.url + "/health", key=KEYS["val"])[2])
+    assert after["errors"] == errors + 2  # passed-through errors count
+    assert after["requests"] == before["requests"] + 2  # both reached routing
+    # One the gateway refuses before routing: an error, not a request that reached routing
+    # (`requests` used to count it too).
+    status, _, raw = _post(g.url + "/v1/chat/completions", {"model": "demo-tiny", "messages": "hi"}, key=KEYS["val"])
+    assert status == 400, raw
+    last = json.loads(_get(g.url + "/health", key=KEYS["val"])[2])
+    assert (last["requests"], last["errors"]) == (after["requests"], after["errors"] + 1)
 
 
 def test_a_gateway_without_the_internal_token_says_so_not_that_the_client_is_unauthorized(sec):
@@ -543,6 +552,7 @@ async def test_client_that_stops_reading_is_dropped_after_the_write_timeout(sec,
         return s
 
     caplog.set_level(logging.INFO, logger="mlxgw.gateway.proxy")
+    caplog.set_level(logging.INFO, logger="mlxgw.requests")
     cfg = GatewayConfig(redis_url=sec.redis.url, namespace=sec.namespace, block_size=sec.block_size,
                         internal_token=INTERNAL_TOKEN, models={"demo-tiny": demo_model},
                         limits=LimitConfig(write_timeout=1.0))
@@ -582,6 +592,9 @@ async def test_client_that_stops_reading_is_dropped_after_the_write_timeout(sec,
             pass
         assert b"[DONE]" not in rest  # cut off, not finished
         writer.close()
+        # Logged and counted as the client's leaving, not as a finished answer (it said ok).
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request id=")]
+        assert len(lines) == 1 and lines[0].endswith("outcome=client_disconnected"), lines
     finally:
         await server.close()
 
