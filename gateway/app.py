@@ -306,8 +306,9 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         if e.timed_out:
             raise RequestError(f"backend timed out: {e}", status=504, type="server_error", code="backend_timeout",
                                headers=route)
+        # Retry-After: a restarting backend re-registers, or leaves the registry, within seconds.
         raise RequestError(f"no backend could take the request: {e}", status=503, type="server_error",
-                           code="backend_unavailable", headers=route)
+                           code="backend_unavailable", headers={**route, "Retry-After": "1"})
     except asyncio.CancelledError:
         outcome = "client_disconnected"
         raise

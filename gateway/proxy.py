@@ -341,10 +341,15 @@ class Proxy:
                 if a.gone:
                     what = f"out of the registry for {self.gone_after:g} s (no heartbeat) while this request waited"
                 else:
-                    what = f"no answer within {self.read_timeout:g} s" if timed_out else f"{type(e).__name__}: {e}"
+                    what = f"no answer within {self.read_timeout:g} s" if timed_out else type(e).__name__
+                # The client hears the backend's id, not its address; the log has both.
                 last_err = f"{a.backend_id}: {what}"
+                detail = what if timed_out or a.gone else f"{what}: {e}"
+                if a.backend_id in self.open:  # tried again with its circuit open: said already
+                    log.debug("backend %s unavailable before first byte: %s", a.backend_id, detail)
+                else:
+                    log.warning("backend %s unavailable before first byte: %s", a.backend_id, detail)
                 self._trip(a.backend_id, a.url)
-                log.warning("backend %s unavailable before first byte: %s", a.backend_id, what)
                 continue
             finally:
                 self.inflight.end(a.backend_id, handle)

@@ -75,7 +75,7 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
     """Derived figures of one registry record.
 
     Returns ``id, state, url, active, queued (prefill tokens), entries,
-    cache_mb, cache_use (bytes / budget, 0..1, 0 without a budget),
+    cache_mb (MiB), cache_use (bytes / budget, 0..1, 0 without a budget),
     evictions (entries the budget evicted since start), requests, hit_ratio (cached / prompt tokens since start), age_s (since the
     last heartbeat), load`` where ``load`` (active requests, then queued
     tokens) is the sort key of ``mlxgw top``.
@@ -231,7 +231,7 @@ def run(args) -> int:
     now = time.time()
     for m, d in data.items():
         t = Table(title=f"model {m}")
-        for col in ("backend", "state", "url", "active", "queued", "entries", "cache MB", "evictions",
+        for col in ("backend", "state", "url", "active", "queued", "entries", "cache MiB", "evictions",
                     "hit ratio (tokens)", "age s"):
             t.add_column(col)
         for b in map(lambda r: backend_view(r, now), d["backends"]):

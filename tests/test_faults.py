@@ -45,6 +45,27 @@ def test_killed_idle_backend_no_client_error(make_stack):
     assert log.count(f"backend {owner} (demo-tiny) left the registry") == 1, log[-2000:]
 
 
+def test_dead_only_backend_gives_a_clear_503_and_one_warning(make_stack):
+    """While a dead backend is still registered: a 503 the client can act on (Retry-After, the
+    backend's id but not its internal address), and one warning in the gateway log, not one per
+    request (the circuit is open after the first)."""
+    s = make_stack()
+    b0 = s.add_backend("b0")
+    s.add_gateway()
+    s.wait()
+    assert _ask(s.gateway.url, "hi")[0] == 200
+    b0.kill()
+    answers = [_ask(s.gateway.url, f"hi {i}") for i in range(3)]  # its record lives up to 2 s more
+    status, h, body = answers[0]
+    err = json.loads(body)["error"]
+    assert status == 503 and err["code"] == "backend_unavailable" and h["Retry-After"] == "1", (status, h, body)
+    assert "b0" in err["message"] and str(b0.port) not in err["message"] and "127.0.0.1" not in err["message"]
+    assert all(st == 503 for st, _, _ in answers)
+    log = s.gateway.log_path.read_text()
+    warnings = [ln for ln in log.splitlines() if "unavailable before first byte" in ln]
+    assert len(warnings) == 1 and "WARNING" in warnings[0] and str(b0.port) in warnings[0], warnings
+
+
 def test_backend_killed_mid_stream_gives_sse_error(make_stack):
     s = make_stack()
     b0 = s.add_backend("b0")
