@@ -80,4 +80,5 @@ class Janitor:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                log.debug("janitor sweep failed: %s", e)
+                # Redis away is reported by the index already; anything else is news.
+                (log.warning if self.index.healthy else log.debug)("janitor sweep failed: %s", e)
