@@ -90,12 +90,16 @@ def template_roles(tokenizer, messages: list[dict]) -> list[dict]:
 
 
 def system_prefix_tokens(tokenizer, messages, tools, kwargs, ids, encode=None) -> int:
-    """Tokens of the leading system/developer messages within ``ids``.
+    """Tokens of the leading system/developer messages within ``ids``, or of the
+    tool definitions when there is no system message.
 
     The method is mlx-lm's (server ``_tokenize``): render the system messages
     followed by an empty user turn and take the common prefix with the full
-    prompt. Returns 0 when there is no leading system message or the template
-    fails on the probe.
+    prompt. Chat templates render ``tools`` in the system turn, so with tools
+    and no system message the same probe finds the tools block (ours: every
+    conversation with those tools shares it, and rule 3 and the system entry
+    must protect it as they protect a system prompt). Returns 0 when there is
+    neither, or the template fails on the probe.
     """
     n = 0
     for m in messages:
@@ -103,7 +107,7 @@ def system_prefix_tokens(tokenizer, messages, tools, kwargs, ids, encode=None) -
             n += 1
         else:
             break
-    if n == 0:
+    if n == 0 and not tools:
         return 0
     try:
         probe = tokenizer.apply_chat_template(

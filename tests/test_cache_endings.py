@@ -143,7 +143,8 @@ TOOLS = [{"type": "function", "function": {
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_call_only_reply(backend, tok, stream):
     msgs = [{"role": "user", "content": words(60, seed=47 + stream)}]
-    p1 = render_chat(tok, msgs, TOOLS).token_ids
+    cp1 = render_chat(tok, msgs, TOOLS)
+    p1 = cp1.token_ids
     before = entry_sizes(backend)
     body = {"messages": msgs, "tools": TOOLS, "max_tokens": 60, "stream": stream,
             "tool_choice": {"type": "function", "function": {"name": "read_file"}}}
@@ -169,7 +170,9 @@ def test_tool_call_only_reply(backend, tok, stream):
     assert finish == ["tool_calls"] and call["function"]["name"] == "read_file"
     assert json.loads(call["function"]["arguments"])["path"] in ("src/a.py", "src/b.py")
     wait_idle(backend)
-    (saved,) = [n for n in entry_sizes(backend) if n not in before]
+    after = entry_sizes(backend)
+    assert cp1.system_tokens in after  # the tools block, saved as a system entry (the first time)
+    (saved,) = [n for n in after if n not in before and n != cp1.system_tokens]
     assert saved == len(p1) + usage["completion_tokens"]  # the prompt and the whole call were kept
     msgs2 = msgs + [{"role": "assistant", "content": None, "tool_calls": [call]},
                     {"role": "tool", "tool_call_id": call["id"], "content": "print('hello')"}]

@@ -282,6 +282,29 @@ def test_system_segment_saved(make_stack):
     assert kinds[1][1] == cp.system_tokens and 200 < cp.system_tokens < r["usage"]["prompt_tokens"]
 
 
+def test_tools_block_saved_like_a_system_prompt(make_stack):
+    """With tools and no system message, the tools block the template renders first is saved
+    as a system entry and shared by every conversation using those tools."""
+    from gateway.tokenize import load_model_info
+    from mlxgw.prompt import render_chat
+
+    s = make_stack()
+    b = s.add_backend("b0")
+    b.wait_healthy()
+    props = {f"field_{i}": {"type": "string", "description": words(12, seed=300 + i)} for i in range(12)}
+    tools = [{"type": "function", "function": {"name": "lookup", "description": words(40, seed=9),
+                                               "parameters": {"type": "object", "properties": props}}}]
+    tok = load_model_info(s.model_name, s.model_path).tokenizer
+    for i in range(4):
+        msgs = [{"role": "user", "content": words(30, seed=200 + i)}]
+        r = _chat(b.url, msgs, tools=tools)
+    block = render_chat(tok, msgs, tools).system_tokens
+    assert block > 200
+    sys_entries = [e for e in get_json(b.url + "/internal/cache")["entries"] if e["cache_type"] == "system"]
+    assert [e["tokens"] for e in sys_entries] == [block]
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= block
+
+
 def test_save_on_disconnect(make_stack):
     s = make_stack()
     b = s.add_backend("b0")

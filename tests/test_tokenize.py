@@ -52,6 +52,20 @@ def test_system_tokens_is_the_system_prefix(demo_model):
     assert render_chat(info.tokenizer, CONVERSATIONS[0]).system_tokens == 0
 
 
+def test_tools_without_a_system_message_count_as_the_system_prefix(demo_model):
+    """Templates render tools in the system turn: with no system message, that block is what
+    every conversation with those tools shares (it counted 0, so nothing protected it)."""
+    info = load_model_info("demo-tiny", demo_model)
+    a = render_chat(info.tokenizer, [{"role": "user", "content": "hello"}], TOOLS)
+    b = render_chat(info.tokenizer, [{"role": "user", "content": "something else entirely"}], TOOLS)
+    assert a.system_tokens == b.system_tokens > 50
+    assert a.token_ids[: a.system_tokens] == b.token_ids[: a.system_tokens]
+    assert a.token_ids[a.system_tokens] != b.token_ids[a.system_tokens]  # the user text starts right there
+    text = info.tokenizer.decode(a.token_ids[: a.system_tokens])
+    assert "get_weather" in text and "hello" not in text
+    assert render_chat(info.tokenizer, [{"role": "user", "content": "hello"}]).system_tokens == 0
+
+
 def test_developer_and_function_roles_render_like_system_and_tool(demo_model):
     """The demo's ChatML template drops roles it does not know; OpenAI's developer and
     (deprecated) function roles must still reach the prompt, as system and tool."""
