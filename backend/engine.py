@@ -196,6 +196,9 @@ class MLXEngine(Engine):
         prefill_order: ``"fifo"``, ``"shorter-beside"`` or ``"step-beside"``
             (default, ``DEFAULT_PREFILL_ORDER``); which waiting request takes a
             free prefill slot (`_admit_waiting`).
+        hit_tokens: tokens a request must reuse to count in ``hits`` (else
+            ``misses``); the server passes the block size, so the shared first
+            tokens of every chat template (a few) do not make every request a hit.
     """
 
     def __init__(
@@ -213,10 +216,12 @@ class MLXEngine(Engine):
         prefill_handoff: bool = True,
         claims: Any = None,
         prefill_order: str = DEFAULT_PREFILL_ORDER,
+        hit_tokens: int = 1,
     ):
         if prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"unknown prefill order {prefill_order!r}; one of {', '.join(PREFILL_ORDERS)}")
         self.prefill_order = prefill_order
+        self.hit_tokens = max(1, hit_tokens)
         self.model_path = model_path
         self.finish_prefill_on_cancel = finish_prefill_on_cancel
         self.save_at_prefill_end = save_at_prefill_end
@@ -563,7 +568,7 @@ class MLXEngine(Engine):
         self.prompt_tokens_total += len(prompt)
         self.cached_tokens_total += hit.reused
         self.metrics.on_admit(req.rid, req.submitted_at, len(prompt), hit.reused)
-        if hit.reused:
+        if hit.reused >= self.hit_tokens:
             self.hits += 1
         else:
             self.misses += 1

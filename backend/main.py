@@ -135,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
               prefill_step_size=args.prefill_step_size, finish_prefill_on_cancel=not args.cancel_prefill,
               metrics=metrics, save_at_prefill_end=args.prefill_save, prefill_save_evicts=args.prefill_save_evicts,
               prefill_handoff=args.prefill_handoff,
-              claims=reporter if args.inflight_claims else None, prefill_order=args.prefill_order)
+              claims=reporter if args.inflight_claims else None, prefill_order=args.prefill_order,
+              hit_tokens=args.block_size)
     if args.engine == "sim":
         try:
             timing = sim.timing_from_args(args)

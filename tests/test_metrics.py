@@ -149,3 +149,22 @@ def test_prefill_rate_counts_each_step_not_the_whole_prompt(make_stack):
     # Over the whole prefill, well inside the request's own time: not above the prompt over
     # the request's time (the old figure was 1.9 M tokens/s against 1.8 k here), nor far below.
     assert prompt / took / 8 < rate < 1.5 * prompt / took, (rate, prompt, took)
+
+
+def test_a_hit_is_at_least_one_block(make_stack):
+    """`hits` / `misses` (/health, the registry, the dashboard) count a request as a hit when it
+    reused at least one block (64 tokens here). Reusing just the chat template's shared first
+    tokens made nearly every request a hit."""
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--block-size", "64")  # the default (the harness uses 16)
+    b0.wait_healthy()
+    long = words(200, seed=59)
+    cached = []
+    for text in ("hi", "hi", long, long):
+        status, _, body = post(b0.url + "/v1/chat/completions",
+                               {"model": "demo-tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 1})
+        assert status == 200, body
+        cached.append(json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert 0 < cached[1] < 64 and 0 < cached[2] < 64 and cached[3] >= 64, cached
+    h = get_json(b0.url + "/health")
+    assert (h["hits"], h["misses"]) == (1, 3), (h["hits"], h["misses"], cached)
