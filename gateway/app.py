@@ -283,6 +283,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
                 "prompt_tokens": len(ids),
                 "lookup": lk.status,
                 "reason": decision.reason,
+                "gateway": cfg.gateway_id,  # several gateways write one stream
                 "candidates": [[s.cand.backend_id, s.matched, s.queued, s.active] for s in ranked],
             },
         ),

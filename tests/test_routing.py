@@ -4,6 +4,8 @@ then several gateways sharing one Redis, and session affinity when Redis is gone
 import threading
 import time
 
+import redis
+
 from gateway.route import RoutingConfig, rank
 from mlxgw.harness import RedisServer, Stack
 from mlxgw.httpget import get_json, post
@@ -179,7 +181,13 @@ def test_two_gateways_share_load_and_decisions(make_stack, redis_server):
     r = redis_server.client()
     from mlxgw import schema
 
-    assert len(r.zrange(schema.Keys(s.namespace, s.model_name).gateways, 0, -1)) == 2
+    k = schema.Keys(s.namespace, s.model_name)
+    gateways = set(r.zrange(k.gateways, 0, -1))
+    assert len(gateways) == 2
+    # Each routing event names the gateway that wrote it.
+    raw = redis.Redis.from_url(redis_server.url)
+    routed = [e for e in (schema.decode_event(f) for _, f in raw.xrange(k.events)) if e["type"] == schema.EVENT_ROUTED]
+    assert {e["data"]["gateway"] for e in routed} == gateways, routed[:2]
 
 
 def test_session_affinity_keeps_routing_without_redis(demo_model):
