@@ -76,7 +76,11 @@ async def replay(args) -> dict:
     from mlxgw.demo_model import ensure_demo_model
 
     model_path = args.model or str(ensure_demo_model("tiny"))
-    reqs = load_trace(args.trace, args.requests)
+    try:
+        reqs = load_trace(args.trace, args.requests)
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
+        return 2
     lo, hi = vocab_range(model_path)
     mapper = BlockMapper(args.k, lo, hi)
     prompts = [mapper.prompt(r.hash_ids) for r in reqs]

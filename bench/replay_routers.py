@@ -620,7 +620,11 @@ def main(argv=None) -> int:
     from mlxgw.demo_model import ensure_demo_model
 
     model_path = args.model or str(ensure_demo_model("tiny"))
-    reqs = load_trace(args.trace, args.requests)
+    try:
+        reqs = load_trace(args.trace, args.requests)
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
+        return 2
     scale = TRACE_BLOCK / args.k
     timing = simmod.SimTiming(token_scale=scale)
     o_hit, o_total = oracle_hits(reqs, TRACE_BLOCK)

@@ -35,7 +35,8 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(
-            f"{p} not found: get the Mooncake traces from the Mooncake repository, FAST25-release/traces/"
+            f"{p} not found: get the Mooncake traces from https://github.com/kvcache-ai/Mooncake, folder "
+            "FAST25-release/traces/ (the README's Benchmarks section has the commands), or pass --trace PATH"
         )
     out = []
     with p.open() as f:

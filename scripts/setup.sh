@@ -30,9 +30,33 @@ if [[ "${1:-}" == *test* ]] && ! command -v chromium >/dev/null 2>&1 && ! comman
     || echo "chromium install failed; the dashboard browser test will be skipped" >&2
 fi
 
-PY=${PYTHON:-python3}
+# Python 3.10+ (pyproject.toml): $PYTHON, else the first of python3 / python3.13 ... python3.10
+# that is new enough (macOS's /usr/bin/python3 is 3.9).
+py_ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1; }
+if [[ -n "${PYTHON:-}" ]]; then
+  PY=$PYTHON
+  py_ok "$PY" || { echo "PYTHON=$PY is not Python 3.10 or newer" >&2; exit 1; }
+else
+  PY=""
+  for c in python3 python3.13 python3.12 python3.11 python3.10; do
+    if command -v "$c" >/dev/null 2>&1 && py_ok "$c"; then PY=$c; break; fi
+  done
+  [[ -n "$PY" ]] || { echo "mlxgw needs Python 3.10 or newer: install one (e.g. brew install python@3.12)," \
+                            "or point PYTHON= at it" >&2; exit 1; }
+fi
 if [[ ! -x .venv/bin/python ]]; then
-  "$PY" -m venv .venv
+  if ! "$PY" -m venv .venv 2>/dev/null; then
+    rm -rf .venv
+    # Debian/Ubuntu ship venv separately (python3.X-venv).
+    if [[ "$(uname)" != "Darwin" ]] && command -v apt-get >/dev/null 2>&1; then
+      pkg="python$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')-venv"
+      echo "installing $pkg..." >&2
+      SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+      { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "$pkg" >/dev/null; } \
+        || DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3-venv >/dev/null
+    fi
+    "$PY" -m venv .venv || { echo "could not create .venv with $PY (python -m venv)" >&2; exit 1; }
+  fi
 fi
 extras=${1:-}
 spec="."
