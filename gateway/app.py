@@ -69,8 +69,8 @@ class GatewayState:
     tokenizers: Tokenizers
     index: OwnershipIndex
     proxy: Proxy
-    counters: dict = field(default_factory=lambda: {"requests": 0, "errors": 0, "routed_prefix": 0, "routed_load": 0, "routed_fallback": 0,
-                                                    "prefix_drift": 0})
+    counters: dict = field(default_factory=lambda: {"requests": 0, "errors": 0, "routed_prefix": 0, "routed_load": 0,
+                                                    "routed_fallback": 0, "prefix_drift": 0})
     drift: DriftDetector = field(default_factory=DriftDetector)
     strip: list = field(default_factory=list)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)

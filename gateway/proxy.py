@@ -244,7 +244,9 @@ class Proxy:
             for a, timer in list(self._waiting.values()):
                 if not a.gone and self.gone(a.backend_id):
                     a.gone = True
-                    timer.reschedule(asyncio.get_running_loop().time())  # raises TimeoutError in forward
+                    # asyncio.Timeout.reschedule; async_timeout (Python 3.10) before 4.0.3 has update
+                    move = getattr(timer, "reschedule", None) or timer.update
+                    move(asyncio.get_running_loop().time())  # raises TimeoutError in forward
 
     @contextlib.asynccontextmanager
     async def _waiting_on(self, a: Attempt):
