@@ -308,20 +308,20 @@ class Reporter:
             self._pending = {}
             self._events = []
         owned = self.keys.owned(self.backend_id, self.epoch)
+        keyed = [(self.keys.block(b), v) for b, v in blocks]  # Redis key names, made once
         try:
             kept = {k.decode() if isinstance(k, bytes) else k for k in await self.redis.smembers(owned)}
-            mine = set(self.keys.blocks(b for b, _ in blocks))
-            stale = (kept | set(self.keys.blocks(unsure))) - mine
+            stale = (kept | set(self.keys.blocks(unsure))) - {k for k, _ in keyed}
             pipe = self.redis.pipeline(transaction=False)
             pipe.eval(schema.RAISE_EPOCH_LUA, 1, self.keys.epoch_counter(self.backend_id), self.epoch)
             for k in stale:
                 pipe.hdel(k, self.backend_id)
             pipe.delete(owned)
-            for i in range(0, len(blocks), 2000):
-                chunk = blocks[i : i + 2000]
-                for b, v in chunk:
-                    pipe.hset(self.keys.block(b), self.backend_id, v)
-                pipe.sadd(owned, *self.keys.blocks(b for b, _ in chunk))
+            for i in range(0, len(keyed), 2000):
+                chunk = keyed[i : i + 2000]
+                for k, v in chunk:
+                    pipe.hset(k, self.backend_id, v)
+                pipe.sadd(owned, *(k for k, _ in chunk))
             await pipe.execute()
         except Exception as e:
             with self._lock:

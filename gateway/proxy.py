@@ -232,15 +232,8 @@ class Proxy:
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
-            busy = self.inflight.backends()
-            for b in busy:
-                if self.url_of(b) is None:
-                    self._absent.setdefault(b, now)
-                else:
-                    self._absent.pop(b, None)
-            for b in list(self._absent):
-                if b not in busy:
-                    del self._absent[b]
+            # Busy backends out of the registry, with the time each was first seen so.
+            self._absent = {b: self._absent.get(b, now) for b in self.inflight.backends() if self.url_of(b) is None}
             for a, timer in list(self._waiting.values()):
                 if not a.gone and self.gone(a.backend_id):
                     a.gone = True
