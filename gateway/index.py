@@ -5,6 +5,16 @@ says which of three things happened, never mixing them up (the SGLang
 gateway's distinction): ``ok`` (asked and answered), ``timeout`` / ``error``
 (asked, no usable answer: route on load only from the last registry
 snapshot). A failed lookup never writes anything.
+
+When Redis loses its data (a restart without persistence, ``FLUSHALL``) the
+registry is empty until each backend's next heartbeat, up to a heartbeat
+interval apart: a lookup then named no backend (503 ``no_backend``) or only
+the first one back, which drew every request meanwhile and, through the
+claims of those requests, their conversations' next turns for seconds after.
+So a backend of the last snapshot that a lookup does not name stays a
+load-only candidate until the next refresh, and, when that refresh finds
+Redis lost its data (`schema.redis_id_key`), until it re-registers or
+``keep_after_loss`` seconds pass.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -72,10 +83,13 @@ class OwnershipIndex:
         redis_url: Redis URL (``redis://``, ``rediss://``, with password/ACL user).
         namespace: key namespace.
         deadline: seconds a lookup may take before routing falls back to load.
+        keep_after_loss: seconds the backends of the last snapshot stay candidates
+            after Redis lost its data, unless they re-register sooner (default: a
+            backend's heartbeat TTL).
     """
 
     def __init__(self, redis_url: str, namespace: str = schema.DEFAULT_NAMESPACE, deadline: float = 0.05,
-                 gateway_id: str = ""):
+                 gateway_id: str = "", keep_after_loss: float = schema.DEFAULT_HEARTBEAT_TTL):
         self.namespace = namespace
         self.gateway_id = gateway_id
         self.deadline = deadline
@@ -90,6 +104,10 @@ class OwnershipIndex:
         self._events: list[tuple[str, dict]] = []
         self._flusher: Optional[asyncio.Future] = None
         self.events_dropped = 0
+        self.keep_after_loss = keep_after_loss
+        self._redis_id: Optional[bytes] = None  # `schema.redis_id_key` as last read
+        self._kept: dict[tuple[str, str], tuple[Candidate, float]] = {}  # (model, id) -> (record, until)
+        self.data_losses = 0
 
     def keys(self, model: str) -> schema.Keys:
         return schema.Keys(self.namespace, model)
@@ -109,10 +127,21 @@ class OwnershipIndex:
             self.healthy = False
             log.debug("lookup failed: %s", e)
             return Lookup("error", self._fallback(model), time.perf_counter() - t0)
-        cands = schema.parse_lookup(rows)
+        cands = self._with_unlisted(model, schema.parse_lookup(rows))
         self.healthy = True
         self.lookups["ok"] += 1
         return Lookup("ok", cands, time.perf_counter() - t0)
+
+    def _with_unlisted(self, model: str, cands: list[Candidate]) -> list[Candidate]:
+        """``cands`` plus the snapshot's backends they lack, as load-only candidates
+        (depth 0): gone from the registry since the last refresh, or Redis lost its
+        data and they have not re-registered yet (module docstring). One that
+        really stopped fails fast (connection refused) and its circuit opens."""
+        listed = {c.backend_id for c in cands}
+        unlisted = [c for c in self.snapshot.get(model, ()) if c.backend_id not in listed]
+        if not unlisted:
+            return cands
+        return cands + [dataclasses.replace(c, depth_blocks=0, saved_blocks=0) for c in unlisted]
 
     def _args(self, k: schema.Keys) -> list[str]:
         return [k.backend_prefix, k.gateways, k.gateway_load_prefix, self.gateway_id]
@@ -126,18 +155,45 @@ class OwnershipIndex:
         return next((c.url for cs in self.snapshot.values() for c in cs if c.backend_id == backend_id), None)
 
     async def refresh(self) -> None:
-        """Re-read every model's live backends (the registry snapshot)."""
-        models = await self.redis.smembers(schema.models_key(self.namespace))
+        """Re-read every model's live backends (the registry snapshot); notice a Redis
+        that lost its data and keep the backends it knew (module docstring)."""
+        id_key = schema.redis_id_key(self.namespace)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(id_key, secrets.token_hex(8), nx=True)
+        pipe.get(id_key)
+        pipe.smembers(schema.models_key(self.namespace))
+        _, redis_id, models = await pipe.execute()
+        lost = self._redis_id is not None and redis_id != self._redis_id
+        self._redis_id = redis_id
         snap = {}
         for m in models:
             m = m.decode() if isinstance(m, bytes) else m
             k = self.keys(m)
             rows = await self._lookup(keys=[k.backends], args=self._args(k))
             snap[m] = schema.parse_lookup(rows)
+        snap = self._keep_known(snap, lost)
         self._log_changes(self.snapshot, snap)
         self.snapshot = snap
         self.snapshot_at = time.time()
         self.healthy = True
+
+    def _keep_known(self, snap: dict[str, list[Candidate]], lost: bool) -> dict[str, list[Candidate]]:
+        """``snap`` plus the backends kept since Redis lost its data: on a loss, every
+        backend of the previous snapshot that has not re-registered, for
+        ``keep_after_loss`` seconds or until it does."""
+        now = time.monotonic()
+        if lost:
+            self.data_losses += 1
+            log.warning("Redis lost its data (restarted without persistence, or flushed): routing on the "
+                        "last known backends until they re-register")
+            for m, cs in self.snapshot.items():
+                for c in cs:
+                    self._kept.setdefault((m, c.backend_id), (c, now + self.keep_after_loss))
+        live = {(m, c.backend_id) for m, cs in snap.items() for c in cs}
+        self._kept = {mb: v for mb, v in self._kept.items() if mb not in live and v[1] > now}
+        for (m, _), (c, _) in self._kept.items():
+            snap.setdefault(m, []).append(c)
+        return snap
 
     def _log_changes(self, old: dict[str, list[Candidate]], new: dict[str, list[Candidate]]) -> None:
         """One line per backend that joined or left the registry (or moved), for the operator."""

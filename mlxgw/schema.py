@@ -189,6 +189,14 @@ def models_key(namespace: str) -> str:
     return f"{namespace}:models"
 
 
+def redis_id_key(namespace: str) -> str:
+    """STRING: a random id the first gateway to find it missing writes (``SET NX``, no
+    expiry). A gateway that reads another value than last time, or none, knows Redis
+    lost its data since (a restart without persistence, ``FLUSHALL``) and keeps routing
+    to the backends it knew until they re-register (`gateway.index`)."""
+    return f"{namespace}:redis_id"
+
+
 # A block value ``f"{epoch}{CLAIM_SUFFIX}"``: the backend is computing that prefix (a request's
 # claim) but holds no saved copy of it yet. A claimed prefix can be shared only by a request
 # that waits for its prefill, which the backend does for at least its ``min_hit_tokens``

@@ -116,21 +116,22 @@ def test_redis_outage_and_flush_recovery(demo_model):
                 break
             time.sleep(0.3)
         assert h["X-Mlxgw-Lookup"] == "ok" and int(h["X-Mlxgw-Matched-Tokens"]) >= 150
-        # FLUSHALL: the backend notices its record is gone and re-publishes.
-        r.client().flushall()
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            status, h, _ = _ask(s.gateway.url, text + " again")
-            if int(h.get("X-Mlxgw-Matched-Tokens", 0)) >= 150:
-                break
-            time.sleep(0.3)
-        assert int(h["X-Mlxgw-Matched-Tokens"]) >= 150
-        # The flush took the epoch counter too; the re-publish put it back, so a restart
-        # gets a new epoch and the old life's blocks neither route nor stay behind.
+        # FLUSHALL: the backend notices its record is gone and re-publishes (the gateway's
+        # own claim of the last request may match before that: wait for Redis itself).
         from mlxgw import schema
 
         keys = schema.Keys(s.namespace, s.model_name)
         old = get_json(s.backends[0].url + "/internal/cache")["epoch"]
+        r.client().flushall()
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            status, h, _ = _ask(s.gateway.url, text + " again")
+            if int(h.get("X-Mlxgw-Matched-Tokens", 0)) >= 150 and r.client().exists(keys.owned("b0", old)):
+                break
+            time.sleep(0.3)
+        assert status == 200 and int(h["X-Mlxgw-Matched-Tokens"]) >= 150
+        # The flush took the epoch counter too; the re-publish put it back, so a restart
+        # gets a new epoch and the old life's blocks neither route nor stay behind.
         assert int(r.client().get(keys.epoch_counter("b0"))) == old
         s.backends[0].kill()
         b0 = s.add_backend("b0")
@@ -144,6 +145,33 @@ def test_redis_outage_and_flush_recovery(demo_model):
         stale = [k for k in r.client().scan_iter(match=keys.prefix + ":blk:*")
                  if r.client().hget(k, "b0") in (str(old).encode(), f"{old}c".encode())]
         assert stale == [] and not r.client().exists(keys.owned("b0", old))
+    finally:
+        s.stop()
+        r.cleanup()
+
+
+def test_redis_losing_its_data_keeps_every_backend_routable(demo_model):
+    """After FLUSHALL (or a restart without persistence) the registry is empty until each
+    backend's next heartbeat. The gateway keeps routing over the backends it knew: no 503
+    while they are healthy, and not only the first one back (that one drew every request,
+    and through their claims the next turns of their conversations, for seconds)."""
+    r = RedisServer().start()
+    s = Stack(r.url, demo_model)
+    try:
+        slow = ("--heartbeat-interval", "4", "--heartbeat-ttl", "10")  # a long gap before they re-register
+        s.add_backend("b0", None, *slow), s.add_backend("b1", None, *slow)
+        s.add_gateway()
+        s.wait()
+        assert _ask(s.gateway.url, words(100, seed=61))[0] == 200
+        r.client().flushall()
+        answers = [_ask(s.gateway.url, words(100, seed=62 + i)) for i in range(8)]
+        assert [st for st, _, _ in answers] == [200] * 8, answers[0]
+        for _, h, _ in answers:
+            assert sorted(c.split(":")[0] for c in h["X-Mlxgw-Candidates"].split()) == ["b0", "b1"], h
+        deadline = time.time() + 5
+        while time.time() < deadline and "Redis lost its data" not in s.gateway.log_path.read_text():
+            time.sleep(0.1)
+        assert "Redis lost its data" in s.gateway.log_path.read_text()
     finally:
         s.stop()
         r.cleanup()
