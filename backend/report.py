@@ -310,7 +310,7 @@ class Reporter:
         owned = self.keys.owned(self.backend_id, self.epoch)
         keyed = [(self.keys.block(b), v) for b, v in blocks]  # Redis key names, made once
         try:
-            kept = {k.decode() if isinstance(k, bytes) else k for k in await self.redis.smembers(owned)}
+            kept = {schema.as_str(k) for k in await self.redis.smembers(owned)}
             stale = (kept | set(self.keys.blocks(unsure))) - {k for k, _ in keyed}
             pipe = self.redis.pipeline(transaction=False)
             pipe.eval(schema.RAISE_EPOCH_LUA, 1, self.keys.epoch_counter(self.backend_id), self.epoch)
@@ -402,7 +402,7 @@ class Reporter:
         try:
             pattern = self.keys.owned(self.backend_id, "*")
             async for k in self.redis.scan_iter(match=pattern, count=500):
-                k = k.decode() if isinstance(k, bytes) else k
+                k = schema.as_str(k)
                 ep = int(k.rsplit(":", 1)[1])
                 if ep != self.epoch:
                     await self.cleanup_epoch(self.backend_id, ep)

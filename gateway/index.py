@@ -167,7 +167,7 @@ class OwnershipIndex:
         self._redis_id = redis_id
         snap = {}
         for m in models:
-            m = m.decode() if isinstance(m, bytes) else m
+            m = schema.as_str(m)
             k = self.keys(m)
             rows = await self._lookup(keys=[k.backends], args=self._args(k))
             snap[m] = schema.parse_lookup(rows)

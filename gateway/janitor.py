@@ -52,14 +52,14 @@ class Janitor:
         removed = []
         try:
             for m in await r.smembers(schema.models_key(self.index.namespace)):
-                k = self.index.keys(m.decode() if isinstance(m, bytes) else m)
+                k = self.index.keys(schema.as_str(m))
                 stale = await r.zrangebyscore(k.backends, "-inf", time.time() - self.grace)
                 for bid in stale:
-                    bid = bid.decode() if isinstance(bid, bytes) else bid
+                    bid = schema.as_str(bid)
                     if await r.exists(k.backend(bid)):
                         continue  # alive after all (clock skew, or just re-registered)
                     async for key in r.scan_iter(match=k.owned(bid, "*"), count=500):
-                        key = key.decode() if isinstance(key, bytes) else key
+                        key = schema.as_str(key)
                         epoch = key.rsplit(":", 1)[1]
                         while int(await r.eval(schema.CLEANUP_LUA, 1, key, bid, epoch, 500)):
                             pass

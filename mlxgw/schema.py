@@ -184,6 +184,12 @@ class Keys:
         return f"{self.prefix}:gwload:"
 
 
+def as_str(x) -> str:
+    """A Redis reply item as text: bytes decoded as UTF-8 (undecodable bytes replaced),
+    anything else through ``str`` (clients with and without ``decode_responses``)."""
+    return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
+
+
 def models_key(namespace: str) -> str:
     """SET of served model names (cross-model, so no hash tag)."""
     return f"{namespace}:models"
@@ -357,30 +363,26 @@ class Candidate:
 
 def parse_lookup(rows: list) -> list[Candidate]:
     """Decode the rows `LOOKUP_LUA` returns (bytes or str) into `Candidate` objects."""
-
-    def s(x):
-        return x.decode() if isinstance(x, bytes) else str(x)
-
     out = []
     for r in rows:
         out.append(
             Candidate(
-                backend_id=s(r[0]),
-                epoch=int(s(r[1])),
-                url=s(r[2]),
-                active=int(float(s(r[3]) or 0)),
-                queued_prefill_tokens=int(float(s(r[4]) or 0)),
-                state=s(r[5]),
-                cache_bytes=int(float(s(r[6]) or 0)),
-                cache_budget_bytes=int(float(s(r[7]) or 0)),
+                backend_id=as_str(r[0]),
+                epoch=int(as_str(r[1])),
+                url=as_str(r[2]),
+                active=int(float(as_str(r[3]) or 0)),
+                queued_prefill_tokens=int(float(as_str(r[4]) or 0)),
+                state=as_str(r[5]),
+                cache_bytes=int(float(as_str(r[6]) or 0)),
+                cache_budget_bytes=int(float(as_str(r[7]) or 0)),
                 depth_blocks=int(r[8]),
                 gw_requests=int(r[9]) if len(r) > 9 else 0,
                 gw_prefill_tokens=int(r[10]) if len(r) > 10 else 0,
                 # rows without the saved depth (older scripts) count every owned block as saved
                 saved_blocks=int(r[11]) if len(r) > 11 else int(r[8]),
-                min_hit_tokens=int(float(s(r[12]) or 0)) if len(r) > 12 else 0,
-                victim_used_at=float(s(r[13]) or 0) if len(r) > 13 else 0.0,
-                kv_bytes_per_token=float(s(r[14]) or 0) if len(r) > 14 else 0.0,
+                min_hit_tokens=int(float(as_str(r[12]) or 0)) if len(r) > 12 else 0,
+                victim_used_at=float(as_str(r[13]) or 0) if len(r) > 13 else 0.0,
+                kv_bytes_per_token=float(as_str(r[14]) or 0) if len(r) > 14 else 0.0,
             )
         )
     return out
@@ -409,9 +411,9 @@ def decode_event(fields: dict) -> dict:
     """Inverse of `event_fields` for a raw XRANGE entry (bytes keys/values accepted)."""
     out = {}
     for k, v in fields.items():
-        k = k.decode() if isinstance(k, bytes) else k
+        k = as_str(k)
         if k == "data":
             out[k] = msgpack.unpackb(v, raw=False) if v else {}
         else:
-            out[k] = v.decode() if isinstance(v, bytes) else v
+            out[k] = as_str(v)
     return out

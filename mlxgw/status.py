@@ -23,10 +23,6 @@ from .util import redact_url, serve_url_file
 _EVENT_FIELDS = ("request", "matched", "prompt_tokens", "lookup", "tokens", "cache_type")
 
 
-def _s(x) -> str:
-    return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
-
-
 def collect(r: redis.Redis, namespace: str, events: int = 10) -> dict:
     """One snapshot of the cluster from Redis.
 
@@ -44,19 +40,19 @@ def collect(r: redis.Redis, namespace: str, events: int = 10) -> dict:
         redis.RedisError: Redis unreachable or failing.
     """
     out = {}
-    for m in sorted(_s(x) for x in r.smembers(schema.models_key(namespace))):
+    for m in sorted(schema.as_str(x) for x in r.smembers(schema.models_key(namespace))):
         k = schema.Keys(namespace, m)
         backends = []
         for bid in r.zrange(k.backends, 0, -1):
-            rec = r.hgetall(k.backend(_s(bid)))
+            rec = r.hgetall(k.backend(schema.as_str(bid)))
             if rec:
-                backends.append({_s(a): _s(b) for a, b in rec.items()})
+                backends.append({schema.as_str(a): schema.as_str(b) for a, b in rec.items()})
         evs = []
         for _, f in r.xrevrange(k.events, count=events):
             try:
                 e = schema.decode_event(f)
             except Exception:  # a foreign or corrupt entry: show its plain fields only
-                e = {_s(a): _s(b) for a, b in f.items() if _s(a) != "data"}
+                e = {schema.as_str(a): schema.as_str(b) for a, b in f.items() if schema.as_str(a) != "data"}
             data = e.pop("data", {}) or {}
             e.update({kk: data[kk] for kk in _EVENT_FIELDS if kk in data})
             evs.append(e)
