@@ -13,7 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from mlxgw import schema
-from mlxgw.util import parse_bytes, redact_url
+from mlxgw.util import parse_bytes, positive_int, redact_url
 
 from . import sim
 from .cache import PromptCache
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Redis holding the ownership index and registry (default: env MLXGW_REDIS_URL, else redis://127.0.0.1:6379/0)")
     p.add_argument("--namespace", default=schema.DEFAULT_NAMESPACE,
                    help="Redis key prefix shared with the gateways (default %(default)s; docs/redis-schema.md)")
-    p.add_argument("--block-size", type=int, default=schema.DEFAULT_BLOCK_SIZE, help="tokens per block")
+    p.add_argument("--block-size", type=positive_int, default=schema.DEFAULT_BLOCK_SIZE, help="tokens per block")
     p.add_argument("--cache-entries", type=int, default=16, help="most prompt-cache entries")
     p.add_argument("--cache-bytes", type=str, default="4GB", help="prompt-cache byte budget, e.g. 512MB, 8GB")
     p.add_argument("--min-hit-tokens", type=int, default=1000, help="floor of a good hit (exo PR 1817)")

@@ -13,6 +13,7 @@ top of its own work.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import aiohttp
@@ -61,4 +62,8 @@ def start(upstream: str, env: dict, timeout: float = 30.0):
 
 
 if __name__ == "__main__":
-    web.run_app(make_app(sys.argv[2]), host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("port", type=int, help="port to listen on (127.0.0.1)")
+    p.add_argument("upstream", help="base URL requests are passed to, e.g. http://127.0.0.1:8100")
+    a = p.parse_args()
+    web.run_app(make_app(a.upstream), host="127.0.0.1", port=a.port, access_log=None, print=None)

@@ -73,14 +73,15 @@ def _backend_totals(stack: Stack) -> dict:
 
 
 async def replay(args) -> dict:
+    """One replay of the first ``args.requests`` trace requests through a fresh stack.
+
+    Raises:
+        FileNotFoundError: the trace is missing (``main`` checks first).
+    """
     from mlxgw.demo_model import ensure_demo_model
 
     model_path = args.model or str(ensure_demo_model("tiny"))
-    try:
-        reqs = load_trace(args.trace, args.requests)
-    except FileNotFoundError as e:
-        print(e, file=sys.stderr)
-        return 2
+    reqs = load_trace(args.trace, args.requests)
     lo, hi = vocab_range(model_path)
     mapper = BlockMapper(args.k, lo, hi)
     prompts = [mapper.prompt(r.hash_ids) for r in reqs]
@@ -199,6 +200,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the JSON result here")
     p.add_argument("--screenshot", help="after the run, save a PNG of the gateway's /dashboard here (needs chromium)")
     args = p.parse_args(argv)
+    try:
+        load_trace(args.trace, 1)  # missing: one clear message and exit 2, before any stack starts
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
+        return 2
     if args.policies:
         return compare(args)
     res = asyncio.run(replay(args))

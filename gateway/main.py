@@ -13,7 +13,7 @@ from aiohttp import web
 
 from mlxgw import schema
 
-from mlxgw.util import parse_bytes, redact_url
+from mlxgw.util import parse_bytes, positive_int, redact_url
 
 from .app import GatewayConfig, make_app
 from .auth import AuthConfigError, check_exposure, read_keys
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--namespace", default=schema.DEFAULT_NAMESPACE)
-    p.add_argument("--block-size", type=int, default=schema.DEFAULT_BLOCK_SIZE)
+    p.add_argument("--block-size", type=positive_int, default=schema.DEFAULT_BLOCK_SIZE)
     p.add_argument("--lookup-deadline-ms", type=float, default=10.0,
                    help="abandon the Redis lookup after this long and route on load")
     p.add_argument("--max-retries", type=int, default=2, help="other backends tried before the first byte")

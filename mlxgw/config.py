@@ -144,20 +144,38 @@ def _type_errors(cls, values: dict, where: str) -> None:
 
 _WHAT = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
+# Numbers that must be at least 1; every other number must not be negative (0 turns a
+# limit or a feature off). A block size of 0 started a stack whose every request failed.
+_AT_LEAST_ONE = ("block_size", "backends", "cache_entries", "prefill_concurrency")
+
+
+def _range_errors(values: dict, where: str) -> None:
+    """Each number in ``values`` is at least 1 (``_AT_LEAST_ONE``) or at least 0."""
+    for k, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        lo = 1 if k in _AT_LEAST_ONE else 0
+        if v < lo:
+            raise ValueError(f"{where}: {k} must be at least {lo}, not {v!r}")
+
 
 def validate(cfg: ServeConfig) -> None:
     """Check a config (file and flags merged) before anything starts.
 
     Raises:
-        ValueError: a value of the wrong type, a size that does not parse, fewer than one
-            backend, a port out of range, two models with one name or overlapping ports.
+        ValueError: a value of the wrong type, a negative number (or below 1 where 0 makes
+            no sense: block size, backends, cache entries, prefill concurrency), a size that
+            does not parse, a port out of range, two models with one name or overlapping ports.
     """
     from gateway.route import RoutingConfig
 
     from .util import parse_bytes
 
-    _type_errors(ServeConfig, {k: getattr(cfg, k) for k in GATEWAY_KEYS + ("namespace",)}, "[gateway]")
+    gateway = {k: getattr(cfg, k) for k in GATEWAY_KEYS + ("namespace",)}
+    _type_errors(ServeConfig, gateway, "[gateway]")
+    _range_errors(gateway, "[gateway]")
     _type_errors(RoutingConfig, cfg.routing, "[routing]")
+    _range_errors(cfg.routing, "[routing]")
     for name, size in [("[gateway] max_body_bytes", cfg.max_body_bytes)] + \
             [(f"[[models]] {m.name or m.path or 'demo'} cache_bytes", m.cache_bytes) for m in cfg.models]:
         try:
@@ -171,8 +189,7 @@ def validate(cfg: ServeConfig) -> None:
     for m in cfg.models:
         where = f"[[models]] {m.name or m.path or 'demo'}"
         _type_errors(ModelConfig, vars(m), where)
-        if m.backends < 1:
-            raise ValueError(f"{where}: backends must be at least 1, not {m.backends}")
+        _range_errors(vars(m), where)
         if m.name and m.name in names:
             raise ValueError(f"{where}: two models are named {m.name!r}")
         names.add(m.name)

@@ -29,6 +29,20 @@ def redact_url(url: str) -> str:
     return url
 
 
+def positive_int(s: str) -> int:
+    """argparse type: an integer >= 1 (a block size of 0 or less would only fail
+    at the first request). Raises argparse.ArgumentTypeError otherwise."""
+    import argparse
+
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {v}")
+    return v
+
+
 def parse_bytes(s: str | int) -> int:
     """``'512MB'``, ``'8GB'``, ``'1.5GiB'``, ``'1000000'`` -> bytes.
 

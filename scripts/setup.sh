@@ -30,7 +30,7 @@ if [[ "${1:-}" == *test* ]] && ! command -v chromium >/dev/null 2>&1 && ! comman
     || echo "chromium install failed; the dashboard browser test will be skipped" >&2
 fi
 
-# Python 3.10+ (pyproject.toml): $PYTHON, else the first of python3 / python3.13 ... python3.10
+# Python 3.10+ (pyproject.toml): $PYTHON, else the first of python3 / python3.14 ... python3.10
 # that is new enough (macOS's /usr/bin/python3 is 3.9).
 py_ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1; }
 if [[ -n "${PYTHON:-}" ]]; then
@@ -38,7 +38,7 @@ if [[ -n "${PYTHON:-}" ]]; then
   py_ok "$PY" || { echo "PYTHON=$PY is not Python 3.10 or newer" >&2; exit 1; }
 else
   PY=""
-  for c in python3 python3.13 python3.12 python3.11 python3.10; do
+  for c in python3 python3.14 python3.13 python3.12 python3.11 python3.10; do
     if command -v "$c" >/dev/null 2>&1 && py_ok "$c"; then PY=$c; break; fi
   done
   [[ -n "$PY" ]] || { echo "mlxgw needs Python 3.10 or newer: install one (e.g. brew install python@3.12)," \

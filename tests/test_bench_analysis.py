@@ -260,3 +260,18 @@ def test_ab_gateways_sees_which_checkout_a_gateway_imports(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     assert code_root(env, tmp_path) == tmp_path.resolve()
     assert code_root(env, ROOT) == ROOT.resolve()  # started from this checkout: its code wins
+
+
+@pytest.mark.parametrize("script", ["replay", "replay_routers"])
+def test_a_missing_trace_is_one_message_and_exit_2(script, tmp_path):
+    """Both replays stop before starting anything (replay.py printed the message once per
+    policy, then a TypeError, before session 22)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, f"bench/{script}.py", "--trace", str(tmp_path / "none.jsonl"), "--requests", "10"]
+    if script == "replay":
+        cmd += ["--policies", "cache_aware,round_robin"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("not found: get the Mooncake traces") == 1 and "Traceback" not in r.stderr, r.stderr

@@ -67,6 +67,10 @@ BAD = [  # (toml, message): each once reached a traceback, a child's argparse du
     ('[gateway]\nport = 8101\n', "[gateway] port (8101-8101) and [[models]] demo backend ports (8100-8101) overlap"),
     ('[[models]]\nname = "a"\nport = 65535\n', "65535-65536 is outside 1-65535"),
     ('[redis]\nurl = ""\n', "[redis] url is empty"),
+    ('[gateway]\nblock_size = -3\n', "[gateway]: block_size must be at least 1, not -3"),
+    ('[[models]]\nname = "a"\ncache_entries = 0\n', "[[models]] a: cache_entries must be at least 1, not 0"),
+    ('[routing]\nload_weight = -0.5\n', "[routing]: load_weight must be at least 0, not -0.5"),
+    ('[gateway]\nrate_limit_rpm = -1\n', "[gateway]: rate_limit_rpm must be at least 0, not -1"),
 ]
 
 
@@ -92,6 +96,13 @@ def test_serve_exits_2_on_a_bad_value(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mlxgw", "serve", "--backends", "0"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "backends must be at least 1, not 0" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "mlxgw", "serve", "--block-size", "0"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "block_size must be at least 1, not 0" in r.stderr, r.stderr
+    for cmd in ("gateway", "backend"):  # their own flag: refused by argparse, not at the first request
+        r = subprocess.run([sys.executable, "-m", "mlxgw", cmd, "--block-size", "0"], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and "--block-size: must be at least 1, not 0" in r.stderr, (cmd, r.stderr)
     for cmd in ("serve", "gateway", "status"):  # an empty URL (an unset variable) is not "the default"
         r = subprocess.run([sys.executable, "-m", "mlxgw", cmd, "--redis-url", ""], capture_output=True, text=True,
                            timeout=120)
