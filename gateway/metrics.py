@@ -57,8 +57,12 @@ class _StateCollector:
         yield up
         run = GaugeMetricFamily("mlxgw:gateway_num_requests_running", "Requests this gateway is forwarding, per backend.",
                                 labels=["backend"])
-        for b, (n, _) in sorted(st.proxy.inflight.view().items()):
-            run.add_metric([b], n)
+        # Registered backends (0 when idle) and any still answering; a backend gone from the
+        # registry with nothing in flight drops out instead of showing 0 for good.
+        inflight = st.proxy.inflight.view()
+        live = {c.backend_id for cs in st.index.snapshot.values() for c in cs}
+        for b in sorted(live | {b for b, (n, _) in inflight.items() if n}):
+            run.add_metric([b], inflight.get(b, (0, 0))[0])
         yield run
         r = CounterMetricFamily("mlxgw:gateway_retries", "Requests re-sent to the next backend before the first byte.")
         r.add_metric([], st.proxy.retries)

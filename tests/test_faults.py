@@ -43,6 +43,12 @@ def test_killed_idle_backend_no_client_error(make_stack):
     # The operator hears of it once (the gateway said nothing before).
     log = s.gateway.log_path.read_text()
     assert log.count(f"backend {owner} (demo-tiny) left the registry") == 1, log[-2000:]
+    # Its per-backend series leaves /metrics (it stayed at 0 for good); the survivor's stays.
+    import urllib.request
+
+    metrics = urllib.request.urlopen(s.gateway.url + "/metrics", timeout=5).read().decode()
+    running = [ln.split()[0] for ln in metrics.splitlines() if ln.startswith("mlxgw:gateway_num_requests_running{")]
+    assert running == [f'mlxgw:gateway_num_requests_running{{backend="{survivor.name}"}}'], running
 
 
 def test_dead_only_backend_gives_a_clear_503_and_one_warning(make_stack):
