@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any, Optional
 
 import numpy as np
@@ -99,6 +100,13 @@ def json_grammar(schema: dict) -> str:
     return f"start: answer\nanswer: %json {_compact(schema)}"
 
 
+def _reason(error: str) -> str:
+    """llguidance's compile error without its position and grammar dump: ``at 3(8): failed
+    to compile JSON schema: Invalid type: x\n 1 | start: <[3066]> ...`` -> ``Invalid type: x``."""
+    first = error.strip().splitlines()[0] if error.strip() else error
+    return re.sub(r"^at \d+\(\d+\): (failed to compile JSON schema: )?", "", first)
+
+
 class GrammarMask:
     """mlx-lm logits processor: ``(tokens, logits) -> logits`` with disallowed tokens at -inf.
 
@@ -114,7 +122,8 @@ class GrammarMask:
         lt = _lltokenizer(tokenizer)
         self.matcher = LLMatcher(lt, LLMatcher.grammar_from_lark(grammar))
         if self.matcher.is_error():
-            raise RequestError(f"cannot constrain the answer to {what}: {self.matcher.get_error()}", param=param)
+            raise RequestError(f"cannot constrain the answer to {what}: {_reason(self.matcher.get_error())}",
+                               param=param)
         self.mask = lln.allocate_token_bitmask(1, lt.vocab_size)
         self.eos = list(tokenizer.eos_token_ids)
         self.calls = 0

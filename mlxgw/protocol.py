@@ -231,7 +231,7 @@ def _validate_messages(messages) -> list:
                     raise RequestError(f"content part type '{kind}' is not supported (text models)",
                                        param=f"{q}.type")
                 field = "refusal" if kind == "refusal" else "text"
-                if field in part and not isinstance(part[field], str):
+                if not isinstance(part.get(field), str):  # missing too: OpenAI's API requires it
                     raise RequestError(f"'{q}.{field}' must be a string", param=f"{q}.{field}")
         for name in ("name", "tool_call_id"):
             optional_field(m, name, (str,), "a string", p)
@@ -251,11 +251,36 @@ def _validate_messages(messages) -> list:
     return messages
 
 
+def check_tool(name, schema, seen: set, param: str, schema_param: str) -> None:
+    """One function tool: a non-empty name not used by an earlier tool (``seen``, updated)
+    and a JSON schema (or none) that describes an object, the call's arguments, as the
+    OpenAI and Anthropic APIs require: a forced call on a string schema produced arguments
+    that were a JSON string, which no client can read (session 22's SDK trial).
+
+    Raises:
+        RequestError: 400 naming ``param`` (the name) or ``schema_param``.
+    """
+    if not isinstance(name, str) or not name:
+        raise RequestError(f"'{param}' must be a non-empty string", param=param)
+    if name in seen:
+        raise RequestError(f"'{param}': two tools are named '{name}'", param=param)
+    seen.add(name)
+    if schema is None:
+        return
+    if not isinstance(schema, dict):
+        raise RequestError(f"'{schema_param}' must be an object", param=schema_param)
+    kind = schema.get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        raise RequestError(f"'{schema_param}' must be a JSON Schema of type 'object' (the call's arguments), "
+                           f"not {kind!r}", param=schema_param)
+
+
 def _validate_tools(tools) -> Optional[list]:
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise RequestError("'tools' must be an array of objects", param="tools")
+    seen: set = set()
     for i, t in enumerate(tools):
         p = f"tools[{i}]"
         if not isinstance(t, dict):
@@ -263,10 +288,7 @@ def _validate_tools(tools) -> Optional[list]:
         fn = t.get("function")
         if not isinstance(fn, dict):
             raise RequestError(f"'{p}.function' must be an object", param=f"{p}.function")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise RequestError(f"'{p}.function.name' must be a non-empty string", param=f"{p}.function.name")
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise RequestError(f"'{p}.function.parameters' must be an object", param=f"{p}.function.parameters")
+        check_tool(fn.get("name"), fn.get("parameters"), seen, f"{p}.function.name", f"{p}.function.parameters")
     return tools or None
 
 
@@ -366,11 +388,9 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
     tc = body.get("tool_choice")
     if tc is not None and not (isinstance(tc, dict) or tc in ("none", "auto", "required")):
         raise RequestError("'tool_choice' must be 'none', 'auto', 'required' or an object", param="tool_choice")
-    max_tokens = body.get("max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = body.get("max_tokens")
-    if max_tokens is not None:
-        max_tokens = number_field({"max_tokens": max_tokens}, "max_tokens", None, lo=1, integer=True)
+    # The newer name wins when both are sent; an error names the field the client sent.
+    mt_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = number_field(body, mt_field, None, lo=1, integer=True)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -405,7 +425,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         stream=stream,
         include_usage=include_usage,
         max_tokens=max_tokens,
-        temperature=float(number_field(body, "temperature", 0.0, lo=0, hi=100)),
+        temperature=float(number_field(body, "temperature", 0.0, lo=0, hi=2)),  # OpenAI's range
         top_p=float(number_field(body, "top_p", 1.0, lo=0, hi=1)),
         top_k=int(number_field(body, "top_k", 0, lo=0, integer=True)),
         min_p=float(number_field(body, "min_p", 0.0, lo=0, hi=1)),

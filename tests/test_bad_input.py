@@ -53,6 +53,19 @@ CASES = [
     ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}],
       "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "nonsense"}}}},
      400, "response_format", None),
+    # Session 22's SDK trial: each was answered 200 (a string schema forced arguments that were
+    # a JSON string) or named another field.
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     400, "tools[0].function.parameters", None),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]},
+     400, "tools[1].function.name", None),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     400, "max_completion_tokens", None),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, "temperature", None),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     400, "messages[0].content[0].text", None),
 ]
 
 
@@ -63,6 +76,8 @@ def test_bad_requests_get_openai_errors(stack1, body, status, param, code):
     assert err["type"] == "invalid_request_error" and err["message"]
     assert err["param"] == param
     assert err["code"] == code
+    if param == "response_format":  # the compiler's reason, not its position and grammar dump
+        assert err["message"].endswith("Invalid type: nonsense") and "<[" not in err["message"], err
 
 
 def test_prompt_longer_than_context(stack1):

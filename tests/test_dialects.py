@@ -224,6 +224,11 @@ def test_responses_stream_and_function_call(stack):
     assert whole.status == "completed" and [it.status for it in whole.output] == ["completed"]
     assert done.usage.output_tokens == 6
     assert 0 <= done.usage.input_tokens_details.cached_tokens <= done.usage.input_tokens - 1
+    # The SDK's own model, strictly: cache_write_tokens is a required field (it was missing).
+    from openai.types.responses import Response
+
+    for r in (done, full, whole):
+        assert Response.model_validate(r.to_dict()).usage.input_tokens_details.cache_write_tokens == 0
 
     with client.responses.stream(model="demo-tiny", input="Weather?", tools=RESPONSES_TOOLS,
                                  tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=64) as s:
@@ -325,6 +330,16 @@ MALFORMED = [  # (path, body, param): each once crashed the conversion (500) or 
     ("/v1/responses", {"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ("/v1/responses", {"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
     ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema", "name": "w"}}}, "text.format.schema"),
+    # Session 22's SDK trial: each was answered 200.
+    ("/v1/messages", {"messages": [USER], "tools": [{"name": "f", "input_schema": {"type": "string"}}],
+                      "tool_choice": {"type": "tool", "name": "f"}}, "tools[0].input_schema"),
+    ("/v1/messages", {"messages": [USER], "tools": [{"name": "f"}]}, "tools[0].input_schema"),
+    ("/v1/messages", {"messages": [USER], "temperature": 3}, "temperature"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ("/v1/messages", {"messages": [USER], "metadata": "x"}, "metadata"),
+    ("/v1/responses", {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c1"}]}, "input[0].output"),
+    ("/v1/responses", {"input": "x", "store": "x"}, "store"),
 ]
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from mlxgw.protocol import RequestError, optional_field
+from mlxgw.protocol import RequestError, number_field, optional_field
 
 from .base import (ChatTransform, chat_message, chat_request, function_tools, new_id, part_text, sse_event, text_of,
                    with_stream)
@@ -139,7 +139,7 @@ def convert_messages(system, messages) -> list[dict]:
 def convert_tools(tools) -> Optional[list[dict]]:
     """Anthropic custom tools -> OpenAI function tools; server tools (web_search,
     bash, ...) are the client's or Anthropic's business and are dropped."""
-    return function_tools(tools, lambda t: t.get("type") in (None, "custom"), "input_schema")
+    return function_tools(tools, lambda t: t.get("type") in (None, "custom"), "input_schema", schema_required=True)
 
 
 def convert_tool_choice(tc):
@@ -173,9 +173,12 @@ def to_chat(body: dict, count_only: bool = False) -> dict:
     if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
         raise RequestError("'max_tokens' is required and must be a positive integer", param="max_tokens")
     out["max_tokens"] = mt
-    for k in ("temperature", "top_p", "top_k"):
-        if body.get(k) is not None:
+    # Anthropic's ranges (OpenAI's temperature goes to 2); the values pass through as they are.
+    for k, lo, hi, integer in (("temperature", 0, 1, False), ("top_p", 0, 1, False), ("top_k", 0, None, True)):
+        if number_field(body, k, None, lo=lo, hi=hi, integer=integer) is not None:
             out[k] = body[k]
+    for k in ("metadata", "thinking"):  # accepted and not used here, but not any value
+        optional_field(body, k, (dict,), "an object")
     stops = body.get("stop_sequences")
     if stops is not None:
         if not (isinstance(stops, list) and all(isinstance(x, str) for x in stops)):

@@ -19,7 +19,7 @@ from typing import Mapping, Optional
 import uuid
 
 
-def function_tools(tools, keep, schema_field: str) -> Optional[list[dict]]:
+def function_tools(tools, keep, schema_field: str, schema_required: bool = False) -> Optional[list[dict]]:
     """A dialect's tool list -> OpenAI function tools (None when there are none).
 
     ``keep(t)`` selects the client's own tools (built-in/server tools are
@@ -30,24 +30,26 @@ def function_tools(tools, keep, schema_field: str) -> Optional[list[dict]]:
     the same tokens in every dialect, or the prefix cache misses.
 
     Raises:
-        RequestError: 400 for a malformed list, a tool without a name or a
-            schema that is not an object (``param`` names the client's field).
+        RequestError: 400 for a malformed list, a tool without a name or with the
+            name of an earlier one, a schema that is not an object schema, or no
+            schema when ``schema_required`` (Anthropic's ``input_schema``); ``param``
+            names the client's field (`mlxgw.protocol.check_tool`).
     """
-    from mlxgw.protocol import RequestError
+    from mlxgw.protocol import RequestError, check_tool
 
     if tools is None:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise RequestError("'tools' must be an array of objects", param="tools")
     out = []
+    seen: set = set()
     for i, t in enumerate(tools):
         if not keep(t):
             continue
-        if not isinstance(t.get("name"), str) or not t["name"]:
-            raise RequestError(f"'tools[{i}].name' must be a non-empty string", param=f"tools[{i}].name")
         schema = t.get(schema_field)
-        if schema is not None and not isinstance(schema, dict):
-            raise RequestError(f"'tools[{i}].{schema_field}' must be an object", param=f"tools[{i}].{schema_field}")
+        if schema is None and schema_required:
+            raise RequestError(f"'tools[{i}].{schema_field}' is required", param=f"tools[{i}].{schema_field}")
+        check_tool(t.get("name"), schema, seen, f"tools[{i}].name", f"tools[{i}].{schema_field}")
         fn = {"name": t["name"]}
         if t.get("description"):
             fn["description"] = t["description"]
@@ -298,14 +300,14 @@ def text_of(content, param: str, types=("text", "input_text", "output_text")) ->
 
 
 def part_text(part: dict, param: str) -> str:
-    """A text part's ``text`` (missing: empty).
+    """A text part's ``text`` (required, as the OpenAI and Anthropic APIs do).
 
     Raises:
-        RequestError: 400 when it is present and not a string.
+        RequestError: 400 when it is missing or not a string.
     """
     from mlxgw.protocol import RequestError
 
-    text = part.get("text", "")
+    text = part.get("text")
     if not isinstance(text, str):
         raise RequestError(f"'{param}.text' must be a string", param=f"{param}.text")
     return text

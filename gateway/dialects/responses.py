@@ -67,17 +67,22 @@ def convert_input(instructions, items) -> list[dict]:
         elif kind == "function_call":
             if not isinstance(it.get("name"), str) or not it["name"]:
                 raise RequestError(f"'{p}.name' must be a non-empty string", param=f"{p}.name")
-            for key in ("arguments", "call_id"):
-                optional_field(it, key, (str,), "a string", p)
-            call = {"id": it.get("call_id") or it.get("id"), "type": "function",
-                    "function": {"name": it["name"], "arguments": it.get("arguments") or "{}"}}
+            for key in ("arguments", "call_id"):  # both required, as in OpenAI's API
+                if not isinstance(it.get(key), str):
+                    raise RequestError(f"'{p}.{key}' must be a string", param=f"{p}.{key}")
+            call = {"id": it["call_id"], "type": "function",
+                    "function": {"name": it["name"], "arguments": it["arguments"] or "{}"}}
             prev = out[-1] if out else None
             if prev is not None and prev["role"] == "assistant":
                 prev.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": text_of(it.get("output"), f"{p}.output")})
+            if not isinstance(it.get("call_id"), str):
+                raise RequestError(f"'{p}.call_id' must be a string", param=f"{p}.call_id")
+            if it.get("output") is None:
+                raise RequestError(f"'{p}.output' is required", param=f"{p}.output")
+            out.append({"role": "tool", "tool_call_id": it["call_id"], "content": text_of(it["output"], f"{p}.output")})
         elif kind == "reasoning":
             continue
         elif kind == "item_reference":
@@ -122,6 +127,9 @@ def to_chat(body: dict) -> dict:
     for k in ("temperature", "top_p"):
         if body.get(k) is not None:
             out[k] = body[k]
+    optional_field(body, "store", (bool,), "a boolean")  # accepted and not used (stateless), but not any value
+    for k in ("reasoning", "metadata"):
+        optional_field(body, k, (dict,), "an object")
     fmt = response_format(body.get("text"))
     if fmt is not None:
         out["response_format"] = fmt
@@ -154,7 +162,10 @@ def response_format(text) -> Optional[dict]:
 
 
 def usage_of(prompt: int, cached: int, output: int) -> dict:
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": output,
+    # cache_write_tokens: required by the openai SDK's ResponseUsage (3.60 at least); the prefix
+    # cache writes implicitly, so 0 (as Anthropic's cache_creation_input_tokens).
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens": output,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + output}
 
 
