@@ -49,6 +49,7 @@ class AnswerBuilder:
         self.tool_text = ""
         self.made_tool_call = False
         self.stopped = False
+        self.stop_string: Optional[str] = None  # the stop sequence that ended the answer
 
     def feed(self, text: str, final: Optional[str] = None) -> Piece:
         """Consume decoded text; ``final`` is the engine's finish reason when ending."""
@@ -88,7 +89,7 @@ class AnswerBuilder:
         for s in self.stop:
             i = self.buf.find(s)
             if i >= 0:
-                self.stopped = True
+                self.stopped, self.stop_string = True, s
                 text, self.buf = self.buf[:i], ""
                 return text
         if final or self.hold == 0:
@@ -134,7 +135,16 @@ class OpenAIRenderer:
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
 
-    def chunk(self, piece: Piece, finish_reason: Optional[str] = None, first: bool = False) -> dict:
+    @staticmethod
+    def _choice(choice: dict, stop_reason: Optional[str]) -> list[dict]:
+        # vLLM's extension: the stop string that ended the answer (Anthropic's stop_sequence
+        # is made from it); absent when none did.
+        if stop_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return [choice]
+
+    def chunk(self, piece: Piece, finish_reason: Optional[str] = None, first: bool = False,
+              stop_reason: Optional[str] = None) -> dict:
         out = self._base()
         if self.kind == "chat":
             delta = {}
@@ -146,9 +156,11 @@ class OpenAIRenderer:
                 delta["reasoning_content"] = piece.reasoning
             if piece.tool_calls:
                 delta["tool_calls"] = piece.tool_calls
-            out["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+            out["choices"] = self._choice({"index": 0, "delta": delta, "finish_reason": finish_reason,
+                                           "logprobs": None}, stop_reason)
         else:
-            out["choices"] = [{"index": 0, "text": piece.content, "finish_reason": finish_reason, "logprobs": None}]
+            out["choices"] = self._choice({"index": 0, "text": piece.content, "finish_reason": finish_reason,
+                                           "logprobs": None}, stop_reason)
         return out
 
     def stream_chunks(self, piece: Piece, first: bool = False) -> list[dict]:
@@ -178,7 +190,8 @@ class OpenAIRenderer:
         out["usage"] = usage
         return out
 
-    def full(self, content: str, reasoning: str, tool_calls: list, finish_reason: str, usage: dict) -> dict:
+    def full(self, content: str, reasoning: str, tool_calls: list, finish_reason: str, usage: dict,
+             stop_reason: Optional[str] = None) -> dict:
         out = self._base()
         if self.kind == "chat":
             msg = {"role": "assistant", "content": content or (None if tool_calls else "")}
@@ -186,8 +199,10 @@ class OpenAIRenderer:
                 msg["reasoning_content"] = reasoning
             if tool_calls:
                 msg["tool_calls"] = tool_calls
-            out["choices"] = [{"index": 0, "message": msg, "finish_reason": finish_reason, "logprobs": None}]
+            out["choices"] = self._choice({"index": 0, "message": msg, "finish_reason": finish_reason,
+                                           "logprobs": None}, stop_reason)
         else:
-            out["choices"] = [{"index": 0, "text": content, "finish_reason": finish_reason, "logprobs": None}]
+            out["choices"] = self._choice({"index": 0, "text": content, "finish_reason": finish_reason,
+                                           "logprobs": None}, stop_reason)
         out["usage"] = usage
         return out

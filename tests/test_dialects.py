@@ -99,6 +99,27 @@ def test_anthropic_messages_streamed_and_not(stack):
     assert final.usage.input_tokens > 0 and final.usage.input_tokens < 40
 
 
+def test_anthropic_stop_sequence_is_reported(stack):
+    """A stop sequence ends the answer with stop_reason "stop_sequence" and names it, as
+    Anthropic's API does (it said end_turn and null before session 22). The demo model is
+    greedy, so the stop is taken from its own unstopped answer."""
+    client = _ant(stack)
+    msgs = [{"role": "user", "content": "go on"}]
+    text = client.messages.create(model="demo-tiny", max_tokens=12, messages=msgs).content[0].text
+    stop = text[4:8]
+    before = text[: text.index(stop)]
+    m = client.messages.create(model="demo-tiny", max_tokens=12, messages=msgs, stop_sequences=["\x00none", stop])
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop), m
+    assert "".join(b.text for b in m.content) == before
+    with client.messages.stream(model="demo-tiny", max_tokens=12, messages=msgs, stop_sequences=[stop]) as st:
+        final = st.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop), final
+    assert "".join(b.text for b in final.content) == before
+    # Without a matching stop sequence: no stop_sequence.
+    m = client.messages.create(model="demo-tiny", max_tokens=12, messages=msgs, stop_sequences=["\x00none"])
+    assert (m.stop_reason, m.stop_sequence) == ("max_tokens", None)
+
+
 def test_anthropic_tool_use_round_trip(stack):
     client = _ant(stack)
     msgs = [{"role": "user", "content": "What is the weather in Oslo?"}]

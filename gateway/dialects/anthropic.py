@@ -18,8 +18,9 @@ Messages answer. Shapes follow Anthropic's API reference ("Messages",
   ``cache_read_input_tokens``; ``cache_creation_input_tokens`` is 0 (the
   backend caches without being asked).
 
-A text stop sequence ends the answer with ``stop_reason`` ``end_turn`` (the
-backend reports it as ``stop`` like an end of sequence).
+A text stop sequence ends the answer with ``stop_reason`` ``stop_sequence`` and
+names it: the backend's chat choice carries the stop string as ``stop_reason``
+(vLLM's extension; `stop_of`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from typing import Optional
 
 from mlxgw.protocol import RequestError, number_field, optional_field
 
-from .base import (ChatTransform, chat_message, chat_request, function_tools, new_id, part_text, sse_event, text_of,
-                   with_stream)
+from .base import (ChatTransform, chat_message, chat_request, function_tools, new_id, part_text, sse_event,
+                   stop_string, text_of, with_stream)
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -187,6 +188,14 @@ def to_chat(body: dict, count_only: bool = False) -> dict:
     return with_stream(out, body)
 
 
+def stop_of(finish_reason: Optional[str], stop: Optional[str]) -> tuple[str, Optional[str]]:
+    """Anthropic's (stop_reason, stop_sequence) from the chat finish reason and the stop
+    sequence the backend says ended the answer (``stop_sequence`` when one did)."""
+    if (finish_reason or "stop") == "stop" and stop is not None:
+        return "stop_sequence", stop
+    return STOP_REASONS.get(finish_reason or "stop", "end_turn"), None
+
+
 def usage_of(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
     return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
@@ -248,11 +257,11 @@ class MessagesTransform(ChatTransform):
         return self._delta({"type": "input_json_delta", "partial_json": fragment})
 
     def on_done(self) -> bytes:
-        reason = STOP_REASONS.get(self.finish_reason or "stop", "end_turn")
+        reason, seq = stop_of(self.finish_reason, self.stop_string)
         usage = usage_of(self.prompt_tokens, self.cached_tokens, self.output_tokens)
         return (self._close()
                 + sse_event("message_delta", {"type": "message_delta",
-                                              "delta": {"stop_reason": reason, "stop_sequence": None},
+                                              "delta": {"stop_reason": reason, "stop_sequence": seq},
                                               "usage": usage})
                 + sse_event("message_stop", {"type": "message_stop"}))
 
@@ -275,8 +284,9 @@ class MessagesTransform(ChatTransform):
             content.append({"type": "tool_use", "id": tc.get("id") or new_id("toolu_"), "name": fn.get("name"),
                             "input": args})
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        reason, seq = stop_of(reason, stop_string(completion))
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": STOP_REASONS.get(reason or "stop", "end_turn"), "stop_sequence": None,
+                "stop_reason": reason, "stop_sequence": seq,
                 "usage": usage_of(int(usage.get("prompt_tokens", 0)), cached, int(usage.get("completion_tokens", 0)))}
 
     def convert_error(self, err: dict, status: int) -> dict:

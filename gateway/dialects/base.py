@@ -134,6 +134,7 @@ class ChatTransform:
         self.status = 200
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.stop_string: Optional[str] = None
         self.buffered = not stream
         self._buf = b""
         self._body = bytearray()
@@ -229,6 +230,8 @@ class ChatTransform:
                     out.append(self.on_tool_args(idx, fn["arguments"]))
             if ch.get("finish_reason"):
                 self.finish_reason = ch["finish_reason"]
+            if isinstance(ch.get("stop_reason"), str):
+                self.stop_string = ch["stop_reason"]  # the backend's: which stop sequence ended it
         return b"".join(out)
 
     @property
@@ -268,6 +271,13 @@ def chat_message(completion: dict) -> tuple[dict, Optional[str], dict]:
     """(message, finish_reason, usage) of a non-streamed OpenAI chat completion."""
     ch = (completion.get("choices") or [{}])[0]
     return ch.get("message") or {}, ch.get("finish_reason"), completion.get("usage") or {}
+
+
+def stop_string(completion: dict) -> Optional[str]:
+    """The stop sequence that ended a non-streamed answer (the backend's vLLM-style
+    ``choices[0].stop_reason``), or None."""
+    s = (completion.get("choices") or [{}])[0].get("stop_reason")
+    return s if isinstance(s, str) else None
 
 
 def text_of(content, param: str, types=("text", "input_text", "output_text")) -> str:
