@@ -352,6 +352,7 @@ async def handle_health(request: web.Request) -> web.Response:
         "backends": live,
         "lookups": st.index.lookups,
         "events_dropped": st.index.events_dropped,
+        "redis_data_losses": st.index.data_losses,  # Redis found empty (restart, flush): gateway.index
         "retries": st.proxy.retries,
         "circuit_open": sorted(st.proxy.open),
         **st.counters,

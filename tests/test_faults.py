@@ -178,6 +178,7 @@ def test_redis_losing_its_data_keeps_every_backend_routable(demo_model):
         while time.time() < deadline and "Redis lost its data" not in s.gateway.log_path.read_text():
             time.sleep(0.1)
         assert "Redis lost its data" in s.gateway.log_path.read_text()
+        assert get_json(s.gateway.url + "/health")["redis_data_losses"] == 1
     finally:
         s.stop()
         r.cleanup()
