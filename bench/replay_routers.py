@@ -28,7 +28,7 @@ the same scale (`sim_unit_flags`) so they mean the same work. Arrival times are 
 ``--compress``; the sim runs ``--sim-speed`` times faster than the cited
 hardware, chosen so the offered work is ``--target-load`` of the cluster's
 capacity (printed). Latencies are wall-clock on this machine; multiply by the
-printed sim speed for seconds on the cited hardware.
+printed sim speed for milliseconds on the cited hardware.
 
 Metrics: hit ratio from the backends' own counters, the oracle (one infinite
 cache), TTFT and end-to-end p50/p99 (client, streaming), throughput, max/mean
@@ -639,7 +639,7 @@ def main(argv=None) -> int:
     cmd = "python bench/replay_routers.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     print(f"trace {args.trace}: {len(reqs)} requests over {span:.0f} s; oracle hit ratio {o_hit / o_total:.3f}")
     print(f"offered load at real speed on {args.backends} backends: {load:.2f}; compress {args.compress:g}x, "
-          f"sim speed {speed:.1f}x (latencies x {speed:.1f} = seconds on the cited hardware)")
+          f"sim speed {speed:.1f}x (latencies x {speed:.1f} = the same unit on the cited hardware)")
     print(f"KV working set {ws / 2**30:.1f} GB; token scale {scale:g}; our routing settings in sim ids: "
           f"{' '.join(sim_unit_flags(scale))}")
     budgets = [float(x) for x in args.budgets.split(",")]
@@ -685,7 +685,7 @@ def main(argv=None) -> int:
             f"target {args.target_load:g}); KV working set {ws / 2**30:.1f} GB; token scale {scale:g} (our "
             f"gateway's token-denominated defaults converted to sim ids: `{' '.join(sim_unit_flags(scale))}`); "
             f"run took {res['total_seconds']:.0f} s.\n"
-            f"Latencies are wall-clock ms on this machine; x {speed:.1f} gives seconds on the cited hardware.\n")
+            f"Latencies are wall-clock ms on this machine; x {speed:.1f} gives ms on the cited hardware.\n")
     body = head + md + "\n\n" + "\n".join(f"![{f}]({f})" for f in pngs) + "\n"
     (out / f"{res['stem']}.md").write_text(body)
     if args.dump_requests:
