@@ -49,7 +49,9 @@ class AnswerBuilder:
         self.tool_text = ""
         self.made_tool_call = False
         self.stopped = False
-        self.stop_string: Optional[str] = None  # the stop sequence that ended the answer
+        # The stop sequence that ended the answer; set only with ``stopped``, so the finish
+        # reason is then always "stop".
+        self.stop_string: Optional[str] = None
 
     def feed(self, text: str, final: Optional[str] = None) -> Piece:
         """Consume decoded text; ``final`` is the engine's finish reason when ending."""

@@ -235,8 +235,8 @@ async def _collect(req, renderer, builder, reporter, engine, timeout: float) -> 
                 break
     await reporter.flush()
     usage = renderer.usage(len(req.prompt), req.generated, req.cached)
-    stop = builder.stop_string if reason == "stop" else None
-    return web.json_response(renderer.full("".join(content), "".join(reasoning), calls, reason, usage, stop),
+    return web.json_response(renderer.full("".join(content), "".join(reasoning), calls, reason, usage,
+                                           builder.stop_string),
                              headers={"X-Mlxgw-Cached-Tokens": str(req.cached)})
 
 
@@ -294,8 +294,7 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
             if ev.kind == "end":
                 reason = builder.finish_reason(ev.finish_reason)
                 await reporter.flush()
-                stop = builder.stop_string if reason == "stop" else None
-                await resp.write(_sse(renderer.chunk(Piece(), reason, stop_reason=stop)))
+                await resp.write(_sse(renderer.chunk(Piece(), reason, stop_reason=builder.stop_string)))
                 if pr.include_usage:
                     usage = renderer.usage(len(req.prompt), req.generated, req.cached)
                     await resp.write(_sse(renderer.usage_chunk(usage)))
