@@ -14,7 +14,9 @@
   next request to this backend is answered.
 * Heartbeat: the registry hash (URL, model, epoch, load, cache figures) is
   refreshed with a TTL; if Redis was down or flushed (the record is gone),
-  the whole ownership is re-published from the reference counts.
+  the whole ownership is re-published from the reference counts. Each flush
+  also looks for the record, so a backend with traffic re-registers as soon
+  as Redis is back, without waiting for its heartbeat.
 * Epochs: each start INCRs the backend's epoch; claims carry it, and old
   epochs are cleaned up in the background.
 """
@@ -251,6 +253,11 @@ class Reporter:
             adds = [(self.keys.block(b), schema.block_value(self.epoch, v)) for b, v in pending.items() if v is not None]
             dels = [self.keys.block(b) for b, v in pending.items() if v is None]
             pipe = self.redis.pipeline(transaction=False)
+            # Redis may have restarted empty since the last write (redis-py reconnects
+            # without an error): every flush looks for the registry record, so a busy
+            # backend re-registers at once, not at its next heartbeat (up to 1 s of
+            # requests routed without ownership; bench/redis_restart.py).
+            pipe.exists(self.keys.backend(self.backend_id))
             for k, v in adds:
                 pipe.hset(k, self.backend_id, v)
             for k in dels:
@@ -264,7 +271,7 @@ class Reporter:
             if events:
                 self._update_cache_figures(pipe)
             try:
-                await pipe.execute()
+                registered = (await pipe.execute())[0]
                 self.redis_ok = True
             except Exception as e:
                 # Some of these writes may have landed, some not (a pipeline cut off
@@ -272,6 +279,15 @@ class Reporter:
                 with self._lock:
                     self._unsure.update(pending)
                 self._mark_dirty(e)
+                return
+            if not registered and self._registered:
+                try:
+                    await self.heartbeat()  # finds the record gone: logs it and marks a re-publish
+                except Exception as e:
+                    self._mark_dirty(e)
+                    return
+                if self._dirty:
+                    await self._republish()
 
     def _update_cache_figures(self, pipe) -> None:
         """Queue the registry's cache figures (`schema.CACHE_FIGURES`) on ``pipe``: a cache

@@ -238,6 +238,17 @@ def sim_unit_flags(scale: float) -> list[str]:
             "--placement-slack-tokens", ids(d.placement_slack_tokens)]
 
 
+def sim_backend_flags(scale: float, speed: float, cache_bytes: int, mult: int = 1) -> list[str]:
+    """``mlxgw backend`` flags of one replay sim backend: ``scale`` real tokens per sim id,
+    ``speed`` times the cited hardware, ``cache_bytes`` of KV memory; ``mult`` > 1 makes it
+    the pooled backend (that many backends' memory, rates and batch sizes in one)."""
+    return ["--engine", "sim", "--sim-token-scale", str(scale), "--sim-speed", str(speed * mult),
+            "--cache-bytes", str(cache_bytes * mult), "--cache-entries", "1000000",
+            "--min-hit-tokens", str(max(1, round(1000 / scale))),
+            "--prefill-step-size", str(max(1, round(512 / scale))),
+            "--decode-concurrency", str(8 * mult), "--prefill-concurrency", str(2 * mult)]
+
+
 def _cpu_seconds(proc) -> float:
     """User + system CPU seconds a process has used so far (0 when it is gone)."""
     try:
@@ -259,11 +270,7 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
     n = 1 if pooled else args.backends
     mult = args.backends if pooled else 1
     st = Stack(redis_url, model_path, block_size=args.k)
-    sim_flags = ["--engine", "sim", "--sim-token-scale", str(scale), "--sim-speed", str(speed * mult),
-                 "--cache-bytes", str(per_backend_bytes * mult), "--cache-entries", "1000000",
-                 "--min-hit-tokens", str(max(1, round(1000 / scale))),
-                 "--prefill-step-size", str(max(1, round(512 / scale))),
-                 "--decode-concurrency", str(8 * mult), "--prefill-concurrency", str(2 * mult),
+    sim_flags = [*sim_backend_flags(scale, speed, per_backend_bytes, mult),
                  *shlex.split(dict(v.split("=", 1) for v in args.backend_variant).get(base, ""))]
     routers: list = []
     try:

@@ -221,7 +221,9 @@ class Stack:
         env.update({"PYTHONUNBUFFERED": "1", **self.env_extra})
         return env
 
-    def add_backend(self, backend_id: Optional[str] = None, port: Optional[int] = None, *extra: str, start=True) -> Proc:
+    def add_backend(self, backend_id: Optional[str] = None, port: Optional[int] = None, *extra: str, start=True,
+                    cwd: Optional[str] = None) -> Proc:
+        """Start a backend in ``cwd`` (default: this process's; see `add_gateway`)."""
         retries = 0 if port else PORT_RETRIES
         port = port or free_port()
         bid = backend_id or f"b{len(self.backends)}"
@@ -229,7 +231,7 @@ class Stack:
                "--port", str(port), "--id", bid, "--redis-url", self.redis_url, "--namespace", self.namespace,
                "--block-size", str(self.block_size), "--heartbeat-interval", "0.5", "--heartbeat-ttl", "2",
                "--min-hit-tokens", "64", *extra]
-        p = Proc(bid, cmd, port, LOG_DIR / f"{self.namespace}-{bid}.log", port_retries=retries)
+        p = Proc(bid, cmd, port, LOG_DIR / f"{self.namespace}-{bid}.log", port_retries=retries, cwd=cwd)
         self.backends.append(p)
         if start:
             p.start(self.env())

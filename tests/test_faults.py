@@ -184,6 +184,44 @@ def test_redis_losing_its_data_keeps_every_backend_routable(demo_model):
         r.cleanup()
 
 
+def test_busy_backend_re_registers_after_redis_lost_its_data_without_waiting_for_its_heartbeat(demo_model):
+    """A backend's writes after Redis restarted empty (or FLUSHALL) succeed, so only its
+    heartbeat used to find its registry record gone; until then the gateways routed without
+    its ownership (bench/redis_restart.py: up to a second of near-zero hits). Each flush now
+    looks for the record: the next request it serves re-registers it and re-publishes."""
+    from mlxgw import schema
+
+    r = RedisServer().start()
+    s = Stack(r.url, demo_model)
+    try:
+        b0 = s.add_backend("b0", None, "--heartbeat-interval", "30", "--heartbeat-ttl", "90")
+        b0.wait_healthy()
+        keys = schema.Keys(s.namespace, s.model_name)
+        assert _ask(b0.url, words(300, seed=63))[0] == 200
+        before = set(get_json(b0.url + "/internal/cache")["owned"])
+        assert len(before) >= 10
+        c = r.client()
+        c.flushall()
+        t0 = time.time()
+        assert _ask(b0.url, words(300, seed=64))[0] == 200
+        owned = set(get_json(b0.url + "/internal/cache")["owned"])
+        assert owned > before
+        deadline = time.time() + 5
+        named = set()
+        while time.time() < deadline:
+            named = {k.split(":blk:")[1] for k in c.scan_iter(match=keys.prefix + ":blk:*") if c.hexists(k, "b0")}
+            if c.exists(keys.backend("b0")) and named == owned:
+                break
+            time.sleep(0.05)
+        assert c.exists(keys.backend("b0")), "not registered again before the heartbeat (30 s)"
+        assert named == owned
+        assert time.time() - t0 < 10
+        assert "registry record was gone" in b0.log_path.read_text()
+    finally:
+        s.stop()
+        r.cleanup()
+
+
 def test_evictions_during_an_outage_leave_no_ownership_behind(demo_model):
     """Redis comes back with its data (a restart with persistence; a dropped connection is
     the same) after the backend evicted a prompt it could not report. The re-publish removes
