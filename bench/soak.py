@@ -1,0 +1,152 @@
+"""Soak: a long trace replay through our gateway, watching memory and Redis grow (or not).
+
+Replays the first ``--requests`` of a Mooncake trace (default: all of it)
+through one gateway in front of ``--backends`` sim backends (the set-up of
+``bench/replay_routers.py``) with a cache budget that forces evictions, and
+every ``--every`` seconds samples: requests answered, the gateway's and the
+backends' resident memory (RSS, MB), Redis ``used_memory`` (MB), its key
+count (block keys apart) and the event stream's length. A server that keeps
+something per request, per conversation or per block without bound shows it
+as growth that follows the requests, not the cache budget.
+
+    python bench/soak.py --trace ../shared/traces/conversation_trace.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backend import sim as simmod  # noqa: E402
+from bench.replay import vocab_range  # noqa: E402
+from bench.replay_routers import _one, offered_load, sim_backend_flags, sim_unit_flags, working_set_bytes  # noqa: E402
+from bench.trace import DEFAULT_TRACE, TRACE_BLOCK, BlockMapper, load_trace, oracle_hits  # noqa: E402
+from mlxgw import schema  # noqa: E402
+from mlxgw.harness import RedisServer, Stack  # noqa: E402
+
+
+def _rss_mb(proc) -> float:
+    try:
+        return psutil.Process(proc.pid).memory_info().rss / 2**20
+    except psutil.Error:
+        return float("nan")
+
+
+def sample(st: Stack, client, keys: schema.Keys, rows: list[dict], t: float) -> dict:
+    """One row of the soak table (see the module docstring)."""
+    blocks = sum(1 for _ in client.scan_iter(match=keys.prefix + ":blk:*", count=10000))
+    ok = [r for r in rows if r["status"] == 200]
+    return {"t": round(t, 1), "answered": len(ok), "errors": len(rows) - len(ok),
+            "hit_ratio_so_far": sum(r["cached"] for r in ok) / max(1, sum(r["prompt"] for r in ok)),
+            "gateway_rss_mb": _rss_mb(st.gateway.proc),
+            "backend_rss_mb": [_rss_mb(b.proc) for b in st.backends],
+            "redis_used_mb": int(client.info("memory")["used_memory"]) / 2**20,
+            "redis_keys": int(client.dbsize()), "block_keys": blocks,
+            "events": int(client.xlen(keys.events))}
+
+
+async def _replay(st: Stack, client, keys, items, compress: float, every: float) -> tuple[list[dict], list[dict]]:
+    rows: list[dict] = []
+    samples: list[dict] = []
+    t0 = time.perf_counter()
+    base = items[0][0]
+    url, model = st.gateway.url, st.model_name
+
+    async def go(at_ms, prompt, mt):
+        delay = (at_ms - base) / 1000 / compress - (time.perf_counter() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        rows.append(await _one(session, url, "mlxgw", model, prompt, mt))
+
+    async def sampler():
+        while True:
+            samples.append(await asyncio.to_thread(sample, st, client, keys, list(rows), time.perf_counter() - t0))
+            await asyncio.sleep(every)
+
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=900)) as session:
+        watch = asyncio.create_task(sampler())
+        await asyncio.gather(*[go(*it) for it in items])
+        watch.cancel()
+    samples.append(sample(st, client, keys, rows, time.perf_counter() - t0))
+    return rows, samples
+
+
+def table(samples: list[dict]) -> str:
+    lines = ["| s | answered | errors | hit ratio so far | gateway RSS MB | backend RSS MB (max) | Redis MB | "
+             "Redis keys | of them block keys | events |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for s in samples:
+        lines.append(f"| {s['t']:.0f} | {s['answered']} | {s['errors']} | {s['hit_ratio_so_far']:.3f} | "
+                     f"{s['gateway_rss_mb']:.0f} | {max(s['backend_rss_mb']):.0f} | {s['redis_used_mb']:.1f} | "
+                     f"{s['redis_keys']} | {s['block_keys']} | {s['events']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", default=str(DEFAULT_TRACE))
+    p.add_argument("--requests", type=int, help="first N requests of the trace (default: all)")
+    p.add_argument("--k", type=int, default=16, help="token ids per 512-token trace block (also the block size)")
+    p.add_argument("--compress", type=float, default=10.0, help="divide trace inter-arrival times by this")
+    p.add_argument("--target-load", type=float, default=0.6)
+    p.add_argument("--backends", type=int, default=4)
+    p.add_argument("--budget", type=float, default=0.2, help="cluster cache budget, fraction of the KV working set")
+    p.add_argument("--every", type=float, default=30.0, help="seconds between samples")
+    p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    args = p.parse_args(argv)
+    from mlxgw.demo_model import ensure_demo_model
+
+    model_path = str(ensure_demo_model("tiny"))
+    try:
+        reqs = load_trace(args.trace, args.requests)
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
+        return 2
+    scale = TRACE_BLOCK / args.k
+    timing = simmod.SimTiming(token_scale=scale)
+    o_hit, o_total = oracle_hits(reqs, TRACE_BLOCK)
+    span = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000
+    speed = max(1.0, args.compress * offered_load(reqs, span, o_hit, timing, args.backends, 8) / args.target_load)
+    per_backend = int(args.budget * working_set_bytes(reqs, timing.kv_bytes_per_token) / args.backends)
+    lo, hi = vocab_range(model_path)
+    mapper = BlockMapper(args.k, lo, hi)
+    items = [(r.timestamp_ms, mapper.prompt(r.hash_ids), max(1, math.ceil(r.output_length / scale))) for r in reqs]
+    head = (f"{len(reqs)} requests of {Path(args.trace).name} over {span / args.compress:.0f} s (compress "
+            f"{args.compress:g}x), sim speed {speed:.1f}x, {args.backends} sim backends, cache budget {args.budget:g} "
+            f"of the KV working set; oracle hit ratio {o_hit / o_total:.3f}.")
+    print(head, flush=True)
+    redis = RedisServer().start()
+    st = Stack(redis.url, model_path, block_size=args.k)
+    try:
+        for i in range(args.backends):
+            st.add_backend(f"b{i}", None, *sim_backend_flags(scale, speed, per_backend))
+        st.add_gateway(*sim_unit_flags(scale))
+        st.wait()
+        keys = schema.Keys(st.namespace, st.model_name)
+        rows, samples = asyncio.run(_replay(st, redis.client(), keys, items, args.compress, args.every))
+    finally:
+        st.stop()
+        redis.cleanup()
+    cmd = "python bench/soak.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    body = f"# Soak\n\nCommand: `{cmd}`\n\n{head}\n\n{table(samples)}\n"
+    print(body)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.md").write_text(body)
+    (out / "soak.json").write_text(json.dumps({"command": cmd, "samples": samples}, indent=2))
+    return 0 if all(r["status"] == 200 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
