@@ -8,6 +8,7 @@ carries the token ids in the ``_mlxgw`` field so nothing is tokenized twice.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import os
@@ -29,6 +30,28 @@ from .report import Reporter
 from .toolchoice import constrained_processors
 
 log = logging.getLogger("mlxgw.backend")
+
+# The request this task serves, for `RequestIdFilter`.
+REQUEST_ID: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("mlxgw_request_id", default=None)
+
+
+class RequestIdFilter(logging.Filter):
+    """Appends ``(request RID)`` to what the root logger records while a request is served.
+
+    mlx-lm's tool-call formatter (run in the request's task) warns "Failed to parse tool
+    call" through the root logger without saying which request; the gateway's request id
+    (``X-Mlxgw-Request-Id``) finds it. A filter on the root logger sees only records
+    logged there, not ours (named ``mlxgw.*`` loggers, which name requests themselves).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rid = REQUEST_ID.get()
+        if rid is not None:
+            record.msg, record.args = f"{record.getMessage()} (request {rid})", ()
+        return True
+
+
+_REQUEST_ID_FILTER = RequestIdFilter()
 
 MSGPACK = "application/x-msgpack"
 DEFAULT_MAX_TOKENS = 512
@@ -159,6 +182,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
     await reporter.flush()
 
     rid = internal.get("request_id") or uuid.uuid4().hex
+    REQUEST_ID.set(rid)
     loop = asyncio.get_running_loop()
     req = GenRequest(
         rid=rid,
@@ -352,6 +376,7 @@ def make_app(engine: Engine, reporter: Reporter, cfg: BackendConfig) -> web.Appl
     app[ENGINE] = engine
     app[REPORTER] = reporter
     app[CONFIG] = cfg
+    logging.getLogger().addFilter(_REQUEST_ID_FILTER)  # once: the same instance is not added twice
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_post("/v1/completions", handle_text)
     app.router.add_get("/v1/models", handle_models)

@@ -1,9 +1,11 @@
 """Acceptance: the running stack, driven by the official openai SDK."""
 
+import json
 import time
 
 import openai
 
+from mlxgw.httpget import post
 from texts import words
 
 
@@ -79,3 +81,22 @@ def test_text_completion_through_gateway(stack2):
     c = b.parse()
     # Same prompt twice: exact hit, all but one token reused (mlx-lm PR 625).
     assert c.usage.prompt_tokens_details.cached_tokens == c.usage.prompt_tokens - 1
+
+
+def test_library_warnings_name_the_request(stack2):
+    """mlx-lm's tool-call formatter warns through the root logger when a call's text is cut
+    (here by max_tokens in a forced call) without naming the request; the backend's log line
+    now ends with the gateway's request id, which the client got in X-Mlxgw-Request-Id."""
+    tools = [{"type": "function", "function": {
+        "name": "read_file", "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                                            "required": ["path"]}}}]
+    status, h, raw = post(stack2.gateway.url + "/v1/chat/completions",
+                          {"model": "demo-tiny", "messages": [{"role": "user", "content": words(40, seed=71)}],
+                           "tools": tools, "max_tokens": 4,
+                           "tool_choice": {"type": "function", "function": {"name": "read_file"}}})
+    assert status == 200, raw
+    assert json.loads(raw)["choices"][0]["finish_reason"] == "length"
+    rid = h["X-Mlxgw-Request-Id"]
+    log = next(b for b in stack2.backends if b.name == h["X-Mlxgw-Backend"]).log_path.read_text()
+    lines = [ln for ln in log.splitlines() if "Failed to parse tool call" in ln]
+    assert lines and lines[-1].endswith(f"(request {rid})"), lines
