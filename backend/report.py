@@ -242,7 +242,7 @@ class Reporter:
             return
         async with self._flush_lock:
             if self._dirty:
-                await self._republish()
+                await self._recover()
                 return
             with self._lock:
                 pending, self._pending = self._pending, {}
@@ -281,13 +281,23 @@ class Reporter:
                 self._mark_dirty(e)
                 return
             if not registered and self._registered:
-                try:
-                    await self.heartbeat()  # finds the record gone: logs it and marks a re-publish
-                except Exception as e:
-                    self._mark_dirty(e)
-                    return
-                if self._dirty:
-                    await self._republish()
+                self._dirty = True
+                await self._recover()
+
+    async def _recover(self) -> None:
+        """Re-register, then re-publish the whole ownership; never raises.
+
+        The first write after Redis restarted empty fails (the old connection is closed)
+        or lands unregistered, and the registry record is gone with the data: re-publishing
+        without it left this backend's ownership unused by gateways until its heartbeat.
+        Called with the flush lock held.
+        """
+        try:
+            await self.heartbeat()  # logs a record it finds gone
+        except Exception as e:
+            self._mark_dirty(e)
+            return
+        await self._republish()
 
     def _update_cache_figures(self, pipe) -> None:
         """Queue the registry's cache figures (`schema.CACHE_FIGURES`) on ``pipe``: a cache

@@ -5,6 +5,7 @@ import signal
 import time
 
 import openai
+import pytest
 
 from mlxgw.harness import RedisServer, Stack
 from mlxgw.httpget import get_json, post
@@ -184,11 +185,13 @@ def test_redis_losing_its_data_keeps_every_backend_routable(demo_model):
         r.cleanup()
 
 
-def test_busy_backend_re_registers_after_redis_lost_its_data_without_waiting_for_its_heartbeat(demo_model):
-    """A backend's writes after Redis restarted empty (or FLUSHALL) succeed, so only its
-    heartbeat used to find its registry record gone; until then the gateways routed without
-    its ownership (bench/redis_restart.py: up to a second of near-zero hits). Each flush now
-    looks for the record: the next request it serves re-registers it and re-publishes."""
+@pytest.mark.parametrize("loss", ["flushall", "restart"])
+def test_busy_backend_re_registers_after_redis_lost_its_data_without_waiting_for_its_heartbeat(demo_model, loss):
+    """After FLUSHALL a backend's writes succeed, and after a restart the first one fails and
+    the re-publish wrote ownership without the registry record; either way only its heartbeat
+    used to put the record back, and until then gateways routed without its ownership
+    (bench/redis_restart.py: up to a second of near-zero hits). Each flush now looks for the
+    record, and a re-publish re-registers first: the next request it serves does both."""
     from mlxgw import schema
 
     r = RedisServer().start()
@@ -200,8 +203,13 @@ def test_busy_backend_re_registers_after_redis_lost_its_data_without_waiting_for
         assert _ask(b0.url, words(300, seed=63))[0] == 200
         before = set(get_json(b0.url + "/internal/cache")["owned"])
         assert len(before) >= 10
+        if loss == "flushall":
+            r.client().flushall()
+        else:
+            r.stop()
+            r.proc = None
+            r.start()  # same port, empty
         c = r.client()
-        c.flushall()
         t0 = time.time()
         assert _ask(b0.url, words(300, seed=64))[0] == 200
         owned = set(get_json(b0.url + "/internal/cache")["owned"])
