@@ -255,8 +255,8 @@ class Reporter:
             pipe = self.redis.pipeline(transaction=False)
             # Redis may have restarted empty since the last write (redis-py reconnects
             # without an error): every flush looks for the registry record, so a busy
-            # backend re-registers at once, not at its next heartbeat (up to 1 s of
-            # requests routed without ownership; bench/redis_restart.py).
+            # backend re-registers at once, not at its next heartbeat (a second or two of
+            # requests routed without its ownership; bench/redis_restart.py).
             pipe.exists(self.keys.backend(self.backend_id))
             for k, v in adds:
                 pipe.hset(k, self.backend_id, v)

@@ -47,7 +47,10 @@ class RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         rid = REQUEST_ID.get()
         if rid is not None:
-            record.msg, record.args = f"{record.getMessage()} (request {rid})", ()
+            try:
+                record.msg, record.args = f"{record.getMessage()} (request {rid})", ()
+            except Exception:  # a bad format is the handler's to report, not the caller's to raise
+                pass
         return True
 
 

@@ -52,7 +52,7 @@ def sample(st: Stack, client, keys: schema.Keys, rows: list[dict], t: float) -> 
             "gateway_rss_mb": _rss_mb(st.gateway.proc),
             "backend_rss_mb": [_rss_mb(b.proc) for b in st.backends],
             "redis_used_mb": int(client.info("memory")["used_memory"]) / 2**20,
-            "redis_keys": int(client.dbsize()), "block_keys": blocks,
+            "redis_keys": int(client.dbsize()), "block_keys": blocks,  # SCAN may count a changing key twice
             "events": int(client.xlen(keys.events))}
 
 
@@ -103,6 +103,9 @@ def main(argv=None) -> int:
     p.add_argument("--backends", type=int, default=4)
     p.add_argument("--budget", type=float, default=0.2, help="cluster cache budget, fraction of the KV working set")
     p.add_argument("--every", type=float, default=30.0, help="seconds between samples")
+    p.add_argument("--loops", type=int, default=1,
+                   help="replay the requests this many times back to back (a longer soak; later loops "
+                        "repeat earlier prompts, which the cache budget has mostly evicted)")
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
     from mlxgw.demo_model import ensure_demo_model
@@ -121,8 +124,11 @@ def main(argv=None) -> int:
     per_backend = int(args.budget * working_set_bytes(reqs, timing.kv_bytes_per_token) / args.backends)
     lo, hi = vocab_range(model_path)
     mapper = BlockMapper(args.k, lo, hi)
-    items = [(r.timestamp_ms, mapper.prompt(r.hash_ids), max(1, math.ceil(r.output_length / scale))) for r in reqs]
-    head = (f"{len(reqs)} requests of {Path(args.trace).name} over {span / args.compress:.0f} s (compress "
+    period_ms = reqs[-1].timestamp_ms - reqs[0].timestamp_ms + 1000
+    items = [(r.timestamp_ms + loop * period_ms, mapper.prompt(r.hash_ids), max(1, math.ceil(r.output_length / scale)))
+             for loop in range(args.loops) for r in reqs]
+    head = (f"{len(items)} requests ({args.loops} x {len(reqs)}) of {Path(args.trace).name} over "
+            f"{args.loops * period_ms / 1000 / args.compress:.0f} s (compress "
             f"{args.compress:g}x), sim speed {speed:.1f}x, {args.backends} sim backends, cache budget {args.budget:g} "
             f"of the KV working set; oracle hit ratio {o_hit / o_total:.3f}.")
     print(head, flush=True)
