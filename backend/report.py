@@ -10,8 +10,9 @@
   0, exactly when the last entry or request covering it is gone.
 * Writes are batched: the engine thread records transitions under a lock and
   wakes the flusher; `Reporter.flush` sends them in one pipeline. The server
-  awaits `flush` before it finishes an answer, so Redis is current before the
-  next request to this backend is answered.
+  awaits it (`Reporter.settle`) before it finishes an answer, so Redis is
+  current before the next request to this backend is answered, unless Redis
+  is failing or slow: answers never wait on a sick Redis.
 * Heartbeat: the registry hash (URL, model, epoch, load, cache figures) is
   refreshed with a TTL; if Redis was down or flushed (the record is gone),
   the whole ownership is re-published from the reference counts. Each flush
@@ -35,10 +36,14 @@ from typing import Callable, Optional
 import redis.asyncio as aioredis
 
 from mlxgw import schema
+from mlxgw.redis_client import connect_async
 
 from .cache import CacheEntry
 
 log = logging.getLogger("mlxgw.backend.report")
+
+# Longest a request waits for its flush before its answer goes out, seconds (`Reporter.settle`).
+SETTLE_TIMEOUT = 0.5
 
 
 def servable_blocks(entry: CacheEntry, model: str, block_size: int) -> list[str]:
@@ -112,6 +117,7 @@ class Reporter:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._tasks: list[asyncio.Task] = []
         self.redis_ok = False
+        self._slow = False  # a request's flush outlasted SETTLE_TIMEOUT and has not finished yet
         self.write_failures = 0
         self.republishes = 0
 
@@ -194,9 +200,7 @@ class Reporter:
         """
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self.redis = aioredis.Redis.from_url(
-            self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
-        )
+        self.redis = connect_async(self.redis_url, 2.0)
         self.epoch = int(await self.redis.incr(self.keys.epoch_counter(self.backend_id)))
         await self.heartbeat()
         self._tasks = [
@@ -229,8 +233,29 @@ class Reporter:
             )
             await pipe.execute()
         except Exception as e:
-            log.warning("could not withdraw from Redis at shutdown: %s", e)
+            log.warning("backend %s could not withdraw from Redis at shutdown: %s", self.backend_id, e)
         await self.redis.aclose()
+
+    async def settle(self) -> None:
+        """Flush before an answer goes out, without holding answers up for a sick Redis.
+
+        The routing contract wants Redis current before the next request here is
+        answered (a flush takes about a millisecond). But while a re-publish is due (a
+        write failed, or the record was gone) the flusher retries in the background and
+        this returns at once; otherwise it waits at most `SETTLE_TIMEOUT` seconds and
+        leaves the flush running. Every answer used to wait for its flush, so a frozen
+        Redis (SIGSTOP, a partition) held each one for seconds (ops trial, session 23).
+        Never raises.
+        """
+        if self.redis is None:
+            return
+        if self._dirty or self._slow:
+            self._notify()
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self.flush()), SETTLE_TIMEOUT)
+        except asyncio.TimeoutError:
+            self._slow = True
 
     async def flush(self) -> None:
         """Send pending ownership changes and events in one pipeline.
@@ -273,6 +298,7 @@ class Reporter:
             try:
                 registered = (await pipe.execute())[0]
                 self.redis_ok = True
+                self._slow = False
             except Exception as e:
                 # Some of these writes may have landed, some not (a pipeline cut off
                 # midway): the re-publish settles each of these blocks.
@@ -310,7 +336,7 @@ class Reporter:
 
     def _mark_dirty(self, e: BaseException) -> None:
         if not self._dirty:
-            log.warning("Redis write failed (%s); will re-publish ownership", e)
+            log.warning("backend %s: Redis write failed (%s); will re-publish ownership", self.backend_id, e)
         self._dirty = True
         self.redis_ok = False
         self.write_failures += 1
@@ -356,8 +382,9 @@ class Reporter:
             return
         self._dirty = False
         self.redis_ok = True
+        self._slow = False
         self.republishes += 1
-        log.info("published ownership of %d blocks (epoch %d)", len(blocks), self.epoch)
+        log.info("backend %s published ownership of %d blocks (epoch %d)", self.backend_id, len(blocks), self.epoch)
 
     async def heartbeat(self) -> None:
         """Refresh the registry record; detect a lost record and re-publish."""
@@ -391,7 +418,7 @@ class Reporter:
         existed = (await pipe.execute())[0]
         if self._registered and not existed:
             # Flushed, or expired while we could not reach Redis.
-            log.warning("registry record was gone; re-publishing ownership")
+            log.warning("backend %s: registry record was gone; re-publishing ownership", self.backend_id)
             self._dirty = True
         self._registered = True
         self.redis_ok = True
@@ -435,4 +462,4 @@ class Reporter:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.warning("old-epoch cleanup failed: %s", e)
+            log.warning("backend %s: old-epoch cleanup failed: %s", self.backend_id, e)

@@ -182,7 +182,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
         )
     max_tokens = min(pr.max_tokens or DEFAULT_MAX_TOKENS, ctx - len(ids))
     # Redis must reflect earlier saves before this request is answered.
-    await reporter.flush()
+    await reporter.settle()
 
     rid = internal.get("request_id") or uuid.uuid4().hex
     REQUEST_ID.set(rid)
@@ -260,7 +260,7 @@ async def _collect(req, renderer, builder, reporter, engine, timeout: float) -> 
                     raise RequestError(ev.error or "generation failed", status=500, type="server_error")
                 reason = builder.finish_reason(ev.finish_reason)
                 break
-    await reporter.flush()
+    await reporter.settle()
     usage = renderer.usage(len(req.prompt), req.generated, req.cached)
     return web.json_response(renderer.full("".join(content), "".join(reasoning), calls, reason, usage,
                                            builder.stop_string),
@@ -320,7 +320,7 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
                 first = False
             if ev.kind == "end":
                 reason = builder.finish_reason(ev.finish_reason)
-                await reporter.flush()
+                await reporter.settle()
                 await resp.write(_sse(renderer.chunk(Piece(), reason, stop_reason=builder.stop_string)))
                 if pr.include_usage:
                     usage = renderer.usage(len(req.prompt), req.generated, req.cached)

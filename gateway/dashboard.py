@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import redis
 from aiohttp import web
 
+from mlxgw.redis_client import connect
 from mlxgw.util import cancel_and_wait
 
 from mlxgw.status import History, backend_view, collect
@@ -43,7 +43,7 @@ class Dashboard:
         self.namespace = namespace
         self.interval = interval
         self.events = events
-        self.redis = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.redis = connect(redis_url, 1.0)
         self.history = History(maxlen=maxlen)
         self.latest: dict = {}
         self.sampled_at = 0.0

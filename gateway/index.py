@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover
     HiredisRespSerializer, HIREDIS_AVAILABLE = None, False
 
 from mlxgw import schema
+from mlxgw.redis_client import connect_async
 from mlxgw.schema import Candidate
 from mlxgw.util import cancel_and_wait, deadline
 
@@ -93,12 +94,13 @@ class OwnershipIndex:
         self.namespace = namespace
         self.gateway_id = gateway_id
         self.deadline = deadline
-        self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.redis = connect_async(redis_url, 1.0)
         hiredis_packing(self.redis)
         self._lookup = self.redis.register_script(schema.LOOKUP_LUA)
         self.snapshot: dict[str, list[Candidate]] = {}  # model -> live backends
         self.snapshot_at = 0.0
         self.healthy = False
+        self._said_down = False  # the operator was told Redis is unreachable, and not yet that it is back
         self.lookups = {"ok": 0, "timeout": 0, "error": 0}
         self._task: Optional[asyncio.Task] = None
         self._events: list[tuple[str, dict]] = []
@@ -124,13 +126,25 @@ class OwnershipIndex:
             return Lookup("timeout", self._fallback(model), time.perf_counter() - t0)
         except Exception as e:
             self.lookups["error"] += 1
-            self.healthy = False
-            log.debug("lookup failed: %s", e)
+            self._set_healthy(False, e)
             return Lookup("error", self._fallback(model), time.perf_counter() - t0)
         cands = self._with_unlisted(model, schema.parse_lookup(rows))
-        self.healthy = True
+        self._set_healthy(True)
         self.lookups["ok"] += 1
         return Lookup("ok", cands, time.perf_counter() - t0)
+
+    def _set_healthy(self, ok: bool, err: Optional[BaseException] = None) -> None:
+        """Record whether Redis answered; tell the operator once when it stops answering
+        and once when it is back (under traffic a lookup notices first, so the refresh
+        loop alone used to stay silent through an outage)."""
+        self.healthy = ok
+        if not ok and not self._said_down:
+            self._said_down = True
+            log.warning("Redis unreachable (%s): routing on load, session affinity and this gateway's pending "
+                        "claims, over the last known backends", err)
+        elif ok and self._said_down:
+            self._said_down = False
+            log.info("Redis reachable again: routing on ownership")
 
     def _with_unlisted(self, model: str, cands: list[Candidate]) -> list[Candidate]:
         """``cands`` plus the snapshot's backends they lack, as load-only candidates
@@ -175,7 +189,7 @@ class OwnershipIndex:
         self._log_changes(self.snapshot, snap)
         self.snapshot = snap
         self.snapshot_at = time.time()
-        self.healthy = True
+        self._set_healthy(True)
 
     def _keep_known(self, snap: dict[str, list[Candidate]], lost: bool) -> dict[str, list[Candidate]]:
         """``snap`` plus the backends kept since Redis lost its data: on a loss, every
@@ -231,9 +245,7 @@ class OwnershipIndex:
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
-                    if self.healthy:
-                        log.warning("Redis unreachable, routing on last known backends: %s", e)
-                    self.healthy = False
+                    self._set_healthy(False, e)
                 await asyncio.sleep(interval)
 
         self._task = asyncio.create_task(loop(), name="registry-refresh")

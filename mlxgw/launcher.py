@@ -165,10 +165,10 @@ def run(args: argparse.Namespace) -> int:
             return 4
         redis_url = embedded.url
     else:
-        import redis
+        from .redis_client import connect
 
         try:
-            redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2).ping()
+            connect(redis_url, 2.0).ping()
         except Exception as e:
             log.error("Redis unreachable at %s: %s", redact_url(redis_url), e)
             return 4
@@ -258,8 +258,10 @@ def _forget_url(redis_url: str, previous_url: str = "") -> None:
 def _answers(url: str) -> bool:
     import redis
 
+    from .redis_client import connect
+
     try:
-        return bool(redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1).ping())
+        return bool(connect(url, 1.0).ping())
     except redis.RedisError:
         return False
 

@@ -59,12 +59,14 @@ class EmbeddedRedis:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         import redis
 
+        from .redis_client import connect
+
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited with code {self.proc.returncode}")
             try:
-                redis.Redis.from_url(self.url, socket_timeout=0.5).ping()
+                connect(self.url, 0.5).ping()
                 return self
             except redis.exceptions.RedisError:
                 time.sleep(0.05)

@@ -17,6 +17,7 @@ from typing import Optional
 import redis
 
 from . import schema
+from .redis_client import connect as redis_connect
 from .util import redact_url, serve_url_file
 
 # Event data fields worth showing (block lists are long and meaningless to people).
@@ -200,7 +201,7 @@ def connect(args) -> redis.Redis:
         f = serve_url_file()
         args.url_source = "serve" if f.exists() else "default"
         args.redis_url = f.read_text().strip() if f.exists() else "redis://127.0.0.1:6379/0"
-    return redis.Redis.from_url(args.redis_url, socket_timeout=3)
+    return redis_connect(args.redis_url, 3.0)
 
 
 def run(args) -> int:

@@ -452,3 +452,81 @@ def test_janitor_removes_a_dead_backends_claims(make_stack, redis_server):
     assert not r.exists(k.owned("b0", epoch))
     leftovers = [key for key in r.scan_iter(match=k.prefix + ":blk:*") if r.hget(key, "b0") is not None]
     assert leftovers == []
+
+
+def test_redis_client_policy_retries_a_closed_connection_but_not_a_timeout():
+    """`mlxgw.redis_client`: a pooled connection that a restarted Redis closed is retried once on
+    a new one (not an outage), and a Redis that does not answer fails after one socket timeout
+    (redis-py 6+'s default retried ten times with backoff, ~11 timeouts per command)."""
+    import redis as redis_py
+
+    from mlxgw.redis_client import connect
+
+    r = RedisServer().start()
+    try:
+        c = connect(r.url, 0.3)
+        assert c.ping() is True
+        r.stop()
+        r.proc = None
+        r.start()  # same port: the pooled connection is now closed
+        assert c.ping() is True
+        r.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.time()
+            with pytest.raises(redis_py.exceptions.TimeoutError):
+                c.ping()
+            assert time.time() - t0 < 1.0
+        finally:
+            r.proc.send_signal(signal.SIGCONT)
+    finally:
+        r.cleanup()
+
+
+def test_frozen_redis_does_not_hold_answers_and_the_gateway_says_so(demo_model):
+    """A Redis that stops answering (SIGSTOP here; a partition, swapping) held every backend
+    answer for its flush: seconds each (ops trial: median 4.4 s). Answers now wait at most
+    `SETTLE_TIMEOUT` once, then not at all until Redis is back; the backend re-publishes then.
+    The gateway, whose lookups notice an outage before its refresh loop, used to log nothing
+    about it under traffic; it now says when Redis stops answering and when it is back."""
+    from mlxgw import schema
+
+    r = RedisServer().start()
+    s = Stack(r.url, demo_model)
+    try:
+        b0 = s.add_backend("b0")
+        s.add_gateway("--lookup-deadline-ms", "50")
+        s.wait()
+        assert _ask(s.gateway.url, words(200, seed=65))[0] == 200
+        r.proc.send_signal(signal.SIGSTOP)
+        try:
+            times = []
+            for i in range(4):
+                t0 = time.time()
+                assert _ask(b0.url, words(200, seed=66 + i))[0] == 200
+                times.append(time.time() - t0)
+            assert sum(times) < 4.0, times  # each waited >= the 2 s socket timeout before
+        finally:
+            r.proc.send_signal(signal.SIGCONT)
+        r.stop()  # now refusing connections: the gateway's lookups fail at once
+        status, h, _ = _ask(s.gateway.url, words(200, seed=70))
+        assert status == 200 and h["X-Mlxgw-Lookup"] == "error"
+        r.proc = None
+        r.start()  # empty, same port
+        keys = schema.Keys(s.namespace, s.model_name)
+        c = r.client()
+        owned = set(get_json(b0.url + "/internal/cache")["owned"])
+        deadline = time.time() + 10
+        named = set()
+        while time.time() < deadline:
+            named = {k.split(":blk:")[1] for k in c.scan_iter(match=keys.prefix + ":blk:*") if c.hexists(k, "b0")}
+            if named == owned and "Redis reachable again" in s.gateway.log_path.read_text():
+                break
+            time.sleep(0.1)
+        assert named == owned and len(owned) >= 10
+        # Each outage told once, and its end once (the refresh may have seen the frozen spell too).
+        said = ["down" if "Redis unreachable (" in ln else "up" for ln in s.gateway.log_path.read_text().splitlines()
+                if "Redis unreachable (" in ln or "Redis reachable again" in ln]
+        assert said and said == ["down", "up"] * (len(said) // 2), said
+    finally:
+        s.stop()
+        r.cleanup()
