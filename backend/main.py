@@ -13,7 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from mlxgw import schema
-from mlxgw.util import parse_bytes, positive_int, redact_url
+from mlxgw.util import parse_bytes, positive_int, raise_open_files_limit, redact_url
 
 from . import sim
 from .cache import PromptCache
@@ -106,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     name = args.served_name or Path(model_path.rstrip("/")).name
     backend_id = args.backend_id or f"{socket.gethostname()}:{args.port}"
+    before, after = raise_open_files_limit()
+    if after != before:
+        log.info("open files limit raised from %d to %d", before, after)
     url = args.url or f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     budget = parse_bytes(args.cache_bytes)
 

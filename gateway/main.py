@@ -13,7 +13,7 @@ from aiohttp import web
 
 from mlxgw import schema
 
-from mlxgw.util import parse_bytes, positive_int, redact_url
+from mlxgw.util import parse_bytes, positive_int, raise_open_files_limit, redact_url
 
 from .app import GatewayConfig, make_app
 from .auth import AuthConfigError, check_exposure, read_keys
@@ -186,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
         if not (Path(path).expanduser() / "config.json").exists():
             log.error("model %s: no model directory at %s", name, path)
             return 2
+    before, after = raise_open_files_limit()
+    if after != before:
+        log.info("open files limit raised from %d to %d", before, after)
     app = make_app(cfg)
     log.info("gateway %s starting on %s:%d: Redis %s (namespace %s), models %s", cfg.gateway_id, args.host, args.port,
              redact_url(cfg.redis_url), cfg.namespace, ", ".join(cfg.models) or "-")

@@ -64,3 +64,31 @@ def test_200_streams_one_backend_killed(make_stack):
     assert outcome["connection_error"] == 0 and outcome["truncated"] == 0
     assert set(outcome) <= {"answer", "sse_error", "http_503"}
     assert outcome["answer"] >= 120  # the two live backends answered the rest
+
+
+def test_gateway_and_backend_raise_their_open_files_limit(make_stack):
+    """A gateway holds two sockets per request in flight. macOS starts processes at a soft
+    limit of 256 open files, and importing mlx-lm sets (2048, 4096) (mlx_lm/utils.py): a
+    soak here ran out at ~1,000 requests in flight (accept() failing, asyncio logging it
+    in a loop: a 109 MB log). Both processes now raise their soft limit to the hard one
+    (`mlxgw.util.raise_open_files_limit`, up to 65536)."""
+    import resource
+
+    import psutil
+    import pytest
+
+    if not hasattr(psutil.Process, "rlimit"):
+        pytest.skip("psutil cannot read another process's limits on this OS")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    s = make_stack()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # what the children inherit
+    try:
+        b0 = s.add_backend("b0", None, "--engine", "sim")
+        s.add_gateway()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    s.wait()
+    for p in (s.gateway, b0):
+        got_soft, got_hard = psutil.Process(p.proc.pid).rlimit(resource.RLIMIT_NOFILE)
+        assert got_soft == min(65536, got_hard) and got_soft > 2048, (p.name, got_soft, got_hard)
+    assert "open files limit raised from" in s.gateway.log_path.read_text()
