@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import shlex
 import sys
 import threading
@@ -34,10 +33,8 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend import sim as simmod  # noqa: E402
-from bench.replay import vocab_range  # noqa: E402
-from bench.replay_routers import _one, offered_load, sim_backend_flags, sim_unit_flags, working_set_bytes  # noqa: E402
-from bench.trace import DEFAULT_TRACE, TRACE_BLOCK, BlockMapper, load_trace, oracle_hits  # noqa: E402
+from bench.replay_routers import _one, sim_backend_flags, sim_replay, sim_unit_flags  # noqa: E402
+from bench.trace import DEFAULT_TRACE, load_trace  # noqa: E402
 from mlxgw import schema  # noqa: E402
 from mlxgw.harness import RedisServer, Stack  # noqa: E402
 
@@ -180,15 +177,9 @@ def main(argv=None) -> int:
     except FileNotFoundError as e:
         print(e, file=sys.stderr)
         return 2
-    scale = TRACE_BLOCK / args.k
-    timing = simmod.SimTiming(token_scale=scale)
-    o_hit, _ = oracle_hits(reqs, TRACE_BLOCK)
-    span = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000
-    speed = max(1.0, args.compress * offered_load(reqs, span, o_hit, timing, args.backends, 8) / args.target_load)
-    per_backend = int(args.budget * working_set_bytes(reqs, timing.kv_bytes_per_token) / args.backends)
-    lo, hi = vocab_range(model_path)
-    mapper = BlockMapper(args.k, lo, hi)
-    items = [(r.timestamp_ms, mapper.prompt(r.hash_ids), max(1, math.ceil(r.output_length / scale))) for r in reqs]
+    sr = sim_replay(reqs, model_path, args.k, args.compress, args.target_load, args.backends)
+    scale, span, speed, items = sr.scale, sr.span_s, sr.speed, sr.items()
+    per_backend = int(args.budget * sr.working_set / args.backends)
     head = (f"{len(reqs)} requests of {Path(args.trace).name} over {span / args.compress:.0f} s (compress "
             f"{args.compress:g}x), sim speed {speed:.1f}x, {args.backends} sim backends (heartbeat "
             f"{args.heartbeat_interval:g} s, TTL {args.heartbeat_ttl:g} s), cache budget {args.budget:g} of the KV "

@@ -57,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -94,6 +95,44 @@ def offered_load(reqs, span_s: float, o_hit_tokens: int, timing: simmod.SimTimin
     prefill = (sum(r.input_length for r in reqs) - o_hit_tokens) / timing.prefill_rate
     decode = sum(r.output_length for r in reqs) / timing.decode_rate / decode_batch
     return (prefill + decode) / max(1e-9, span_s * n_backends)
+
+
+@dataclass
+class SimReplay:
+    """A trace's requests mapped for sim backends: what `main`, bench/redis_restart.py and
+    bench/soak.py all set up (see the module docstring for the mapping and the sim speed)."""
+
+    reqs: list
+    scale: float  # real tokens per sim id
+    timing: simmod.SimTiming
+    oracle_hit: int  # tokens
+    oracle_total: int
+    span_s: float  # the trace's own span
+    load: float  # offered load at real speed
+    speed: float  # the sim speed
+    working_set: int  # KV bytes of every distinct block
+    mapper: BlockMapper
+
+    def items(self, loops: int = 1) -> list[tuple[int, list[int], int]]:
+        """(arrival ms, prompt ids, max_tokens) per request, the trace ``loops`` times back to back."""
+        period = self.reqs[-1].timestamp_ms - self.reqs[0].timestamp_ms + 1000
+        return [(r.timestamp_ms + n * period, self.mapper.prompt(r.hash_ids),
+                 max(1, math.ceil(r.output_length / self.scale))) for n in range(loops) for r in self.reqs]
+
+
+def sim_replay(reqs, model_path: str, k: int, compress: float, target_load: float, backends: int,
+               sim_speed: float | None = None) -> SimReplay:
+    """Map ``reqs`` to ``k`` ids per 512-token block and pick the sim speed that offers
+    ``target_load`` of ``backends``' capacity at ``compress`` (unless ``sim_speed``)."""
+    scale = TRACE_BLOCK / k
+    timing = simmod.SimTiming(token_scale=scale)
+    o_hit, o_total = oracle_hits(reqs, TRACE_BLOCK)
+    span = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000
+    load = offered_load(reqs, span, o_hit, timing, backends, 8)
+    lo, hi = vocab_range(model_path)
+    return SimReplay(reqs, scale, timing, o_hit, o_total, span, load,
+                     sim_speed or max(1.0, compress * load / target_load),
+                     working_set_bytes(reqs, timing.kv_bytes_per_token), BlockMapper(k, lo, hi))
 
 
 class SglangRouter:
@@ -632,16 +671,10 @@ def main(argv=None) -> int:
     except FileNotFoundError as e:
         print(e, file=sys.stderr)
         return 2
-    scale = TRACE_BLOCK / args.k
-    timing = simmod.SimTiming(token_scale=scale)
-    o_hit, o_total = oracle_hits(reqs, TRACE_BLOCK)
-    span = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000
-    load = offered_load(reqs, span, o_hit, timing, args.backends, 8)
-    speed = args.sim_speed or max(1.0, args.compress * load / args.target_load)
-    ws = working_set_bytes(reqs, timing.kv_bytes_per_token)
-    lo, hi = vocab_range(model_path)
-    mapper = BlockMapper(args.k, lo, hi)
-    items = [(r.timestamp_ms, mapper.prompt(r.hash_ids), max(1, math.ceil(r.output_length / scale))) for r in reqs]
+    sr = sim_replay(reqs, model_path, args.k, args.compress, args.target_load, args.backends, args.sim_speed)
+    scale, o_hit, o_total, span, load, speed, ws, mapper = (
+        sr.scale, sr.oracle_hit, sr.oracle_total, sr.span_s, sr.load, sr.speed, sr.working_set, sr.mapper)
+    items = sr.items()
     shared = oracle_prefixes(reqs, args.k)  # sim ids per request, for `lost_hits`' chance cause
     cmd = "python bench/replay_routers.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     print(f"trace {args.trace}: {len(reqs)} requests over {span:.0f} s; oracle hit ratio {o_hit / o_total:.3f}")

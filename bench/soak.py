@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import shlex
 import sys
 import time
@@ -28,10 +27,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend import sim as simmod  # noqa: E402
-from bench.replay import vocab_range  # noqa: E402
-from bench.replay_routers import _one, offered_load, sim_backend_flags, sim_unit_flags, working_set_bytes  # noqa: E402
-from bench.trace import DEFAULT_TRACE, TRACE_BLOCK, BlockMapper, load_trace, oracle_hits  # noqa: E402
+from bench.replay_routers import _one, sim_backend_flags, sim_replay, sim_unit_flags  # noqa: E402
+from bench.trace import DEFAULT_TRACE, load_trace  # noqa: E402
 from mlxgw import schema  # noqa: E402
 from mlxgw.harness import RedisServer, Stack  # noqa: E402
 
@@ -116,17 +113,11 @@ def main(argv=None) -> int:
     except FileNotFoundError as e:
         print(e, file=sys.stderr)
         return 2
-    scale = TRACE_BLOCK / args.k
-    timing = simmod.SimTiming(token_scale=scale)
-    o_hit, o_total = oracle_hits(reqs, TRACE_BLOCK)
-    span = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000
-    speed = max(1.0, args.compress * offered_load(reqs, span, o_hit, timing, args.backends, 8) / args.target_load)
-    per_backend = int(args.budget * working_set_bytes(reqs, timing.kv_bytes_per_token) / args.backends)
-    lo, hi = vocab_range(model_path)
-    mapper = BlockMapper(args.k, lo, hi)
-    period_ms = reqs[-1].timestamp_ms - reqs[0].timestamp_ms + 1000
-    items = [(r.timestamp_ms + loop * period_ms, mapper.prompt(r.hash_ids), max(1, math.ceil(r.output_length / scale)))
-             for loop in range(args.loops) for r in reqs]
+    sr = sim_replay(reqs, model_path, args.k, args.compress, args.target_load, args.backends)
+    scale, speed, items = sr.scale, sr.speed, sr.items(args.loops)
+    o_hit, o_total = sr.oracle_hit, sr.oracle_total
+    per_backend = int(args.budget * sr.working_set / args.backends)
+    period_ms = sr.span_s * 1000 + 1000
     head = (f"{len(items)} requests ({args.loops} x {len(reqs)}) of {Path(args.trace).name} over "
             f"{args.loops * period_ms / 1000 / args.compress:.0f} s (compress "
             f"{args.compress:g}x), sim speed {speed:.1f}x, {args.backends} sim backends, cache budget {args.budget:g} "
