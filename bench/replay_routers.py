@@ -135,6 +135,19 @@ def sim_replay(reqs, model_path: str, k: int, compress: float, target_load: floa
                      working_set_bytes(reqs, timing.kv_bytes_per_token), BlockMapper(k, lo, hi))
 
 
+def add_sim_replay_args(p: argparse.ArgumentParser, requests: int | None, budget: float) -> None:
+    """The trace, mapping and cluster flags of a one-budget sim replay (redis_restart, soak)."""
+    p.add_argument("--trace", default=str(DEFAULT_TRACE))
+    p.add_argument("--requests", type=int, default=requests,
+                   help=f"first N requests of the trace (default: {requests or 'all'})")
+    p.add_argument("--k", type=int, default=16, help="token ids per 512-token trace block (also the block size)")
+    p.add_argument("--compress", type=float, default=10.0, help="divide trace inter-arrival times by this")
+    p.add_argument("--target-load", type=float, default=0.6,
+                   help="offered work / cluster capacity the sim speed is chosen for")
+    p.add_argument("--backends", type=int, default=4)
+    p.add_argument("--budget", type=float, default=budget, help="cluster cache budget, fraction of the KV working set")
+
+
 class SglangRouter:
     """One ``sglang-router`` process (``python -m sglang_router.launch_router``)."""
 

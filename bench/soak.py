@@ -27,8 +27,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.replay_routers import _one, sim_backend_flags, sim_replay, sim_unit_flags  # noqa: E402
-from bench.trace import DEFAULT_TRACE, load_trace  # noqa: E402
+from bench.replay_routers import _one, add_sim_replay_args, sim_backend_flags, sim_replay, sim_unit_flags  # noqa: E402
+from bench.trace import load_trace  # noqa: E402
 from mlxgw import schema  # noqa: E402
 from mlxgw.harness import RedisServer, Stack  # noqa: E402
 
@@ -92,13 +92,7 @@ def table(samples: list[dict]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", default=str(DEFAULT_TRACE))
-    p.add_argument("--requests", type=int, help="first N requests of the trace (default: all)")
-    p.add_argument("--k", type=int, default=16, help="token ids per 512-token trace block (also the block size)")
-    p.add_argument("--compress", type=float, default=10.0, help="divide trace inter-arrival times by this")
-    p.add_argument("--target-load", type=float, default=0.6)
-    p.add_argument("--backends", type=int, default=4)
-    p.add_argument("--budget", type=float, default=0.2, help="cluster cache budget, fraction of the KV working set")
+    add_sim_replay_args(p, requests=None, budget=0.2)
     p.add_argument("--every", type=float, default=30.0, help="seconds between samples")
     p.add_argument("--loops", type=int, default=1,
                    help="replay the requests this many times back to back (a longer soak; later loops "
