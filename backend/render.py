@@ -74,14 +74,16 @@ class AnswerBuilder:
                 if self.prev == "tool":
                     raw_calls.append(self.tool_text)
                     self.tool_text = ""
-                    self.made_tool_call = True
                 self.buf += t
             self.prev = st
         if final is not None and self.prev == "tool" and self.tool_text:
             raw_calls.append(self.tool_text)
             self.tool_text = ""
-            self.made_tool_call = True
         out.tool_calls = self.formatter(raw_calls)
+        # Only a call that parsed makes a tool-call answer. mlx-lm's formatter drops text it
+        # cannot parse (and warns); mlx_lm.server still answered finish_reason "tool_calls",
+        # with no call (Anthropic: stop_reason "tool_use" without a tool_use block).
+        self.made_tool_call = self.made_tool_call or bool(out.tool_calls)
         out.content = self._release(final is not None)
         return out
 

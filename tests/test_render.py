@@ -54,3 +54,12 @@ def test_text_stop_string_is_cut_across_pieces(tok):
     b = AnswerBuilder(tok, None, ["END"], streaming=True)
     content, _, _ = run(b, ["one two E", "N", "D three"], final=None)
     assert content == "one two " and b.stopped
+
+
+def test_unparsable_tool_call_does_not_make_a_tool_call_answer(tok):
+    """A call the parser cannot read is dropped (mlx-lm's formatter, which warns); the answer
+    used to end with finish_reason "tool_calls" and no call in it (README trial, session 23)."""
+    b = AnswerBuilder(tok, None, [], streaming=False)
+    content, _, calls = run(b, ["hello ", "<tool_call>", "not json", "</tool_call>", " bye", ""])
+    assert (content, calls, b.made_tool_call) == ("hello  bye", [], False)
+    assert b.finish_reason("stop") == "stop"
