@@ -63,7 +63,7 @@ spec="."
 [[ -n "$extras" ]] && spec=".[$extras]"
 if ! .venv/bin/python -c "import mlxgw, mlx_lm" >/dev/null 2>&1; then
   echo "installing mlxgw and its dependencies into .venv (first run: mlx, mlx-lm, transformers," \
-       "386 MB on Linux x86_64; from under a minute with a warm pip cache to a few minutes)..." >&2
+       "about 400 MB on Linux x86_64; from under a minute with a warm pip cache to a few minutes)..." >&2
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e "$spec" 2>&1 | grep -v -E "^(WARNING: Location|  )" >&2 || true
