@@ -504,7 +504,7 @@ def test_frozen_redis_does_not_hold_answers_and_the_gateway_says_so(demo_model):
                 t0 = time.time()
                 assert _ask(b0.url, words(200, seed=66 + i))[0] == 200
                 times.append(time.time() - t0)
-            assert sum(times) < 4.0, times  # each waited >= the 2 s socket timeout before
+            assert sum(times) < 6.0, times  # each waited >= the 2 s socket timeout before (28 s in all)
         finally:
             r.proc.send_signal(signal.SIGCONT)
         r.stop()  # now refusing connections: the gateway's lookups fail at once
