@@ -106,9 +106,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     name = args.served_name or Path(model_path.rstrip("/")).name
     backend_id = args.backend_id or f"{socket.gethostname()}:{args.port}"
-    before, after = raise_open_files_limit()
-    if after != before:
-        log.info("open files limit raised from %d to %d", before, after)
+    raise_open_files_limit()
     url = args.url or f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     budget = parse_bytes(args.cache_bytes)
 

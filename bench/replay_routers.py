@@ -104,7 +104,6 @@ class SimReplay:
 
     reqs: list
     scale: float  # real tokens per sim id
-    timing: simmod.SimTiming
     oracle_hit: int  # tokens
     oracle_total: int
     span_s: float  # the trace's own span
@@ -113,10 +112,14 @@ class SimReplay:
     working_set: int  # KV bytes of every distinct block
     mapper: BlockMapper
 
+    @property
+    def period_ms(self) -> float:
+        """One pass of the trace when `items` repeats it: its span plus a second."""
+        return self.span_s * 1000 + 1000
+
     def items(self, loops: int = 1) -> list[tuple[int, list[int], int]]:
         """(arrival ms, prompt ids, max_tokens) per request, the trace ``loops`` times back to back."""
-        period = self.reqs[-1].timestamp_ms - self.reqs[0].timestamp_ms + 1000
-        return [(r.timestamp_ms + n * period, self.mapper.prompt(r.hash_ids),
+        return [(r.timestamp_ms + n * self.period_ms, self.mapper.prompt(r.hash_ids),
                  max(1, math.ceil(r.output_length / self.scale))) for n in range(loops) for r in self.reqs]
 
 
@@ -130,7 +133,7 @@ def sim_replay(reqs, model_path: str, k: int, compress: float, target_load: floa
     span = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000
     load = offered_load(reqs, span, o_hit, timing, backends, 8)
     lo, hi = vocab_range(model_path)
-    return SimReplay(reqs, scale, timing, o_hit, o_total, span, load,
+    return SimReplay(reqs, scale, o_hit, o_total, span, load,
                      sim_speed or max(1.0, compress * load / target_load),
                      working_set_bytes(reqs, timing.kv_bytes_per_token), BlockMapper(k, lo, hi))
 

@@ -111,9 +111,8 @@ def main(argv=None) -> int:
     scale, speed, items = sr.scale, sr.speed, sr.items(args.loops)
     o_hit, o_total = sr.oracle_hit, sr.oracle_total
     per_backend = int(args.budget * sr.working_set / args.backends)
-    period_ms = sr.span_s * 1000 + 1000
     head = (f"{len(items)} requests ({args.loops} x {len(reqs)}) of {Path(args.trace).name} over "
-            f"{args.loops * period_ms / 1000 / args.compress:.0f} s (compress "
+            f"{args.loops * sr.period_ms / 1000 / args.compress:.0f} s (compress "
             f"{args.compress:g}x), sim speed {speed:.1f}x, {args.backends} sim backends, cache budget {args.budget:g} "
             f"of the KV working set; oracle hit ratio {o_hit / o_total:.3f}.")
     print(head, flush=True)

@@ -186,9 +186,7 @@ def run(args: argparse.Namespace) -> int:
         if not (Path(path).expanduser() / "config.json").exists():
             log.error("model %s: no model directory at %s", name, path)
             return 2
-    before, after = raise_open_files_limit()
-    if after != before:
-        log.info("open files limit raised from %d to %d", before, after)
+    raise_open_files_limit()
     app = make_app(cfg)
     log.info("gateway %s starting on %s:%d: Redis %s (namespace %s), models %s", cfg.gateway_id, args.host, args.port,
              redact_url(cfg.redis_url), cfg.namespace, ", ".join(cfg.models) or "-")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from urllib.parse import urlsplit, urlunsplit
 
@@ -90,7 +91,7 @@ OPEN_FILES_WANTED = 65536
 
 def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> tuple[int, int]:
     """Raise this process's soft RLIMIT_NOFILE toward ``wanted`` (never above the hard limit,
-    never down); what servers such as SGLang do at start (``set_ulimit``).
+    never down); what servers such as SGLang do at start (``set_ulimit``). Logs a raise.
 
     macOS refuses a soft limit above ``OPEN_MAX`` (10240) even under an unlimited hard
     limit, so that is tried next. Returns the (before, after) soft limits; never raises
@@ -108,7 +109,8 @@ def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> tuple[int, int]:
             break
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            return soft, target
         except (ValueError, OSError):
             continue
+        logging.getLogger("mlxgw").info("open files limit raised from %d to %d", soft, target)
+        return soft, target
     return soft, soft
