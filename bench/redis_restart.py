@@ -33,8 +33,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.replay_routers import _one, add_sim_replay_args, sim_backend_flags, sim_replay, sim_unit_flags  # noqa: E402
-from bench.trace import load_trace  # noqa: E402
+from bench.replay_routers import _one, add_sim_replay_args, load_sim_replay, sim_backend_flags, sim_unit_flags  # noqa: E402
 from mlxgw import schema  # noqa: E402
 from mlxgw.harness import RedisServer, Stack  # noqa: E402
 
@@ -163,15 +162,11 @@ def main(argv=None) -> int:
     p.add_argument("--label", default="", help="suffix of the output files' names")
     args = p.parse_args(argv)
     args.restart_at = sorted(float(x) for x in args.restart_at.split(","))
-    from mlxgw.demo_model import ensure_demo_model
-
-    model_path = str(ensure_demo_model("tiny"))
-    try:
-        reqs = load_trace(args.trace, args.requests)
-    except FileNotFoundError as e:
-        print(e, file=sys.stderr)
+    loaded = load_sim_replay(args)
+    if loaded is None:
         return 2
-    sr = sim_replay(reqs, model_path, args.k, args.compress, args.target_load, args.backends)
+    model_path, sr = loaded
+    reqs = sr.reqs
     scale, span, speed, items = sr.scale, sr.span_s, sr.speed, sr.items()
     per_backend = int(args.budget * sr.working_set / args.backends)
     head = (f"{len(reqs)} requests of {Path(args.trace).name} over {span / args.compress:.0f} s (compress "

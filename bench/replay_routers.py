@@ -138,6 +138,22 @@ def sim_replay(reqs, model_path: str, k: int, compress: float, target_load: floa
                      working_set_bytes(reqs, timing.kv_bytes_per_token), BlockMapper(k, lo, hi))
 
 
+def load_sim_replay(args, model_path: str | None = None) -> tuple[str, SimReplay] | None:
+    """The demo model's path (or ``model_path``) and `sim_replay` of ``args``' trace (the
+    `add_sim_replay_args` flags, plus ``sim_speed`` when the parser has it); None, after
+    saying where the public trace comes from, when the trace file is missing."""
+    from mlxgw.demo_model import ensure_demo_model
+
+    model_path = model_path or str(ensure_demo_model("tiny"))
+    try:
+        reqs = load_trace(args.trace, args.requests)
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
+        return None
+    return model_path, sim_replay(reqs, model_path, args.k, args.compress, args.target_load, args.backends,
+                                  getattr(args, "sim_speed", None))
+
+
 def add_sim_replay_args(p: argparse.ArgumentParser, requests: int | None, budget: float) -> None:
     """The trace, mapping and cluster flags of a one-budget sim replay (redis_restart, soak)."""
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
@@ -679,15 +695,11 @@ def main(argv=None) -> int:
                         "TTFT and E2E s, backend, route reason and candidates) as JSON lines, for per-request "
                         "analysis such as bench/ttft_bands.py (~10 MB for 3 rounds of 8 routers: keep it out of git)")
     args = p.parse_args(argv)
-    from mlxgw.demo_model import ensure_demo_model
-
-    model_path = args.model or str(ensure_demo_model("tiny"))
-    try:
-        reqs = load_trace(args.trace, args.requests)
-    except FileNotFoundError as e:
-        print(e, file=sys.stderr)
+    loaded = load_sim_replay(args, args.model)
+    if loaded is None:
         return 2
-    sr = sim_replay(reqs, model_path, args.k, args.compress, args.target_load, args.backends, args.sim_speed)
+    model_path, sr = loaded
+    reqs = sr.reqs
     scale, o_hit, o_total, span, load, speed, ws, mapper = (
         sr.scale, sr.oracle_hit, sr.oracle_total, sr.span_s, sr.load, sr.speed, sr.working_set, sr.mapper)
     items = sr.items()

@@ -27,8 +27,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.replay_routers import _one, add_sim_replay_args, sim_backend_flags, sim_replay, sim_unit_flags  # noqa: E402
-from bench.trace import load_trace  # noqa: E402
+from bench.replay_routers import _one, add_sim_replay_args, load_sim_replay, sim_backend_flags, sim_unit_flags  # noqa: E402
 from mlxgw import schema  # noqa: E402
 from mlxgw.harness import RedisServer, Stack  # noqa: E402
 
@@ -99,15 +98,11 @@ def main(argv=None) -> int:
                         "repeat earlier prompts, which the cache budget has mostly evicted)")
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
-    from mlxgw.demo_model import ensure_demo_model
-
-    model_path = str(ensure_demo_model("tiny"))
-    try:
-        reqs = load_trace(args.trace, args.requests)
-    except FileNotFoundError as e:
-        print(e, file=sys.stderr)
+    loaded = load_sim_replay(args)
+    if loaded is None:
         return 2
-    sr = sim_replay(reqs, model_path, args.k, args.compress, args.target_load, args.backends)
+    model_path, sr = loaded
+    reqs = sr.reqs
     scale, speed, items = sr.scale, sr.speed, sr.items(args.loops)
     o_hit, o_total = sr.oracle_hit, sr.oracle_total
     per_backend = int(args.budget * sr.working_set / args.backends)
