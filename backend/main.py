@@ -13,7 +13,8 @@ from pathlib import Path
 from aiohttp import web
 
 from mlxgw import schema
-from mlxgw.util import parse_bytes, positive_int, raise_open_files_limit, redact_url
+from mlxgw.rlimit import raise_open_files_limit
+from mlxgw.util import parse_bytes, positive_int, redact_url
 
 from . import sim
 from .cache import PromptCache

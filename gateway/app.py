@@ -75,6 +75,7 @@ class GatewayState:
     strip: list = field(default_factory=list)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     pending: PendingClaims = field(default_factory=PendingClaims)
+    admission: Optional[limits.CallerLimits] = None  # the limits middleware's counts (metrics)
 
 
 STATE = web.AppKey("state", GatewayState)
@@ -370,8 +371,9 @@ def make_app(cfg: GatewayConfig) -> web.Application:
     Raises (at startup): FileNotFoundError for a configured model path that is
     not a model directory.
     """
-    app = web.Application(middlewares=[error_middleware, auth.auth_middleware(cfg.api_keys),
-                                       limits.limits_middleware(cfg.limits)], client_max_size=cfg.max_body_bytes)
+    admission = limits.limits_middleware(cfg.limits)
+    app = web.Application(middlewares=[error_middleware, auth.auth_middleware(cfg.api_keys), admission],
+                          client_max_size=cfg.max_body_bytes)
 
     async def lifecycle(app: web.Application):
         toks = Tokenizers(cfg.token_cache_bytes)
@@ -387,7 +389,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
                       write_timeout=cfg.limits.write_timeout, url_of=index.url_of, gone_after=cfg.gone_after)
         await proxy.start()
         app[STATE] = GatewayState(cfg, toks, index, proxy, strip=compile_patterns(cfg.strip_lines),
-                                  pending=PendingClaims(cfg.routing.pending_grace))
+                                  pending=PendingClaims(cfg.routing.pending_grace), admission=admission.limits)
         app[STATE].metrics.bind(app[STATE])
         for name in cfg.models:
             app[STATE].metrics.prime(name)

@@ -1,10 +1,20 @@
-"""Per-caller limits (concurrency, token-bucket rate) and per-request size limits.
+"""Admission: a global cap on requests in flight, per-caller limits (concurrency,
+token-bucket rate) and per-request size limits.
 
 A caller is an API key (by its id) or, without keys, a remote address (see
-`gateway.auth`). Every path but ``/health`` counts. Over a limit the answer is
-429 with ``Retry-After`` (whole seconds, RFC 9110 10.2.3) in the dialect of the
-endpoint; nothing is queued, so a flooding caller costs the gateway one cheap
-answer per request and never delays other callers.
+`gateway.auth`). Every path but ``/health`` counts. Over a per-caller limit the
+answer is 429 with ``Retry-After`` (whole seconds, RFC 9110 10.2.3) in the
+dialect of the endpoint; at the global cap it is 503 ``overloaded`` (Anthropic's
+``overloaded_error``) with ``Retry-After: 1``, which the OpenAI and Anthropic
+SDKs retry with backoff. Nothing is queued, so a flood costs the gateway one
+cheap answer per request and never delays the requests already admitted.
+
+The global cap exists because every request in flight holds two open files (the
+client's socket and the backend's): past the process's open-files limit accept()
+and the upstream connect fail with EMFILE for everyone (a session-23 soak: 1,883
+failed requests). Its default, `auto_max_in_flight`, is a quarter of that limit.
+``/metrics`` and the dashboard stay outside the cap, so operators can see an
+overload while it lasts.
 
 `check_request` holds the checks that need the parsed request and the model
 (message count, token ids within the vocabulary); the gateway calls it before
@@ -30,6 +40,8 @@ class LimitConfig:
     """Limits; 0 turns a limit off.
 
     Attributes:
+        max_in_flight: requests the gateway holds at once, all callers together
+            (a stream counts until its last byte); over it, 503 ``overloaded``.
         max_concurrent_per_key: requests one caller may have in flight (a
             stream counts until its last byte).
         rate_per_minute: sustained requests per minute per caller.
@@ -42,6 +54,7 @@ class LimitConfig:
             before the gateway drops the connection.
     """
 
+    max_in_flight: int = 0
     max_concurrent_per_key: int = 0
     rate_per_minute: float = 0.0
     rate_burst: int = 0
@@ -51,6 +64,25 @@ class LimitConfig:
 
     def burst(self) -> float:
         return float(self.rate_burst) if self.rate_burst > 0 else max(1.0, self.rate_per_minute / 6)
+
+
+#: Paths outside the global cap (they hold no backend connection): operators watch
+#: an overload through them.
+UNCAPPED_PATHS = ("/metrics", "/dashboard")
+
+#: Floor of the automatic cap (a tiny open-files limit still admits this many).
+MIN_AUTO_IN_FLIGHT = 64
+
+
+def auto_max_in_flight(open_files: int) -> int:
+    """The default global cap for a process allowed ``open_files`` descriptors (0 when
+    unknown or unlimited: no cap): a quarter of them, at least `MIN_AUTO_IN_FLIGHT`.
+
+    Each admitted request holds two (client and backend sockets); the other half is
+    for idle keep-alive client connections, refused clients, Redis, logs and model
+    files. 4096 files (mlx-lm's usual hard limit) -> 1024 requests; macOS's 10240 -> 2560.
+    """
+    return max(MIN_AUTO_IN_FLIGHT, open_files // 4) if open_files > 0 else 0
 
 
 class TokenBucket:
@@ -85,7 +117,7 @@ class TokenBucket:
 
 
 class CallerLimits:
-    """Concurrency counts and rate buckets per caller.
+    """The count of requests admitted, and concurrency counts and rate buckets per caller.
 
     Idle callers (no request in flight, bucket full) are forgotten once more
     than ``prune_above`` are tracked, so addresses that come and go cannot
@@ -96,14 +128,21 @@ class CallerLimits:
         self.cfg = cfg
         self.inflight: dict[str, int] = {}
         self.buckets: dict[str, TokenBucket] = {}
-        self.rejected = {"rate": 0, "concurrency": 0}
+        self.admitted = 0  # requests holding a slot of the global cap
+        self.rejected = {"overloaded": 0, "rate": 0, "concurrency": 0}
         self.prune_above = prune_above
 
-    def admit(self, caller: str, now: Optional[float] = None) -> Optional[tuple[str, int]]:
-        """Take a slot for ``caller``: None when admitted (call `release` after),
-        else ``(reason, retry_after_seconds)`` with reason ``"rate"`` or ``"concurrency"``."""
+    def admit(self, caller: str, now: Optional[float] = None, capped: bool = True) -> Optional[tuple[str, int]]:
+        """Take a slot for ``caller``: None when admitted (call `release` with the same
+        ``capped`` after), else ``(reason, retry_after_seconds)`` with reason
+        ``"overloaded"`` (the global cap; checked first, so a shed request spends none
+        of its caller's rate), ``"rate"`` or ``"concurrency"``. ``capped``: the request
+        counts against the global cap."""
         now = time.monotonic() if now is None else now
         cfg = self.cfg
+        if capped and cfg.max_in_flight > 0 and self.admitted >= cfg.max_in_flight:
+            self.rejected["overloaded"] += 1
+            return "overloaded", 1
         if cfg.max_concurrent_per_key > 0 and self.inflight.get(caller, 0) >= cfg.max_concurrent_per_key:
             self.rejected["concurrency"] += 1
             return "concurrency", 1
@@ -118,9 +157,13 @@ class CallerLimits:
                 self.rejected["rate"] += 1
                 return "rate", max(1, math.ceil(wait))
         self.inflight[caller] = self.inflight.get(caller, 0) + 1
+        if capped:
+            self.admitted += 1
         return None
 
-    def release(self, caller: str) -> None:
+    def release(self, caller: str, capped: bool = True) -> None:
+        if capped:
+            self.admitted -= 1
         n = self.inflight.get(caller, 0) - 1
         if n > 0:
             self.inflight[caller] = n
@@ -133,7 +176,8 @@ class CallerLimits:
 
 
 def limits_middleware(cfg: LimitConfig):
-    """An aiohttp middleware enforcing `CallerLimits` (after the auth middleware named the caller)."""
+    """An aiohttp middleware enforcing `CallerLimits` (after the auth middleware named the caller);
+    its ``limits`` attribute is that object (for metrics and tests)."""
     limits = CallerLimits(cfg)
 
     @web.middleware
@@ -141,18 +185,23 @@ def limits_middleware(cfg: LimitConfig):
         if request.path in OPEN_PATHS:
             return await handler(request)
         caller = request.get(CALLER, "unknown")
-        denied = limits.admit(caller)
+        capped = not request.path.startswith(UNCAPPED_PATHS)
+        denied = limits.admit(caller, capped=capped)
         if denied is not None:
             reason, retry = denied
+            headers = {"Retry-After": str(retry)}
+            if reason == "overloaded":
+                raise RequestError(f"the gateway is at its limit of {cfg.max_in_flight} requests in flight; "
+                                   "retry shortly", status=503, type="server_error", code="overloaded",
+                                   headers=headers)
             msg = (f"too many requests in flight for this API key (limit {cfg.max_concurrent_per_key})"
                    if reason == "concurrency" else
                    f"rate limit exceeded for this API key ({cfg.rate_per_minute:g} requests per minute)")
-            raise RequestError(msg, status=429, type="rate_limit_error", code="rate_limit_exceeded",
-                               headers={"Retry-After": str(retry)})
+            raise RequestError(msg, status=429, type="rate_limit_error", code="rate_limit_exceeded", headers=headers)
         try:
             return await handler(request)
         finally:
-            limits.release(caller)
+            limits.release(caller, capped)
 
     mw.limits = limits  # for tests and introspection
     return mw

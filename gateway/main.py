@@ -13,11 +13,12 @@ from aiohttp import web
 
 from mlxgw import schema
 
-from mlxgw.util import parse_bytes, positive_int, raise_open_files_limit, redact_url
+from mlxgw.rlimit import open_files_limit, raise_open_files_limit
+from mlxgw.util import parse_bytes, positive_int, redact_url
 
 from .app import GatewayConfig, make_app
 from .auth import AuthConfigError, check_exposure, read_keys
-from .limits import LimitConfig
+from .limits import LimitConfig, auto_max_in_flight
 from .route import POLICIES, RoutingConfig
 from .stability import DEFAULT_STRIP, compile_patterns
 
@@ -92,6 +93,9 @@ def add_security_arguments(p: argparse.ArgumentParser, defaults: bool = True) ->
                         "when set, and needed to listen on a non-loopback address")
     p.add_argument("--allow-unauthenticated", action="store_true", default=dflt(False),
                    help="listen on a non-loopback address without API keys (something in front authenticates)")
+    p.add_argument("--max-in-flight", type=int, default=None, metavar="N",
+                   help="requests the gateway holds at once, all callers (503 'overloaded' over it); "
+                        "default: a quarter of the open-files limit (each request holds two sockets); 0: no cap")
     p.add_argument("--max-concurrent-per-key", type=int, default=dflt(d.max_concurrent_per_key),
                    help="requests in flight per API key (per address without keys); 0: no limit")
     p.add_argument("--rate-limit-rpm", type=float, default=dflt(d.rate_per_minute),
@@ -123,6 +127,8 @@ def config_from_args(args) -> GatewayConfig:
     """
     if not args.load_publish_ms > 0:
         raise ValueError(f"--load-publish-ms must be > 0 (got {args.load_publish_ms:g})")
+    if args.max_in_flight is not None and args.max_in_flight < 0:
+        raise ValueError(f"--max-in-flight must be >= 0 (got {args.max_in_flight})")
     models = parse_models(args.model)
     if not models:
         from mlxgw.demo_model import ensure_demo_model
@@ -131,6 +137,7 @@ def config_from_args(args) -> GatewayConfig:
     return GatewayConfig(
         api_keys=read_keys(args.api_key_file),
         limits=LimitConfig(
+            max_in_flight=auto_max_in_flight(open_files_limit()) if args.max_in_flight is None else args.max_in_flight,
             max_concurrent_per_key=args.max_concurrent_per_key,
             rate_per_minute=args.rate_limit_rpm,
             rate_burst=args.rate_burst,
@@ -167,6 +174,7 @@ EXIT_INSECURE = 6
 
 
 def run(args: argparse.Namespace) -> int:
+    raise_open_files_limit()  # first: the default --max-in-flight follows the raised limit
     try:
         cfg = config_from_args(args)
         check_exposure(args.host, cfg.api_keys, args.allow_unauthenticated)
@@ -186,10 +194,10 @@ def run(args: argparse.Namespace) -> int:
         if not (Path(path).expanduser() / "config.json").exists():
             log.error("model %s: no model directory at %s", name, path)
             return 2
-    raise_open_files_limit()
     app = make_app(cfg)
-    log.info("gateway %s starting on %s:%d: Redis %s (namespace %s), models %s", cfg.gateway_id, args.host, args.port,
-             redact_url(cfg.redis_url), cfg.namespace, ", ".join(cfg.models) or "-")
+    log.info("gateway %s starting on %s:%d: Redis %s (namespace %s), models %s, at most %s requests in flight",
+             cfg.gateway_id, args.host, args.port, redact_url(cfg.redis_url), cfg.namespace,
+             ", ".join(cfg.models) or "-", cfg.limits.max_in_flight or "unlimited")
     try:
         web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
                     access_log=None, print=lambda *_: None)

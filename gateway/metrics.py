@@ -71,6 +71,22 @@ class _StateCollector:
                                 "Requests answered with an OpenAI-style error by the gateway itself.")
         e.add_metric([], st.counters.get("errors", 0))
         yield e
+        adm = st.admission
+        if adm is not None:
+            a = GaugeMetricFamily("mlxgw:gateway_requests_admitted",
+                                  "Requests holding a slot of the global in-flight cap (all but /health, /metrics, "
+                                  "/dashboard).")
+            a.add_metric([], adm.admitted)
+            yield a
+            cap = GaugeMetricFamily("mlxgw:gateway_max_in_flight", "The global in-flight cap (0: none).")
+            cap.add_metric([], adm.cfg.max_in_flight)
+            yield cap
+            rj = CounterMetricFamily("mlxgw:gateway_requests_rejected",
+                                     "Requests refused before routing: overloaded (global cap, 503), rate or "
+                                     "concurrency (per API key, 429).", labels=["reason"])
+            for reason, n in sorted(adm.rejected.items()):
+                rj.add_metric([reason], n)
+            yield rj
         lk = CounterMetricFamily("mlxgw:redis_lookups", "Ownership lookups by status.", labels=["status"])
         for status, n in sorted(st.index.lookups.items()):
             lk.add_metric([status], n)

@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from .rlimit import guard_mlx_lm_import
+
 
 def _logging(level: str) -> None:
     logging.basicConfig(
@@ -22,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default=os.environ.get("MLXGW_LOG_LEVEL", "info"))
     sub = p.add_subparsers(dest="cmd", required=True)
 
+    # Before anything imports mlx-lm (the demo model build in `serve` too, whose
+    # children inherit the limit): its import would cap the open-files limit.
+    guard_mlx_lm_import()
     from backend import main as backend_main
     from gateway import main as gateway_main
 

@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import redis
 from . import httpget as http
@@ -132,6 +132,7 @@ class Proc:
     proc: Optional[subprocess.Popen] = None
     port_retries: int = 0  # times it may move to a new free port if another process took its port first
     cwd: Optional[str] = None  # working directory; with ``python -m`` it is also the first import path
+    preexec_fn: Optional[Callable[[], None]] = None  # run in the child before exec (e.g. set its rlimits)
 
     @property
     def url(self) -> str:
@@ -141,7 +142,8 @@ class Proc:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._env = env
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.cwd)
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.cwd,
+                                     preexec_fn=self.preexec_fn)
         return self
 
     def restart_if_port_lost(self) -> bool:
@@ -237,7 +239,7 @@ class Stack:
             p.start(self.env())
         return p
 
-    def add_gateway(self, *extra: str, port: Optional[int] = None, cwd: Optional[str] = None) -> Proc:
+    def add_gateway(self, *extra: str, port: Optional[int] = None, cwd: Optional[str] = None, start=True) -> Proc:
         """Start a gateway in ``cwd`` (default: this process's); ``python -m`` imports from there first."""
         retries = 0 if port else PORT_RETRIES
         port = port or free_port()
@@ -247,7 +249,8 @@ class Stack:
                "--block-size", str(self.block_size), "--lookup-deadline-ms", "2000", *extra]
         p = Proc(name, cmd, port, LOG_DIR / f"{self.namespace}-{name}.log", port_retries=retries, cwd=cwd)
         self.gateways.append(p)
-        p.start(self.env())
+        if start:
+            p.start(self.env())
         return p
 
     def wait(self) -> "Stack":

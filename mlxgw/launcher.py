@@ -280,6 +280,8 @@ def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:
            "--rate-burst", str(cfg.rate_burst), "--max-messages", str(cfg.max_messages),
            "--max-body-bytes", str(cfg.max_body_bytes), "--body-timeout", str(cfg.body_timeout),
            "--write-timeout", str(cfg.write_timeout), "--keepalive", str(cfg.keepalive)]
+    if cfg.max_in_flight is not None:
+        out += ["--max-in-flight", str(cfg.max_in_flight)]
     if cfg.api_key_file:
         out += ["--api-key-file", str(Path(cfg.api_key_file).expanduser().resolve())]
     if cfg.allow_unauthenticated:

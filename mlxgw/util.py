@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 from urllib.parse import urlsplit, urlunsplit
 
@@ -79,38 +78,3 @@ async def cancel_and_wait(task) -> None:
         await task
     except (asyncio.CancelledError, Exception):
         pass
-
-
-#: Open files a gateway or backend asks for: two sockets per proxied request, plus Redis,
-#: logs and model files. macOS starts processes at a soft limit of 256 (Linux often 1024),
-#: and importing mlx-lm sets (2048, 4096) (mlx_lm/utils.py), so the hard limit, 4096, is
-#: what this reaches in practice. Past the soft limit accept() fails, and asyncio before
-#: Python 3.12 logs that failure in a tight loop (a 109 MB log in a session-23 soak).
-OPEN_FILES_WANTED = 65536
-
-
-def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> tuple[int, int]:
-    """Raise this process's soft RLIMIT_NOFILE toward ``wanted`` (never above the hard limit,
-    never down); what servers such as SGLang do at start (``set_ulimit``). Logs a raise.
-
-    macOS refuses a soft limit above ``OPEN_MAX`` (10240) even under an unlimited hard
-    limit, so that is tried next. Returns the (before, after) soft limits; never raises
-    (no ``resource`` module, e.g. on Windows: (0, 0)).
-    """
-    try:
-        import resource
-    except ImportError:
-        return 0, 0
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    for target in (wanted, 10240):
-        if hard != resource.RLIM_INFINITY:
-            target = min(target, hard)
-        if target <= soft:
-            break
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError):
-            continue
-        logging.getLogger("mlxgw").info("open files limit raised from %d to %d", soft, target)
-        return soft, target
-    return soft, soft

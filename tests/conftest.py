@@ -25,6 +25,11 @@ os.environ["MLXGW_CACHE_DIR"] = str(_test_cache)
 atexit.register(shutil.rmtree, _test_cache, ignore_errors=True)
 
 from mlxgw.harness import RedisServer, Stack  # noqa: E402
+from mlxgw.rlimit import guard_mlx_lm_import  # noqa: E402
+
+# The test process imports mlx-lm (demo model, in-process backend tests); keep the
+# open-files limits the harness's children inherit as the shell gave them.
+guard_mlx_lm_import()
 
 
 @pytest.fixture(scope="session")

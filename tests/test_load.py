@@ -7,6 +7,7 @@ import time
 from collections import Counter
 
 import openai
+import pytest
 
 from texts import words
 
@@ -66,29 +67,109 @@ def test_200_streams_one_backend_killed(make_stack):
     assert outcome["answer"] >= 120  # the two live backends answered the rest
 
 
-def test_gateway_and_backend_raise_their_open_files_limit(make_stack):
+@pytest.mark.parametrize("hard", ["low", "inherited"])
+def test_gateway_and_backend_raise_their_open_files_limit_and_keep_the_hard_one(make_stack, hard):
     """A gateway holds two sockets per request in flight. macOS starts processes at a soft
-    limit of 256 open files, and importing mlx-lm sets (2048, 4096) (mlx_lm/utils.py): a
-    soak here ran out at ~1,000 requests in flight (accept() failing, asyncio logging it
-    in a loop: a 109 MB log). Both processes now raise their soft limit to the hard one
-    (`mlxgw.util.raise_open_files_limit`, up to 65536)."""
+    limit of 256 open files: both processes raise their soft limit to the hard one
+    (`mlxgw.rlimit.raise_open_files_limit`, up to 65536). Importing mlx-lm runs
+    ``setrlimit(NOFILE, (2048, 4096))`` (mlx-lm issue 1589): under a hard limit below 4096
+    ("low": ``docker --ulimit nofile=3000:3000``) both processes died at start, and a
+    higher hard limit ("inherited", when this shell has one) was cut to 4096 for good
+    (a soak here ran out of files at ~1,000 requests in flight). `guard_mlx_lm_import`
+    keeps the hard limit."""
     import resource
 
     import psutil
-    import pytest
 
     if not hasattr(psutil.Process, "rlimit"):
         pytest.skip("psutil cannot read another process's limits on this OS")
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft, parent_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want_hard = 3000 if hard == "low" else parent_hard
+    if hard == "inherited" and (parent_hard == resource.RLIM_INFINITY or parent_hard <= 4096):
+        pytest.skip(f"this shell's hard open-files limit ({parent_hard}) cannot show a cut to 4096")
     s = make_stack()
-    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # what the children inherit
-    try:
-        b0 = s.add_backend("b0", None, "--engine", "sim")
-        s.add_gateway()
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    def limit():  # in the child, before exec: what a container or launchd would give it
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, want_hard))
+
+    b0 = s.add_backend("b0", None, "--engine", "sim", start=False)
+    b0.preexec_fn = limit
+    g = s.add_gateway(start=False)
+    g.preexec_fn = limit
+    for p in (b0, g):
+        p.start(s.env())
     s.wait()
     for p in (s.gateway, b0):
         got_soft, got_hard = psutil.Process(p.proc.pid).rlimit(resource.RLIMIT_NOFILE)
-        assert got_soft == min(65536, got_hard) and got_soft > 2048, (p.name, got_soft, got_hard)
-    assert "open files limit raised from" in s.gateway.log_path.read_text()
+        assert (got_soft, got_hard) == (min(65536, want_hard), want_hard), p.name
+    assert f"to {min(65536, want_hard)}" in s.gateway.log_path.read_text().split("open files limit raised from ")[1]
+
+
+def _metric(url: str, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_global_in_flight_cap_sheds_with_503_and_keeps_metrics_open(make_stack):
+    """Past the process's open-files limit every client fails (EMFILE on accept and on the
+    upstream connect: 1,883 errors in a session-23 soak). At ``--max-in-flight`` the gateway
+    answers 503 ``overloaded`` with ``Retry-After: 1`` at once, in each endpoint's dialect,
+    while /metrics and /health still answer; slots come back when requests end. Without the
+    flag the cap is a quarter of the gateway's open-files limit."""
+    import socket
+
+    import anthropic
+    import psutil
+    import resource
+
+    s = make_stack()
+    s.add_backend("b0", None, "--engine", "sim")
+    gw = s.add_gateway("--max-in-flight", "3")
+    auto = s.add_gateway()
+    s.wait()
+    body = b'{"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"}]}'
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    held = []
+    for _ in range(3):  # three admitted requests, their bodies not sent yet
+        c = socket.create_connection(("127.0.0.1", gw.port), timeout=30)
+        c.sendall(head + body[:5])
+        held.append(c)
+    deadline = time.time() + 10
+    while _metric(gw.url, "mlxgw:gateway_requests_admitted") < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    oa = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    t0 = time.perf_counter()
+    with pytest.raises(openai.InternalServerError) as e:
+        oa.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert time.perf_counter() - t0 < 5
+    assert e.value.status_code == 503 and e.value.response.headers["Retry-After"] == "1"
+    assert e.value.body["code"] == "overloaded" and "limit of 3 requests in flight" in e.value.body["message"]
+    an = anthropic.Anthropic(base_url=gw.url, api_key="x", max_retries=0, timeout=30)
+    with pytest.raises(anthropic.APIStatusError) as e:
+        an.messages.create(model="demo-tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 503 and e.value.body["error"]["type"] == "overloaded_error"
+    # Operators still see it.
+    assert _metric(gw.url, "mlxgw:gateway_requests_admitted") == 3
+    assert _metric(gw.url, "mlxgw:gateway_max_in_flight") == 3
+    assert _metric(gw.url, 'mlxgw:gateway_requests_rejected_total{reason="overloaded"}') == 2
+    from mlxgw.httpget import get_status
+
+    assert get_status(gw.url + "/health") == 200
+    for c in held:
+        c.close()
+    deadline = time.time() + 10
+    while _metric(gw.url, "mlxgw:gateway_requests_admitted") > 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert _metric(gw.url, "mlxgw:gateway_requests_admitted") == 0
+    r = oa.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    soft = psutil.Process(auto.proc.pid).rlimit(resource.RLIMIT_NOFILE)[0]
+    assert _metric(auto.url, "mlxgw:gateway_max_in_flight") == max(64, soft // 4)
+    assert f"at most {max(64, soft // 4)} requests in flight" in auto.log_path.read_text()

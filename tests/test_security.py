@@ -523,16 +523,25 @@ def test_gateway_config_keys_reach_the_gateway(tmp_path, demo_model):
     toml = tmp_path / "c.toml"
     toml.write_text(f'[gateway]\nhost = "0.0.0.0"\napi_key_file = "{keys}"\nmax_concurrent_per_key = 3\n'
                     'rate_limit_rpm = 30\nrate_burst = 2\nmax_messages = 20\nmax_body_bytes = "1MiB"\n'
-                    'body_timeout = 5\nwrite_timeout = 7\n')
+                    'body_timeout = 5\nwrite_timeout = 7\nmax_in_flight = 40\n')
     cfg = config.load(str(toml))
     p = argparse.ArgumentParser()
     add_arguments(p)
     gw = config_from_args(p.parse_args(["--model", f"demo-tiny={demo_model}", *gateway_security_flags(cfg)]))
     assert gw.api_keys == ["k1", "k2"] and gw.max_body_bytes == 2**20
     lim = gw.limits
-    assert (lim.max_concurrent_per_key, lim.rate_per_minute, lim.rate_burst, lim.max_messages,
-            lim.body_timeout, lim.write_timeout) == (3, 30.0, 2, 20, 5.0, 7.0)
+    assert (lim.max_in_flight, lim.max_concurrent_per_key, lim.rate_per_minute, lim.rate_burst, lim.max_messages,
+            lim.body_timeout, lim.write_timeout) == (40, 3, 30.0, 2, 20, 5.0, 7.0)
     assert all("k1" not in f for f in gateway_security_flags(cfg))  # keys travel by file, not argv
+    # Left out, the gateway picks its own cap from its open-files limit; a cap must be a whole number.
+    toml.write_text('[gateway]\n')
+    assert "--max-in-flight" not in gateway_security_flags(config.load(str(toml)))
+    toml.write_text('[gateway]\nmax_in_flight = "lots"\n')
+    with pytest.raises(ValueError, match="max_in_flight must be an integer"):
+        config.validate(config.load(str(toml)))
+    toml.write_text('[gateway]\nmax_in_flight = -1\n')
+    with pytest.raises(ValueError, match="max_in_flight must be at least 0"):
+        config.validate(config.load(str(toml)))
 
 
 async def test_client_that_stops_reading_is_dropped_after_the_write_timeout(sec, demo_model, caplog):
