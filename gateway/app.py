@@ -20,7 +20,7 @@ import msgpack
 from aiohttp import web
 
 from mlxgw import schema
-from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, parse_openai
+from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, overloaded, parse_openai
 from mlxgw.util import deadline
 
 from . import auth, dashboard, dialects, limits
@@ -30,7 +30,7 @@ from .janitor import Janitor
 from .load import LoadPublisher
 from .metrics import GatewayMetrics, request_done, request_refused
 from .pending import PendingClaims
-from .proxy import Attempt, BackendUnavailable, Proxy
+from .proxy import Attempt, BackendUnavailable, OutOfResources, Proxy
 from .route import RoutingConfig, rank
 from .stability import DEFAULT_STRIP, DriftDetector, compile_patterns, strip_volatile
 from .tokenize import ModelInfo, Tokenizers
@@ -311,6 +311,11 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         # Retry-After: a restarting backend re-registers, or leaves the registry, within seconds.
         raise RequestError(f"no backend could take the request: {e}", status=503, type="server_error",
                            code="backend_unavailable", headers={**route, "Retry-After": "1"})
+    except OutOfResources as e:
+        outcome = "overloaded"
+        if st.admission is not None:
+            st.admission.rejected["out_of_files"] += 1
+        raise overloaded(f"the gateway is out of open files or memory ({e}); retry shortly") from None
     except asyncio.CancelledError:
         outcome = "client_disconnected"
         raise

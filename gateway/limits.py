@@ -30,7 +30,7 @@ from typing import Optional
 
 from aiohttp import web
 
-from mlxgw.protocol import RequestError
+from mlxgw.protocol import RequestError, overloaded
 
 from .auth import CALLER, OPEN_PATHS
 
@@ -129,7 +129,9 @@ class CallerLimits:
         self.inflight: dict[str, int] = {}
         self.buckets: dict[str, TokenBucket] = {}
         self.admitted = 0  # requests holding a slot of the global cap
-        self.rejected = {"overloaded": 0, "rate": 0, "concurrency": 0}
+        # overloaded: at the cap; out_of_files: admitted, then connecting upstream failed
+        # with EMFILE (counted by the gateway app); rate, concurrency: per caller.
+        self.rejected = {"overloaded": 0, "out_of_files": 0, "rate": 0, "concurrency": 0}
         self.prune_above = prune_above
 
     def admit(self, caller: str, now: Optional[float] = None, capped: bool = True) -> Optional[tuple[str, int]]:
@@ -191,9 +193,8 @@ def limits_middleware(cfg: LimitConfig):
             reason, retry = denied
             headers = {"Retry-After": str(retry)}
             if reason == "overloaded":
-                raise RequestError(f"the gateway is at its limit of {cfg.max_in_flight} requests in flight; "
-                                   "retry shortly", status=503, type="server_error", code="overloaded",
-                                   headers=headers)
+                raise overloaded(f"the gateway is at its limit of {cfg.max_in_flight} requests in flight; "
+                                 "retry shortly")
             msg = (f"too many requests in flight for this API key (limit {cfg.max_concurrent_per_key})"
                    if reason == "concurrency" else
                    f"rate limit exceeded for this API key ({cfg.rate_per_minute:g} requests per minute)")

@@ -82,8 +82,9 @@ class _StateCollector:
             cap.add_metric([], adm.cfg.max_in_flight)
             yield cap
             rj = CounterMetricFamily("mlxgw:gateway_requests_rejected",
-                                     "Requests refused before routing: overloaded (global cap, 503), rate or "
-                                     "concurrency (per API key, 429).", labels=["reason"])
+                                     "Requests refused by the gateway for its limits: overloaded (global cap, 503), "
+                                     "out_of_files (EMFILE connecting upstream, 503), rate or concurrency "
+                                     "(per API key, 429).", labels=["reason"])
             for reason, n in sorted(adm.rejected.items()):
                 rj.add_metric([reason], n)
             yield rj

@@ -33,6 +33,7 @@ from typing import Callable, Mapping, Optional, Protocol
 import aiohttp
 from aiohttp import web
 
+from mlxgw.rlimit import out_of_resources
 from mlxgw.util import cancel_and_wait, deadline
 
 log = logging.getLogger("mlxgw.gateway.proxy")
@@ -125,6 +126,12 @@ class BackendUnavailable(Exception):
     def __init__(self, msg: str, timed_out: bool = False):
         super().__init__(msg)
         self.timed_out = timed_out
+
+
+class OutOfResources(Exception):
+    """This gateway ran out of open files (or buffers, memory) connecting to a backend: its
+    own overload, not the backend's failure, so no circuit trip and no next backend (it
+    would fail the same way)."""
 
 
 class BackendGone(Exception):
@@ -271,6 +278,7 @@ class Proxy:
             BackendUnavailable: every attempt failed before the first byte (no
                 connection, no answer in time, a 5xx, or a 401: the backend refused
                 this gateway's internal token).
+            OutOfResources: connecting failed for want of open files (EMFILE) or memory.
         """
         headers = {"Content-Type": content_type}
         if self.internal_token:
@@ -331,6 +339,9 @@ class Proxy:
                         log.info("client disconnected during the answer from %s", a.backend_id)
                     return out
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                if out_of_resources(e):
+                    log.warning("out of open files or memory connecting to backend %s: %s", a.backend_id, e)
+                    raise OutOfResources(str(e)) from None
                 # Nothing reached the client yet: try the next backend.
                 timed_out = isinstance(e, asyncio.TimeoutError)
                 if a.gone:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .protocol import RequestError
+from .protocol import RequestError, overloaded
+from .rlimit import out_of_resources
 
 # Roles whose text counts as the system prompt (exo PR 1817 counts system and
 # developer messages).
@@ -57,7 +58,8 @@ def render_chat(
 
     Raises:
         RequestError: 400, the template failed to render these messages (a
-            template error is a client error: e.g. roles out of order).
+            template error is a client error: e.g. roles out of order); 503
+            ``overloaded`` when it failed for want of open files or memory.
     """
     kwargs = dict(template_kwargs or {})
     messages = template_roles(tokenizer, messages)
@@ -66,6 +68,9 @@ def render_chat(
             messages, tools=tools or None, add_generation_prompt=True, tokenize=encode is None, **kwargs
         )
     except Exception as e:  # jinja2 TemplateError, TypeError from bad content...
+        if out_of_resources(e):  # jinja2 opens files on error paths: the server's trouble, not the client's
+            raise overloaded(f"out of open files or memory while rendering the chat template ({e}); "
+                             "retry shortly") from e
         raise RequestError(f"the chat template failed to render the messages: {e}", param="messages") from e
     ids = encode(ids) if encode is not None else list(ids["input_ids"] if isinstance(ids, dict) else ids)
     return ChatPrompt(ids, system_prefix_tokens(tokenizer, messages, tools, kwargs, ids, encode))

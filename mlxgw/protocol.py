@@ -55,6 +55,13 @@ class RequestError(Exception):
         }
 
 
+def overloaded(message: str) -> RequestError:
+    """The 503 of a server that is at its limits, not failing: ``server_error`` with code
+    ``overloaded`` (Anthropic ``overloaded_error``) and ``Retry-After: 1``, which the OpenAI
+    and Anthropic SDKs retry with backoff."""
+    return RequestError(message, status=503, type="server_error", code="overloaded", headers={"Retry-After": "1"})
+
+
 @dataclass
 class ParsedRequest:
     """A validated OpenAI chat or completions request.

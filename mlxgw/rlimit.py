@@ -21,9 +21,11 @@ default global cap from it). Two things get in the way:
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.abc
 import logging
 import sys
+from typing import Optional
 
 try:
     import resource
@@ -36,6 +38,10 @@ log = logging.getLogger("mlxgw")
 #: ``OPEN_MAX`` (10240) even under an unlimited hard limit; that is tried next.
 OPEN_FILES_WANTED = 65536
 MACOS_OPEN_MAX = 10240
+
+#: errno values that say this process ran out of something (files, buffers, memory),
+#: not that a peer failed: what asyncio's accept loop treats as "out of system resource".
+OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 #: The module whose import sets the limit (mlx_lm/utils.py, module scope).
 MLX_LM_UTILS = "mlx_lm.utils"
@@ -63,6 +69,18 @@ def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> tuple[int, int]:
         log.info("open files limit raised from %d to %d", soft, target)
         return soft, target
     return soft, soft
+
+
+def out_of_resources(exc: Optional[BaseException]) -> bool:
+    """True when ``exc``, or an error it was raised from or during, is an OSError whose errno
+    is in `OUT_OF_RESOURCES` (aiohttp's ClientConnectorError is an OSError carrying it)."""
+    seen = 0
+    while exc is not None and seen < 16:  # the cause chain is short; the bound guards a cycle
+        if isinstance(exc, OSError) and exc.errno in OUT_OF_RESOURCES:
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
 
 
 def open_files_limit() -> int:

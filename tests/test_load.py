@@ -173,3 +173,60 @@ def test_global_in_flight_cap_sheds_with_503_and_keeps_metrics_open(make_stack):
     soft = psutil.Process(auto.proc.pid).rlimit(resource.RLIMIT_NOFILE)[0]
     assert _metric(auto.url, "mlxgw:gateway_max_in_flight") == max(64, soft // 4)
     assert f"at most {max(64, soft // 4)} requests in flight" in auto.log_path.read_text()
+
+
+@pytest.mark.parametrize("where", ["template", "upstream"])
+def test_out_of_open_files_is_the_gateways_overload_not_a_backend_failure(make_stack, where):
+    """With every open file taken by client connections, the gateway's first chat-template
+    render (jinja2 opens a module on its error path: "template") or its connect to a healthy
+    backend ("upstream", the template warmed up by a token count first) fails with EMFILE.
+    That was a 400 blaming the messages, or a 503 ``backend_unavailable`` that opened the
+    backend's circuit (1,231 of 3,000 requests in `bench/overload.py` at 4096 files). Both
+    are now 503 ``overloaded`` with ``Retry-After: 1``; the backend stays up and the next
+    request is answered."""
+    import resource
+    import socket
+
+    import anthropic
+    import psutil
+
+    s = make_stack()
+    s.add_backend("b0", None, "--engine", "sim")
+    g = s.add_gateway("--max-in-flight", "0", start=False)
+    g.preexec_fn = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+    g.start(s.env())
+    s.wait()
+    if where == "upstream":  # renders the template, opens no backend connection
+        an = anthropic.Anthropic(base_url=g.url, api_key="x", max_retries=0, timeout=30)
+        assert an.messages.count_tokens(model="demo-tiny", messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
+    gp = psutil.Process(g.proc.pid)
+    body = b'{"model": "demo-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}'
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    first = socket.create_connection(("127.0.0.1", g.port), timeout=30)
+    first.sendall(head)  # accepted now, its body sent once the gateway has no file left
+    held = []
+    try:
+        deadline = time.time() + 30
+        while gp.num_fds() < 300 and time.time() < deadline:
+            held.append(socket.create_connection(("127.0.0.1", g.port), timeout=30))
+            if len(held) % 20 == 0:
+                time.sleep(0.2)  # let the gateway accept
+        assert gp.num_fds() == 300
+        first.sendall(body)
+        raw = b""
+        while chunk := first.recv(65536):
+            raw += chunk
+        status_line, _, rest = raw.partition(b"\r\n")
+        assert b" 503 " in status_line, raw
+        assert b"Retry-After: 1" in rest and b'"code": "overloaded"' in rest and b"open files" in rest, raw
+        assert (b"rendering the chat template" in rest) == (where == "template"), raw
+    finally:
+        first.close()
+        for c in held:
+            c.close()
+    assert "circuit open" not in g.log_path.read_text()
+    oa = openai.OpenAI(base_url=g.url + "/v1", api_key="x", max_retries=2, timeout=30)
+    r = oa.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert r.usage.completion_tokens == 4
+    assert _metric(g.url, 'mlxgw:gateway_requests_rejected_total{reason="out_of_files"}') == (where == "upstream")
