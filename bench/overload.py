@@ -77,6 +77,22 @@ def _fds(pid: int) -> int:
         return 0
 
 
+def _sockets_by_kind(pid: int, port: int, redis_port: int) -> dict:
+    """The process's TCP sockets: from clients (to ``port``), to Redis, to backends (the rest)."""
+    out = Counter()
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except (psutil.Error, AttributeError):
+        return {}
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN:
+            continue
+        kind = ("client" if c.laddr and c.laddr.port == port else
+                "redis" if c.raddr and c.raddr.port == redis_port else "backend")
+        out[kind] += 1
+    return dict(out)
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """Per outcome kind: count and seconds to the end of the answer (p50, p99)."""
     kinds = Counter(r["kind"] for r in rows)
@@ -89,7 +105,8 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def table(label: str, summary: list[dict], extra: dict) -> str:
     lines = [f"### {label}", "",
-             f"Gateway peak open files {extra['gateway_peak_fds']} (limit {extra['nofile']}); "
+             f"Gateway peak open files {extra['gateway_peak_fds']} (limit {extra['nofile']}; TCP sockets then: "
+             + ", ".join(f"{n} {k}" for k, n in sorted(extra["sockets_at_peak"].items())) + "); "
              f"resource-failure lines in its log: {extra['resource_lines']}; log {extra['log_kb']:.0f} KB; "
              f"wall time {extra['wall_s']:.1f} s.", "",
              "| outcome | requests | seconds to answer p50 | p99 |", "|---|---|---|---|"]
@@ -135,11 +152,15 @@ def main(argv=None) -> int:
         st.wait()
         pid = st.gateway.proc.pid
         peak = [0]
+        at_peak: dict = {}
         done = threading.Event()
 
         def watch():
             while not done.is_set():
-                peak[0] = max(peak[0], _fds(pid))
+                n = _fds(pid)
+                if n > peak[0]:
+                    peak[0] = n
+                    at_peak.update(_sockets_by_kind(pid, st.gateway.port, redis.port) or {})
                 time.sleep(0.05)
 
         w = threading.Thread(target=watch, daemon=True)
@@ -153,7 +174,7 @@ def main(argv=None) -> int:
     finally:
         st.stop()
         redis.cleanup()
-    extra = {"gateway_peak_fds": peak[0], "nofile": args.nofile, "wall_s": wall, "log_kb": len(log) / 1024,
+    extra = {"gateway_peak_fds": peak[0], "sockets_at_peak": at_peak, "nofile": args.nofile, "wall_s": wall, "log_kb": len(log) / 1024,
              "resource_lines": sum(log.count(s) for s in RESOURCE_LINES)}
     summary = summarize(rows)
     cmd = "python bench/overload.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))

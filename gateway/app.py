@@ -79,6 +79,8 @@ class GatewayState:
 
 
 STATE = web.AppKey("state", GatewayState)
+# The limits middleware's counts, also fed by the connection guard (gateway.connguard).
+ADMISSION = web.AppKey("admission", limits.CallerLimits)
 # Request key, set once a request is handed to a backend (a web.RequestKey where aiohttp has them).
 FORWARDED = web.RequestKey("mlxgw_forwarded", bool) if hasattr(web, "RequestKey") else "mlxgw_forwarded"
 
@@ -379,6 +381,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
     admission = limits.limits_middleware(cfg.limits)
     app = web.Application(middlewares=[error_middleware, auth.auth_middleware(cfg.api_keys), admission],
                           client_max_size=cfg.max_body_bytes)
+    app[ADMISSION] = admission.limits
 
     async def lifecycle(app: web.Application):
         toks = Tokenizers(cfg.token_cache_bytes)
@@ -394,7 +397,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
                       write_timeout=cfg.limits.write_timeout, url_of=index.url_of, gone_after=cfg.gone_after)
         await proxy.start()
         app[STATE] = GatewayState(cfg, toks, index, proxy, strip=compile_patterns(cfg.strip_lines),
-                                  pending=PendingClaims(cfg.routing.pending_grace), admission=admission.limits)
+                                  pending=PendingClaims(cfg.routing.pending_grace), admission=app[ADMISSION])
         app[STATE].metrics.bind(app[STATE])
         for name in cfg.models:
             app[STATE].metrics.prime(name)

@@ -40,6 +40,8 @@ class LimitConfig:
     """Limits; 0 turns a limit off.
 
     Attributes:
+        max_connections: client connections held at once (`gateway.connguard`); over it
+            a new connection gets a fixed 503 before its request is read.
         max_in_flight: requests the gateway holds at once, all callers together
             (a stream counts until its last byte); over it, 503 ``overloaded``.
         max_concurrent_per_key: requests one caller may have in flight (a
@@ -54,6 +56,7 @@ class LimitConfig:
             before the gateway drops the connection.
     """
 
+    max_connections: int = 0
     max_in_flight: int = 0
     max_concurrent_per_key: int = 0
     rate_per_minute: float = 0.0
@@ -130,8 +133,9 @@ class CallerLimits:
         self.buckets: dict[str, TokenBucket] = {}
         self.admitted = 0  # requests holding a slot of the global cap
         # overloaded: at the cap; out_of_files: admitted, then connecting upstream failed
-        # with EMFILE (counted by the gateway app); rate, concurrency: per caller.
-        self.rejected = {"overloaded": 0, "out_of_files": 0, "rate": 0, "concurrency": 0}
+        # with EMFILE (counted by the gateway app); connections: refused before any request
+        # was read (gateway.connguard); rate, concurrency: per caller.
+        self.rejected = {"overloaded": 0, "out_of_files": 0, "connections": 0, "rate": 0, "concurrency": 0}
         self.prune_above = prune_above
 
     def admit(self, caller: str, now: Optional[float] = None, capped: bool = True) -> Optional[tuple[str, int]]:
@@ -204,7 +208,7 @@ def limits_middleware(cfg: LimitConfig):
         finally:
             limits.release(caller, capped)
 
-    mw.limits = limits  # for tests and introspection
+    mw.limits = limits  # for metrics, the connection guard and tests
     return mw
 
 

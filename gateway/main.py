@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import re
+import signal
 import socket
 from pathlib import Path
 
@@ -16,7 +18,8 @@ from mlxgw import schema
 from mlxgw.rlimit import open_files_limit, raise_open_files_limit
 from mlxgw.util import parse_bytes, positive_int, redact_url
 
-from .app import GatewayConfig, make_app
+from .app import ADMISSION, GatewayConfig, make_app
+from .connguard import GuardedRunner, auto_max_connections
 from .auth import AuthConfigError, check_exposure, read_keys
 from .limits import LimitConfig, auto_max_in_flight
 from .route import POLICIES, RoutingConfig
@@ -96,6 +99,10 @@ def add_security_arguments(p: argparse.ArgumentParser, defaults: bool = True) ->
     p.add_argument("--max-in-flight", type=int, default=None, metavar="N",
                    help="requests the gateway holds at once, all callers (503 'overloaded' over it); "
                         "default: a quarter of the open-files limit (each request holds two sockets); 0: no cap")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="client connections held at once; over it a new one gets a 503 before its request "
+                        "is read (default: the open files left after --max-in-flight backend sockets and 128 "
+                        "spare); 0: no cap")
     p.add_argument("--max-concurrent-per-key", type=int, default=dflt(d.max_concurrent_per_key),
                    help="requests in flight per API key (per address without keys); 0: no limit")
     p.add_argument("--rate-limit-rpm", type=float, default=dflt(d.rate_per_minute),
@@ -127,8 +134,10 @@ def config_from_args(args) -> GatewayConfig:
     """
     if not args.load_publish_ms > 0:
         raise ValueError(f"--load-publish-ms must be > 0 (got {args.load_publish_ms:g})")
-    if args.max_in_flight is not None and args.max_in_flight < 0:
-        raise ValueError(f"--max-in-flight must be >= 0 (got {args.max_in_flight})")
+    for flag in ("max_in_flight", "max_connections"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 (got {getattr(args, flag)})")
+    max_in_flight = auto_max_in_flight(open_files_limit()) if args.max_in_flight is None else args.max_in_flight
     models = parse_models(args.model)
     if not models:
         from mlxgw.demo_model import ensure_demo_model
@@ -137,7 +146,9 @@ def config_from_args(args) -> GatewayConfig:
     return GatewayConfig(
         api_keys=read_keys(args.api_key_file),
         limits=LimitConfig(
-            max_in_flight=auto_max_in_flight(open_files_limit()) if args.max_in_flight is None else args.max_in_flight,
+            max_in_flight=max_in_flight,
+            max_connections=(auto_max_connections(open_files_limit(), max_in_flight) if args.max_connections is None
+                             else args.max_connections),
             max_concurrent_per_key=args.max_concurrent_per_key,
             rate_per_minute=args.rate_limit_rpm,
             rate_burst=args.rate_burst,
@@ -195,14 +206,37 @@ def run(args: argparse.Namespace) -> int:
             log.error("model %s: no model directory at %s", name, path)
             return 2
     app = make_app(cfg)
-    log.info("gateway %s starting on %s:%d: Redis %s (namespace %s), models %s, at most %s requests in flight",
-             cfg.gateway_id, args.host, args.port, redact_url(cfg.redis_url), cfg.namespace,
-             ", ".join(cfg.models) or "-", cfg.limits.max_in_flight or "unlimited")
+    lim = cfg.limits
+    log.info("gateway %s starting on %s:%d: Redis %s (namespace %s), models %s, at most %s requests in flight "
+             "and %s connections", cfg.gateway_id, args.host, args.port, redact_url(cfg.redis_url), cfg.namespace,
+             ", ".join(cfg.models) or "-", lim.max_in_flight or "unlimited", lim.max_connections or "unlimited")
+    code = asyncio.run(_serve(app, cfg, args.host, args.port))
+    if code == 0:
+        log.info("gateway %s stopped", cfg.gateway_id)
+    return code
+
+
+async def _serve(app: web.Application, cfg: GatewayConfig, host: str, port: int) -> int:
+    """Listen (behind `gateway.connguard`) until SIGINT or SIGTERM, then shut down gracefully.
+    Returns the exit code: 0, or 3 when the address cannot be bound."""
+    runner = GuardedRunner(app, cfg.limits.max_connections, counts=app[ADMISSION].rejected,
+                           handler_cancellation=True, access_log=None)
+    await runner.setup()
     try:
-        web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
-                    access_log=None, print=lambda *_: None)
+        await web.TCPSite(runner, host, port).start()
     except OSError as e:
-        log.error("cannot listen on %s:%d: %s", args.host, args.port, e)
+        log.error("cannot listen on %s:%d: %s", host, port, e)
+        await runner.cleanup()
         return 3
-    log.info("gateway %s stopped", cfg.gateway_id)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except NotImplementedError:  # pragma: no cover (Windows: Ctrl-C raises KeyboardInterrupt)
+            pass
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
     return 0

@@ -56,6 +56,7 @@ class ServeConfig:
     api_key_file: Optional[str] = None
     allow_unauthenticated: bool = False
     max_in_flight: Optional[int] = None  # None: the gateway's default (a quarter of its open-files limit)
+    max_connections: Optional[int] = None  # None: the gateway's default (gateway.connguard)
     max_concurrent_per_key: int = 0
     rate_limit_rpm: float = 0.0
     rate_burst: int = 0
@@ -70,8 +71,8 @@ class ServeConfig:
 
 # Keys allowed in [gateway]: ServeConfig fields of the same name.
 GATEWAY_KEYS = ("host", "port", "block_size", "api_key_file", "allow_unauthenticated", "max_in_flight",
-                "max_concurrent_per_key", "rate_limit_rpm", "rate_burst", "max_messages", "max_body_bytes",
-                "body_timeout", "write_timeout", "keepalive")
+                "max_connections", "max_concurrent_per_key", "rate_limit_rpm", "rate_burst", "max_messages",
+                "max_body_bytes", "body_timeout", "write_timeout", "keepalive")
 
 
 def _pick(cls, d: dict, where: str):
@@ -175,8 +176,10 @@ def validate(cfg: ServeConfig) -> None:
     gateway = {k: getattr(cfg, k) for k in GATEWAY_KEYS + ("namespace",)}
     _type_errors(ServeConfig, gateway, "[gateway]")
     _range_errors(gateway, "[gateway]")
-    if cfg.max_in_flight is not None and (isinstance(cfg.max_in_flight, bool) or not isinstance(cfg.max_in_flight, int)):
-        raise ValueError(f"[gateway]: max_in_flight must be an integer, not {cfg.max_in_flight!r}")
+    for k in ("max_in_flight", "max_connections"):  # None (left out): the gateway picks
+        v = getattr(cfg, k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"[gateway]: {k} must be an integer, not {v!r}")
     _type_errors(RoutingConfig, cfg.routing, "[routing]")
     _range_errors(cfg.routing, "[routing]")
     for name, size in [("[gateway] max_body_bytes", cfg.max_body_bytes)] + \

@@ -280,8 +280,9 @@ def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:
            "--rate-burst", str(cfg.rate_burst), "--max-messages", str(cfg.max_messages),
            "--max-body-bytes", str(cfg.max_body_bytes), "--body-timeout", str(cfg.body_timeout),
            "--write-timeout", str(cfg.write_timeout), "--keepalive", str(cfg.keepalive)]
-    if cfg.max_in_flight is not None:
-        out += ["--max-in-flight", str(cfg.max_in_flight)]
+    for k in ("max_in_flight", "max_connections"):  # left out: the gateway's default
+        if getattr(cfg, k) is not None:
+            out += ["--" + k.replace("_", "-"), str(getattr(cfg, k))]
     if cfg.api_key_file:
         out += ["--api-key-file", str(Path(cfg.api_key_file).expanduser().resolve())]
     if cfg.allow_unauthenticated:

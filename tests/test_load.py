@@ -172,7 +172,50 @@ def test_global_in_flight_cap_sheds_with_503_and_keeps_metrics_open(make_stack):
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
     soft = psutil.Process(auto.proc.pid).rlimit(resource.RLIMIT_NOFILE)[0]
     assert _metric(auto.url, "mlxgw:gateway_max_in_flight") == max(64, soft // 4)
-    assert f"at most {max(64, soft // 4)} requests in flight" in auto.log_path.read_text()
+    conns = max(64, soft - max(64, soft // 4) - 128)  # the files left after backend sockets and 128 spare
+    assert f"at most {max(64, soft // 4)} requests in flight and {conns} connections" in auto.log_path.read_text()
+
+
+def test_connections_over_the_cap_get_a_503_before_their_request_is_read(make_stack):
+    """Each connection holds an open file from accept() on, admitted or not: past
+    ``--max-connections`` a new one is answered 503 ``overloaded`` (Retry-After 1,
+    Connection: close) and closed, without touching the app; the held ones still work."""
+    import socket
+
+    s = make_stack()
+    s.add_backend("b0", None, "--engine", "sim")
+    g = s.add_gateway("--max-connections", "4")
+    s.wait()
+    held = [socket.create_connection(("127.0.0.1", g.port), timeout=30) for _ in range(4)]
+    try:
+        deadline = time.time() + 10
+        answer = b""
+        while time.time() < deadline:  # the gateway accepts the four first, in its own time
+            with socket.create_connection(("127.0.0.1", g.port), timeout=30) as c:
+                c.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                answer = b""
+                while chunk := c.recv(65536):
+                    answer += chunk
+            if b" 503 " in answer.partition(b"\r\n")[0]:
+                break
+            time.sleep(0.1)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in head and b"Connection: close" in head
+        err = __import__("json").loads(body)["error"]
+        assert err["code"] == "overloaded" and "limit of 4 connections" in err["message"]
+        # A held connection is served as usual.
+        held[0].sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        ok = b""
+        while chunk := held[0].recv(65536):
+            ok += chunk
+        assert ok.startswith(b"HTTP/1.1 200 ") and b"demo-tiny" in ok
+    finally:
+        for c in held:
+            c.close()
+    oa = openai.OpenAI(base_url=g.url + "/v1", api_key="x", max_retries=3, timeout=30)
+    r = oa.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert r.usage.completion_tokens == 4
+    assert _metric(g.url, 'mlxgw:gateway_requests_rejected_total{reason="connections"}') >= 1
 
 
 @pytest.mark.parametrize("where", ["template", "upstream"])
@@ -192,7 +235,7 @@ def test_out_of_open_files_is_the_gateways_overload_not_a_backend_failure(make_s
 
     s = make_stack()
     s.add_backend("b0", None, "--engine", "sim")
-    g = s.add_gateway("--max-in-flight", "0", start=False)
+    g = s.add_gateway("--max-in-flight", "0", "--max-connections", "0", start=False)  # no caps: reach EMFILE
     g.preexec_fn = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
     g.start(s.env())
     s.wait()

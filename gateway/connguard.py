@@ -1,0 +1,142 @@
+"""A cap on client connections, below the open-files limit.
+
+`gateway.limits` sheds requests over ``--max-in-flight`` with a 503, but each
+connection holds an open file from accept() on, whether its request is
+admitted, shed or not yet read. A burst of more clients than the process has
+files fails in worse ways (bench/overload.py, 4,500 clients at 4,096 files:
+EMFILE on accept, on the upstream connect, on a jinja2 import, on Redis). So
+past ``max_connections`` a new connection gets a fixed 503 ``overloaded``
+answer (OpenAI-style JSON, ``Retry-After: 1``, ``Connection: close``) before
+anything reads its request, and is closed once the client has read it (a
+lingering close: closing with the request unread would send a reset that can
+destroy the answer in the client's buffer), or after `LINGER_SECONDS`.
+
+Those answered connections hold files too, as long as their clients take to
+close them (in the same bench, 4,080 client sockets at the peak against a cap
+of 2,944), so at most `MAX_LINGERING` linger; past that a connection is reset
+at once (the SDKs retry a reset connection like a 503). nginx resets at
+``worker_connections`` too, without the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Optional
+
+from aiohttp import web
+
+log = logging.getLogger("mlxgw.gateway")
+
+#: Seconds a refused connection may stay open for its client to read the answer.
+LINGER_SECONDS = 2.0
+#: Open files kept out of every cap: Redis, logs, model and library files, listeners,
+#: and the refused connections still lingering.
+RESERVED_FILES = 128
+#: Refused connections allowed to linger at once (half the reserve); past it, reset.
+MAX_LINGERING = RESERVED_FILES // 2
+
+
+def auto_max_connections(open_files: int, max_in_flight: int) -> int:
+    """Client connections to hold at most: the open files left once every admitted request
+    has its backend socket and `RESERVED_FILES` are kept (0 when ``open_files`` is unknown:
+    no cap). Without a request cap (``max_in_flight`` 0) half the files go to backends."""
+    if open_files <= 0:
+        return 0
+    upstream = max_in_flight if max_in_flight > 0 else open_files // 2
+    return max(64, open_files - upstream - RESERVED_FILES)
+
+
+def refusal(max_connections: int) -> bytes:
+    """The whole HTTP/1.1 answer sent on a connection over the cap."""
+    body = json.dumps({"error": {
+        "message": f"the gateway holds its limit of {max_connections} connections; retry shortly",
+        "type": "server_error", "param": None, "code": "overloaded"}}).encode()
+    return (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+            b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+class _Refused(asyncio.Protocol):
+    """Answers `refusal`, half-closes, discards the request, closes when the client does.
+    ``lingering`` (a one-element list shared with the runner) counts the open ones."""
+
+    def __init__(self, answer: bytes, lingering: list):
+        self._answer = answer
+        self._lingering = lingering
+        self._timer: Optional[asyncio.TimerHandle] = None
+
+    def connection_made(self, transport):
+        self._lingering[0] += 1
+        transport.write(self._answer)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._timer = asyncio.get_running_loop().call_later(LINGER_SECONDS, transport.abort)
+
+    def data_received(self, data):  # the request: never read
+        pass
+
+    def eof_received(self):
+        return False  # the client is done: close
+
+    def connection_lost(self, exc):
+        self._lingering[0] -= 1
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+class _Reset(asyncio.Protocol):
+    """Resets the connection at once (frees its file now)."""
+
+    def connection_made(self, transport):
+        transport.abort()
+
+
+class GuardedRunner(web.AppRunner):
+    """An `aiohttp.web.AppRunner` whose sites hand a connection to the app only while fewer
+    than ``max_connections`` are open (0: no cap); the rest get `refusal`, or a reset while
+    `MAX_LINGERING` refused ones are still open.
+
+    ``counts["connections"]`` counts those connections (the admission counts of
+    `gateway.limits.CallerLimits`, exported as ``gateway_requests_rejected_total``). Sites
+    build their listener from the runner's ``server`` property; this one returns a guarded
+    protocol factory around the real server.
+    """
+
+    def __init__(self, app: web.Application, max_connections: int, counts: Optional[dict] = None, **kwargs):
+        super().__init__(app, **kwargs)
+        self.max_connections = max_connections
+        self.counts = counts if counts is not None else {}
+        self._answer = refusal(max_connections)
+        self._lingering = [0]
+        self._last_log = float("-inf")
+        self._since_log = 0
+
+    @property
+    def server(self):
+        inner = super().server
+        if inner is None or self.max_connections <= 0:
+            return inner
+        # aiohttp keeps its connections in a dict; `connections` copies it into a list.
+        conns = getattr(inner, "_connections", None)
+
+        def factory():
+            n = len(conns) if conns is not None else len(inner.connections)
+            if n < self.max_connections:
+                return inner()
+            self._refuse()
+            if self._lingering[0] >= MAX_LINGERING:
+                return _Reset()
+            return _Refused(self._answer, self._lingering)
+
+        return factory
+
+    def _refuse(self) -> None:
+        self.counts["connections"] = self.counts.get("connections", 0) + 1
+        self._since_log += 1
+        now = asyncio.get_running_loop().time()
+        if now - self._last_log >= 10.0:  # one line per 10 s, not one per connection
+            log.warning("at the limit of %d client connections: refused %d connection(s) (503, or a reset "
+                        "while %d refused ones were open) since the last report", self.max_connections,
+                        self._since_log, MAX_LINGERING)
+            self._last_log, self._since_log = now, 0
