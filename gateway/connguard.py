@@ -31,11 +31,12 @@ log = logging.getLogger("mlxgw.gateway")
 
 #: Seconds a refused connection may stay open for its client to read the answer.
 LINGER_SECONDS = 2.0
-#: Open files kept out of every cap: Redis, logs, model and library files, listeners,
-#: and the refused connections still lingering.
-RESERVED_FILES = 128
-#: Refused connections allowed to linger at once (half the reserve); past it, reset.
-MAX_LINGERING = RESERVED_FILES // 2
+#: Refused connections allowed to linger at once; past it, reset.
+MAX_LINGERING = 64
+#: Open files kept out of every cap: the refused connections still lingering, Redis
+#: (`gateway.index.REDIS_POOL_SIZE`, 64), and logs, model and library files, listeners
+#: and the event loop (about 40 when idle).
+RESERVED_FILES = 256
 
 
 def auto_max_connections(open_files: int, max_in_flight: int) -> int:

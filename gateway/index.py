@@ -77,6 +77,10 @@ class Lookup:
     seconds: float = 0.0
 
 
+#: Redis connections one gateway opens at most (`gateway.connguard` keeps files for them).
+REDIS_POOL_SIZE = 64
+
+
 class OwnershipIndex:
     """Redis client for lookups, the registry snapshot and routing events.
 
@@ -94,7 +98,8 @@ class OwnershipIndex:
         self.namespace = namespace
         self.gateway_id = gateway_id
         self.deadline = deadline
-        self.redis = connect_async(redis_url, 1.0)
+        # Bounded: lookups past it wait (within their deadline) instead of opening files.
+        self.redis = connect_async(redis_url, 1.0, max_connections=REDIS_POOL_SIZE)
         hiredis_packing(self.redis)
         self._lookup = self.redis.register_script(schema.LOOKUP_LUA)
         self.snapshot: dict[str, list[Candidate]] = {}  # model -> live backends

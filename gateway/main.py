@@ -101,7 +101,7 @@ def add_security_arguments(p: argparse.ArgumentParser, defaults: bool = True) ->
                         "default: a quarter of the open-files limit (each request holds two sockets); 0: no cap")
     p.add_argument("--max-connections", type=int, default=None, metavar="N",
                    help="client connections held at once; over it a new one gets a 503 before its request "
-                        "is read (default: the open files left after --max-in-flight backend sockets and 128 "
+                        "is read (default: the open files left after --max-in-flight backend sockets and 256 "
                         "spare); 0: no cap")
     p.add_argument("--max-concurrent-per-key", type=int, default=dflt(d.max_concurrent_per_key),
                    help="requests in flight per API key (per address without keys); 0: no limit")

@@ -32,8 +32,19 @@ def connect(url: str, timeout: float, **kw) -> redis.Redis:
                                 **kw)
 
 
-def connect_async(url: str, timeout: float, **kw) -> aioredis.Redis:
-    """The asyncio client of `connect` (same timeouts and retry policy)."""
-    return aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                   retry=AsyncRetry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
-                                   **kw)
+def connect_async(url: str, timeout: float, max_connections: int = 0, **kw) -> aioredis.Redis:
+    """The asyncio client of `connect` (same timeouts and retry policy).
+
+    ``max_connections`` > 0 bounds its pool (redis-py's default has no bound: every
+    command in flight opens a connection, 101 for a gateway under a 3,000-client burst in
+    ``bench/overload.py``, each an open file); a command past it waits up to ``timeout``
+    seconds for a free connection, then raises ``redis.exceptions.ConnectionError``.
+    """
+    retry = AsyncRetry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+    if max_connections <= 0:
+        return aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry, **kw)
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout,
+                                                    socket_timeout=timeout, socket_connect_timeout=timeout, **kw)
+    client = aioredis.Redis(connection_pool=pool, retry=retry)
+    client.auto_close_connection_pool = True  # aclose() closes the pool it was given (redis-py >= 5.0)
+    return client

@@ -9,6 +9,7 @@ from collections import Counter
 import openai
 import pytest
 
+from mlxgw.harness import Stack
 from texts import words
 
 
@@ -172,7 +173,7 @@ def test_global_in_flight_cap_sheds_with_503_and_keeps_metrics_open(make_stack):
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
     soft = psutil.Process(auto.proc.pid).rlimit(resource.RLIMIT_NOFILE)[0]
     assert _metric(auto.url, "mlxgw:gateway_max_in_flight") == max(64, soft // 4)
-    conns = max(64, soft - max(64, soft // 4) - 128)  # the files left after backend sockets and 128 spare
+    conns = max(64, soft - max(64, soft // 4) - 256)  # the files left after backend sockets and 256 spare
     assert f"at most {max(64, soft // 4)} requests in flight and {conns} connections" in auto.log_path.read_text()
 
 
@@ -273,3 +274,54 @@ def test_out_of_open_files_is_the_gateways_overload_not_a_backend_failure(make_s
     r = oa.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert r.usage.completion_tokens == 4
     assert _metric(g.url, 'mlxgw:gateway_requests_rejected_total{reason="out_of_files"}') == (where == "upstream")
+
+
+def test_gateway_opens_at_most_64_redis_connections_however_many_lookups_wait(demo_model):
+    """redis-py's asyncio pool opens a connection per command in flight: a gateway opened 101
+    (each an open file) under a 3,000-client burst. Its pool is now bounded
+    (`gateway.index.REDIS_POOL_SIZE`); lookups past it wait within their deadline. Here Redis
+    is frozen (SIGSTOP) while 150 requests look up, so every lookup holds its connection (until
+    its 1-s socket timeout)."""
+    import signal
+
+    import psutil
+
+    from mlxgw.harness import RedisServer
+
+    from gateway.index import REDIS_POOL_SIZE
+
+    redis = RedisServer().start()
+    s = Stack(redis.url, demo_model)
+    try:
+        s.add_backend("b0", None, "--engine", "sim")
+        g = s.add_gateway("--lookup-deadline-ms", "3000")  # lookups wait long enough to pile up
+        s.wait()
+        client = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+        async def burst():
+            return await asyncio.gather(*[client.chat.completions.create(
+                model="demo-tiny", messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=2)
+                for i in range(150)], return_exceptions=True)
+
+        def to_redis():
+            return sum(1 for c in psutil.Process(g.proc.pid).net_connections(kind="tcp")
+                       if c.raddr and c.raddr.port == redis.port and c.status == psutil.CONN_ESTABLISHED)
+
+        redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            loop = asyncio.new_event_loop()
+            task = loop.create_task(burst())
+            most = 0
+            for _ in range(18):  # lookups wait up to the client's 1-s socket timeout, then route on load
+                loop.run_until_complete(asyncio.sleep(0.05))
+                most = max(most, to_redis())
+        finally:
+            redis.proc.send_signal(signal.SIGCONT)
+        results = loop.run_until_complete(task)
+        loop.close()
+        # The pool's 64, plus the dashboard sampler's own connection (a sync client in a thread).
+        assert REDIS_POOL_SIZE == 64 and 64 <= most <= 65, most
+        assert all(not isinstance(r, Exception) and r.usage.completion_tokens == 2 for r in results), results[:3]
+    finally:
+        s.stop()
+        redis.cleanup()
