@@ -27,6 +27,8 @@ from typing import Optional
 
 from aiohttp import web
 
+from mlxgw.util import Tally
+
 log = logging.getLogger("mlxgw.gateway")
 
 #: Seconds a refused connection may stay open for its client to read the answer.
@@ -110,8 +112,7 @@ class GuardedRunner(web.AppRunner):
         self.counts = counts if counts is not None else {}
         self._answer = refusal(max_connections)
         self._lingering = [0]
-        self._last_log = float("-inf")
-        self._since_log = 0
+        self._refusals = Tally()  # one log line per 10 s, not one per connection
 
     @property
     def server(self):
@@ -134,10 +135,8 @@ class GuardedRunner(web.AppRunner):
 
     def _refuse(self) -> None:
         self.counts["connections"] = self.counts.get("connections", 0) + 1
-        self._since_log += 1
-        now = asyncio.get_running_loop().time()
-        if now - self._last_log >= 10.0:  # one line per 10 s, not one per connection
+        n = self._refusals.add()
+        if n:
             log.warning("at the limit of %d client connections: refused %d connection(s) (503, or a reset "
-                        "while %d refused ones were open) since the last report", self.max_connections,
-                        self._since_log, MAX_LINGERING)
-            self._last_log, self._since_log = now, 0
+                        "while %d refused ones were open) since the last report", self.max_connections, n,
+                        MAX_LINGERING)

@@ -83,8 +83,9 @@ class _StateCollector:
             yield cap
             rj = CounterMetricFamily("mlxgw:gateway_requests_rejected",
                                      "Requests refused by the gateway for its limits: overloaded (global cap, 503), "
-                                     "out_of_files (EMFILE connecting upstream, 503), rate or concurrency "
-                                     "(per API key, 429).", labels=["reason"])
+                                     "out_of_files (EMFILE connecting upstream, 503), connections (over "
+                                     "--max-connections, 503 or reset), rate or concurrency (per API key, 429).",
+                                     labels=["reason"])
             for reason, n in sorted(adm.rejected.items()):
                 rj.add_metric([reason], n)
             yield rj

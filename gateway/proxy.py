@@ -34,7 +34,7 @@ import aiohttp
 from aiohttp import web
 
 from mlxgw.rlimit import out_of_resources
-from mlxgw.util import cancel_and_wait, deadline
+from mlxgw.util import Tally, cancel_and_wait, deadline
 
 log = logging.getLogger("mlxgw.gateway.proxy")
 
@@ -185,8 +185,7 @@ class Proxy:
         self._watcher: Optional[asyncio.Task] = None
         self._waiting: dict[object, tuple[Attempt, object]] = {}  # requests awaiting an answer -> their timer
         self._absent: dict[str, float] = {}  # backend id -> monotonic time first seen out of the registry
-        self._resource_failures = 0  # EMFILE connects since the last log line
-        self._resource_logged = float("-inf")
+        self._resource_failures = Tally()  # EMFILE connects: one log line per 10 s
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
@@ -342,13 +341,10 @@ class Proxy:
                     return out
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 if out_of_resources(e):
-                    self._resource_failures += 1
-                    now = time.monotonic()
-                    if now - self._resource_logged >= 10.0:  # one line per 10 s, not one per request
+                    n = self._resource_failures.add()
+                    if n:
                         log.warning("out of open files or memory connecting to backends: %d request(s) answered "
-                                    "503 since the last report (last: %s, %s)", self._resource_failures,
-                                    a.backend_id, e)
-                        self._resource_failures, self._resource_logged = 0, now
+                                    "503 since the last report (last: %s, %s)", n, a.backend_id, e)
                     raise OutOfResources(str(e)) from None
                 # Nothing reached the client yet: try the next backend.
                 timed_out = isinstance(e, asyncio.TimeoutError)

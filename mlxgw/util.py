@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from urllib.parse import urlsplit, urlunsplit
 
 # ``async with deadline(seconds):`` raises asyncio.TimeoutError when the block
@@ -78,3 +79,24 @@ async def cancel_and_wait(task) -> None:
         await task
     except (asyncio.CancelledError, Exception):
         pass
+
+
+class Tally:
+    """Counts events that would each log a line, and says when to log them: at most once
+    per ``every`` seconds (a flood of one failure becomes a line per 10 s with its count).
+    """
+
+    def __init__(self, every: float = 10.0):
+        self.every = every
+        self.count = 0
+        self._last = float("-inf")
+
+    def add(self) -> int:
+        """Count one event; returns how many to report now (this one included, then the
+        count restarts), or 0 while the last report is under ``every`` seconds old."""
+        self.count += 1
+        now = time.monotonic()
+        if now - self._last < self.every:
+            return 0
+        n, self.count, self._last = self.count, 0, now
+        return n
