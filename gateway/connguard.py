@@ -6,7 +6,8 @@ admitted, shed or not yet read. A burst of more clients than the process has
 files fails in worse ways (bench/overload.py, 4,500 clients at 4,096 files:
 EMFILE on accept, on the upstream connect, on a jinja2 import, on Redis). So
 past ``max_connections`` a new connection gets a fixed 503 ``overloaded``
-answer (OpenAI-style JSON, ``Retry-After: 1``, ``Connection: close``) before
+answer (OpenAI-style JSON, ``Retry-After: 1`` and a jittered ``retry-after-ms``,
+``Connection: close``) before
 anything reads its request, and is closed once the client has read it (a
 lingering close: closing with the request unread would send a reset that can
 destroy the answer in the client's buffer), or after `LINGER_SECONDS`.
@@ -27,6 +28,7 @@ from typing import Optional
 
 from aiohttp import web
 
+from mlxgw.protocol import retry_after_headers
 from mlxgw.util import Tally
 
 log = logging.getLogger("mlxgw.gateway")
@@ -51,27 +53,32 @@ def auto_max_connections(open_files: int, max_in_flight: int) -> int:
     return max(64, open_files - upstream - RESERVED_FILES)
 
 
-def refusal(max_connections: int) -> bytes:
-    """The whole HTTP/1.1 answer sent on a connection over the cap."""
-    body = json.dumps({"error": {
+def refusal_body(max_connections: int) -> bytes:
+    """The JSON body of the answer to a connection over the cap."""
+    return json.dumps({"error": {
         "message": f"the gateway holds its limit of {max_connections} connections; retry shortly",
         "type": "server_error", "param": None, "code": "overloaded"}}).encode()
-    return (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-            b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def refusal(body: bytes) -> bytes:
+    """The whole HTTP/1.1 answer sent on a connection over the cap (`retry_after_headers`)."""
+    head = "".join(f"{k}: {v}\r\n" for k, v in retry_after_headers().items())
+    return (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n{head}"
+            f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
 
 
 class _Refused(asyncio.Protocol):
     """Answers `refusal`, half-closes, discards the request, closes when the client does.
     ``lingering`` (a one-element list shared with the runner) counts the open ones."""
 
-    def __init__(self, answer: bytes, lingering: list):
-        self._answer = answer
+    def __init__(self, body: bytes, lingering: list):
+        self._body = body
         self._lingering = lingering
         self._timer: Optional[asyncio.TimerHandle] = None
 
     def connection_made(self, transport):
         self._lingering[0] += 1
-        transport.write(self._answer)
+        transport.write(refusal(self._body))
         if transport.can_write_eof():
             transport.write_eof()
         self._timer = asyncio.get_running_loop().call_later(LINGER_SECONDS, transport.abort)
@@ -110,9 +117,11 @@ class GuardedRunner(web.AppRunner):
         super().__init__(app, **kwargs)
         self.max_connections = max_connections
         self.counts = counts if counts is not None else {}
-        self._answer = refusal(max_connections)
+        self._body = refusal_body(max_connections)
         self._lingering = [0]
-        self._refusals = Tally()  # one log line per 10 s, not one per connection
+        self._refusals = Tally(lambda n: log.warning(  # one log line per 10 s, not one per connection
+            "at the limit of %d client connections: refused %d connection(s) (503, or a reset while %d refused "
+            "ones were open)", max_connections, n, MAX_LINGERING))
 
     @property
     def server(self):
@@ -129,14 +138,10 @@ class GuardedRunner(web.AppRunner):
             self._refuse()
             if self._lingering[0] >= MAX_LINGERING:
                 return _Reset()
-            return _Refused(self._answer, self._lingering)
+            return _Refused(self._body, self._lingering)
 
         return factory
 
     def _refuse(self) -> None:
         self.counts["connections"] = self.counts.get("connections", 0) + 1
-        n = self._refusals.add()
-        if n:
-            log.warning("at the limit of %d client connections: refused %d connection(s) (503, or a reset "
-                        "while %d refused ones were open) since the last report", self.max_connections, n,
-                        MAX_LINGERING)
+        self._refusals.add()

@@ -185,7 +185,10 @@ class Proxy:
         self._watcher: Optional[asyncio.Task] = None
         self._waiting: dict[object, tuple[Attempt, object]] = {}  # requests awaiting an answer -> their timer
         self._absent: dict[str, float] = {}  # backend id -> monotonic time first seen out of the registry
-        self._resource_failures = Tally()  # EMFILE connects: one log line per 10 s
+        self._resource_error = ""  # the last EMFILE connect, for the log line
+        self._resource_failures = Tally(lambda n: log.warning(  # one log line per 10 s, not one per request
+            "out of open files or memory connecting to backends: %d request(s) answered 503 (last: %s)",
+            n, self._resource_error))
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
@@ -341,10 +344,8 @@ class Proxy:
                     return out
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 if out_of_resources(e):
-                    n = self._resource_failures.add()
-                    if n:
-                        log.warning("out of open files or memory connecting to backends: %d request(s) answered "
-                                    "503 since the last report (last: %s, %s)", n, a.backend_id, e)
+                    self._resource_error = f"{a.backend_id}: {e}"
+                    self._resource_failures.add()
                     raise OutOfResources(str(e)) from None
                 # Nothing reached the client yet: try the next backend.
                 timed_out = isinstance(e, asyncio.TimeoutError)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -55,11 +56,19 @@ class RequestError(Exception):
         }
 
 
+def retry_after_headers() -> dict:
+    """``Retry-After: 1`` and a ``retry-after-ms`` drawn from 500-1500: the OpenAI and
+    Anthropic SDKs wait what ``retry-after-ms`` says (before ``Retry-After``), so clients
+    shed together retry spread over a second instead of all at once (a README trial saw
+    20 shed streams retry in waves exactly 1.0 s apart)."""
+    return {"Retry-After": "1", "retry-after-ms": str(random.randint(500, 1500))}
+
+
 def overloaded(message: str) -> RequestError:
     """The 503 of a server that is at its limits, not failing: ``server_error`` with code
-    ``overloaded`` (Anthropic ``overloaded_error``) and ``Retry-After: 1``, which the OpenAI
-    and Anthropic SDKs retry with backoff."""
-    return RequestError(message, status=503, type="server_error", code="overloaded", headers={"Retry-After": "1"})
+    ``overloaded`` (Anthropic ``overloaded_error``) and `retry_after_headers`, which the
+    OpenAI and Anthropic SDKs retry with backoff."""
+    return RequestError(message, status=503, type="server_error", code="overloaded", headers=retry_after_headers())
 
 
 @dataclass

@@ -82,21 +82,35 @@ async def cancel_and_wait(task) -> None:
 
 
 class Tally:
-    """Counts events that would each log a line, and says when to log them: at most once
-    per ``every`` seconds (a flood of one failure becomes a line per 10 s with its count).
+    """Counts events that would each log a line and reports them through ``report(n)`` at
+    most once per ``every`` seconds: the first at once, the rest of a burst ``every``
+    seconds later (a flood of one failure becomes a line per 10 s with its count, and
+    the tail of a burst is still reported). Use it from the event loop's thread.
     """
 
-    def __init__(self, every: float = 10.0):
+    def __init__(self, report, every: float = 10.0):
+        self.report = report
         self.every = every
         self.count = 0
         self._last = float("-inf")
+        self._timer = None
 
-    def add(self) -> int:
-        """Count one event; returns how many to report now (this one included, then the
-        count restarts), or 0 while the last report is under ``every`` seconds old."""
+    def add(self) -> None:
+        """Count one event; report now, or schedule the report of what is held back."""
         self.count += 1
-        now = time.monotonic()
-        if now - self._last < self.every:
-            return 0
-        n, self.count, self._last = self.count, 0, now
-        return n
+        if self._timer is not None:
+            return
+        wait = self._last + self.every - time.monotonic()
+        if wait <= 0:
+            self._flush()
+        else:
+            import asyncio
+
+            self._timer = asyncio.get_running_loop().call_later(wait, self._flush)
+
+    def _flush(self) -> None:
+        self._timer = None
+        n, self.count = self.count, 0
+        if n:
+            self._last = time.monotonic()
+            self.report(n)

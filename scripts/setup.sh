@@ -61,10 +61,13 @@ fi
 extras=${1:-}
 spec="."
 [[ -n "$extras" ]] && spec=".[$extras]"
-if ! .venv/bin/python -c "import mlxgw, mlx_lm" >/dev/null 2>&1; then
+# Imports go through mlxgw's guard: a bare `import mlx_lm` fails under a hard open-files
+# limit below 4096 (mlx-lm issue 1589), where mlxgw itself runs fine.
+IMPORT_CHECK="from mlxgw.rlimit import guard_mlx_lm_import; guard_mlx_lm_import(); import mlx_lm, aiohttp, redis"
+if ! .venv/bin/python -c "$IMPORT_CHECK" >/dev/null 2>&1; then
   echo "installing mlxgw and its dependencies into .venv (first run: mlx, mlx-lm, transformers," \
        "about 400 MB on Linux x86_64; from under a minute with a warm pip cache to a few minutes)..." >&2
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e "$spec" 2>&1 | grep -v -E "^(WARNING: Location|  )" >&2 || true
-.venv/bin/python -c "import mlxgw, mlx_lm, aiohttp, redis" || { echo "install failed" >&2; exit 1; }
+.venv/bin/python -c "$IMPORT_CHECK" || { echo "install failed" >&2; exit 1; }
