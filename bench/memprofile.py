@@ -51,7 +51,7 @@ async def replay(st: Stack, scale: float, items: list, phases: list[int], concur
     cfg = gateway_main.config_from_args(p.parse_args([
         "--model", f"{st.model_name}={st.model_path}", "--redis-url", st.redis_url, "--namespace", st.namespace,
         "--block-size", str(st.block_size), "--port", str(port), *sim_unit_flags(scale)]))
-    runner = web.AppRunner(make_app(cfg), access_log=None)
+    runner = web.AppRunner(make_app(cfg), access_log=None, handler_cancellation=True, shutdown_timeout=5)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     await asyncio.sleep(2)  # the registry refresh sees the backends
@@ -71,9 +71,20 @@ async def replay(st: Stack, scale: float, items: list, phases: list[int], concur
                 out.append((tracemalloc.take_snapshot(), object_types(), done, errors))
                 print(f"after {done} requests ({errors} errors): traced heap "
                       f"{tracemalloc.get_traced_memory()[0] / 2**20:.1f} MB", flush=True)
+            report(out)  # before shutting the app down: a shutdown that hangs loses nothing
     finally:
         await runner.cleanup()
     return out
+
+
+def report(snaps: list[tuple]) -> None:
+    """Print, between consecutive phases, the source lines and object types that grew most."""
+    for (s1, t1, n1, _), (s2, t2, n2, _) in zip(snaps, snaps[1:]):
+        print(f"\n## Growth from {n1} to {n2} requests\n")
+        for stat in s2.compare_to(s1, "lineno")[:25]:
+            print(stat)
+        grown = sorted(((t2[k] - t1.get(k, 0), k) for k in t2), reverse=True)[:10]
+        print("object types grown:", ", ".join(f"{k} {n:+d}" for n, k in grown if n > 0), flush=True)
 
 
 def main(argv=None) -> int:
@@ -98,16 +109,10 @@ def main(argv=None) -> int:
         st.wait()
         load_model_info("warm-up", model_path)  # transformers' import is very slow under tracemalloc
         tracemalloc.start(args.frames)
-        snaps = asyncio.run(replay(st, sr.scale, items, phases, args.concurrency))
+        asyncio.run(replay(st, sr.scale, items, phases, args.concurrency))
     finally:
         st.stop()
         redis.cleanup()
-    for (s1, t1, n1, _), (s2, t2, n2, _) in zip(snaps, snaps[1:]):
-        print(f"\n## Growth from {n1} to {n2} requests\n")
-        for stat in s2.compare_to(s1, "lineno")[:25]:
-            print(stat)
-        grown = sorted(((t2[k] - t1.get(k, 0), k) for k in t2), reverse=True)[:10]
-        print("object types grown:", ", ".join(f"{k} {n:+d}" for n, k in grown if n > 0))
     return 0
 
 
