@@ -137,7 +137,8 @@ def config_from_args(args) -> GatewayConfig:
     for flag in ("max_in_flight", "max_connections"):
         if getattr(args, flag) is not None and getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 (got {getattr(args, flag)})")
-    max_in_flight = auto_max_in_flight(open_files_limit()) if args.max_in_flight is None else args.max_in_flight
+    files = open_files_limit()  # both defaults share out the same files
+    max_in_flight = auto_max_in_flight(files) if args.max_in_flight is None else args.max_in_flight
     models = parse_models(args.model)
     if not models:
         from mlxgw.demo_model import ensure_demo_model
@@ -147,7 +148,7 @@ def config_from_args(args) -> GatewayConfig:
         api_keys=read_keys(args.api_key_file),
         limits=LimitConfig(
             max_in_flight=max_in_flight,
-            max_connections=(auto_max_connections(open_files_limit(), max_in_flight) if args.max_connections is None
+            max_connections=(auto_max_connections(files, max_in_flight) if args.max_connections is None
                              else args.max_connections),
             max_concurrent_per_key=args.max_concurrent_per_key,
             rate_per_minute=args.rate_limit_rpm,
