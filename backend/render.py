@@ -9,6 +9,7 @@ match cancels generation, which still saves the prompt cache.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from typing import Optional
 
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.server import ToolCallFormatter
+
+log = logging.getLogger("mlxgw.backend.render")
 
 
 @dataclass
@@ -43,6 +46,9 @@ class AnswerBuilder:
         self.state = self.sm.make_state(initial_state)
         self.prev = initial_state
         self.formatter = ToolCallFormatter(tokenizer.tool_parser, tools, streaming)
+        self.call_start = tokenizer.tool_call_start or ""
+        self.call_end = tokenizer.tool_call_end or ""
+        self.unparsed_calls = 0  # tool-call blocks returned as text because they did not parse
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=0)
         self.buf = ""  # normal text held back while it could start a stop string
@@ -64,7 +70,6 @@ class AnswerBuilder:
             if final is not None:
                 self.state, flushed, cur = TextStateMachine.flush(self.state)
                 segments.append((cur, flushed))
-        raw_calls = []
         for st, t in segments:
             if st == "reasoning":
                 out.reasoning += t
@@ -72,20 +77,39 @@ class AnswerBuilder:
                 self.tool_text += t
             elif st == "normal":
                 if self.prev == "tool":
-                    raw_calls.append(self.tool_text)
-                    self.tool_text = ""
+                    out.tool_calls += self._parse_call(closed=True)
                 self.buf += t
             self.prev = st
         if final is not None and self.prev == "tool" and self.tool_text:
-            raw_calls.append(self.tool_text)
-            self.tool_text = ""
-        out.tool_calls = self.formatter(raw_calls)
-        # Only a call that parsed makes a tool-call answer. mlx-lm's formatter drops text it
-        # cannot parse (and warns); mlx_lm.server still answered finish_reason "tool_calls",
-        # with no call (Anthropic: stop_reason "tool_use" without a tool_use block).
+            out.tool_calls += self._parse_call(closed=False)
+        # Only a call that parsed makes a tool-call answer: mlx_lm.server answered
+        # finish_reason "tool_calls" with no call in it (Anthropic: stop_reason "tool_use"
+        # without a tool_use block).
         self.made_tool_call = self.made_tool_call or bool(out.tool_calls)
         out.content = self._release(final is not None)
         return out
+
+    def _parse_call(self, closed: bool) -> list:
+        """Parse the tool-call block just ended into OpenAI ``tool_calls`` items.
+
+        A block the parser cannot read (invalid JSON, cut off by ``max_tokens``, an
+        unknown dialect) goes back into the content verbatim, with its start marker and,
+        if the model wrote it, its end marker: mlx-lm's formatter drops such text with a
+        warning, so the client saw an empty answer (mlx-lm issue 1307); vLLM's parsers
+        return the model's text as content instead. Any parser exception counts as
+        unparsable: several of mlx-lm's raise KeyError or IndexError on odd input
+        (mlx-lm issue 905, PR 899), which would otherwise end the request.
+        """
+        text, self.tool_text = self.tool_text, ""
+        try:
+            calls = self.formatter([text])
+        except Exception as e:  # noqa: BLE001 - any parser failure means "not a call"
+            log.warning("tool call not parsed (%s: %s); returned as text", type(e).__name__, e)
+            calls = []
+        if not calls:
+            self.unparsed_calls += 1
+            self.buf += self.call_start + text + (self.call_end if closed else "")
+        return calls
 
     def _release(self, final: bool) -> str:
         if self.stopped:

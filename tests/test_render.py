@@ -56,10 +56,31 @@ def test_text_stop_string_is_cut_across_pieces(tok):
     assert content == "one two " and b.stopped
 
 
-def test_unparsable_tool_call_does_not_make_a_tool_call_answer(tok):
-    """A call the parser cannot read is dropped (mlx-lm's formatter, which warns); the answer
+def test_unparsable_tool_call_comes_back_as_text_not_as_a_call(tok):
+    """A block the parser cannot read is returned verbatim as content, markers included, and
+    makes no tool-call answer: mlx-lm's formatter drops it (mlx-lm issue 1307), and the answer
     used to end with finish_reason "tool_calls" and no call in it (README trial, session 23)."""
     b = AnswerBuilder(tok, None, [], streaming=False)
     content, _, calls = run(b, ["hello ", "<tool_call>", "not json", "</tool_call>", " bye", ""])
-    assert (content, calls, b.made_tool_call) == ("hello  bye", [], False)
+    assert (content, calls, b.made_tool_call, b.unparsed_calls) == (
+        "hello <tool_call>not json</tool_call> bye", [], False, 1)
     assert b.finish_reason("stop") == "stop"
+
+
+def test_tool_call_cut_off_by_the_length_limit_comes_back_as_text(tok):
+    """A call cut off mid-JSON (max_tokens) has no end marker; its text is kept as the model
+    wrote it (mlx-lm issue 905: the same cut used to drop the connection in mlx_lm.server)."""
+    b = AnswerBuilder(tok, None, [], streaming=True)
+    content, _, calls = run(b, ["<tool_call>", '\n{"name": "read_file", "argu'], final="length")
+    assert (content, calls, b.finish_reason("length")) == ('<tool_call>\n{"name": "read_file", "argu', [],
+                                                         "length")
+
+
+def test_parsed_and_unparsed_calls_in_one_answer_keep_their_order(tok):
+    """The good call is a call (streaming index 0), the bad one text between the answer's words."""
+    b = AnswerBuilder(tok, None, [], streaming=True)
+    content, _, calls = run(b, ["a ", "<tool_call>", '\n{"name": "f", "arguments": {}}\n', "</tool_call>", " b ",
+                                "<tool_call>", "{oops", "</tool_call>", " c", ""])
+    assert content == "a  b <tool_call>{oops</tool_call> c"
+    assert [(c["function"]["name"], c["index"]) for c in calls] == [("f", 0)] and b.made_tool_call
+    assert b.finish_reason("stop") == "tool_calls"
