@@ -359,6 +359,7 @@ async def handle_health(request: web.Request) -> web.Response:
         "degraded": not st.index.healthy,
         "backends": live,
         "lookups": st.index.lookups,
+        "lookups_stretched": st.index.lookups_stretched,
         "events_dropped": st.index.events_dropped,
         "redis_data_losses": st.index.data_losses,  # Redis found empty (restart, flush): gateway.index
         "retries": st.proxy.retries,

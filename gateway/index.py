@@ -68,6 +68,99 @@ def hiredis_packing(client: aioredis.Redis) -> bool:
     return True
 
 
+#: A deadline period whose timer fired this late (a fraction of the deadline) had the
+#: event loop busy elsewhere, so the lookup waits another period (`LookupDeadline`).
+LATE_FRACTION = 0.25
+#: The Redis client's socket timeout (seconds): no lookup waits longer than this in all.
+REDIS_SOCKET_TIMEOUT = 1.0
+#: Seconds of waiting lookups with no answer after which Redis counts as silent, and a late
+#: timer no longer buys a lookup more time.
+SILENCE = 0.25
+
+
+@dataclass
+class RedisPulse:
+    """Whether Redis is answering, as `LookupDeadline` needs to know it (event-loop
+    time, seconds): when it last answered a lookup or refresh, and since when a lookup
+    it has not answered has been waiting (a timed-out one keeps counting until Redis
+    answers something)."""
+
+    answered_at: float = float("-inf")
+    outstanding: int = 0
+    unanswered_since: float = float("inf")
+
+    def asked(self, now: float) -> None:
+        self.outstanding += 1
+        self.unanswered_since = min(self.unanswered_since, now)
+
+    def done(self, now: float, answered: bool) -> None:
+        self.outstanding -= 1
+        if answered:
+            self.alive(now)
+
+    def alive(self, now: float) -> None:
+        """Redis answered (a lookup, a refresh)."""
+        self.answered_at = now
+        self.unanswered_since = now if self.outstanding else float("inf")
+
+    def silent(self, now: float) -> bool:
+        """A lookup has waited ``SILENCE`` seconds and Redis has answered nothing since."""
+        return now - self.unanswered_since >= SILENCE
+
+
+class LookupDeadline:
+    """``async with LookupDeadline(seconds, pulse):`` — a lookup deadline that counts
+    only time in which Redis was silent and the event loop kept up.
+
+    A plain wall-clock deadline cannot tell a silent Redis from a busy gateway: in a
+    burst (300 chat requests at once on 2 cores) the gateway's loop and its template
+    threads share the CPU, a lookup needs several loop turns to be sent and read,
+    and 292 of 300 lookups timed out, so prefix routing was off exactly when many
+    turns arrived together (`bench/burst.py`). So when a period of ``seconds`` ends,
+    the block gets another period if Redis answered a lookup during it (it is alive;
+    this answer is queued behind others), or if the timer ran at least
+    ``LATE_FRACTION`` of a period late (the loop was busy, the answer may sit unread)
+    and Redis is not silent (`RedisPulse.silent`: lookups have waited ``SILENCE``
+    seconds with no answer, so a hung Redis in a burst costs each request at most
+    about that). On a loop that keeps
+    up, a Redis that answers nobody still ends the block after ``seconds``. Never
+    past ``max(seconds, REDIS_SOCKET_TIMEOUT)`` in all. Raises asyncio.TimeoutError
+    when it ends the block (which is cancelled). ``stretched``: periods added.
+    """
+
+    def __init__(self, seconds: float, pulse: Optional[RedisPulse] = None):
+        self.seconds = seconds
+        self.pulse = pulse or RedisPulse()
+        self.stretched = 0
+        self._cm = deadline(None)
+        self._handle: Optional[asyncio.TimerHandle] = None
+
+    async def __aenter__(self) -> "LookupDeadline":
+        self._loop = asyncio.get_running_loop()
+        await self._cm.__aenter__()
+        now = self._loop.time()
+        self._due = now + self.seconds
+        self._end = now + max(self.seconds, REDIS_SOCKET_TIMEOUT)
+        self._handle = self._loop.call_at(self._due, self._check)
+        return self
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        answering = self.pulse.answered_at >= self._due - self.seconds
+        late = now - self._due >= self.seconds * LATE_FRACTION and not self.pulse.silent(now)
+        if (answering or late) and now < self._end:
+            self.stretched += 1
+            self._due = min(now + self.seconds, self._end)
+            self._handle = self._loop.call_at(self._due, self._check)
+        else:  # expire now: the deadline's own timer cancels the block, which raises TimeoutError
+            (getattr(self._cm, "reschedule", None) or self._cm.update)(now)
+
+    async def __aexit__(self, *exc) -> Optional[bool]:
+        if self._handle is not None:
+            self._handle.cancel()
+        return await self._cm.__aexit__(*exc)
+
+
 @dataclass
 class Lookup:
     """Outcome of one lookup: ``status`` in {"ok", "timeout", "error"}; ``seconds`` spent."""
@@ -99,7 +192,7 @@ class OwnershipIndex:
         self.gateway_id = gateway_id
         self.deadline = deadline
         # Bounded: lookups past it wait (within their deadline) instead of opening files.
-        self.redis = connect_async(redis_url, 1.0, max_connections=REDIS_POOL_SIZE)
+        self.redis = connect_async(redis_url, REDIS_SOCKET_TIMEOUT, max_connections=REDIS_POOL_SIZE)
         hiredis_packing(self.redis)
         self._lookup = self.redis.register_script(schema.LOOKUP_LUA)
         self.snapshot: dict[str, list[Candidate]] = {}  # model -> live backends
@@ -107,6 +200,8 @@ class OwnershipIndex:
         self.healthy = False
         self._said_down = False  # the operator was told Redis is unreachable, and not yet that it is back
         self.lookups = {"ok": 0, "timeout": 0, "error": 0}
+        self.lookups_stretched = 0  # lookups given more time: the loop was busy or Redis busy answering others
+        self.pulse = RedisPulse()  # what `LookupDeadline` reads
         self._task: Optional[asyncio.Task] = None
         self._events: list[tuple[str, dict]] = []
         self._flusher: Optional[asyncio.Future] = None
@@ -123,16 +218,26 @@ class OwnershipIndex:
         """Each live backend's owned prefix of the request, in one round trip."""
         k = self.keys(model)
         t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        limit = LookupDeadline(self.deadline, self.pulse)
+        self.pulse.asked(loop.time())
         try:
-            async with deadline(self.deadline):
+            async with limit:
                 rows = await self._lookup(keys=[k.backends, *k.blocks(block_hexes)], args=self._args(k))
         except asyncio.TimeoutError:
+            self.pulse.done(loop.time(), answered=False)
+            self.lookups_stretched += limit.stretched > 0
             self.lookups["timeout"] += 1
             return Lookup("timeout", self._fallback(model), time.perf_counter() - t0)
-        except Exception as e:
+        except BaseException as e:
+            self.pulse.done(loop.time(), answered=False)
+            if not isinstance(e, Exception):  # cancelled: the client went away
+                raise
             self.lookups["error"] += 1
             self._set_healthy(False, e)
             return Lookup("error", self._fallback(model), time.perf_counter() - t0)
+        self.pulse.done(loop.time(), answered=True)
+        self.lookups_stretched += limit.stretched > 0
         cands = self._with_unlisted(model, schema.parse_lookup(rows))
         self._set_healthy(True)
         self.lookups["ok"] += 1
@@ -190,6 +295,7 @@ class OwnershipIndex:
             k = self.keys(m)
             rows = await self._lookup(keys=[k.backends], args=self._args(k))
             snap[m] = schema.parse_lookup(rows)
+        self.pulse.alive(asyncio.get_running_loop().time())
         snap = self._keep_known(snap, lost)
         self._log_changes(self.snapshot, snap)
         self.snapshot = snap

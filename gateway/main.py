@@ -37,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default=schema.DEFAULT_NAMESPACE)
     p.add_argument("--block-size", type=positive_int, default=schema.DEFAULT_BLOCK_SIZE)
     p.add_argument("--lookup-deadline-ms", type=float, default=10.0,
-                   help="abandon the Redis lookup after this long and route on load")
+                   help="abandon the Redis lookup after this long and route on load (time in which Redis "
+                        "answered other lookups or the gateway was too busy to read the answer does not "
+                        "count; never past 1 s)")
     p.add_argument("--max-retries", type=int, default=2, help="other backends tried before the first byte")
     p.add_argument("--gateway-id", default=None,
                    help="name of this gateway in Redis (default: host:port); gateways publish in-flight load under it")

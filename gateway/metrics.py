@@ -93,6 +93,10 @@ class _StateCollector:
         for status, n in sorted(st.index.lookups.items()):
             lk.add_metric([status], n)
         yield lk
+        yield CounterMetricFamily("mlxgw:redis_lookups_stretched",
+                                  "Lookups given more than --lookup-deadline-ms because the gateway's event loop "
+                                  "was busy when the deadline came (gateway.index.LookupDeadline).",
+                                  value=st.index.lookups_stretched)
 
 
 class GatewayMetrics:
