@@ -109,8 +109,11 @@ async def run_variant(url: str, model: str, n: int, words: int, warm_concurrency
 async def _lookups(session, url: str) -> dict:
     async with session.get(url + "/metrics") as r:
         text = await r.text()
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'^mlxgw:redis_lookups_total\{status="(\w+)"\}\s+(\S+)', text, re.M)}
+    out = {m.group(1): float(m.group(2))
+           for m in re.finditer(r'^mlxgw:redis_lookups_total\{status="(\w+)"\}\s+(\S+)', text, re.M)}
+    m = re.search(r"^mlxgw:redis_lookups_stretched_total\s+(\S+)", text, re.M)  # absent before 9fac2f8
+    out["stretched"] = float(m.group(1)) if m else 0.0
+    return out
 
 
 def main(argv=None) -> int:
@@ -178,7 +181,7 @@ def report(cmd: str, args, variants: dict, srcs: dict, results: dict) -> str:
              f"{args.block_size}, first user messages of {args.prompt_words} words; {args.rounds} round(s), "
              "figures per round. Lookup deadline 10 ms (the default) unless a variant's flags say otherwise.", "",
              "| variant | flags | round | hit ratio | to first turn's backend | busiest backend's share | "
-             "lookups ok / timeout / error | latency p50 / p99 (ms) | burst wall (s) | errors |",
+             "lookups ok / timeout / error (stretched) | latency p50 / p99 (ms) | burst wall (s) | errors |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, rows in results.items():
         flags = shlex.join(variants[name]) + (f" (from {srcs[name]})" if name in srcs else "")
