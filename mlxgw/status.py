@@ -41,15 +41,28 @@ def collect(r: redis.Redis, namespace: str, events: int = 10) -> dict:
         redis.RedisError: Redis unreachable or failing.
     """
     out = {}
-    for m in sorted(schema.as_str(x) for x in r.smembers(schema.models_key(namespace))):
+    models = sorted(schema.as_str(x) for x in r.smembers(schema.models_key(namespace)))
+    # Three round trips in all, however many models and backends: each one waits its turn
+    # behind the backends' writes on a busy Redis (`mlxgw status` under load, helper-38).
+    pipe = r.pipeline(transaction=False)
+    for m in models:
         k = schema.Keys(namespace, m)
+        pipe.zrange(k.backends, 0, -1)
+        pipe.xrevrange(k.events, count=events)
+    listed = pipe.execute()
+    pipe = r.pipeline(transaction=False)
+    for i, m in enumerate(models):
+        for bid in listed[2 * i]:
+            pipe.hgetall(schema.Keys(namespace, m).backend(schema.as_str(bid)))
+    records = iter(pipe.execute())
+    for i, m in enumerate(models):
         backends = []
-        for bid in r.zrange(k.backends, 0, -1):
-            rec = r.hgetall(k.backend(schema.as_str(bid)))
+        for _ in listed[2 * i]:
+            rec = next(records)
             if rec:
                 backends.append({schema.as_str(a): schema.as_str(b) for a, b in rec.items()})
         evs = []
-        for _, f in r.xrevrange(k.events, count=events):
+        for _, f in listed[2 * i + 1]:
             try:
                 e = schema.decode_event(f)
             except Exception:  # a foreign or corrupt entry: show its plain fields only
