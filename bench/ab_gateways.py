@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     model = long_context_copy(ensure_demo_model(), 65536, tmp)
     bodies = Bodies(PromptMaker(load_tokenizer(model)))
     redis = RedisServer().start()
-    stack = Stack(redis.url, str(model), block_size=64)
+    stack = Stack(redis.url, str(model), block_size=64, lookup_deadline_ms=None)
     proxy = None
     res = {"command": "python bench/ab_gateways.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "base": rev, "load_before": loadavg(), "sequential": {}, "concurrent": {}}

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     phases = [int(x) for x in args.phases.split(",")]
     items = sr.items(-(-sum(phases) // len(sr.reqs)))
     redis = RedisServer().start()
-    st = Stack(redis.url, model_path, block_size=args.k)
+    st = Stack(redis.url, model_path, block_size=args.k, lookup_deadline_ms=None)
     per_backend = int(args.budget * sr.working_set / args.backends)
     try:
         for i in range(args.backends):

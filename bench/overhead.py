@@ -470,7 +470,7 @@ def main(argv=None) -> int:
                        "transformers": metadata.version("transformers"), "tokenizers": metadata.version("tokenizers")},
            "plan": plan, "overhead": []}
     redis = RedisServer().start()
-    st = Stack(redis.url, str(model), block_size=schema.DEFAULT_BLOCK_SIZE)
+    st = Stack(redis.url, str(model), block_size=schema.DEFAULT_BLOCK_SIZE, lookup_deadline_ms=None)
     router = hop = None
     t_all = time.time()
     try:

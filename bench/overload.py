@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, args.nofile))
 
     redis = RedisServer().start()
-    st = Stack(redis.url, model)
+    st = Stack(redis.url, model, lookup_deadline_ms=None)
     try:
         procs = [st.add_backend(f"b{i}", None, "--engine", "sim", "--sim-speed", str(args.sim_speed), start=False,
                                 cwd=src) for i in range(args.backends)]

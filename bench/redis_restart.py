@@ -112,7 +112,7 @@ async def _replay(url: str, model: str, items, compress: float, restarts: list[f
 
 def run_pass(args, model_path: str, items, scale: float, speed: float, per_backend: int, restart: bool) -> dict:
     redis = RedisServer().start()
-    st = Stack(redis.url, model_path, block_size=args.k)
+    st = Stack(redis.url, model_path, block_size=args.k, lookup_deadline_ms=None)
     try:
         for i in range(args.backends):
             st.add_backend(f"b{i}", None, *sim_backend_flags(scale, speed, per_backend),

@@ -88,7 +88,7 @@ async def replay(args) -> dict:
     o_hit, o_total = oracle_hits(reqs, args.k)
 
     redis = RedisServer().start()
-    stack = Stack(redis.url, model_path, block_size=args.block_size)
+    stack = Stack(redis.url, model_path, block_size=args.block_size, lookup_deadline_ms=None)
     extra = ["--cache-bytes", args.cache_bytes, "--cache-entries", str(args.cache_entries)]
     try:
         for i in range(args.backends):

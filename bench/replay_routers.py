@@ -340,7 +340,7 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
     pooled = base.startswith("pooled")
     n = 1 if pooled else args.backends
     mult = args.backends if pooled else 1
-    st = Stack(redis_url, model_path, block_size=args.k)
+    st = Stack(redis_url, model_path, block_size=args.k, lookup_deadline_ms=None)
     sim_flags = [*sim_backend_flags(scale, speed, per_backend_bytes, mult),
                  *shlex.split(dict(v.split("=", 1) for v in args.backend_variant).get(base, ""))]
     routers: list = []

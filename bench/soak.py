@@ -112,7 +112,7 @@ def main(argv=None) -> int:
             f"of the KV working set; oracle hit ratio {o_hit / o_total:.3f}.")
     print(head, flush=True)
     redis = RedisServer().start()
-    st = Stack(redis.url, model_path, block_size=args.k)
+    st = Stack(redis.url, model_path, block_size=args.k, lookup_deadline_ms=None)
     try:
         for i in range(args.backends):
             st.add_backend(f"b{i}", None, *sim_backend_flags(scale, speed, per_backend))

@@ -217,6 +217,9 @@ class Stack:
     gateways: list[Proc] = field(default_factory=list)
     block_size: int = 16
     env_extra: dict = field(default_factory=dict)
+    # Tests wait up to 2 s on a lookup so a loaded CI box never falls back to load routing by
+    # chance; benchmarks pass None: the gateway's own default, what a deployment runs.
+    lookup_deadline_ms: Optional[float] = 2000.0
 
     def env(self) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLXGW_INTERNAL")}
@@ -246,7 +249,9 @@ class Stack:
         name = f"gw{len(self.gateways)}"
         cmd = [sys.executable, "-m", "mlxgw", "gateway", "--model", f"{self.model_name}={self.model_path}",
                "--port", str(port), "--redis-url", self.redis_url, "--namespace", self.namespace,
-               "--block-size", str(self.block_size), "--lookup-deadline-ms", "2000", *extra]
+               "--block-size", str(self.block_size),
+               *(["--lookup-deadline-ms", f"{self.lookup_deadline_ms:g}"] if self.lookup_deadline_ms is not None else []),
+               *extra]
         p = Proc(name, cmd, port, LOG_DIR / f"{self.namespace}-{name}.log", port_retries=retries, cwd=cwd)
         self.gateways.append(p)
         if start:
