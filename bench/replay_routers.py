@@ -373,6 +373,11 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
         router_cpu = sum(_cpu_seconds(p) for p in procs) - cpu0
         backend_cpu = sum(_cpu_seconds(b.proc) for b in st.backends) - bcpu0
         health = [httpget.get_json(b.url + "/health") or {} for b in st.backends]
+        lookups: dict = {}
+        for g in (st.gateways if base.startswith("mlxgw") else []):  # before the overhead probes
+            gh = httpget.get_json(g.url + "/health") or {}
+            for k, v in {**gh.get("lookups", {}), "stretched": gh.get("lookups_stretched", 0)}.items():
+                lookups[k] = lookups.get(k, 0) + v
         overhead = None
         if not pooled and args.overhead_probes:
             overhead = asyncio.run(_overhead(urls, st.backends[0].url, kind, st.model_name, mapper,
@@ -400,6 +405,8 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
         "backend_cpu_s": backend_cpu,
         # Budget evictions over the backends (0: every backend had memory for all it saved).
         "evictions": sum(h.get("cache_evictions", 0) for h in health),
+        # Our gateways' Redis lookups by status over the replay ({} for other routers).
+        "lookups": lookups,
         "ttfts": sorted(r["ttft"] for r in ok),
         "per_request": sorted(results, key=lambda r: r["i"]),
     }
@@ -734,7 +741,8 @@ def main(argv=None) -> int:
                     print(f"  budget {frac:g} round {rep + 1} {name:10s} hit {r['hit_ratio']:.3f} ttft p50/p99 "
                           f"{r['ttft_p50'] * 1000:.0f}/{r['ttft_p99'] * 1000:.0f} ms errors {r['errors']} "
                           f"router cpu {r['router_cpu_ms_per_request'] or 0:.2f} ms/req "
-                          f"backend cpu {r['backend_cpu_s']:.0f} s ({time.time() - t:.0f} s)", flush=True)
+                          f"backend cpu {r['backend_cpu_s']:.0f} s ({time.time() - t:.0f} s)"
+                          + (f" lookups {r['lookups']}" if r["lookups"] else ""), flush=True)
                     runs.append(r)
                 rounds.append(runs)
             res["budgets"].append({"fraction": frac, "per_backend_gb": per_backend / 2**30,
