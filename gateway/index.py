@@ -121,11 +121,11 @@ class LookupDeadline:
     this answer is queued behind others), or if the timer ran at least
     ``LATE_FRACTION`` of a period late (the loop was busy, the answer may sit unread)
     and Redis is not silent (`RedisPulse.silent`: lookups have waited ``SILENCE``
-    seconds with no answer, so a hung Redis in a burst costs each request at most
-    about that). On a loop that keeps
-    up, a Redis that answers nobody still ends the block after ``seconds``. Never
-    past ``max(seconds, REDIS_SOCKET_TIMEOUT)`` in all. Raises asyncio.TimeoutError
-    when it ends the block (which is cancelled). ``stretched``: periods added.
+    seconds with no answer, so a Redis that hangs in a burst costs the lookups then
+    waiting about that, later ones one period). On a loop that keeps up, a Redis
+    that answers nobody still ends the block after ``seconds``. Never past
+    ``max(seconds, REDIS_SOCKET_TIMEOUT)`` in all. Raises asyncio.TimeoutError when
+    it ends the block (which is cancelled). ``stretched``: periods added.
     """
 
     def __init__(self, seconds: float, pulse: Optional[RedisPulse] = None):

@@ -94,8 +94,9 @@ class _StateCollector:
             lk.add_metric([status], n)
         yield lk
         yield CounterMetricFamily("mlxgw:redis_lookups_stretched",
-                                  "Lookups given more than --lookup-deadline-ms because the gateway's event loop "
-                                  "was busy when the deadline came (gateway.index.LookupDeadline).",
+                                  "Lookups given more than --lookup-deadline-ms because Redis was answering other "
+                                  "lookups or the gateway's event loop was busy when the deadline came "
+                                  "(gateway.index.LookupDeadline).",
                                   value=st.index.lookups_stretched)
 
 
