@@ -30,6 +30,31 @@ class Piece:
     tool_calls: list = field(default_factory=list)
 
 
+def call_id() -> str:
+    """A fresh tool-call id in OpenAI's form, ``call_`` and 24 hex digits.
+
+    mlx-lm's formatter names a call the model gave no id with a bare UUID; clients and
+    logs expect OpenAI's prefix, and the gateway's Anthropic dialect turns ``call_`` into
+    ``toolu_``. An id the model wrote itself (Kimi K2's ``functions.name:0``) is kept: its
+    chat template renders it back next turn, so replacing it would change the prompt.
+    """
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _with_call_ids(parser):
+    """Wrap an mlx-lm tool parser so each parsed call without an id gets ``call_id()``."""
+    if parser is None:
+        return None
+
+    def parse(text, tools):
+        parsed = parser(text, tools)
+        for tc in parsed if isinstance(parsed, list) else [parsed]:
+            if isinstance(tc, dict) and not tc.get("id"):
+                tc["id"] = call_id()
+        return parsed
+    return parse
+
+
 class AnswerBuilder:
     """Stateful decoder of generated text into content, reasoning and tool calls.
 
@@ -45,7 +70,7 @@ class AnswerBuilder:
         self.sm = make_text_state_machine(tokenizer, [])
         self.state = self.sm.make_state(initial_state)
         self.prev = initial_state
-        self.formatter = ToolCallFormatter(tokenizer.tool_parser, tools, streaming)
+        self.formatter = ToolCallFormatter(_with_call_ids(tokenizer.tool_parser), tools, streaming)
         self.call_start = tokenizer.tool_call_start or ""
         self.call_end = tokenizer.tool_call_end or ""
         self.unparsed_calls = 0  # tool-call blocks returned as text because they did not parse

@@ -2,6 +2,7 @@
 the running stack, driven by the official openai and anthropic SDKs."""
 
 import json
+import re
 import time
 
 import anthropic
@@ -50,7 +51,8 @@ def test_chat_forced_tool_call_not_streamed(stack):
     assert ch.finish_reason == "tool_calls"
     assert ch.message.content is None
     (call,) = ch.message.tool_calls
-    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert re.fullmatch(r"call_[0-9a-f]{24}", call.id), call.id
     assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
     assert 0 <= c.usage.prompt_tokens_details.cached_tokens <= c.usage.prompt_tokens - 1  # present, honest
 
@@ -127,7 +129,8 @@ def test_anthropic_tool_use_round_trip(stack):
                                tool_choice={"type": "tool", "name": "get_weather"})
     assert m.stop_reason == "tool_use"
     (use,) = [b for b in m.content if b.type == "tool_use"]
-    assert use.name == "get_weather" and use.input["city"] in ("Paris", "Oslo") and use.id
+    assert use.name == "get_weather" and use.input["city"] in ("Paris", "Oslo")
+    assert re.fullmatch(r"toolu_[0-9a-f]{24}", use.id), use.id
 
     msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"}]}]
@@ -143,6 +146,7 @@ def test_anthropic_tool_use_round_trip(stack):
         final = s.get_final_message()
     assert "input_json_delta" in deltas
     assert final.stop_reason == "tool_use" and final.content[-1].input["city"] in ("Paris", "Oslo")
+    assert re.fullmatch(r"toolu_[0-9a-f]{24}", final.content[-1].id), final.content[-1].id
 
 
 def test_count_tokens_is_the_real_prompt(stack, demo_model):
@@ -243,6 +247,8 @@ def test_responses_stream_and_function_call(stack):
     whole = client.responses.create(model="demo-tiny", input="Weather?", tools=RESPONSES_TOOLS, max_output_tokens=64,
                                     tool_choice={"type": "function", "name": "get_weather"})
     assert whole.status == "completed" and [it.status for it in whole.output] == ["completed"]
+    (fc,) = whole.output
+    assert re.fullmatch(r"call_[0-9a-f]{24}", fc.call_id) and re.fullmatch(r"fc_[0-9a-f]{24}", fc.id), fc
     assert done.usage.output_tokens == 6
     assert 0 <= done.usage.input_tokens_details.cached_tokens <= done.usage.input_tokens - 1
     # The SDK's own model, strictly: cache_write_tokens is a required field (it was missing).

@@ -3,6 +3,7 @@ state machine and tool parser, on the demo model's real tokenizer: reasoning is
 separated as mlx-lm separates it, tool calls are parsed, stop strings are cut."""
 
 import json
+import re
 
 import pytest
 
@@ -48,6 +49,23 @@ def test_tool_call_is_parsed_and_never_shown_as_text(tok):
     call = calls[0]
     assert call["function"]["name"] == "read_file" and json.loads(call["function"]["arguments"]) == {"path": "a.py"}
     assert b.made_tool_call
+    # OpenAI's id form, not mlx-lm's bare UUID.
+    assert re.fullmatch(r"call_[0-9a-f]{24}", call["id"]), call["id"]
+
+
+def test_a_tool_call_id_the_model_wrote_is_kept():
+    """Kimi K2 writes its own call ids and its template renders them back next turn, so the
+    backend keeps them (mlx-lm's real kimi_k2 parser); calls without one get ``call_<hex>``."""
+    from mlx_lm.tool_parsers import kimi_k2, json_tools
+
+    from backend.render import _with_call_ids
+
+    text = ('<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Oslo"}'
+            "<|tool_call_end|>")
+    (call,) = _with_call_ids(kimi_k2.parse_tool_call)(text, None)
+    assert (call["id"], call["name"], call["arguments"]) == ("functions.get_weather:0", "get_weather", {"city": "Oslo"})
+    call = _with_call_ids(json_tools.parse_tool_call)('{"name": "f", "arguments": {}}', None)
+    assert re.fullmatch(r"call_[0-9a-f]{24}", call["id"]) and call["name"] == "f"
 
 
 def test_text_stop_string_is_cut_across_pieces(tok):

@@ -196,6 +196,15 @@ def stop_of(finish_reason: Optional[str], stop: Optional[str]) -> tuple[str, Opt
     return STOP_REASONS.get(finish_reason or "stop", "end_turn"), None
 
 
+def tool_use_id(call_id: Optional[str]) -> str:
+    """The Anthropic id of a tool call: the backend's ``call_<hex>`` becomes ``toolu_<hex>``,
+    as Anthropic's API names them; an id the model wrote itself passes unchanged (its chat
+    template renders it back next turn); a missing one gets a fresh ``toolu_`` id."""
+    if not call_id:
+        return new_id("toolu_")
+    return "toolu_" + call_id[5:] if call_id.startswith("call_") else call_id
+
+
 def usage_of(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
     return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
@@ -251,7 +260,7 @@ class MessagesTransform(ChatTransform):
         return out + self._delta({"type": "thinking_delta", "thinking": text})
 
     def on_tool_start(self, index: int, call_id: str, name: str) -> bytes:
-        return self._switch(("tool", index), {"type": "tool_use", "id": call_id, "name": name, "input": {}})
+        return self._switch(("tool", index), {"type": "tool_use", "id": tool_use_id(call_id), "name": name, "input": {}})
 
     def on_tool_args(self, index: int, fragment: str) -> bytes:
         return self._delta({"type": "input_json_delta", "partial_json": fragment})
@@ -281,7 +290,7 @@ class MessagesTransform(ChatTransform):
                 args = json.loads(fn.get("arguments") or "{}")
             except ValueError:
                 args = {}
-            content.append({"type": "tool_use", "id": tc.get("id") or new_id("toolu_"), "name": fn.get("name"),
+            content.append({"type": "tool_use", "id": tool_use_id(tc.get("id")), "name": fn.get("name"),
                             "input": args})
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
         reason, seq = stop_of(reason, stop_string(completion))
