@@ -59,13 +59,15 @@ class BackendMetrics:
         self.prefix_queries = counter("mlxgw:prefix_cache_queries", "Prompt tokens looked up in the prompt cache.")
         self.prefix_hits = counter("mlxgw:prefix_cache_hits", "Prompt tokens reused from the prompt cache.")
         self.success = counter("mlxgw:request_success", "Finished requests by finish reason.", ["finished_reason"])
+        self.unparsed_calls = counter("mlxgw:tool_calls_unparsed", "Tool-call blocks returned as text because they did not parse.")
         self.ttft = hist("mlxgw:time_to_first_token_seconds", "Submit to first generated token.", B.TTFT)
         self.itl = hist("mlxgw:inter_token_latency_seconds", "Time between consecutive generated tokens.", B.ITL)
         self.e2e = hist("mlxgw:e2e_request_latency_seconds", "Submit to end of generation.", B.E2E)
         self.queue_time = hist("mlxgw:request_queue_time_seconds", "Submit to admission into the batch.", B.TTFT)
         self.req_prompt = hist("mlxgw:request_prompt_tokens", "Prompt length of each request.", B.TOKENS)
         self.req_gen = hist("mlxgw:request_generation_tokens", "Generated tokens of each request.", B.TOKENS)
-        for c in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits, self.ttft,
+        for c in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
+                  self.unparsed_calls, self.ttft,
                   self.itl, self.e2e, self.queue_time, self.req_prompt, self.req_gen):
             c.labels(model_name)  # export zeros before the first request
         for reason in ("stop", "length", "cancelled", "error"):
@@ -112,6 +114,11 @@ class BackendMetrics:
         self.e2e.labels(m).observe(time.monotonic() - submitted_at)
         self.success.labels(m, reason).inc()
         self.req_gen.labels(m).observe(generated)
+
+    def on_unparsed_calls(self, n: int) -> None:
+        """``n`` tool-call blocks of one answer did not parse and went back as text (HTTP side)."""
+        if n:
+            self.unparsed_calls.labels(self.model_name).inc(n)
 
     # -- scrape side -------------------------------------------------------
     def bind(self, stats: Callable[[], dict], budget_bytes: Optional[int]) -> None:

@@ -73,7 +73,7 @@ class AnswerBuilder:
         self.formatter = ToolCallFormatter(_with_call_ids(tokenizer.tool_parser), tools, streaming)
         self.call_start = tokenizer.tool_call_start or ""
         self.call_end = tokenizer.tool_call_end or ""
-        self.unparsed_calls = 0  # tool-call blocks returned as text because they did not parse
+        self.unparsed_calls = 0  # tool-call blocks returned as text (metric mlxgw:tool_calls_unparsed)
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=0)
         self.buf = ""  # normal text held back while it could start a stop string

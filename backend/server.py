@@ -217,6 +217,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
         finished = True
         return resp
     finally:
+        engine.metrics.on_unparsed_calls(builder.unparsed_calls)
         if not finished:
             # Client went away or the handler failed: stop generating; the
             # engine still saves the prompt cache (into free space).

@@ -76,6 +76,7 @@ def test_metrics_move_with_traffic(make_stack):
     assert _v(vb, "mlxgw:e2e_request_latency_seconds_count", model_name=m) == 3
     assert _v(vb, "mlxgw:request_success_total", model_name=m, finished_reason="length") == 3
     assert _v(vb, "mlxgw:num_requests_running", model_name=m) == 0
+    assert _v(vb, "mlxgw:tool_calls_unparsed_total", model_name=m) == 0
     assert _v(vb, "mlxgw:prompt_cache_entries", model_name=m) >= 1
     assert 0 < _v(vb, "mlxgw:kv_cache_usage_perc", model_name=m) < 1
 
@@ -101,6 +102,15 @@ def test_metrics_move_with_traffic(make_stack):
         assert int(f["matched_tokens"]) == int(hdr["X-Mlxgw-Matched-Tokens"])
         assert 0 < float(f["ttft_ms"]) <= float(f["duration_ms"])
     assert " refused " not in log  # forwarded requests never get a refused line
+
+    # A forced tool call cut by max_tokens cannot parse: it comes back as text and is counted.
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string"}}, "additionalProperties": False}}}]
+    st_t, _, raw_t = post(g + "/v1/chat/completions", {**msg, "tools": tools, "tool_choice": "required", "max_tokens": 4})
+    choice = json.loads(raw_t)["choices"][0]
+    assert st_t == 200 and choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+    assert choice["message"]["content"].startswith("<tool_call>"), choice
+    assert _v(_scrape(b)[1], "mlxgw:tool_calls_unparsed_total", model_name=m) == 1
 
     # A request the gateway refuses itself (no backend saw it) gets one line, with what the client got.
     st_bad, _, raw_bad = post(g + "/v1/chat/completions", {"model": m, "max_tokens": 4})
