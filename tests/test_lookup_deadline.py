@@ -79,24 +79,28 @@ def test_a_reply_that_comes_while_the_loop_is_busy_is_an_answer(redis_server, mo
         assert found.status == "timeout" and counts == ({"ok": 0, "timeout": 1, "error": 0}, 0)
 
 
-def test_a_redis_that_does_not_answer_still_times_out_after_about_one_deadline():
+def _with_stopped_redis(deadline: float, body):
+    """``body(index)`` on a gateway index whose Redis answered a ping, then stopped (SIGSTOP)."""
     r = RedisServer().start()
 
     async def run():
-        index = OwnershipIndex(r.url, namespace="t-dl", deadline=0.05)
+        index = OwnershipIndex(r.url, namespace="t-dl", deadline=deadline)
         await index.redis.ping()
         r.proc.send_signal(signal.SIGSTOP)
         try:
-            found = await index.lookup("m", BLOCKS)
+            return await body(index)
         finally:
             r.proc.send_signal(signal.SIGCONT)
-        await index.close()
-        return found
+            await index.close()
 
     try:
-        found = asyncio.run(run())
+        return asyncio.run(run())
     finally:
         r.cleanup()
+
+
+def test_a_redis_that_does_not_answer_still_times_out_after_about_one_deadline():
+    found = _with_stopped_redis(0.05, lambda index: index.lookup("m", BLOCKS))
     assert found.status == "timeout"
     # An idle loop: one 50 ms deadline (a late timer on a loaded CI box may add a period or two).
     assert 0.05 <= found.seconds < 0.25, found.seconds
@@ -108,26 +112,13 @@ def test_a_busy_loop_and_a_silent_redis_end_soon_after_silence():
     no longer buys time, so the lookup gives up soon after, not at the socket timeout or never;
     the next one, Redis still silent, after its first period (a Redis that hangs in a burst costs
     the lookups then waiting about SILENCE, later ones one deadline)."""
-    r = RedisServer().start()
+    async def body(index):
+        _keep_loop_busy(asyncio.get_running_loop(), 1.0)
+        found = await index.lookup("m", BLOCKS)
+        second = await index.lookup("m", BLOCKS)
+        return found, second, index.lookups_stretched
 
-    async def run():
-        index = OwnershipIndex(r.url, namespace="t-dl", deadline=0.01)
-        await index.redis.ping()
-        r.proc.send_signal(signal.SIGSTOP)
-        try:
-            _keep_loop_busy(asyncio.get_running_loop(), 1.0)
-            found = await index.lookup("m", BLOCKS)
-            second = await index.lookup("m", BLOCKS)
-        finally:
-            r.proc.send_signal(signal.SIGCONT)
-        stretched = index.lookups_stretched
-        await index.close()
-        return found, second, stretched
-
-    try:
-        found, second, stretched = asyncio.run(run())
-    finally:
-        r.cleanup()
+    found, second, stretched = _with_stopped_redis(0.01, body)
     assert found.status == "timeout" and second.status == "timeout" and stretched == 1
     assert SILENCE <= found.seconds < SILENCE + 0.15, found.seconds
     assert second.seconds < 0.1, second.seconds
