@@ -215,7 +215,8 @@ async def _one(session, url: str, kind: str, model: str, prompt: list[int], max_
             status = r.status
             # Our gateway says where and why it routed (per-request analysis; not in the tables).
             route = {k: r.headers[h] for k, h in (("backend", "X-Mlxgw-Backend"), ("reason", "X-Mlxgw-Route-Reason"),
-                                                  ("candidates", "X-Mlxgw-Candidates")) if h in r.headers}
+                                                  ("candidates", "X-Mlxgw-Candidates"), ("lookup", "X-Mlxgw-Lookup"))
+                     if h in r.headers}
             async for line in r.content:
                 if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
@@ -471,7 +472,7 @@ def _candidates(header: str) -> dict[str, int]:
     return out
 
 
-LOST_CAUSES = ("moved", "behind", "unowned", "sub_block", "chance")  # see `lost_hits`
+LOST_CAUSES = ("moved", "behind", "unowned", "no_lookup", "sub_block", "chance")  # see `lost_hits`
 
 
 def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw", reference: str = "pooled",
@@ -489,6 +490,8 @@ def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw", reference
       got there (the prefix was still being computed, or was evicted);
     * ``unowned``: no live backend owned that prefix, by at least a block (never computed on
       one backend whole, or evicted everywhere);
+    * ``no_lookup``: as ``unowned`` as far as the route shows, but the Redis lookup timed out
+      or failed (``X-Mlxgw-Lookup``), so the gateway never saw who owned what;
     * ``sub_block``: the shortfall is less than one ``block`` of ids, below what ownership
       tracks;
     * ``chance`` (given ``shared``, per request index the ids the trace itself shares,
@@ -523,6 +526,8 @@ def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw", reference
             kind = "sub_block"
         elif chosen + block > theirs["cached"]:
             kind = "behind"
+        elif ours["route"].get("lookup", "ok") != "ok":
+            kind = "no_lookup"
         else:
             kind = "unowned"
         out[f"{kind}_requests"] += 1

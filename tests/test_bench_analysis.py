@@ -89,21 +89,24 @@ def test_lost_hits_splits_the_shortfall_by_cause():
             {"cached": 1000, "route": stayed},   # b0 owned 2560 but held 1000 when it arrived
             {"cached": 0, "route": nobody},      # 640 the pooled cache had, nobody owned
             {"cached": 2560, "route": stayed},   # as good as pooled: not counted
-            {"cached": 0, "route": guarded}]     # moved off b0's 2560 by the guard
-    pool = [{"cached": 128}, {"cached": 9}, {"cached": 2560}, {"cached": 640}, {"cached": 2560}, {"cached": 2560}]
+            {"cached": 0, "route": guarded},     # moved off b0's 2560 by the guard
+            {"cached": 0, "route": {**nobody, "lookup": "timeout"}}]  # owned maybe, but the lookup gave up
+    pool = [{"cached": 128}, {"cached": 9}, {"cached": 2560}, {"cached": 640}, {"cached": 2560}, {"cached": 2560},
+            {"cached": 320}]
     lh = lost_hits([_run("mlxgw", 0, 0, 0, ours), _run("pooled", 0, 0, 0, pool)], block=64)
-    assert lh == {"reference": "pooled", "requests": 5, "ids": 128 + 4 + 1560 + 640 + 2560, "reference_cached_ids": 8457,
-                  "guard_requests": 1,
+    assert lh == {"reference": "pooled", "requests": 6, "ids": 128 + 4 + 1560 + 640 + 2560 + 320,
+                  "reference_cached_ids": 8457 + 320, "guard_requests": 1,
                   "moved_requests": 2, "moved_ids": 128 + 2560, "behind_requests": 1, "behind_ids": 1560,
-                  "unowned_requests": 1, "unowned_ids": 640, "sub_block_requests": 1, "sub_block_ids": 4,
+                  "unowned_requests": 1, "unowned_ids": 640, "no_lookup_requests": 1, "no_lookup_ids": 320,
+                  "sub_block_requests": 1, "sub_block_ids": 4,
                   "chance_requests": 0, "chance_ids": 0}
     # Given what the trace itself shares per request: the second one's 4 ids and the
     # fourth's 640 lie beyond it (ours reused all the trace shares), so they are chance.
     for i, r in enumerate(ours):
         r["i"] = i
-    shared = [128, 5, 2560, 0, 2560, 2560]
+    shared = [128, 5, 2560, 0, 2560, 2560, 320]
     by_trace = lost_hits([_run("mlxgw", 0, 0, 0, ours), _run("pooled", 0, 0, 0, pool)], 64, shared=shared)
-    assert by_trace == {**lh, "requests": 5, "sub_block_requests": 0, "sub_block_ids": 0, "unowned_requests": 0,
+    assert by_trace == {**lh, "requests": 6, "sub_block_requests": 0, "sub_block_ids": 0, "unowned_requests": 0,
                         "unowned_ids": 0, "chance_requests": 2, "chance_ids": 4 + 640}
     assert lost_hits([_run("mlxgw", 0, 0, 0, ours)]) is None
     assert lost_hits([_run("mlxgw-lw0", 0, 0, 0, ours), _run("pooled", 0, 0, 0, pool)], 64, "mlxgw-lw0") == lh
@@ -111,7 +114,7 @@ def test_lost_hits_splits_the_shortfall_by_cause():
     vs = lost_hits([_run("mlxgw", 0, 0, 0, ours), _run("sglang", 0, 0, 0, pool)], 64, reference="sglang")
     assert vs == {**lh, "reference": "sglang"}
     both = lost_hits_by_router([_run("mlxgw", 0, 0, 0, ours), _run("sglang", 0, 0, 0, pool),
-                                _run("pooled", 0, 0, 0, pool[:1] + [{"cached": 0}] * 5)], 64)
+                                _run("pooled", 0, 0, 0, pool[:1] + [{"cached": 0}] * 6)], 64)
     assert [x["reference"] for x in both["mlxgw"]] == ["pooled", "sglang"]
     assert both["mlxgw"][0]["requests"] == 1 and both["mlxgw"][1] == vs
 
