@@ -18,6 +18,8 @@ from typing import Optional
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.server import ToolCallFormatter
 
+from mlxgw.protocol import CALL_ID_PREFIX, new_id
+
 log = logging.getLogger("mlxgw.backend.render")
 
 
@@ -30,19 +32,15 @@ class Piece:
     tool_calls: list = field(default_factory=list)
 
 
-def call_id() -> str:
-    """A fresh tool-call id in OpenAI's form, ``call_`` and 24 hex digits.
+def _with_call_ids(parser):
+    """Wrap an mlx-lm tool parser so each parsed call without an id gets one in OpenAI's
+    form, ``call_`` and 24 hex digits.
 
     mlx-lm's formatter names a call the model gave no id with a bare UUID; clients and
     logs expect OpenAI's prefix, and the gateway's Anthropic dialect turns ``call_`` into
     ``toolu_``. An id the model wrote itself (Kimi K2's ``functions.name:0``) is kept: its
     chat template renders it back next turn, so replacing it would change the prompt.
     """
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def _with_call_ids(parser):
-    """Wrap an mlx-lm tool parser so each parsed call without an id gets ``call_id()``."""
     if parser is None:
         return None
 
@@ -50,7 +48,7 @@ def _with_call_ids(parser):
         parsed = parser(text, tools)
         for tc in parsed if isinstance(parsed, list) else [parsed]:
             if isinstance(tc, dict) and not tc.get("id"):
-                tc["id"] = call_id()
+                tc["id"] = new_id(CALL_ID_PREFIX)
         return parsed
     return parse
 

@@ -12,6 +12,7 @@ import json
 import math
 import random
 import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -54,6 +55,15 @@ class RequestError(Exception):
                 "code": self.code,
             }
         }
+
+
+#: Prefix of the tool-call ids the backend gives (OpenAI's form); the Anthropic dialect swaps it for ``toolu_``.
+CALL_ID_PREFIX = "call_"
+
+
+def new_id(prefix: str) -> str:
+    """A fresh id such as ``msg_0123...`` or ``call_0123...`` (24 hex digits after the prefix)."""
+    return prefix + uuid.uuid4().hex[:24]
 
 
 def retry_after_headers() -> dict:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from mlxgw.protocol import RequestError, number_field, optional_field
+from mlxgw.protocol import CALL_ID_PREFIX, RequestError, number_field, optional_field
 
 from .base import (ChatTransform, chat_message, chat_request, function_tools, new_id, part_text, sse_event,
                    stop_string, text_of, with_stream)
@@ -202,7 +202,7 @@ def tool_use_id(call_id: Optional[str]) -> str:
     template renders it back next turn); a missing one gets a fresh ``toolu_`` id."""
     if not call_id:
         return new_id("toolu_")
-    return "toolu_" + call_id[5:] if call_id.startswith("call_") else call_id
+    return "toolu_" + call_id[len(CALL_ID_PREFIX):] if call_id.startswith(CALL_ID_PREFIX) else call_id
 
 
 def usage_of(prompt_tokens: int, cached: int, output_tokens: int) -> dict:

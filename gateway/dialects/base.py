@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Mapping, Optional
 
-import uuid
+from mlxgw.protocol import new_id  # noqa: F401 - the dialects' ids (re-exported)
 
 
 def function_tools(tools, keep, schema_field: str, schema_required: bool = False) -> Optional[list[dict]]:
@@ -105,11 +105,6 @@ def with_stream(out: dict, body: dict) -> dict:
     if stream:
         out["stream_options"] = {"include_usage": True}
     return out
-
-
-def new_id(prefix: str) -> str:
-    """A fresh id such as ``msg_0123...`` (24 hex digits)."""
-    return prefix + uuid.uuid4().hex[:24]
 
 
 def sse_event(event: str, data: dict) -> bytes:
