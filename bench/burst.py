@@ -178,7 +178,7 @@ def report(cmd: str, args, variants: dict, srcs: dict, results: dict) -> str:
     lines = [f"# Burst: {args.conversations} second turns at once", "", f"Command: `{cmd}`", "",
              f"{args.backends} sim backends (speed {args.sim_speed:g}, room for every conversation), block size "
              f"{args.block_size}, first user messages of {args.prompt_words} words; {args.rounds} round(s), "
-             "figures per round. The gateway's default lookup deadline (10 ms) unless a variant's flags say otherwise.", "",
+             "figures per round. The gateway's default lookup deadline (50 ms; 10 ms before session 27) unless a variant's flags say otherwise.", "",
              "| variant | flags | round | hit ratio | to first turn's backend | busiest backend's share | "
              "lookups ok / timeout / error (stretched) | latency p50 / p99 (ms) | burst wall (s) | errors |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -45,7 +45,7 @@ class GatewayConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = schema.DEFAULT_NAMESPACE
     block_size: int = schema.DEFAULT_BLOCK_SIZE
-    lookup_deadline: float = 0.01
+    lookup_deadline: float = 0.05  # seconds; `--lookup-deadline-ms` (docs/routing.md "Why 50 ms")
     max_retries: int = 2
     max_body_bytes: int = 32 * 1024 * 1024
     internal_token: Optional[str] = None

@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--namespace", default=schema.DEFAULT_NAMESPACE)
     p.add_argument("--block-size", type=positive_int, default=schema.DEFAULT_BLOCK_SIZE)
-    p.add_argument("--lookup-deadline-ms", type=float, default=10.0,
+    p.add_argument("--lookup-deadline-ms", type=float, default=50.0,
                    help="abandon the Redis lookup after this long and route on load (time in which Redis "
                         "answered other lookups or the gateway was too busy to read the answer does not "
                         "count; never past 1 s)")
