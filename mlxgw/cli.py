@@ -18,41 +18,85 @@ def _logging(level: str) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code."""
-    p = argparse.ArgumentParser(prog="mlxgw", description="Prefix-cache-aware gateway for mlx-lm backends")
-    p.add_argument("--log-level", default=os.environ.get("MLXGW_LOG_LEVEL", "info"))
-    sub = p.add_subparsers(dest="cmd", required=True)
-
-    # Before anything imports mlx-lm (the demo model build in `serve` too, whose
-    # children inherit the limit): its import would cap the open-files limit.
-    guard_mlx_lm_import()
-    from backend import main as backend_main
-    from gateway import main as gateway_main
-
-    from . import launcher
-
-    sp = sub.add_parser("serve", help="Redis (embedded if none given) + N backends + gateway")
-    launcher.add_arguments(sp)
-    sp = sub.add_parser("backend", help="one mlx-lm backend process")
-    backend_main.add_arguments(sp)
-    sp = sub.add_parser("gateway", help="the gateway process")
-    gateway_main.add_arguments(sp)
-    sp = sub.add_parser("demo-model", help="build the offline demo model into DIR (or the cache)")
-    sp.add_argument("dir", nargs="?", help="output dir (default: the cache dir; prints the path)")
-    sp.add_argument("--variant", default="tiny", help="tiny | bench | swa")
-    sp = sub.add_parser("status", help="cluster state from Redis")
+def _status_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL"),
                     help="default: the URL the last `mlxgw serve` wrote, else redis://127.0.0.1:6379/0")
     sp.add_argument("--namespace", default="mlxgw")
+
+
+def _add_status(sp: argparse.ArgumentParser) -> None:
+    _status_arguments(sp)
     sp.add_argument("--json", action="store_true")
-    sp = sub.add_parser("top", help="status, live-refreshing, sorted by load")
-    sp.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL"),
-                    help="default: the URL the last `mlxgw serve` wrote, else redis://127.0.0.1:6379/0")
-    sp.add_argument("--namespace", default="mlxgw")
+
+
+def _add_top(sp: argparse.ArgumentParser) -> None:
+    _status_arguments(sp)
     sp.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     sp.add_argument("--iterations", type=int, default=0, help="stop after N frames (0: until Ctrl-C)")
     sp.add_argument("--events", type=int, default=5, help="recent events shown per model")
+
+
+def _add_demo_model(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("dir", nargs="?", help="output dir (default: the cache dir; prints the path)")
+    sp.add_argument("--variant", default="tiny", help="tiny | bench | swa")
+
+
+def _add_serve(sp: argparse.ArgumentParser) -> None:
+    from . import launcher
+
+    launcher.add_arguments(sp)
+
+
+def _add_backend(sp: argparse.ArgumentParser) -> None:
+    from backend import main as backend_main
+
+    backend_main.add_arguments(sp)
+
+
+def _add_gateway(sp: argparse.ArgumentParser) -> None:
+    from gateway import main as gateway_main
+
+    gateway_main.add_arguments(sp)
+
+
+# name -> (help, adds its arguments). Only the chosen command's arguments are built: the
+# backend's import mlx-lm (about 1.3 s), which `status`, `--help` or the gateway never need.
+COMMANDS = {
+    "serve": ("Redis (embedded if none given) + N backends + gateway", _add_serve),
+    "backend": ("one mlx-lm backend process", _add_backend),
+    "gateway": ("the gateway process", _add_gateway),
+    "demo-model": ("build the offline demo model into DIR (or the cache)", _add_demo_model),
+    "status": ("cluster state from Redis", _add_status),
+    "top": ("status, live-refreshing, sorted by load", _add_top),
+}
+
+
+def _chosen(argv: list[str]) -> str | None:
+    """The command word in ``argv`` (after the global ``--log-level``), or None."""
+    it = iter(argv)
+    for a in it:
+        if a == "--log-level":
+            next(it, None)
+        elif not a.startswith("-"):
+            return a
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    # Before anything imports mlx-lm (a backend; the demo model build in `serve` or a
+    # gateway with no model, whose children inherit the limit): its import would cap
+    # the open-files limit. This does not import mlx-lm itself.
+    guard_mlx_lm_import()
+    p = argparse.ArgumentParser(prog="mlxgw", description="Prefix-cache-aware gateway for mlx-lm backends")
+    p.add_argument("--log-level", default=os.environ.get("MLXGW_LOG_LEVEL", "info"))
+    sub = p.add_subparsers(dest="cmd", required=True)
+    chosen = _chosen(argv)
+    for name, (help_text, add) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_text)
+        if name == chosen:
+            add(sp)
 
     args = p.parse_args(argv)
     if getattr(args, "redis_url", None) == "":
@@ -61,10 +105,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--redis-url (or MLXGW_REDIS_URL) is empty; leave it out for the default")
     _logging(args.log_level)
     if args.cmd == "serve":
+        from . import launcher
+
         return launcher.run(args)
     if args.cmd == "backend":
+        from backend import main as backend_main
+
         return backend_main.run(args)
     if args.cmd == "gateway":
+        from gateway import main as gateway_main
+
         return gateway_main.run(args)
     if args.cmd == "demo-model":
         from .demo_model import VARIANTS, build_demo_model, ensure_demo_model
