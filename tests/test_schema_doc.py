@@ -77,12 +77,18 @@ def test_status_cli_reads_redis_alone(make_stack, redis_server):
     s.add_backend("b0")
     s.wait()
     post(s.backends[0].url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--json", "--redis-url", redis_server.url,
-                          "--namespace", s.namespace], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    data = _json.loads(out.stdout)
-    (b,) = data[s.model_name]["backends"]
-    assert b["id"] == "b0" and b["state"] == "ready" and int(b["requests"]) >= 1
+    # The record's counters land with the backend's next heartbeat: read until they have.
+    deadline = time.time() + 10
+    while True:
+        out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--json", "--redis-url", redis_server.url,
+                              "--namespace", s.namespace], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        data = _json.loads(out.stdout)
+        (b,) = data[s.model_name]["backends"]
+        if int(b["requests"]) >= 1 or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert b["id"] == "b0" and b["state"] == "ready" and int(b["requests"]) == 1
     assert {e["type"] for e in data[s.model_name]["recent_events"]} >= {"saved"}
     txt = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", redis_server.url,
                           "--namespace", s.namespace], capture_output=True, text=True, timeout=60)
