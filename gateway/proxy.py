@@ -413,7 +413,7 @@ class Proxy:
             log.warning("backend %s failed mid-answer: %s", a.backend_id, upstream_err)
             a.failed = True
             self._trip(a.backend_id, a.url)
-            msg = f"backend failed mid-stream: {type(upstream_err).__name__}"
+            msg = f"backend {a.backend_id} failed mid-stream: {self._why(upstream_err)}; the answer is incomplete"
             if transform is not None:
                 await self._write(request, out, transform.fail(msg))
             else:
@@ -422,6 +422,14 @@ class Proxy:
         elif transform is not None:
             await self._write(request, out, transform.end())
         await out.write_eof()
+
+    def _why(self, e: BaseException) -> str:
+        """A stream's backend failure in the client's terms (not an aiohttp class name)."""
+        if isinstance(e, BackendGone):
+            return "it stopped heartbeating while silent (hung or stopped)"
+        if isinstance(e, asyncio.TimeoutError):  # aiohttp's ServerTimeoutError is one too
+            return f"it sent nothing for {self.read_timeout:g} s"
+        return "its connection closed before the answer ended (the process stopped or restarted)"
 
     async def _write(self, request, out, data: bytes) -> None:
         try:

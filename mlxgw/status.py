@@ -217,17 +217,23 @@ def connect(args) -> redis.Redis:
     return redis_connect(args.redis_url, 3.0)
 
 
+def unreachable(args, e: BaseException) -> int:
+    """Tell the operator which Redis did not answer and where its URL came from (`connect`);
+    returns the exit code of ``status`` and ``top`` for it, 4."""
+    print(f"Redis unreachable at {redact_url(args.redis_url)}: {e}", file=sys.stderr)
+    hint = {"serve": "the URL a `mlxgw serve` left: is it still running?",
+            "default": f"no `mlxgw serve` left its URL in {serve_url_file()} (none running, or it runs with "
+                       "another MLXGW_CACHE_DIR); start one, or pass --redis-url"}.get(args.url_source)
+    if hint:
+        print(f"({hint})", file=sys.stderr)
+    return 4
+
+
 def run(args) -> int:
     try:
         data = collect(connect(args), args.namespace)
     except redis.RedisError as e:
-        print(f"Redis unreachable at {redact_url(args.redis_url)}: {e}", file=sys.stderr)
-        hint = {"serve": "the URL a `mlxgw serve` left: is it still running?",
-                "default": f"no `mlxgw serve` left its URL in {serve_url_file()} (none running, or it runs with "
-                           "another MLXGW_CACHE_DIR); start one, or pass --redis-url"}.get(args.url_source)
-        if hint:
-            print(f"({hint})", file=sys.stderr)
-        return 4
+        return unreachable(args, e)
     if args.json:
         print(json.dumps(data, indent=2))
         return 0

@@ -7,7 +7,6 @@ gathering and rates are `mlxgw.status`'s (`collect`, `backend_view`, `History`).
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Optional, Sequence
 
@@ -17,8 +16,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .status import History, backend_view, collect, connect, console, event_line
-from .util import redact_url
+from .status import History, backend_view, collect, connect, console, event_line, unreachable
 
 _BARS = "▁▂▃▄▅▆▇█"
 
@@ -115,8 +113,7 @@ def run(args) -> int:
                 con.print(frame())
                 n += 1
     except redis.RedisError as e:
-        print(f"Redis unreachable at {redact_url(args.redis_url)}: {e}", file=sys.stderr)
-        return 4
+        return unreachable(args, e)
     except KeyboardInterrupt:
         pass
     return 0

@@ -97,6 +97,19 @@ def test_still_serving_after_bad_input(stack1):
     assert status == 404 and b"error" in body
 
 
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded"])
+def test_any_content_type_is_read_as_json(stack1, ctype):
+    """A lenience on purpose (docs/api.md), as mlx_lm.server: curl's `-d` alone sends a form type."""
+    import json
+
+    url = stack1.gateway.url + "/v1/chat/completions"
+    ok = {"model": "demo-tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    status, _, body = post(url, json.dumps(ok).encode(), headers={"Content-Type": ctype})
+    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
+    status, err = _err(post(url, b"model=demo-tiny&max_tokens=2", headers={"Content-Type": ctype}))
+    assert status == 400 and err["type"] == "invalid_request_error"
+
+
 def test_integers_beyond_64_bits_are_refused_by_name():
     from mlxgw.protocol import RequestError, loads_body
 

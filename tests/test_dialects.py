@@ -414,6 +414,25 @@ def test_billing_header_stripped_and_drift_counted(stack):
     assert "prefix drift model=demo-tiny" in stack.gateway.tail(200)
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_prefill_progress_reaches_every_dialects_stream(stack, path):
+    """The backend's `: keepalive done/total` comments (one per 512-token prefill step) used to
+    reach Anthropic and Responses streams as bare `: keepalive` lines: the progress was lost."""
+    prompt = words(1500, seed=91 if path == "/v1/messages" else 92)  # several prefill steps
+    body = {"model": "demo-tiny", "max_tokens": 2, "stream": True}
+    body.update({"messages": [{"role": "user", "content": prompt}]} if path == "/v1/messages" else {"input": prompt})
+    conn = http.client.HTTPConnection(urlsplit(stack.gateway.url).netloc, timeout=120)
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    total = int(r.getheader("x-mlxgw-prompt-tokens"))
+    text = r.read().decode()
+    conn.close()
+    progress = [tuple(map(int, m)) for m in re.findall(r"^: keepalive (\d+)/(\d+)$", text, re.M)]
+    assert len(progress) >= 2 and {t for _, t in progress} == {total}, text[:500]
+    assert [d for d, _ in progress] == sorted(d for d, _ in progress) and progress[-1][0] == total
+
+
 def test_long_prefill_stream_sends_keepalives_before_first_token(redis_server, demo_model):
     """One 8192-token prefill step, so only the gateway's own keep-alives (every 0.25 s here) can fill it."""
     from mlxgw.harness import Stack

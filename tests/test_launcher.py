@@ -122,10 +122,11 @@ def test_missing_model_path():
 def test_status_says_where_a_dead_redis_url_came_from(tmp_path):
     # A serve that died without cleaning up left its URL: status names that file's source.
     (tmp_path / "serve-redis-url").write_text(f"redis://127.0.0.1:{free_port()}/0\n")
-    r = subprocess.run(MLXGW + ["status"], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "MLXGW_CACHE_DIR": str(tmp_path)})
-    assert r.returncode == 4 and "Redis unreachable" in r.stderr
-    assert "the URL a `mlxgw serve` left: is it still running?" in r.stderr
+    for cmd in (["status"], ["top", "--iterations", "1"]):  # top used to leave the hint out
+        r = subprocess.run(MLXGW + cmd, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "MLXGW_CACHE_DIR": str(tmp_path)})
+        assert r.returncode == 4 and "Redis unreachable" in r.stderr, cmd
+        assert "the URL a `mlxgw serve` left: is it still running?" in r.stderr, cmd
 
 
 def test_gateway_refuses_a_zero_publish_interval():

@@ -191,7 +191,9 @@ class ChatTransform:
     def _event(self, raw: str) -> bytes:
         data = [ln[5:].lstrip() for ln in raw.split("\n") if ln.startswith("data:")]
         if not data:
-            return b": keepalive\n\n" if raw.startswith(":") else b""  # backend prefill progress
+            # The backend's prefill progress (`: keepalive done/total`): SSE clients skip comments,
+            # so it passes as it came, in every dialect.
+            return raw.encode() + b"\n\n" if raw.startswith(":") else b""
         payload = "\n".join(data)
         if payload == "[DONE]":
             self.done = True
