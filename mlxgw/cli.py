@@ -60,7 +60,8 @@ def _add_gateway(sp: argparse.ArgumentParser) -> None:
 
 
 # name -> (help, adds its arguments). Only the chosen command's arguments are built: the
-# backend's import mlx-lm (about 1.3 s), which `status`, `--help` or the gateway never need.
+# backend's import mlx-lm (about 1.3 s), which `status`, `top`, `--help` and a flag error never
+# need (a gateway imports it anyway, later, to load its tokenizer as the backend does).
 COMMANDS = {
     "serve": ("Redis (embedded if none given) + N backends + gateway", _add_serve),
     "backend": ("one mlx-lm backend process", _add_backend),

@@ -443,7 +443,7 @@ def test_long_prefill_stream_sends_keepalives_before_first_token(redis_server, d
         s.add_gateway("--keepalive", "0.25")
         s.wait()
         body = {"model": "demo-tiny", "max_tokens": 2, "stream": True,
-                "messages": [{"role": "user", "content": words(4500, seed=9)}]}
+                "messages": [{"role": "user", "content": words(3000, seed=9)}]}
         lines, t0 = [], time.monotonic()
         conn = http.client.HTTPConnection(urlsplit(s.gateway.url).netloc, timeout=120)
         conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
@@ -460,7 +460,7 @@ def test_long_prefill_stream_sends_keepalives_before_first_token(redis_server, d
         conn.close()
         first_data = lines[-1][0]
         before = [(t, ln) for t, ln in lines[:-1] if ln.startswith(":")]
-        assert prompt > 6000
+        assert prompt > 4500  # about 5 s of prefill in one step on a 2-core CPU
         assert first_data > 1.0, f"prefill took {first_data:.2f}s: too short to test keep-alives"
         assert len(before) >= 3
         gaps = [b - a for (a, _), (b, _) in zip([(0.0, "")] + before, before + [lines[-1]])]
