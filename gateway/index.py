@@ -76,6 +76,10 @@ REDIS_SOCKET_TIMEOUT = 1.0
 #: Seconds of waiting lookups with no answer after which Redis counts as silent, and a late
 #: timer no longer buys a lookup more time.
 SILENCE = 0.25
+#: Deadline (seconds) of a lookup that starts while Redis is silent (`RedisPulse.silent`): a
+#: frozen Redis costs each request this, not the whole `--lookup-deadline-ms`, until it
+#: answers again (the registry refresh asks it every second).
+SILENT_DEADLINE = 0.01
 
 
 @dataclass
@@ -180,7 +184,8 @@ class OwnershipIndex:
     Args:
         redis_url: Redis URL (``redis://``, ``rediss://``, with password/ACL user).
         namespace: key namespace.
-        deadline: seconds a lookup may take before routing falls back to load.
+        deadline: seconds a lookup may take before routing falls back to load
+            (at most `SILENT_DEADLINE` while Redis is silent).
         keep_after_loss: seconds the backends of the last snapshot stay candidates
             after Redis lost its data, unless they re-register sooner (default: a
             backend's heartbeat TTL).
@@ -219,7 +224,8 @@ class OwnershipIndex:
         k = self.keys(model)
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
-        limit = LookupDeadline(self.deadline, self.pulse)
+        silent = self.pulse.silent(loop.time())
+        limit = LookupDeadline(min(self.deadline, SILENT_DEADLINE) if silent else self.deadline, self.pulse)
         self.pulse.asked(loop.time())
         try:
             async with limit:

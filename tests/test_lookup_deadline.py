@@ -12,7 +12,7 @@ import time
 import pytest
 
 from gateway import index as index_module
-from gateway.index import SILENCE, LookupDeadline, OwnershipIndex, RedisPulse
+from gateway.index import SILENCE, SILENT_DEADLINE, LookupDeadline, OwnershipIndex, RedisPulse
 from mlxgw.harness import RedisServer
 
 BLOCKS = ["00" * 8, "11" * 8]
@@ -104,6 +104,22 @@ def test_a_redis_that_does_not_answer_still_times_out_after_about_one_deadline()
     assert found.status == "timeout"
     # An idle loop: one 50 ms deadline (a late timer on a loaded CI box may add a period or two).
     assert 0.05 <= found.seconds < 0.25, found.seconds
+
+
+def test_once_redis_is_silent_lookups_wait_only_the_silent_deadline():
+    """A frozen Redis (SIGSTOP, swapping) cost every request the whole deadline; once lookups
+    have waited ``SILENCE`` with no answer, later ones give up after ``SILENT_DEADLINE``."""
+    async def body(index):
+        first = await index.lookup("m", BLOCKS)
+        await asyncio.sleep(SILENCE)
+        later = [await index.lookup("m", BLOCKS) for _ in range(3)]
+        return first, later
+
+    first, later = _with_stopped_redis(0.05, body)
+    assert first.status == "timeout" and 0.05 <= first.seconds < 0.25, first.seconds
+    assert [x.status for x in later] == ["timeout"] * 3
+    # Three whole deadlines would be >= 0.15 s; three silent ones about 0.03.
+    assert all(x.seconds >= SILENT_DEADLINE for x in later) and sum(x.seconds for x in later) < 0.12, later
 
 
 def test_a_busy_loop_and_a_silent_redis_end_soon_after_silence():
