@@ -23,11 +23,21 @@ arrives, and how many entries would be evicted before it: where an
 ``unowned`` loss against the pooled cache comes from.
 
     python bench/placement_model.py --trace ../shared/traces/synthetic_trace.jsonl --follow 412:518 --dump /tmp/syn-requests.jsonl --budget 0.2
+
+``--layouts`` instead compares how the caches store prompts, pooled and on four
+backends with the same routing rule: ``whole`` (one KV copy per entry, as mlx-lm's
+``LRUPromptCache`` and our backend store it: a prefix shared by several entries is
+held once per entry) against ``shared`` (each block held once, blocks evicted least
+recently used, the deepest block of a prompt first: what a radix-tree KV store such
+as SGLang's ``RadixCache`` holds with the same budget).
+
+    python bench/placement_model.py --trace ../shared/traces/synthetic_trace.jsonl --requests 3000 --layouts
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import sys
 from collections import OrderedDict, defaultdict
@@ -80,11 +90,62 @@ class BlockLRU:
         return (1, next(iter(self.entries.values())) if self.entries else 0.0)
 
 
+class SharedBlockLRU:
+    """Blocks held once however many prompts share them, within ``budget`` blocks.
+
+    A prompt's hit is its longest run of held blocks from its start (trace hash ids chain
+    their prefix, so a held id means that whole prefix was computed). Serving a prompt
+    stamps each of its blocks with (time, -position); eviction takes the smallest stamp, so
+    the least recently used prompt loses its last blocks first and a prefix other prompts
+    still use outlives them: the leaf-first LRU of a radix tree (SGLang ``RadixCache.evict``).
+    Same interface as ``BlockLRU`` for ``hit_ratio``.
+    """
+
+    def __init__(self, budget: float):
+        self.budget = budget
+        self.stamp: dict[int, tuple[float, int]] = {}  # block id -> (last use, -position)
+        self.heap: list[tuple[float, int, int]] = []  # lazy: stale stamps are skipped
+        self.size = 0
+
+    def match(self, ids) -> tuple[int, None]:
+        m = 0
+        while m < len(ids) and ids[m] in self.stamp:
+            m += 1
+        return m, None
+
+    def use(self, ids, now: float) -> int:
+        m = self.match(ids)[0]
+        for p, h in enumerate(ids):
+            self.stamp[h] = (now, -p)
+            heapq.heappush(self.heap, (now, -p, h))
+        while len(self.stamp) > self.budget and self.heap:
+            t, negp, h = heapq.heappop(self.heap)
+            if self.stamp.get(h) == (t, negp):
+                del self.stamp[h]
+        self.size = len(self.stamp)
+        return m
+
+    def eviction_key(self, need: int) -> tuple:
+        if self.budget - self.size >= need:
+            return (0, self.size)
+        while self.heap and self.stamp.get(self.heap[0][2]) != self.heap[0][:2]:
+            heapq.heappop(self.heap)
+        return (1, self.heap[0][0] if self.heap else 0.0)
+
+
+LAYOUTS = {"whole": BlockLRU, "shared": SharedBlockLRU}
+
+
 def hit_ratio(reqs, frac: float, pooled: bool = False, slack: float = 0.0, n: int = 4,
-              util: float = 0.6, load_weight: float = 0.03) -> float:
-    """Prompt tokens reused / prompt tokens over ``reqs`` (block granularity, one token always prefilled)."""
+              util: float = 0.6, load_weight: float = 0.03, layout: str = "whole") -> float:
+    """Prompt tokens reused / prompt tokens over ``reqs`` (block granularity, one token always prefilled).
+
+    ``layout`` names the cache model (``LAYOUTS``: ``whole`` or ``shared``); ``frac`` is the
+    cluster's budget as a fraction of the distinct blocks. Raises KeyError for another layout.
+    """
     ws = len({h for r in reqs for h in r.hash_ids})
-    caches = [BlockLRU(ws * frac)] if pooled else [BlockLRU(ws * frac / n) for _ in range(n)]
+    lru = LAYOUTS[layout]
+    caches = [lru(ws * frac)] if pooled else [lru(ws * frac / n) for _ in range(n)]
     span = max(1e-9, (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000)
     work = sum(len(r.hash_ids) * TRACE_BLOCK for r in reqs)
     rate = work / (span * n * util) * 0.5  # tokens/s per backend; hits roughly halve the work
@@ -163,12 +224,22 @@ def main() -> int:
     p.add_argument("--dump", help="a replay's --dump-requests file, whose routing --follow replays")
     p.add_argument("--budget", type=float, default=0.2, help="with --follow: the dump's budget to replay")
     p.add_argument("--router", default="mlxgw", help="with --follow: the dump's router to replay")
+    p.add_argument("--layouts", action="store_true",
+                   help="compare whole-prompt entries with blocks held once (pooled and 4 backends)")
     args = p.parse_args()
     if args.follow:
         if not args.dump:
             p.error("--follow needs --dump")
         return _follow_main(args)
     reqs = load_trace(args.trace, args.requests)
+    if args.layouts:
+        print("| budget | pooled, whole | pooled, shared | 4 backends, whole | 4 backends, shared |")
+        print("|---|---|---|---|---|")
+        for frac in (float(x) for x in args.budgets.split(",")):
+            row = [hit_ratio(reqs, frac, pooled=pooled, layout=lay) for pooled in (True, False)
+                   for lay in ("whole", "shared")]
+            print(f"| {frac:g} | " + " | ".join(f"{x:.4f}" for x in row) + " |", flush=True)
+        return 0
     slacks = [float(x) for x in args.slacks.split(",")]
     print("| budget | pooled | no placement | " + " | ".join(f"slack {s:g}" for s in slacks) + " |")
     print("|---" * (3 + len(slacks)) + "|")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.placement_model import follow
+from bench.placement_model import BlockLRU, SharedBlockLRU, follow, hit_ratio
 from bench.replay_routers import (_candidates, _series, combine_rounds, dump_requests, lost_hits, lost_hits_by_router,
                                   mean_ci95, multi_budget, paired, table)
 from bench.trace import TraceRequest, oracle_hits, oracle_prefixes
@@ -249,6 +249,26 @@ def test_follow_replays_a_dumps_routing_into_per_backend_lrus():
     assert follow(reqs, {i: "p" for i in range(4)}, 8 / 7, 0, 3) == (True, 0, 4)
     with pytest.raises(KeyError):
         follow(reqs, {0: "a"}, 1.0, 0, 3)
+
+
+def test_shared_layout_holds_a_common_prefix_once():
+    """Two prompts sharing blocks 1, 2 in a 4-block budget: one KV copy per entry (our backend,
+    mlx-lm) holds 6 blocks and evicts the first prompt; blocks held once fit both."""
+    whole, shared = BlockLRU(4), SharedBlockLRU(4)
+    for lru in (whole, shared):
+        assert lru.use([1, 2, 3], 0.0) == 0
+        assert lru.use([1, 2, 4], 1.0) == 2
+    assert whole.use([1, 2, 3], 2.0) == 2  # from [1, 2, 4]: [1, 2, 3] was evicted
+    assert shared.use([1, 2, 3], 2.0) == 3
+    # Over budget, the least recently used prompts lose their deepest blocks first; the prefix
+    # they share stays while the budget allows.
+    assert shared.use([5, 6], 3.0) == 0
+    assert set(shared.stamp) == {1, 2, 5, 6} and shared.match([1, 2, 4]) == (2, None)
+    reqs = [TraceRequest(i, 1024, 1, ids) for i, ids in enumerate([[1, 2, 3], [1, 2, 4], [1, 2, 3]])]
+    # 4 distinct blocks, budget 1.0 pooled: the third request reuses 2 blocks (whole) or 3, each
+    # capped at its length minus one token.
+    assert hit_ratio(reqs, 1.0, pooled=True, layout="whole") == pytest.approx((1024 + 1024) / (3 * 1536))
+    assert hit_ratio(reqs, 1.0, pooled=True, layout="shared") == pytest.approx((1024 + 1535) / (3 * 1536))
 
 
 def test_ab_gateways_sees_which_checkout_a_gateway_imports(tmp_path):
