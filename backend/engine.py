@@ -169,6 +169,12 @@ class _Live:
     prompt_saved: bool = False  # `_save_prompt` already saved it for a waiting request
 
 
+
+def _expected_load_error(e: BaseException) -> bool:
+    """A model that cannot be found or fetched (a wrong path, a hub id without network, a
+    gated repo) or that mlx-lm does not support: logged in one line, without a traceback."""
+    return isinstance(e, (OSError, ValueError)) or type(e).__module__.startswith("huggingface_hub")
+
 class MLXEngine(Engine):
     """mlx-lm ``BatchGenerator`` in a dedicated thread, with our prompt cache.
 
@@ -321,7 +327,10 @@ class MLXEngine(Engine):
         try:
             self._load()
         except BaseException as e:  # reported by the server as a startup failure
-            log.exception("model load failed")
+            if _expected_load_error(e):  # a wrong path, no network for a hub id: the message says it all
+                log.debug("model load failed", exc_info=True)
+            else:
+                log.exception("model load failed")
             self.load_error = e
             self._ready.set()
             return

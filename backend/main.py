@@ -13,6 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from mlxgw import schema
+from mlxgw.config import ModelConfig
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.util import parse_bytes, positive_int, redact_url
 
@@ -38,9 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default=schema.DEFAULT_NAMESPACE,
                    help="Redis key prefix shared with the gateways (default %(default)s; docs/redis-schema.md)")
     p.add_argument("--block-size", type=positive_int, default=schema.DEFAULT_BLOCK_SIZE, help="tokens per block")
-    p.add_argument("--cache-entries", type=int, default=16, help="most prompt-cache entries")
-    p.add_argument("--cache-bytes", type=str, default="4GB", help="prompt-cache byte budget, e.g. 512MB, 8GB")
-    p.add_argument("--min-hit-tokens", type=int, default=1000, help="floor of a good hit (exo PR 1817)")
+    # The same defaults as `mlxgw serve` (mlxgw.config.ModelConfig): a backend started by hand
+    # on another Mac gets what the README states.
+    p.add_argument("--cache-entries", type=int, default=ModelConfig.cache_entries,
+                   help="most prompt-cache entries (default %(default)s)")
+    p.add_argument("--cache-bytes", type=str, default=ModelConfig.cache_bytes,
+                   help="prompt-cache byte budget, e.g. 512MB, 8GB (default %(default)s)")
+    p.add_argument("--min-hit-tokens", type=int, default=ModelConfig.min_hit_tokens,
+                   help="floor of a good hit, tokens (exo PR 1817; default %(default)s)")
     p.add_argument("--min-hit-ratio", type=float, default=0.5, help="reused/prompt ratio of a good hit")
     p.add_argument("--min-shared-tokens", type=int, default=0,
                    help="cache rule 6 (docs/cache-policy.md), off by default: keep a prefix two other prompts "
@@ -89,9 +95,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def looks_loadable(model: str) -> bool:
     """True for an existing local path or a hub repo id of the form ``org/name``."""
-    if Path(model).expanduser().exists():
+    if looks_local(model):
         return True
     return not model.startswith(("/", ".", "~")) and model.count("/") == 1
+
+
+def looks_local(model: str) -> bool:
+    """True for an existing local path (anything else is a hub repo id)."""
+    return Path(model).expanduser().exists()
+
 
 def run(args: argparse.Namespace) -> int:
     """Run one backend until SIGINT/SIGTERM; returns the process exit code."""
@@ -172,7 +184,10 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
     loop = asyncio.get_running_loop()
     ready = await loop.run_in_executor(None, engine.wait_ready, None)
     if engine.load_error is not None or not ready:
-        log.error("model load failed: %s", engine.load_error)
+        log.error("model load failed (%s): %s%s", type(engine.load_error).__name__, engine.load_error,
+                  "" if looks_local(args.model) else
+                  f" ('{args.model}' is not a local directory, so it was looked up on the Hugging Face hub; "
+                  "pass a model directory to --model, or see README 'Set up' for the offline demo model)")
         await runner.cleanup()
         return 2
     try:

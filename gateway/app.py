@@ -29,7 +29,7 @@ from .index import OwnershipIndex
 from .janitor import Janitor
 from .load import LoadPublisher
 from .metrics import GatewayMetrics, request_done, request_refused
-from .pending import PendingClaims
+from .pending import PendingClaims, RecentRoutes
 from .proxy import Attempt, BackendUnavailable, OutOfResources, Proxy
 from .route import RoutingConfig, rank
 from .stability import DEFAULT_STRIP, DriftDetector, compile_patterns, strip_volatile
@@ -75,6 +75,7 @@ class GatewayState:
     strip: list = field(default_factory=list)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     pending: PendingClaims = field(default_factory=PendingClaims)
+    recent: RecentRoutes = field(default_factory=RecentRoutes)  # routed by while Redis cannot answer
     admission: Optional[limits.CallerLimits] = None  # the limits middleware's counts (metrics)
 
 
@@ -231,6 +232,10 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
     packed = schema.token_bytes(ids)  # once, for the block hashes and the forward
     blocks = schema.block_keys(info.name, packed, cfg.block_size)
     lk = await st.index.lookup(info.name, blocks)
+    pending = st.pending.depths(blocks)
+    if lk.status != "ok":  # Redis did not answer: where this gateway last sent these prefixes
+        for b, d in st.recent.depths(blocks).items():
+            pending[b] = max(pending.get(b, 0), d)
     decision = rank(
         lk.candidates,
         len(ids),
@@ -239,7 +244,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         blocks[0] if blocks else "",
         cfg.routing,
         session_key(request, body),
-        st.pending.depths(blocks),
+        pending,
     )
     ranked = [s for s in decision.ranked if not st.proxy.recently_failed(s.cand.backend_id)] or decision.ranked
     if not ranked:
@@ -322,7 +327,11 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         outcome = "client_disconnected"
         raise
     finally:
-        st.pending.release(claim, outcome == "ok" and resp is not None and resp.status < 400)
+        ended_well = outcome == "ok" and resp is not None and resp.status < 400
+        st.pending.release(claim, ended_well)
+        tried = [a for a in attempts if a.tried]
+        if ended_well and tried:  # the backend that answered (after a retry, not the first choice)
+            st.recent.add(tried[-1].backend_id, blocks)
         # Metrics and the request log line (a blocking write to stderr, ~0.25 ms) run once
         # aiohttp has written the answer (same task step), off the client's latency.
         asyncio.get_running_loop().call_soon(partial(
@@ -352,9 +361,13 @@ async def handle_health(request: web.Request) -> web.Response:
     # live backends, and this gateway's own models always.
     live = {m: [c.backend_id for c in cs] for m, cs in st.index.snapshot.items() if cs or m in st.tokenizers.models}
     live.update({m: [] for m in st.tokenizers.models if m not in live})
-    ok = any(live.values())
+    ids = {b for bs in live.values() for b in bs}
+    # Every live backend refused this gateway's internal token: it cannot serve anything, so a
+    # load balancer must take it out (a 200 kept it in, answering 503 to every request).
+    rejected = bool(ids) and ids <= st.proxy.token_rejected
+    ok = bool(ids) and not rejected
     body = {
-        "status": "ok" if ok else "no_backends",
+        "status": "ok" if ok else ("token_rejected" if rejected else "no_backends"),
         "redis": st.index.healthy,
         "degraded": not st.index.healthy,
         "backends": live,
@@ -364,6 +377,7 @@ async def handle_health(request: web.Request) -> web.Response:
         "redis_data_losses": st.index.data_losses,  # Redis found empty (restart, flush): gateway.index
         "retries": st.proxy.retries,
         "circuit_open": sorted(st.proxy.open),
+        "token_rejected": sorted(st.proxy.token_rejected),
         **st.counters,
     }
     return web.json_response(body, status=200 if ok else 503)

@@ -120,3 +120,82 @@ class PendingClaims:
                 break
         if not claims:
             del self._by_root[claim.keys[0]]
+
+
+class _Route:
+    __slots__ = ("backend", "keys", "live")
+
+    def __init__(self, backend: str, keys: list[str]):
+        self.backend, self.keys, self.live = backend, keys, True
+
+
+class RecentRoutes:
+    """This gateway's recent routes, to route by while Redis cannot answer.
+
+    A lookup that times out or fails leaves routing with load, session affinity and the
+    pending claims, which end a second after their request: without a session key, a
+    conversation's next turn then goes wherever load sends it and computes its whole prompt
+    again (minutes on a real model; helper-43's Redis outage beside two gateways). So the
+    gateway remembers where it sent each prompt that ended well and, only when a lookup
+    failed, counts those prefixes like its pending claims (`gateway.route.servable_blocks`).
+    Last known, not current: the backend may have evicted the prefix since; Redis speaks
+    again as soon as it answers.
+
+    A route that a later one to the same backend continues (the conversation's previous
+    turn) is dropped for it, so memory holds about one route per conversation branch; the
+    oldest go first past ``max_keys`` block keys in all (~90 bytes each: 262,144 keys,
+    about 24 MB, are 16.8M tokens of prompts at 64-token blocks).
+    """
+
+    def __init__(self, max_keys: int = 262_144):
+        self.max_keys = max_keys
+        self._by_root: dict[str, dict[int, _Route]] = {}  # first key -> routes (by id)
+        self._by_last: dict[tuple[str, str], _Route] = {}  # (last key, backend) -> route
+        self._fifo: deque[_Route] = deque()
+        self.keys = 0  # block keys held by live routes
+
+    def add(self, backend: str, keys: list[str]) -> None:
+        """Remember that ``keys`` (a prompt's chained block keys) went to ``backend`` and ended well."""
+        if not keys or self.max_keys <= 0:
+            return
+        for k in keys:  # O(blocks) dict lookups: the routes this one continues
+            old = self._by_last.get((k, backend))
+            if old is not None:
+                self._drop(old)
+        r = _Route(backend, keys)
+        self._by_root.setdefault(keys[0], {})[id(r)] = r
+        self._by_last[(keys[-1], backend)] = r
+        self._fifo.append(r)
+        self.keys += len(keys)
+        while self.keys > self.max_keys and self._fifo:
+            self._drop(self._fifo.popleft())
+        while self._fifo and not self._fifo[0].live:  # dropped ones left at the front
+            self._fifo.popleft()
+
+    def depths(self, keys: list[str]) -> dict[str, int]:
+        """Backend id -> depth in blocks of the longest remembered prefix of ``keys`` there."""
+        out: dict[str, int] = {}
+        if not keys:
+            return out
+        for r in self._by_root.get(keys[0], {}).values():
+            d = _common_blocks(r.keys, keys)
+            if d > out.get(r.backend, 0):
+                out[r.backend] = d
+        return out
+
+    def __len__(self) -> int:
+        """Routes remembered."""
+        return sum(len(v) for v in self._by_root.values())
+
+    def _drop(self, r: _Route) -> None:
+        if not r.live:
+            return
+        r.live = False
+        self.keys -= len(r.keys)
+        routes = self._by_root.get(r.keys[0])
+        if routes is not None:
+            routes.pop(id(r), None)
+            if not routes:
+                del self._by_root[r.keys[0]]
+        if self._by_last.get((r.keys[-1], r.backend)) is r:
+            del self._by_last[(r.keys[-1], r.backend)]

@@ -179,6 +179,9 @@ class Proxy:
         # Circuit breaker: a backend that failed (refused, reset, hung) is
         # skipped until its /health answers again (probed every second).
         self.open: dict[str, str] = {}  # backend id -> url, while its circuit is open
+        # Backends whose last answer refused this gateway's internal token (a setup error that
+        # no retry mends; /health says so): cleared by their next other answer.
+        self.token_rejected: set[str] = set()
         self.url_of = url_of
         self.gone_after = gone_after
         self._prober: Optional[asyncio.Task] = None
@@ -308,11 +311,13 @@ class Proxy:
                                             "gateways and backends with the same --internal-token / "
                                             "MLXGW_INTERNAL_TOKEN)")
                                 log.error("%s", last_err)
+                                self.token_rejected.add(a.backend_id)
                             else:
                                 last_err = f"backend {a.backend_id} answered {up.status}"
                             timed_out = False
                             await up.read()
                             continue
+                        self.token_rejected.discard(a.backend_id)
                         is_sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
                         if not is_sse:
                             # A whole JSON answer: read it, then send headers and body in

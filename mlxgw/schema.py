@@ -190,6 +190,29 @@ def as_str(x) -> str:
     return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
 
 
+# Registry record fields that are text (docs/redis-schema.md); every other field is a number.
+REGISTRY_TEXT_FIELDS = frozenset({"id", "url", "model", "model_path", "host", "state", "engine"})
+
+
+def registry_record(raw: dict) -> dict:
+    """A registry hash (``Keys.backend``) as Redis returns it (bytes or text) with its numbers
+    typed: int where the text is an integer, float where it is a decimal; the text fields
+    (`REGISTRY_TEXT_FIELDS`) and anything that does not parse stay text. Never raises."""
+    out = {}
+    for a, b in raw.items():
+        k, v = as_str(a), as_str(b)
+        if k not in REGISTRY_TEXT_FIELDS:
+            try:
+                v = int(v)
+            except ValueError:
+                try:
+                    v = float(v)
+                except ValueError:
+                    pass
+        out[k] = v
+    return out
+
+
 def models_key(namespace: str) -> str:
     """SET of served model names (cross-model, so no hash tag)."""
     return f"{namespace}:models"

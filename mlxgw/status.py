@@ -60,7 +60,7 @@ def collect(r: redis.Redis, namespace: str, events: int = 10) -> dict:
         for _ in listed[2 * i]:
             rec = next(records)
             if rec:
-                backends.append({schema.as_str(a): schema.as_str(b) for a, b in rec.items()})
+                backends.append(schema.registry_record(rec))
         evs = []
         for _, f in listed[2 * i + 1]:
             try:
@@ -203,6 +203,9 @@ class History:
         return list(self.backends.get((model, backend), ()))
 
 
+REPLY_TIMEOUT = 3.0  # s per reply (one retry): `status` on a frozen Redis gives up after ~6 s
+
+
 def connect(args) -> redis.Redis:
     """The Redis client of ``status``/``top``: ``--redis-url``, else the last ``mlxgw serve``'s.
 
@@ -214,13 +217,17 @@ def connect(args) -> redis.Redis:
         f = serve_url_file()
         args.url_source = "serve" if f.exists() else "default"
         args.redis_url = f.read_text().strip() if f.exists() else "redis://127.0.0.1:6379/0"
-    return redis_connect(args.redis_url, 3.0)
+    return redis_connect(args.redis_url, REPLY_TIMEOUT)
 
 
 def unreachable(args, e: BaseException) -> int:
     """Tell the operator which Redis did not answer and where its URL came from (`connect`);
     returns the exit code of ``status`` and ``top`` for it, 4."""
     print(f"Redis unreachable at {redact_url(args.redis_url)}: {e}", file=sys.stderr)
+    if isinstance(e, redis.TimeoutError):  # connected, then no answer: not a wrong URL
+        print(f"(it accepted the connection but did not answer within {REPLY_TIMEOUT:g} s, twice: "
+              "overloaded, or stopped with SIGSTOP?)", file=sys.stderr)
+        return 4
     hint = {"serve": "the URL a `mlxgw serve` left: is it still running?",
             "default": f"no `mlxgw serve` left its URL in {serve_url_file()} (none running, or it runs with "
                        "another MLXGW_CACHE_DIR); start one, or pass --redis-url"}.get(args.url_source)

@@ -11,13 +11,16 @@ CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 
 
 def test_configs_exist():
-    assert {p.name for p in CONFIGS} >= {"single-mac.toml", "multi-model.toml", "multi-mac.toml"}
+    assert {p.name for p in CONFIGS} >= {"demo.toml", "single-mac.toml", "multi-model.toml", "multi-mac.toml"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_loads(path):
     cfg = config.load(str(path))
-    assert cfg.models and all(m.name and m.path and m.backends >= 1 for m in cfg.models)
+    if path.name == "demo.toml":  # no name and no path: the offline demo model, what command 1 serves
+        assert [(m.name, m.path, m.backends) for m in cfg.models] == [("", "", 2)]
+    else:
+        assert cfg.models and all(m.name and m.path and m.backends >= 1 for m in cfg.models)
     ports = [p for m in cfg.models for p in range(m.port, m.port + m.backends)]
     assert len(ports) == len(set(ports)) and cfg.port not in ports
 
@@ -159,3 +162,16 @@ def test_serve_passes_prefill_settings_to_the_backends(tmp_path):
     (tmp_path / "d.toml").write_text('[[models]]\nprefill_order = "lifo"\n')
     with pytest.raises(ValueError, match="prefill_order must be one of fifo, shorter-beside, step-beside"):
         config.load(str(tmp_path / "d.toml"))
+
+
+def test_a_backend_started_by_hand_has_the_serve_defaults():
+    """`mlxgw backend` on another Mac gets the cache budget the README states for `serve`
+    (it had 4GB against serve's 2GB before session 28)."""
+    from backend.main import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    d = p.parse_args([])
+    m = config.ModelConfig()
+    assert (d.cache_bytes, d.cache_entries, d.min_hit_tokens) == (m.cache_bytes, m.cache_entries, m.min_hit_tokens)
+    assert d.cache_bytes == "2GB"

@@ -26,7 +26,9 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
     port = free_port()
     bport = free_port_run(2, avoid=(port,))
     log = open(tmp_path / "serve.log", "wb")
-    p = subprocess.Popen(MLXGW + ["serve", "--backends", "2", "--port", str(port), "--backend-port", str(bport)],
+    # The shipped offline config (2 backends of the demo model); flags override its ports.
+    demo_toml = Path(__file__).parent.parent / "configs" / "demo.toml"
+    p = subprocess.Popen(MLXGW + ["serve", "--config", str(demo_toml), "--port", str(port), "--backend-port", str(bport)],
                          stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 120
@@ -119,6 +121,18 @@ def test_missing_model_path():
     assert r.returncode == 2 and "does not exist" in r.stderr
 
 
+def test_a_hub_model_that_cannot_be_fetched_is_one_error_line():
+    """A hub id with no network (here: the hub's offline mode) is an expected failure: one
+    line naming the cause and the way out, no traceback (a serve of three such backends
+    printed about 200 lines of them before session 28)."""
+    r = subprocess.run(MLXGW + ["backend", "--model", "mlxgw-test/no-such-model", "--port", str(free_port()),
+                                "--redis-url", f"redis://127.0.0.1:{free_port()}/0"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "model load failed" in r.stderr and "looked up on the Hugging Face hub" in r.stderr, r.stderr
+
+
 def test_status_says_where_a_dead_redis_url_came_from(tmp_path):
     # A serve that died without cleaning up left its URL: status names that file's source.
     (tmp_path / "serve-redis-url").write_text(f"redis://127.0.0.1:{free_port()}/0\n")
@@ -127,6 +141,18 @@ def test_status_says_where_a_dead_redis_url_came_from(tmp_path):
                            env={**os.environ, "MLXGW_CACHE_DIR": str(tmp_path)})
         assert r.returncode == 4 and "Redis unreachable" in r.stderr, cmd
         assert "the URL a `mlxgw serve` left: is it still running?" in r.stderr, cmd
+
+
+def test_status_on_a_redis_that_never_answers_says_so():
+    """A frozen Redis (SIGSTOP) accepts connections and answers nothing: `status` gives up after
+    two reply timeouts and says that, not only redis-py's "Timeout reading from"."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        t0 = time.monotonic()
+        r = _run(["status", "--redis-url", f"redis://127.0.0.1:{s.getsockname()[1]}/0"])
+    assert r.returncode == 4 and "did not answer within 3 s, twice" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 30
 
 
 def test_gateway_refuses_a_zero_publish_interval():

@@ -4,7 +4,7 @@ as owned there until the backend's own report can have landed in Redis."""
 import json
 import time
 
-from gateway.pending import PendingClaims
+from gateway.pending import PendingClaims, RecentRoutes
 from gateway.tokenize import load_model_info
 from mlxgw.harness import RedisServer, Stack
 from mlxgw.httpget import post
@@ -50,6 +50,48 @@ def test_depths_on_real_chained_keys_of_a_long_prompt():
     assert p.depths(keys) == {"a": 100, "b": 512} and len(p) == 3
 
 
+def test_recent_routes_keep_one_route_per_branch_and_a_key_budget():
+    r = RecentRoutes(max_keys=10)
+    r.add("a", ["k0", "k1"])
+    r.add("a", ["k0", "k1", "k2", "k3"])  # the next turn: the first route is dropped for it
+    r.add("b", ["k0", "k1", "x2"])  # a sibling on another backend
+    assert len(r) == 2 and r.keys == 7
+    assert r.depths(["k0", "k1", "k2", "k3", "k4"]) == {"a": 4, "b": 2}
+    assert r.depths(["k0", "k1", "x2"]) == {"a": 2, "b": 3} and r.depths(["z0", "k1"]) == {}
+    r.add("c", ["m0", "m1", "m2", "m3", "m4"])  # 12 keys > 10: the oldest route goes
+    assert r.keys == 8 and r.depths(["k0", "k1", "k2"]) == {"b": 2}
+    assert r.depths(["m0", "m1"]) == {"c": 2}
+    r.add("b", ["k0", "k1", "x2", "x3"])  # continues b's route: replaces it
+    assert len(r) == 2 and r.keys == 9 and r.depths(["k0", "k1", "x2", "x3"]) == {"b": 4}
+
+
+def test_without_redis_a_conversation_goes_back_where_this_gateway_sent_it(demo_model):
+    """While Redis cannot answer, the gateway routes by where it last sent each prefix
+    (gateway.pending.RecentRoutes), past the pending claims' grace: a turn without a session
+    key goes back to its cache. Before session 28 it went where load and free cache sent it
+    (here: the emptier b1, for every conversation), recomputing its whole prompt."""
+    r = RedisServer().start()
+    s = Stack(r.url, demo_model)
+    try:
+        s.add_backend("b0")
+        s.add_gateway("--pending-grace", "0")
+        s.wait()
+        firsts = [words(900, seed=300 + i) for i in range(3)]  # ~1,200 tokens: above min_hit_tokens
+        for t in firsts:
+            assert _ask(s.gateway.url, t)["X-Mlxgw-Backend"] == "b0"  # the only backend then
+        s.add_backend("b1")
+        s.wait()
+        r.stop()
+        for t in firsts:
+            h = _ask(s.gateway.url, t + " and one more question")
+            assert h["X-Mlxgw-Lookup"] == "error"
+            assert h["X-Mlxgw-Backend"] == "b0" and h["X-Mlxgw-Route-Reason"] == "prefix", h
+            assert int(h["X-Mlxgw-Matched-Tokens"]) >= 1024 and int(h["X-Mlxgw-Cached-Tokens"]) >= 1024, h
+    finally:
+        s.stop()
+        r.cleanup()
+
+
 def _ask(url, text):
     status, h, body = post(url + "/v1/chat/completions",
                            {"messages": [{"role": "user", "content": text}], "max_tokens": 2})
@@ -59,7 +101,7 @@ def _ask(url, text):
 
 def test_a_shared_prefix_follows_its_first_request_before_any_report(demo_model):
     # Redis is stopped after start-up: no backend report can reach the gateway,
-    # so any matched prefix below comes from the gateway's pending claims.
+    # so any matched prefix below comes from the gateway's own claims and routes.
     r = RedisServer().start()
     s = Stack(r.url, demo_model)
     try:
@@ -79,8 +121,11 @@ def test_a_shared_prefix_follows_its_first_request_before_any_report(demo_model)
         assert h1["X-Mlxgw-Matched-Tokens"] == "0"
         assert h2["X-Mlxgw-Backend"] == h1["X-Mlxgw-Backend"]
         assert int(h2["X-Mlxgw-Matched-Tokens"]) == common // block * block > 0
-        time.sleep(2.5)  # past the grace: without Redis nothing is known any more
-        assert _ask(s.gateway.url, base + " three")["X-Mlxgw-Matched-Tokens"] == "0"
+        time.sleep(2.5)  # past the grace: the claims are gone, the gateway's memory of its
+        # routes (gateway.pending.RecentRoutes, used only while Redis cannot answer) is not
+        h3 = _ask(s.gateway.url, base + " three")
+        assert h3["X-Mlxgw-Backend"] == h1["X-Mlxgw-Backend"]
+        assert int(h3["X-Mlxgw-Matched-Tokens"]) == common // block * block
     finally:
         s.stop()
         r.cleanup()

@@ -224,12 +224,14 @@ def test_lookup_deadline_fails_open_and_is_counted(make_stack, redis_server):
     s.add_gateway("--lookup-deadline-ms", "50", "--pending-grace", "0")  # ownership from Redis alone
     s.wait()
     text = words(200, seed=81)
-    assert _ask(s.gateway.url, text)["X-Mlxgw-Lookup"] == "ok"
+    h0 = _ask(s.gateway.url, text)
+    assert h0["X-Mlxgw-Lookup"] == "ok"
     redis_server.client().execute_command("CLIENT", "PAUSE", 1500, "ALL")  # Redis stops answering
     t0 = time.time()
     h = _ask(s.gateway.url, text + " more")
-    assert h["X-Mlxgw-Lookup"] == "timeout" and h["X-Mlxgw-Matched-Tokens"] == "0"
-    assert h["X-Mlxgw-Backend"] in ("b0", "b1") and time.time() - t0 < 5
+    # Routed without Redis, by where this gateway last sent the prefix (no pending grace here).
+    assert h["X-Mlxgw-Lookup"] == "timeout" and int(h["X-Mlxgw-Matched-Tokens"]) > 0
+    assert h["X-Mlxgw-Backend"] == h0["X-Mlxgw-Backend"] and time.time() - t0 < 5
     time.sleep(1.6)
     assert _ask(s.gateway.url, text + " again")["X-Mlxgw-Lookup"] == "ok"  # and it recovers by itself
     lookups = get_json(s.gateway.url + "/health")["lookups"]

@@ -88,7 +88,10 @@ def test_status_cli_reads_redis_alone(make_stack, redis_server):
         if int(b["requests"]) >= 1 or time.time() > deadline:
             break
         time.sleep(0.2)
-    assert b["id"] == "b0" and b["state"] == "ready" and int(b["requests"]) == 1
+    assert b["id"] == "b0" and b["state"] == "ready" and b["requests"] == 1
+    # Numbers as numbers, text as text (all were strings before session 28).
+    assert isinstance(b["epoch"], int) and isinstance(b["cache_bytes"], int) and isinstance(b["last_heartbeat"], float)
+    assert isinstance(b["url"], str) and isinstance(b["engine"], str)
     assert {e["type"] for e in data[s.model_name]["recent_events"]} >= {"saved"}
     txt = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", redis_server.url,
                           "--namespace", s.namespace], capture_output=True, text=True, timeout=60)

@@ -232,8 +232,12 @@ def test_a_gateway_without_the_internal_token_says_so_not_that_the_client_is_una
             # Routed, so the routing headers say what was tried; no backend answered.
             assert len(hdrs["X-Mlxgw-Request-Id"]) == 32 and hdrs["X-Mlxgw-Route-Reason"] in ("prefix", "load")
             assert "X-Mlxgw-Backend" not in hdrs and hdrs["X-Mlxgw-Candidates"].startswith("b0:")
-        health = json.loads(_get(g.url + "/health", key=KEYS["val"])[2])
+        st_h, _, raw_h = _get(g.url + "/health", key=KEYS["val"])
+        health = json.loads(raw_h)
         assert health["errors"] == 2
+        # It cannot serve anything: /health says why, with a 503 a load balancer acts on
+        # (it was a 200 "ok" before session 28).
+        assert st_h == 503 and health["status"] == "token_rejected" and health["token_rejected"] == ["b0"], health
         lines = [ln for ln in g.log_path.read_text().splitlines() if "mlxgw.requests: request " in ln]
         assert len(lines) == 2 and all("outcome=unavailable" in ln and "retries=0" in ln for ln in lines), lines
     finally:
