@@ -37,6 +37,17 @@ trimmable one), with these rules on top (``docs/cache-policy.md``):
    ``RadixCache.evict``); one branch is not enough here, because an edited
    or regenerated last message branches the same conversation once.
 
+7. Storage (opt-in, ``layout="shared"``): a prefix several entries share is
+   held once. Each entry's KV is a chain of segments (per-layer K/V slices of a
+   token range); a new entry that shares at least ``share_min_tokens`` with an
+   entry stores only what follows, splitting the shared segment where the two
+   diverge; a hit is materialised by concatenating its chain (a copy, as the
+   whole layout's fetch copies). The byte budget counts each segment once; an
+   eviction frees the segments no other entry's chain passes through. The
+   design of SGLang's ``RadixCache`` and of exo's radix-trie KV prefix cache
+   (exo-explore/exo issue 1986, PR 1929), under this file's entries and rules.
+   Layers the ops cannot slice (rotating windows, SSM state) keep whole entries.
+
 Every insert and every removal goes through `_add` / `_remove`, which call
 the listener, so Redis sees each one (nothing leaves silently).
 """
@@ -52,6 +63,30 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 CACHE_TYPES = ("assistant", "user", "system")
+LAYOUTS = ("whole", "shared")
+
+
+class Segment:
+    """KV of tokens ``[start, end)`` of every prompt whose chain passes through it (rule 7).
+
+    ``parts`` is what the ops stored for that range (per-layer K/V slices; a token count
+    in the simulator), ``nbytes`` its size, ``parent`` the segment ending at ``start``
+    (None at 0), ``refs`` the entries ending here plus the child segments.
+    """
+
+    __slots__ = ("start", "end", "parts", "nbytes", "parent", "refs")
+
+    def __init__(self, start: int, end: int, parts, nbytes: int, parent: Optional["Segment"]):
+        self.start, self.end, self.parts, self.nbytes, self.parent = start, end, parts, nbytes, parent
+        self.refs = 0
+
+    def chain(self) -> list["Segment"]:
+        """This segment and its ancestors, root first."""
+        out, seg = [], self
+        while seg is not None:
+            out.append(seg)
+            seg = seg.parent
+        return out[::-1]
 
 
 class CacheListener(Protocol):
@@ -68,8 +103,10 @@ class CacheEntry:
 
     Attributes:
         tokens: int32 array, the tokens whose keys/values ``kv`` holds.
-        kv: mlx-lm per-layer cache objects (``make_prompt_cache`` shape).
-        nbytes: bytes held by ``kv``.
+        kv: mlx-lm per-layer cache objects (``make_prompt_cache`` shape);
+            None when ``seg`` holds the KV (rule 7).
+        nbytes: bytes of this entry's KV (with rule 7, of its whole chain,
+            part of which other entries may share).
         cache_type: ``"system"`` (a shared system-prompt segment),
             ``"user"`` (a prompt saved before its answer) or ``"assistant"``
             (prompt plus generated tokens).
@@ -90,6 +127,7 @@ class CacheEntry:
     prompt_tokens: int = 0
     branches: list = field(default_factory=list)  # rule 6: lengths where other prompts branched off, longest first
     shared_used: int = 0  # rule 6: clock of the last branch
+    seg: Optional[Segment] = None  # rule 7: the last segment of this entry's chain (``kv`` is then None)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -150,7 +188,13 @@ class PromptCache:
             is evicted (rule 6), tokens; 0 (the default) turns rule 6 off.
             The block size is the natural value: a shorter prefix cannot
             attract routing.
+        layout: ``"whole"`` (one KV copy per entry, mlx-lm's way) or
+            ``"shared"`` (rule 7: a shared prefix held once).
+        share_min_tokens: with ``"shared"``, the shortest common prefix an
+            entry shares instead of holding its own copy, tokens (shorter
+            ones would only add segments to concatenate).
 
+    Raises ValueError for ``max_entries < 1`` or an unknown layout.
     Not thread-safe: the engine thread owns it.
     """
 
@@ -163,9 +207,15 @@ class PromptCache:
         listener: Optional[CacheListener] = None,
         ops: Optional["KVOps"] = None,
         min_shared_tokens: int = 0,
+        layout: str = "whole",
+        share_min_tokens: int = 32,
     ):
         if max_entries < 1:
             raise ValueError("max_entries must be >= 1")
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown cache layout {layout!r} (one of {', '.join(LAYOUTS)})")
+        self.layout = layout
+        self.share_min_tokens = max(1, share_min_tokens)
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.min_hit_tokens = min_hit_tokens
@@ -222,11 +272,27 @@ class PromptCache:
         e, n = self.best_match(prompt)
         if e is None or n == 0:
             return CacheHit(None, 0, None)
-        kv = self.ops.copy(e.kv)
-        self.ops.trim(kv, len(e) - n)
+        if e.seg is not None:
+            kv = self._materialise(e.seg, n)
+        else:
+            kv = self.ops.copy(e.kv)
+            self.ops.trim(kv, len(e) - n)
         self._touch(e)
         e.hits += 1
         return CacheHit(kv, n, e.id, len(e))
+
+    def added_nbytes(self, tokens, kv) -> int:
+        """Bytes that saving ``kv`` (holding ``tokens``) would add to the cache: all of its
+        bytes, or with rule 7 those of the tokens after the longest prefix a held chain
+        shares (when at least ``share_min_tokens``). The engine's free-space checks use it."""
+        n = self.ops.nbytes(kv)
+        if self.layout != "shared" or not self.ops.trimmable(kv) or not self.ops.sliceable(kv):
+            return n
+        t = np.asarray(tokens, dtype=np.int32)
+        c = max((common_prefix(e.tokens, t) for e in self._entries.values() if e.seg is not None), default=0)
+        if c < self.share_min_tokens or not len(t):
+            return n
+        return n * (len(t) - c) // len(t)
 
     def is_good_hit(self, reused: int, prompt_len: int, system_tokens: int) -> bool:
         """Rule 3 (exo PR 1817): may the request that reused an entry replace it?"""
@@ -302,6 +368,14 @@ class PromptCache:
                 branches.append(min(c, len(t) - 1))
                 shared_used = now
 
+        # Rule 7: hold only what no entry holds yet, before rule 3 and the redundant-prefix
+        # drop remove the entries this one continues (their segments become its chain).
+        seg = None
+        if self.layout == "shared" and trimmable and self.ops.sliceable(kv):
+            seg = self._store(t, kv, common)
+            nbytes = sum(x.nbytes for x in seg.chain())
+            kv = None
+
         # Rule 3: replace the reused entry only on a good hit.
         if reused_from is not None and reused_from in self._entries:
             old = self._entries[reused_from]
@@ -340,6 +414,7 @@ class PromptCache:
             prompt_tokens=min(prompt_len, len(t)) if prompt_len else len(t),
             branches=_longest(branches),
             shared_used=shared_used,
+            seg=seg,
         )
         self._add(entry)
         self.trim_to(max_entries=self.max_entries, max_bytes=self.max_bytes, keep=entry)
@@ -390,11 +465,17 @@ class PromptCache:
         for e in self._entries.values():
             if e is not victim and e.trimmable and len(e) >= n and common_prefix(e.tokens, head) == n:
                 return
-        kv = self.ops.prefix(victim.kv, len(victim), n)
+        if victim.seg is not None:  # rule 7: the kept prefix is the victim's chain up to n
+            kv, seg = None, self._node_at(victim.seg, n)
+            seg.refs += 1
+            nbytes = sum(x.nbytes for x in seg.chain())
+        else:
+            kv, seg = self.ops.prefix(victim.kv, len(victim), n), None
+            nbytes = self.ops.nbytes(kv)
         kept = CacheEntry(
-            tokens=head.copy(), kv=kv, nbytes=self.ops.nbytes(kv), cache_type="system", trimmable=True,
+            tokens=head.copy(), kv=kv, nbytes=nbytes, cache_type="system", trimmable=True,
             id=next(self._ids), last_used=max(victim.last_used, victim.shared_used), used_at=victim.used_at,
-            prompt_tokens=n,
+            prompt_tokens=n, seg=seg,
         )
         victim.kv = None  # ``prefix`` may have taken it over
         self._add(kept)
@@ -430,7 +511,8 @@ class PromptCache:
 
     def _add(self, e: CacheEntry) -> None:
         self._entries[e.id] = e
-        self.nbytes += e.nbytes
+        if e.seg is None:  # a chain's bytes were counted as its segments were stored
+            self.nbytes += e.nbytes
         self.version += 1
         if self.listener is not None:
             self.listener.on_saved(e)
@@ -438,10 +520,70 @@ class PromptCache:
     def _remove(self, e: CacheEntry) -> None:
         if self._entries.pop(e.id, None) is None:
             return
-        self.nbytes -= e.nbytes
+        if e.seg is not None:
+            self._release(e.seg)
+        else:
+            self.nbytes -= e.nbytes
         if self.listener is not None:
             self.listener.on_evicted(e)
         e.kv = None
+        e.seg = None
+
+    # -- rule 7: segments --------------------------------------------------
+    def _store(self, t: np.ndarray, kv, common: dict[int, int]) -> Segment:
+        """Store ``kv`` (holding exactly ``t``) as a chain: the longest prefix an entry's chain
+        already holds (at least ``share_min_tokens``) is shared, the rest copied into a new
+        segment. Returns the chain's last segment with one reference taken for the entry."""
+        best, c = None, 0
+        for e in self._entries.values():
+            if e.seg is not None and common[e.id] > c:
+                best, c = e, common[e.id]
+        node = None
+        if best is not None and c >= self.share_min_tokens:
+            node = self._node_at(best.seg, c)
+        else:
+            c = 0
+        if c < len(t):
+            parts = self.ops.slice(kv, c, len(t))
+            tail = Segment(c, len(t), parts, self.ops.parts_nbytes(parts), node)
+            if node is not None:
+                node.refs += 1
+            self.nbytes += tail.nbytes
+        else:
+            tail = node  # the new tokens are a prefix of a held chain: nothing to store
+        tail.refs += 1
+        return tail
+
+    def _node_at(self, seg: Segment, n: int) -> Segment:
+        """The segment of ``seg``'s chain that ends at token ``n`` (0 < n <= seg.end), splitting
+        the one that spans ``n`` in place: it keeps its children and becomes ``[n, end)``
+        under a new parent ``[start, n)``."""
+        while seg.start >= n:
+            seg = seg.parent
+        if seg.end == n:
+            return seg
+        left, right = self.ops.split_parts(seg.parts, n - seg.start)
+        lb, rb = self.ops.parts_nbytes(left), self.ops.parts_nbytes(right)
+        head = Segment(seg.start, n, left, lb, seg.parent)
+        head.refs = 1
+        self.nbytes += lb + rb - seg.nbytes
+        seg.start, seg.parts, seg.nbytes, seg.parent = n, right, rb, head
+        return head
+
+    def _release(self, seg: Optional[Segment]) -> None:
+        """Drop one reference to ``seg``; free it, and so on up its chain, when none is left."""
+        while seg is not None:
+            seg.refs -= 1
+            if seg.refs > 0:
+                return
+            self.nbytes -= seg.nbytes
+            parent, seg.parts, seg.parent = seg.parent, None, None
+            seg = parent
+
+    def _materialise(self, seg: Segment, n: int):
+        """A private KV cache holding the first ``n`` tokens of ``seg``'s chain (a copy)."""
+        pieces = [(x.parts, min(x.end, n) - x.start) for x in seg.chain() if x.start < n]
+        return self.ops.join(pieces, n)
 
 
 def _victim(entries, keep: Optional[CacheEntry]) -> Optional[CacheEntry]:
@@ -463,7 +605,53 @@ def _longest(lengths: list) -> list:
 
 
 class KVOps:
-    """KV-cache operations the cache needs, backed by mlx-lm's cache functions."""
+    """KV-cache operations the cache needs, backed by mlx-lm's cache functions.
+
+    Rule 7's segments (``sliceable`` .. ``join``) hold plain ``KVCache`` layers as
+    per-layer ``(keys, values)`` arrays of shape ``(batch, kv_heads, tokens, head_dim)``.
+    """
+
+    def sliceable(self, kv) -> bool:
+        """True when every layer is a plain mlx-lm ``KVCache`` holding keys (rule 7)."""
+        from mlx_lm.models.cache import KVCache
+
+        return bool(kv) and all(type(c) is KVCache and c.keys is not None for c in kv)
+
+    def slice(self, kv, start: int, end: int):
+        """Compact copies of tokens ``[start, end)`` of each layer: ``[(keys, values)]``."""
+        import mlx.core as mx
+
+        parts = [(mx.contiguous(c.keys[..., start:end, :]), mx.contiguous(c.values[..., start:end, :])) for c in kv]
+        mx.eval([a for kvs in parts for a in kvs])
+        return parts
+
+    def parts_nbytes(self, parts) -> int:
+        return int(sum(k.nbytes + v.nbytes for k, v in parts))
+
+    def split_parts(self, parts, at: int):
+        """``parts`` cut at token ``at``: (compact copies of the first ``at``, of the rest)."""
+        import mlx.core as mx
+
+        left = [(mx.contiguous(k[..., :at, :]), mx.contiguous(v[..., :at, :])) for k, v in parts]
+        right = [(mx.contiguous(k[..., at:, :]), mx.contiguous(v[..., at:, :])) for k, v in parts]
+        mx.eval([a for kvs in left + right for a in kvs])
+        return left, right
+
+    def join(self, pieces, n: int):
+        """A new list of ``KVCache`` holding ``n`` tokens: the first ``count`` tokens of each
+        ``(parts, count)`` in ``pieces``, concatenated in order."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache
+
+        out = []
+        for layer in range(len(pieces[0][0])):
+            c = KVCache()
+            c.keys = mx.concatenate([p[layer][0][..., :m, :] for p, m in pieces], axis=2)
+            c.values = mx.concatenate([p[layer][1][..., :m, :] for p, m in pieces], axis=2)
+            c.offset = n
+            out.append(c)
+        mx.eval([a for c in out for a in (c.keys, c.values)])
+        return out
 
     def nbytes(self, kv) -> int:
         return kv_nbytes(kv)

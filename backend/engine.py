@@ -512,10 +512,11 @@ class MLXEngine(Engine):
             self.claims.release(req.claim)
             req.claim = None
 
-    def _fits_in_free_space(self, kv) -> bool:
-        """True if ``kv`` can be saved without evicting anything (bytes and entry count)."""
+    def _fits_in_free_space(self, kv, tokens) -> bool:
+        """True if ``kv`` (holding ``tokens``) can be saved without evicting anything (bytes
+        and entry count)."""
         free = self.cache_bytes - self._inflight_nbytes() - self.cache.nbytes
-        return self.cache.ops.nbytes(kv) <= free and len(self.cache) < self.cache.max_entries
+        return self.cache.added_nbytes(tokens, kv) <= free and len(self.cache) < self.cache.max_entries
 
     def _inflight_nbytes(self) -> int:
         """KV bytes held outside the cache: the batch's, and the hits waiting requests pinned."""
@@ -710,7 +711,8 @@ class MLXEngine(Engine):
         """
         req = live.req
         room = self.cache_bytes - self._inflight_nbytes()
-        if not self._fits_in_free_space(kv) and not (self.prefill_save_evicts and self.cache.ops.nbytes(kv) <= room):
+        if not self._fits_in_free_space(kv, tokens) and not (
+                self.prefill_save_evicts and self.cache.added_nbytes(tokens, kv) <= room):
             return False
         entry = self.cache.insert(tokens, kv, "user", reused_from=live.reused_from, reused=req.cached,
                                   prompt_len=len(req.prompt), system_tokens=req.system_tokens)
@@ -753,7 +755,7 @@ class MLXEngine(Engine):
             # An abandoned request (client gone, timeout) is kept only if it
             # fits beside everything else: under memory pressure the other
             # sessions' entries are worth more than a turn nobody waits for.
-            if not self._fits_in_free_space(kv):
+            if not self._fits_in_free_space(kv, tokens):
                 self.saves_skipped += 1
                 log.debug("abandoned request %s not saved: no free cache space", req.rid)
                 return

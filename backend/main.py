@@ -18,7 +18,7 @@ from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.util import parse_bytes, positive_int, redact_url
 
 from . import sim
-from .cache import PromptCache
+from .cache import LAYOUTS, PromptCache
 from .engine import DEFAULT_PREFILL_ORDER, PREFILL_ORDERS
 from .metrics import BackendMetrics
 from .report import Reporter
@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cache rule 6 (docs/cache-policy.md), off by default: keep a prefix two other prompts "
                         "branched from, at least this many tokens long, as its own entry when the last entry "
                         "holding it is evicted (the block size is the natural value)")
+    p.add_argument("--cache-layout", choices=LAYOUTS, default=ModelConfig.cache_layout,
+                   help="how the prompt cache stores entries: 'whole' (one KV copy per entry, as mlx-lm; the "
+                        "default) or 'shared' (opt-in cache rule 7: a prefix several entries share is held once; "
+                        "docs/cache-policy.md)")
     p.add_argument("--decode-concurrency", type=int, default=8)
     p.add_argument("--prefill-concurrency", type=int, default=2)
     p.add_argument("--prefill-step-size", type=int, default=512)
@@ -141,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         min_hit_tokens=args.min_hit_tokens,
         min_hit_ratio=args.min_hit_ratio,
         min_shared_tokens=args.min_shared_tokens,
+        layout=args.cache_layout,
+        share_min_tokens=args.block_size,
         listener=reporter,
         ops=sim.SimKVOps() if args.engine == "sim" else None,
     )

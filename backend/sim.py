@@ -149,6 +149,22 @@ class SimKVOps(KVOps):
     def prefix(self, kv, length: int, n: int):
         return SimKV(min(n, kv.n), kv.timing)
 
+    # Rule 7 (backend.cache): a segment's parts are a SimKV of its token count.
+    def sliceable(self, kv) -> bool:
+        return True
+
+    def slice(self, kv, start: int, end: int):
+        return SimKV(end - start, kv.timing)
+
+    def parts_nbytes(self, parts) -> int:
+        return parts.nbytes
+
+    def split_parts(self, parts, at: int):
+        return SimKV(at, parts.timing), SimKV(parts.n - at, parts.timing)
+
+    def join(self, pieces, n: int):
+        return SimKV(n, pieces[0][0].timing)
+
 
 @dataclass
 class PromptResponse:

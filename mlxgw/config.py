@@ -31,6 +31,7 @@ class ModelConfig:
     cache_entries: int = 16
     min_hit_tokens: int = 1000
     min_shared_tokens: int = 0  # cache rule 6, opt-in (docs/cache-policy.md)
+    cache_layout: str = "whole"  # cache rule 7, opt-in "shared": a shared prefix held once (docs/cache-policy.md)
     prefill_save: bool = True  # a request sharing a prompt in prefill waits for it and reuses it (docs/cache-policy.md)
     prefill_concurrency: int = 2  # prompts prefilled side by side per backend
     prefill_order: str = "step-beside"  # which waiting request prefills next (backend.engine.DEFAULT_PREFILL_ORDER)
@@ -97,11 +98,15 @@ def load(path: str) -> ServeConfig:
     rd = data.pop("redis", {})
     routing = data.pop("routing", {})
     models = [_pick(ModelConfig, m, f"{path} [[models]]") for m in data.pop("models", [])] or [ModelConfig()]
+    from backend.cache import LAYOUTS
     from backend.engine import PREFILL_ORDERS
 
     for m in models:
         if m.prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"{path} [[models]]: prefill_order must be one of {', '.join(PREFILL_ORDERS)}")
+        if m.cache_layout not in LAYOUTS:
+            raise ValueError(f"{path} [[models]]: cache_layout must be one of {', '.join(LAYOUTS)}, "
+                             f"not {m.cache_layout!r}")
     remotes = [_pick(RemoteBackend, r, f"{path} [[remote_backends]]") for r in data.pop("remote_backends", [])]
     if data:
         raise ValueError(f"{path}: unknown sections {sorted(data)}")

@@ -271,7 +271,8 @@ def backend_model_flags(m: config_mod.ModelConfig) -> list[str]:
     return ["--cache-bytes", str(m.cache_bytes), "--cache-entries", str(m.cache_entries),
             "--min-hit-tokens", str(m.min_hit_tokens), "--min-shared-tokens", str(m.min_shared_tokens),
             "--prefill-save" if m.prefill_save else "--no-prefill-save",
-            "--prefill-concurrency", str(m.prefill_concurrency), "--prefill-order", m.prefill_order]
+            "--prefill-concurrency", str(m.prefill_concurrency), "--prefill-order", m.prefill_order,
+            "--cache-layout", m.cache_layout]
 
 
 def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:
