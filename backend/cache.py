@@ -604,6 +604,17 @@ def _longest(lengths: list) -> list:
     return sorted(lengths, reverse=True)[:4]
 
 
+def _compact(x):
+    """A copy of ``x`` (a token slice of a ``(batch, kv_heads, tokens, head_dim)`` array) in a
+    buffer of its own, so the buffer it was cut from can be freed. ``mx.contiguous`` copies a
+    slice along the token axis only when it is not row contiguous already: with one sequence and
+    one KV head (MQA models) it returns a view that keeps the whole buffer alive (measured with
+    ``np.shares_memory``), so those get an explicit ``mx.array`` copy."""
+    import mlx.core as mx
+
+    return mx.array(x) if x.shape[0] * x.shape[1] == 1 else mx.contiguous(x)
+
+
 class KVOps:
     """KV-cache operations the cache needs, backed by mlx-lm's cache functions.
 
@@ -621,7 +632,7 @@ class KVOps:
         """Compact copies of tokens ``[start, end)`` of each layer: ``[(keys, values)]``."""
         import mlx.core as mx
 
-        parts = [(mx.contiguous(c.keys[..., start:end, :]), mx.contiguous(c.values[..., start:end, :])) for c in kv]
+        parts = [(_compact(c.keys[..., start:end, :]), _compact(c.values[..., start:end, :])) for c in kv]
         mx.eval([a for kvs in parts for a in kvs])
         return parts
 
@@ -632,8 +643,8 @@ class KVOps:
         """``parts`` cut at token ``at``: (compact copies of the first ``at``, of the rest)."""
         import mlx.core as mx
 
-        left = [(mx.contiguous(k[..., :at, :]), mx.contiguous(v[..., :at, :])) for k, v in parts]
-        right = [(mx.contiguous(k[..., at:, :]), mx.contiguous(v[..., at:, :])) for k, v in parts]
+        left = [(_compact(k[..., :at, :]), _compact(v[..., :at, :])) for k, v in parts]
+        right = [(_compact(k[..., at:, :]), _compact(v[..., at:, :])) for k, v in parts]
         mx.eval([a for kvs in left + right for a in kvs])
         return left, right
 
@@ -680,8 +691,8 @@ class KVOps:
             out = []
             for c in kv:
                 d = KVCache()
-                d.keys = mx.contiguous(c.keys[..., :n, :])
-                d.values = mx.contiguous(c.values[..., :n, :])
+                d.keys = _compact(c.keys[..., :n, :])
+                d.values = _compact(c.values[..., :n, :])
                 d.offset = n
                 out.append(d)
             mx.eval([a for d in out for a in (d.keys, d.values)])

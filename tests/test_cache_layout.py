@@ -177,3 +177,27 @@ def test_free_space_checks_count_only_what_a_save_would_add():
         c.insert(A, SimKV(len(A), t), prompt_len=len(A))
         assert c.added_nbytes(B, SimKV(len(B), t)) == added, layout
         assert c.added_nbytes(list(range(5, 60)), SimKV(55, t)) == 550  # shares nothing
+
+
+def test_segments_own_their_memory_with_one_kv_head():
+    """A token slice of a one-sequence, one-KV-head array is row contiguous, and
+    ``mx.contiguous`` returns it as a view of the whole buffer: a segment cut from it must
+    not keep that buffer alive (``np.shares_memory`` on the CPU's buffers)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from backend.cache import _compact
+
+    for heads in (1, 4):
+        a = mx.random.normal((1, heads, 512, 8))
+        mx.eval(a)
+        cut = a[..., 50:300, :]
+        b = _compact(cut)
+        mx.eval(b)
+        assert b.shape == (1, heads, 250, 8) and mx.array_equal(b, cut).item()
+        assert not np.shares_memory(np.array(a, copy=False), np.array(b, copy=False)), heads
+    one = mx.random.normal((1, 1, 512, 8))
+    mx.eval(one)
+    view = mx.contiguous(one[..., 50:300, :])
+    mx.eval(view)
+    assert np.shares_memory(np.array(one, copy=False), np.array(view, copy=False))  # why _compact exists
