@@ -37,7 +37,8 @@ trimmable one), with these rules on top (``docs/cache-policy.md``):
    ``RadixCache.evict``); one branch is not enough here, because an edited
    or regenerated last message branches the same conversation once.
 
-7. Storage (opt-in, ``layout="shared"``): a prefix several entries share is
+7. Storage (``layout="shared"``, the backend's default since session 28;
+   ``"whole"`` is mlx-lm's one copy per entry): a prefix several entries share is
    held once. Each entry's KV is a chain of segments (per-layer K/V slices of a
    token range); a new entry that shares at least ``share_min_tokens`` with an
    entry stores only what follows, splitting the shared segment where the two

@@ -53,9 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "branched from, at least this many tokens long, as its own entry when the last entry "
                         "holding it is evicted (the block size is the natural value)")
     p.add_argument("--cache-layout", choices=LAYOUTS, default=ModelConfig.cache_layout,
-                   help="how the prompt cache stores entries: 'whole' (one KV copy per entry, as mlx-lm; the "
-                        "default) or 'shared' (opt-in cache rule 7: a prefix several entries share is held once; "
-                        "docs/cache-policy.md)")
+                   help="how the prompt cache stores entries: 'shared' (the default, cache rule 7: a prefix "
+                        "several entries share is held once) or 'whole' (one KV copy per entry, as mlx-lm); "
+                        "docs/cache-policy.md")
     p.add_argument("--decode-concurrency", type=int, default=8)
     p.add_argument("--prefill-concurrency", type=int, default=2)
     p.add_argument("--prefill-step-size", type=int, default=512)

@@ -371,7 +371,10 @@ async def handle_cache(request: web.Request) -> web.Response:
             "trimmable": e.trimmable, "used_at": round(e.used_at, 3),
             "blocks": servable_blocks(e, reporter.model, reporter.block_size),
         })
-    return web.json_response({"entries": entries, "owned": sorted(reporter.owned_blocks()), "epoch": reporter.epoch})
+    # ``nbytes``: what the cache holds; with the shared layout (cache rule 7) less than the
+    # entries' own ``nbytes`` summed, since each counts its whole chain.
+    return web.json_response({"entries": entries, "owned": sorted(reporter.owned_blocks()), "epoch": reporter.epoch,
+                              "nbytes": engine.cache.nbytes, "layout": engine.cache.layout})
 
 
 def make_app(engine: Engine, reporter: Reporter, cfg: BackendConfig) -> web.Application:

@@ -31,7 +31,7 @@ class ModelConfig:
     cache_entries: int = 16
     min_hit_tokens: int = 1000
     min_shared_tokens: int = 0  # cache rule 6, opt-in (docs/cache-policy.md)
-    cache_layout: str = "whole"  # cache rule 7, opt-in "shared": a shared prefix held once (docs/cache-policy.md)
+    cache_layout: str = "shared"  # cache rule 7: a shared prefix held once; "whole" is mlx-lm's way (docs/cache-policy.md)
     prefill_save: bool = True  # a request sharing a prompt in prefill waits for it and reuses it (docs/cache-policy.md)
     prefill_concurrency: int = 2  # prompts prefilled side by side per backend
     prefill_order: str = "step-beside"  # which waiting request prefills next (backend.engine.DEFAULT_PREFILL_ORDER)

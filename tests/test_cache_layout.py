@@ -140,7 +140,7 @@ def test_a_real_backend_answers_the_same_with_either_layout(make_stack):
     from texts import words
 
     s = make_stack()
-    whole = s.add_backend("b0", None, "--min-hit-tokens", "64")
+    whole = s.add_backend("b0", None, "--min-hit-tokens", "64", "--cache-layout", "whole")
     shared = s.add_backend("b1", None, "--min-hit-tokens", "64", "--cache-layout", "shared")
     whole.wait_healthy()
     shared.wait_healthy()

@@ -154,10 +154,12 @@ def test_cache_figures_reach_the_registry_with_each_save(make_stack, redis_serve
     assert float(rec["cache_victim_used_at"]) == e1["used_at"] >= round(t0, 3)
     assert float(rec["kv_bytes_per_token"]) == round(e1["nbytes"] / e1["tokens"], 1)
     _chat(b0.url, words(300, seed=14))
-    entries = get_json(b0.url + "/internal/cache")["entries"]
+    cache = get_json(b0.url + "/internal/cache")
+    entries = cache["entries"]
     assert len(entries) == 2
     rec = r.hgetall(k.backend("b0"))
-    assert int(rec["cache_bytes"]) == sum(e["nbytes"] for e in entries)
+    # What the cache holds: the two prompts' shared template header once (cache rule 7).
+    assert cache["layout"] == "shared" and int(rec["cache_bytes"]) == cache["nbytes"] < sum(e["nbytes"] for e in entries)
     # The next victim is the first entry (least recently used; the second request's lookup
     # touched it, as its template header is a shared prefix, before the new entry was saved).
     first = next(e for e in entries if e["id"] == e1["id"])
