@@ -81,6 +81,10 @@ class Segment:
         self.start, self.end, self.parts, self.nbytes, self.parent = start, end, parts, nbytes, parent
         self.refs = 0
 
+    def chain_nbytes(self) -> int:
+        """Bytes of this segment and its ancestors: the KV of an entry ending here."""
+        return sum(x.nbytes for x in self.chain())
+
     def chain(self) -> list["Segment"]:
         """This segment and its ancestors, root first."""
         out, seg = [], self
@@ -290,10 +294,8 @@ class PromptCache:
         if self.layout != "shared" or not self.ops.trimmable(kv) or not self.ops.sliceable(kv):
             return n
         t = np.asarray(tokens, dtype=np.int32)
-        c = max((common_prefix(e.tokens, t) for e in self._entries.values() if e.seg is not None), default=0)
-        if c < self.share_min_tokens or not len(t):
-            return n
-        return n * (len(t) - c) // len(t)
+        c = self._sharing({e.id: common_prefix(e.tokens, t) for e in self._entries.values()})[1]
+        return n * (len(t) - c) // len(t) if len(t) else n
 
     def is_good_hit(self, reused: int, prompt_len: int, system_tokens: int) -> bool:
         """Rule 3 (exo PR 1817): may the request that reused an entry replace it?"""
@@ -374,7 +376,7 @@ class PromptCache:
         seg = None
         if self.layout == "shared" and trimmable and self.ops.sliceable(kv):
             seg = self._store(t, kv, common)
-            nbytes = sum(x.nbytes for x in seg.chain())
+            nbytes = seg.chain_nbytes()
             kv = None
 
         # Rule 3: replace the reused entry only on a good hit.
@@ -469,7 +471,7 @@ class PromptCache:
         if victim.seg is not None:  # rule 7: the kept prefix is the victim's chain up to n
             kv, seg = None, self._node_at(victim.seg, n)
             seg.refs += 1
-            nbytes = sum(x.nbytes for x in seg.chain())
+            nbytes = seg.chain_nbytes()
         else:
             kv, seg = self.ops.prefix(victim.kv, len(victim), n), None
             nbytes = self.ops.nbytes(kv)
@@ -535,15 +537,8 @@ class PromptCache:
         """Store ``kv`` (holding exactly ``t``) as a chain: the longest prefix an entry's chain
         already holds (at least ``share_min_tokens``) is shared, the rest copied into a new
         segment. Returns the chain's last segment with one reference taken for the entry."""
-        best, c = None, 0
-        for e in self._entries.values():
-            if e.seg is not None and common[e.id] > c:
-                best, c = e, common[e.id]
-        node = None
-        if best is not None and c >= self.share_min_tokens:
-            node = self._node_at(best.seg, c)
-        else:
-            c = 0
+        best, c = self._sharing(common)
+        node = self._node_at(best.seg, c) if best is not None else None
         if c < len(t):
             parts = self.ops.slice(kv, c, len(t))
             tail = Segment(c, len(t), parts, self.ops.parts_nbytes(parts), node)
@@ -554,6 +549,15 @@ class PromptCache:
             tail = node  # the new tokens are a prefix of a held chain: nothing to store
         tail.refs += 1
         return tail
+
+    def _sharing(self, common: dict[int, int]) -> tuple[Optional[CacheEntry], int]:
+        """The entry whose chain a new prompt shares most of, and how many tokens (``common``:
+        entry id -> common prefix with the prompt); ``(None, 0)`` below ``share_min_tokens``."""
+        best, c = None, 0
+        for e in self._entries.values():
+            if e.seg is not None and common[e.id] > c:
+                best, c = e, common[e.id]
+        return (best, c) if c >= self.share_min_tokens else (None, 0)
 
     def _node_at(self, seg: Segment, n: int) -> Segment:
         """The segment of ``seg``'s chain that ends at token ``n`` (0 < n <= seg.end), splitting
