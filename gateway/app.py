@@ -21,7 +21,6 @@ from aiohttp import web
 
 from mlxgw import schema
 from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, overloaded, parse_openai
-from mlxgw.util import deadline
 
 from . import auth, dashboard, dialects, limits
 from .limits import LimitConfig
@@ -130,15 +129,7 @@ def _refuse(request: web.Request, err: RequestError) -> web.Response:
 
 async def _read_json(request: web.Request) -> dict:
     cfg = request.app[STATE].cfg
-    if request.content_length is not None and request.content_length > cfg.max_body_bytes:
-        raise RequestError("request body too large", status=413, code="body_too_large")
-    try:
-        async with deadline(cfg.limits.body_timeout):
-            raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise RequestError("request body too large", status=413, code="body_too_large")
-    except asyncio.TimeoutError:
-        raise RequestError("request body not received in time", status=408, code="body_timeout")
+    raw = await limits.receive_body(request, cfg.max_body_bytes, cfg.limits.body_timeout)  # read already, when capped
     # Big bodies decode off the event loop so other requests keep flowing.
     body = loads_body(raw) if len(raw) < 1 << 20 else await asyncio.get_running_loop().run_in_executor(None, loads_body, raw)
     body.pop(INTERNAL_FIELD, None)  # clients cannot inject token ids
@@ -393,7 +384,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
     Raises (at startup): FileNotFoundError for a configured model path that is
     not a model directory.
     """
-    admission = limits.limits_middleware(cfg.limits)
+    admission = limits.limits_middleware(cfg.limits, cfg.max_body_bytes)
     app = web.Application(middlewares=[error_middleware, auth.auth_middleware(cfg.api_keys), admission],
                           client_max_size=cfg.max_body_bytes)
     app[ADMISSION] = admission.limits

@@ -23,6 +23,7 @@ routing.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from typing import Optional
 from aiohttp import web
 
 from mlxgw.protocol import RequestError, overloaded
+from mlxgw.util import deadline
 
 from .auth import CALLER, OPEN_PATHS
 
@@ -43,7 +45,8 @@ class LimitConfig:
         max_connections: client connections held at once (`gateway.connguard`); over it
             a new connection gets a fixed 503 before its request is read.
         max_in_flight: requests the gateway holds at once, all callers together
-            (a stream counts until its last byte); over it, 503 ``overloaded``.
+            (from when the whole body has arrived; a stream counts until its last
+            byte); over it, 503 ``overloaded``.
         max_concurrent_per_key: requests one caller may have in flight (a
             stream counts until its last byte).
         rate_per_minute: sustained requests per minute per caller.
@@ -139,14 +142,15 @@ class CallerLimits:
         self.prune_above = prune_above
 
     def admit(self, caller: str, now: Optional[float] = None, capped: bool = True) -> Optional[tuple[str, int]]:
-        """Take a slot for ``caller``: None when admitted (call `release` with the same
-        ``capped`` after), else ``(reason, retry_after_seconds)`` with reason
-        ``"overloaded"`` (the global cap; checked first, so a shed request spends none
-        of its caller's rate), ``"rate"`` or ``"concurrency"``. ``capped``: the request
-        counts against the global cap."""
+        """Take ``caller``'s slot: None when admitted (call `take_slot` next when
+        ``capped``, and `release` with the same ``capped`` after), else
+        ``(reason, retry_after_seconds)`` with reason ``"overloaded"`` (the global cap;
+        checked first, so a shed request spends none of its caller's rate), ``"rate"``
+        or ``"concurrency"``. ``capped``: the request counts against the global cap,
+        whose slot `take_slot` takes once the body has arrived."""
         now = time.monotonic() if now is None else now
         cfg = self.cfg
-        if capped and cfg.max_in_flight > 0 and self.admitted >= cfg.max_in_flight:
+        if capped and self.full():
             self.rejected["overloaded"] += 1
             return "overloaded", 1
         if cfg.max_concurrent_per_key > 0 and self.inflight.get(caller, 0) >= cfg.max_concurrent_per_key:
@@ -163,11 +167,28 @@ class CallerLimits:
                 self.rejected["rate"] += 1
                 return "rate", max(1, math.ceil(wait))
         self.inflight[caller] = self.inflight.get(caller, 0) + 1
-        if capped:
-            self.admitted += 1
         return None
 
+    def full(self) -> bool:
+        """Whether the global cap is reached."""
+        return self.cfg.max_in_flight > 0 and self.admitted >= self.cfg.max_in_flight
+
+    def take_slot(self, caller: str) -> bool:
+        """Take a slot of the global cap for a request `admit` let in; False when the cap
+        filled up meanwhile: the request is shed (counted as overloaded), its caller's slot
+        released and its rate token given back."""
+        if self.full():
+            self.rejected["overloaded"] += 1
+            self.release(caller, capped=False)
+            b = self.buckets.get(caller)
+            if b is not None:
+                b.tokens = min(b.capacity, b.tokens + 1.0)
+            return False
+        self.admitted += 1
+        return True
+
     def release(self, caller: str, capped: bool = True) -> None:
+        """Give back what `admit` (and, when ``capped``, `take_slot`) took."""
         if capped:
             self.admitted -= 1
         n = self.inflight.get(caller, 0) - 1
@@ -181,9 +202,32 @@ class CallerLimits:
             del self.buckets[c]
 
 
-def limits_middleware(cfg: LimitConfig):
+async def receive_body(request: web.Request, max_bytes: int, timeout: float) -> bytes:
+    """The whole request body (aiohttp keeps it: later ``request.read()`` calls return it).
+
+    Raises:
+        RequestError: 413 ``body_too_large`` over ``max_bytes``; 408 ``body_timeout`` when
+            it has not all arrived within ``timeout`` seconds.
+    """
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise RequestError("request body too large", status=413, code="body_too_large")
+    try:
+        async with deadline(timeout):
+            return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise RequestError("request body too large", status=413, code="body_too_large")
+    except asyncio.TimeoutError:
+        raise RequestError("request body not received in time", status=408, code="body_timeout")
+
+
+def limits_middleware(cfg: LimitConfig, max_body_bytes: int):
     """An aiohttp middleware enforcing `CallerLimits` (after the auth middleware named the caller);
-    its ``limits`` attribute is that object (for metrics and tests)."""
+    its ``limits`` attribute is that object (for metrics and tests).
+
+    A capped request takes its slot of the global cap only once its body has arrived
+    (`receive_body`, up to ``max_body_bytes``): a client sending slowly holds its own
+    caller's concurrency slot and a connection, never a slot other callers need.
+    """
     limits = CallerLimits(cfg)
 
     @web.middleware
@@ -203,6 +247,16 @@ def limits_middleware(cfg: LimitConfig):
                    if reason == "concurrency" else
                    f"rate limit exceeded for this API key ({cfg.rate_per_minute:g} requests per minute)")
             raise RequestError(msg, status=429, type="rate_limit_error", code="rate_limit_exceeded", headers=headers)
+        if capped:
+            try:
+                if request.can_read_body:
+                    await receive_body(request, max_body_bytes, cfg.body_timeout)
+            except BaseException:
+                limits.release(caller, capped=False)
+                raise
+            if not limits.take_slot(caller):
+                raise overloaded(f"the gateway is at its limit of {cfg.max_in_flight} requests in flight; "
+                                 "retry shortly")
         try:
             return await handler(request)
         finally:

@@ -5,8 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
 set +e
-# -rs: a skipped test (e.g. the browser one without Chromium) is listed with its reason.
-.venv/bin/python -m pytest -q -rs -p no:cacheprovider "$@"
+# -rs: a skipped test (e.g. the browser one without Chromium) is listed with its reason;
+# --durations: the slowest tests, to watch the 10-minute budget from CI logs.
+.venv/bin/python -m pytest -q -rs --durations=15 -p no:cacheprovider "$@"
 rc=$?
 set -e
 # pytest's 5 means "no tests collected": a failure for CI, never a pass.

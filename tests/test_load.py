@@ -3,6 +3,7 @@ requests over 3 backends with one backend killed in the middle. Every
 request ends with an answer or a clean error; none hangs, none is dropped."""
 
 import asyncio
+import json
 import time
 from collections import Counter
 
@@ -130,17 +131,18 @@ def test_global_in_flight_cap_sheds_with_503_and_keeps_metrics_open(make_stack):
     import resource
 
     s = make_stack()
-    s.add_backend("b0", None, "--engine", "sim")
+    s.add_backend("b0", None, "--engine", "sim", "--sim-decode-rate", "20")  # 20 tokens/s: 3 s for 60
     gw = s.add_gateway("--max-in-flight", "3")
     auto = s.add_gateway()
     s.wait()
-    body = b'{"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"}]}'
+    body = (b'{"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, '
+            b'"stream": true}')
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     held = []
-    for _ in range(3):  # three admitted requests, their bodies not sent yet
+    for _ in range(3):  # three admitted requests, decoding for 3 s each
         c = socket.create_connection(("127.0.0.1", gw.port), timeout=30)
-        c.sendall(head + body[:5])
+        c.sendall(head + body)
         held.append(c)
     deadline = time.time() + 10
     while _metric(gw.url, "mlxgw:gateway_requests_admitted") < 3 and time.time() < deadline:
@@ -177,6 +179,38 @@ def test_global_in_flight_cap_sheds_with_503_and_keeps_metrics_open(make_stack):
     assert _metric(auto.url, "mlxgw:gateway_max_in_flight") == max(64, soft // 4)
     conns = max(64, soft - max(64, soft // 4) - 256)  # the files left after backend sockets and 256 spare
     assert f"at most {max(64, soft // 4)} requests in flight and {conns} connections" in auto.log_path.read_text()
+
+
+def test_a_body_still_arriving_holds_no_slot_of_the_global_cap(make_stack):
+    """A client sending its body slowly (or never finishing it) holds its connection and its
+    own caller's slot until ``--body-timeout``, not a slot of ``--max-in-flight``: with a cap
+    of 1, other requests are answered meanwhile, and the slow one is answered once its body
+    is complete."""
+    import socket
+
+    s = make_stack()
+    s.add_backend("b0", None, "--engine", "sim")
+    gw = s.add_gateway("--max-in-flight", "1")
+    s.wait()
+    body = b'{"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}'
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    oa = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as slow:
+        slow.sendall(head + body[:7])
+        time.sleep(0.3)
+        for _ in range(3):
+            r = oa.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=3)
+            assert r.usage.completion_tokens == 3
+        assert _metric(gw.url, "mlxgw:gateway_requests_admitted") == 0
+        assert _metric(gw.url, 'mlxgw:gateway_requests_rejected_total{reason="overloaded"}') == 0
+        slow.sendall(body[7:])
+        answer = b""
+        while chunk := slow.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"] == 3
 
 
 def test_connections_over_the_cap_get_a_503_before_their_request_is_read(make_stack):
