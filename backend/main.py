@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-entries", type=int, default=ModelConfig.cache_entries,
                    help="most prompt-cache entries (default %(default)s)")
     p.add_argument("--cache-bytes", type=str, default=ModelConfig.cache_bytes,
-                   help="prompt-cache byte budget, e.g. 512MB, 8GB (default %(default)s)")
+                   help="prompt-cache byte budget, e.g. 512MB, 8GB (binary units: 1GB = 2**30 bytes; "
+                        "default %(default)s)")
     p.add_argument("--min-hit-tokens", type=int, default=ModelConfig.min_hit_tokens,
                    help="floor of a good hit, tokens (exo PR 1817; default %(default)s)")
     p.add_argument("--min-hit-ratio", type=float, default=0.5, help="reused/prompt ratio of a good hit")
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat_interval,
         ttl=args.heartbeat_ttl,
         extra={"model_path": str(model_path), "cache_budget_bytes": budget, "engine": args.engine,
-               "min_hit_tokens": args.min_hit_tokens},
+               "min_hit_tokens": args.min_hit_tokens, "cache_layout": args.cache_layout},
     )
     cache = PromptCache(
         max_entries=args.cache_entries,
@@ -205,7 +206,9 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
         return 4
     reporter.state = "ready"
     await reporter.heartbeat()
-    log.info("backend %s registered at %s (model %s, epoch %d)", cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch)
+    log.info("backend %s registered at %s (model %s, epoch %d; prompt cache %.0f MiB, %d entries, %s layout)",
+             cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch, engine.cache.max_bytes / 2**20,
+             engine.cache.max_entries, engine.cache.layout)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:

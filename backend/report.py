@@ -186,6 +186,11 @@ class Reporter:
         with self._lock:
             return set(self._refs) | set(self._claims)
 
+    def _owned_count(self) -> int:
+        """``len(owned_blocks())`` without building the set (claims are few, saved blocks many)."""
+        with self._lock:
+            return len(self._refs) + sum(1 for b in self._claims if b not in self._refs)
+
     def _notify(self) -> None:
         if self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
@@ -293,8 +298,7 @@ class Reporter:
                 pipe.srem(owned, *dels)
             for ev in events:
                 pipe.xadd(self.keys.events, ev, maxlen=schema.EVENT_STREAM_MAXLEN, approximate=True)
-            if events:
-                self._update_cache_figures(pipe)
+            self._update_cache_figures(pipe)  # claims change blocks_owned too
             try:
                 registered = (await pipe.execute())[0]
                 self.redis_ok = True
@@ -328,7 +332,7 @@ class Reporter:
     def _update_cache_figures(self, pipe) -> None:
         """Queue the registry's cache figures (`schema.CACHE_FIGURES`) on ``pipe``: a cache
         that changed is visible to placement before the next heartbeat."""
-        figures = self.cache_figures()
+        figures = {**self.cache_figures(), "blocks_owned": self._owned_count()}
         args = [x for f in schema.CACHE_FIGURES if f in figures for x in (f, figures[f])]
         if args:
             # EVAL, not EVALSHA: a flushed script cache must not fail the ownership writes beside it
@@ -390,7 +394,7 @@ class Reporter:
         """Refresh the registry record; detect a lost record and re-publish."""
         info = dict(self.info())
         now = time.time()
-        owned = len(self.owned_blocks())
+        owned = self._owned_count()
         fields = {
             "id": self.backend_id,
             "url": self.url,

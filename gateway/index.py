@@ -256,8 +256,8 @@ class OwnershipIndex:
         self.healthy = ok
         if not ok and not self._said_down:
             self._said_down = True
-            log.warning("Redis unreachable (%s): routing on load, session affinity and this gateway's pending "
-                        "claims, over the last known backends", err)
+            log.warning("Redis unreachable (%s): routing on load, session affinity, this gateway's pending "
+                        "claims and where it last sent each prompt, over the last known backends", err)
         elif ok and self._said_down:
             self._said_down = False
             log.info("Redis reachable again: routing on ownership")

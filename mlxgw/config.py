@@ -231,7 +231,7 @@ def apply_flags(cfg: ServeConfig, args) -> ServeConfig:
     elif getattr(args, "served_name", None):
         m0.name = args.served_name
     for flag, attr in (("backends", "backends"), ("backend_port", "port"), ("cache_bytes", "cache_bytes"),
-                       ("cache_entries", "cache_entries")):
+                       ("cache_entries", "cache_entries"), ("cache_layout", "cache_layout")):
         v = getattr(args, flag, None)
         if v is not None:
             setattr(m0, attr, v)

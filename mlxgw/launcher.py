@@ -36,8 +36,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="gateway listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="gateway port (default 8000)")
     p.add_argument("--backend-port", type=int, help="first backend port (default 8100)")
-    p.add_argument("--cache-bytes", help="prompt-cache budget per backend (default 2GB)")
+    p.add_argument("--cache-bytes", help="prompt-cache budget per backend, e.g. 512MB or 2GB (binary units: "
+                   "1GB = 2**30 bytes; default 2GB)")
     p.add_argument("--cache-entries", type=int, help="prompt-cache entries per backend (default 16)")
+    from backend.cache import LAYOUTS
+
+    p.add_argument("--cache-layout", choices=LAYOUTS,
+                   help="shared (default): a prefix several cached prompts share is held once; whole: one copy "
+                        "per entry, as mlx-lm (docs/cache-policy.md, rule 7)")
     p.add_argument("--block-size", type=int, help="tokens per block")
     p.add_argument("--namespace", help="Redis key namespace (default mlxgw)")
     p.add_argument("--no-memory-check", action="store_true", help="skip the memory estimate")

@@ -191,7 +191,7 @@ def as_str(x) -> str:
 
 
 # Registry record fields that are text (docs/redis-schema.md); every other field is a number.
-REGISTRY_TEXT_FIELDS = frozenset({"id", "url", "model", "model_path", "host", "state", "engine"})
+REGISTRY_TEXT_FIELDS = frozenset({"id", "url", "model", "model_path", "host", "state", "engine", "cache_layout"})
 
 
 def registry_record(raw: dict) -> dict:
@@ -305,12 +305,14 @@ end
 return rows
 """
 
-# Cache figures a backend refreshes between heartbeats, with each batch of saves and
-# evictions (backend.report), so placement (gateway.route) sees them within a request.
+# Cache figures a backend refreshes between heartbeats, with each batch of ownership
+# changes (backend.report), so placement (gateway.route) sees them within a request and
+# the record agrees with itself (entries, bytes and blocks owned of the same moment).
 # KEYS[1] = the backend's registry hash; ARGV = field, value, field, value, ...
 # Writes only while the record exists: a lapsed record stays gone until the
 # heartbeat re-registers it (with its TTL) and re-publishes ownership.
-CACHE_FIGURES = ("cache_bytes", "cache_victim_used_at", "kv_bytes_per_token")
+CACHE_FIGURES = ("cache_entries", "cache_bytes", "cache_tokens", "cache_evictions", "cache_evicted_tokens",
+                 "cache_victim_used_at", "kv_bytes_per_token", "blocks_owned")
 UPDATE_IF_LIVE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   redis.call('HSET', KEYS[1], unpack(ARGV))

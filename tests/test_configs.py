@@ -164,6 +164,22 @@ def test_serve_passes_prefill_settings_to_the_backends(tmp_path):
         config.load(str(tmp_path / "d.toml"))
 
 
+def test_serve_cache_layout_flag_reaches_the_backends(tmp_path):
+    """`mlxgw serve --cache-layout whole` (a trial found only `mlxgw backend` had the flag)."""
+    from mlxgw import launcher
+
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    cfg = config.apply_flags(config.ServeConfig(), parser.parse_args(["--cache-layout", "whole"]))
+    flags = launcher.backend_model_flags(cfg.models[0])
+    assert flags[flags.index("--cache-layout") + 1] == "whole"
+    cfg = config.apply_flags(config.ServeConfig(), parser.parse_args([]))
+    flags = launcher.backend_model_flags(cfg.models[0])
+    assert flags[flags.index("--cache-layout") + 1] == "shared"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cache-layout", "bogus"])
+
+
 def test_a_backend_started_by_hand_has_the_serve_defaults():
     """`mlxgw backend` on another Mac gets the cache budget the README states for `serve`
     (it had 4GB against serve's 2GB before session 28)."""

@@ -160,6 +160,12 @@ def test_cache_figures_reach_the_registry_with_each_save(make_stack, redis_serve
     rec = r.hgetall(k.backend("b0"))
     # What the cache holds: the two prompts' shared template header once (cache rule 7).
     assert cache["layout"] == "shared" and int(rec["cache_bytes"]) == cache["nbytes"] < sum(e["nbytes"] for e in entries)
+    # The rest of the record's cache figures are of the same moment, not of the last heartbeat.
+    assert (int(rec["cache_entries"]), int(rec["cache_tokens"]), int(rec["blocks_owned"])) == (
+        2, sum(e["tokens"] for e in entries), len(cache["owned"]))
+    assert int(rec["blocks_owned"]) > 0 and rec["cache_evictions"] == "0"
+    assert rec["cache_layout"] == "shared"
+    assert "registered at" in b0.log_path.read_text() and "shared layout)" in b0.log_path.read_text()
     # The next victim is the first entry (least recently used; the second request's lookup
     # touched it, as its template header is a shared prefix, before the new entry was saved).
     first = next(e for e in entries if e["id"] == e1["id"])
