@@ -197,6 +197,9 @@ class MLXEngine(Engine):
         prefill_handoff: when that save does not fit, hand a copy of the prompt's
             KV to the waiting requests that reuse it, as their pinned hits
             (`_hand_over`), instead of letting them compute it again.
+        prefill_save_pin: when that save fits, the waiting requests take their
+            hit from the saved entry at once, as pinned hits (`_pin_saved`),
+            rather than at their admission, when the entry may be gone.
         claims: the reporter; each request's prompt blocks are claimed
             (`Reporter.claim`) from arrival to end. None: no claims.
         prefill_order: ``"fifo"``, ``"shorter-beside"`` or ``"step-beside"``
@@ -220,6 +223,7 @@ class MLXEngine(Engine):
         save_at_prefill_end: bool = True,
         prefill_save_evicts: bool = False,
         prefill_handoff: bool = True,
+        prefill_save_pin: bool = True,
         claims: Any = None,
         prefill_order: str = DEFAULT_PREFILL_ORDER,
         hit_tokens: int = 1,
@@ -233,6 +237,7 @@ class MLXEngine(Engine):
         self.save_at_prefill_end = save_at_prefill_end
         self.prefill_save_evicts = prefill_save_evicts
         self.prefill_handoff = prefill_handoff
+        self.prefill_save_pin = prefill_save_pin
         self.claims = claims
         self.trimmable = False  # set at load: may a prompt's blocks be claimed (as `servable_blocks`)?
         self.prefill_saves = 0
@@ -700,8 +705,28 @@ class MLXEngine(Engine):
             tokens = tokens[:n]
         if not tokens or tokens != req.prompt[: len(tokens)]:
             return
-        if not self._save_prompt(live, tokens, kv) and self.prefill_handoff:
+        if self._save_prompt(live, tokens, kv):
+            if self.prefill_save_pin:
+                self._pin_saved(waiters)
+        elif self.prefill_handoff:
             self._hand_over(tokens, kv, waiters)
+
+    def _pin_saved(self, waiters: list[GenRequest]) -> None:
+        """Give each request in ``waiters`` its hit from the prompt `_save_prompt` just saved
+        (a private copy, counted in flight like any pinned hit) when it reuses more than the
+        hit it holds.
+
+        Why now rather than at admission: a waiter may still wait behind others, and when
+        every save evicts (a budget below the KV of the requests in flight), the entry was
+        often gone by then, so the wait bought nothing. The shared layout (cache rule 7)
+        made it common: such a save adds only the prompt's unshared tail, so it fits in free
+        space where a whole copy did not and went to `_hand_over`, which pins. Measured in
+        docs/cache-policy.md ("On real backends, tight budget, concurrent turns").
+        """
+        for w in waiters:
+            held = w.hit.reused if w.hit is not None else 0
+            if self.cache.best_match(w.prompt)[1] > held:
+                w.hit, w.cache_version = self.cache.fetch(w.prompt), self.cache.version
 
     def _save_prompt(self, live: _Live, tokens: list[int], kv) -> bool:
         """Save a running request's prompt KV (``tokens``, the request keeps running) for

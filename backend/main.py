@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="when that save does not fit in free space, hand a copy of the prompt's KV straight to the "
                         "waiting requests that reuse it (KV in flight, nothing evicted; docs/cache-policy.md); "
                         "off: they compute it again")
+    p.add_argument("--prefill-save-pin", action=argparse.BooleanOptionalAction, default=True,
+                   help="when that save fits, the waiting requests take their hit from it at once (pinned, KV in "
+                        "flight) rather than at admission, when a full cache may have evicted it; off: at admission")
     p.add_argument("--inflight-claims", action=argparse.BooleanOptionalAction, default=True,
                    help="report a request's prompt blocks as owned from its arrival until it ends, so every "
                         "gateway sends its siblings here (docs/redis-schema.md); off: only saved entries")
@@ -155,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     kw = dict(decode_concurrency=args.decode_concurrency, prefill_concurrency=args.prefill_concurrency,
               prefill_step_size=args.prefill_step_size, finish_prefill_on_cancel=not args.cancel_prefill,
               metrics=metrics, save_at_prefill_end=args.prefill_save, prefill_save_evicts=args.prefill_save_evicts,
-              prefill_handoff=args.prefill_handoff,
+              prefill_handoff=args.prefill_handoff, prefill_save_pin=args.prefill_save_pin,
               claims=reporter if args.inflight_claims else None, prefill_order=args.prefill_order,
               hit_tokens=args.block_size)
     if args.engine == "sim":

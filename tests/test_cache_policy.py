@@ -379,11 +379,11 @@ def test_abandoned_request_is_saved_only_into_free_space(make_stack):
     assert evictions == "1", r.stdout
 
 
-def _open_stream(port: int, body: dict) -> socket.socket:
+def _open_stream(port: int, body: dict, path: str = "/v1/completions") -> socket.socket:
     """Send a streamed completion; the caller reads or closes the socket."""
     raw = json.dumps({**body, "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
                  + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
     return sock
 
@@ -447,6 +447,46 @@ def test_prefill_save_may_evict_for_the_waiting_request(make_stack):
         assert _sibling_during_prefill(backend, a, b) == want, backend.name
         h = get_json(backend.url + "/health")
         assert (h["prefill_saves"], h["prefill_handoffs"]) == (saves, handoffs), backend.name
+
+
+def test_a_waiting_request_keeps_the_prompt_saved_for_it_when_the_entry_is_evicted(make_stack):
+    """B waits for A's prefill, whose prompt is saved for it; before B is admitted (C, an unrelated
+    chat, is ahead of it for the one prefill slot) C's system-prompt save evicts that entry (one
+    entry allowed). B took its hit from the saved entry at once (pinned), so it still reuses A's
+    prompt; taking it at admission (--no-prefill-save-pin, the rule before session 29) it found
+    nothing. With the shared layout such saves fit where a whole copy went to the hand-over."""
+    import numpy as np
+
+    s = make_stack()
+    flags = ("--min-hit-tokens", "64", "--prefill-step-size", "64", "--cache-entries", "1",
+             "--prefill-concurrency", "1", "--prefill-order", "fifo")
+    pin = s.add_backend("pin", None, *flags)
+    late = s.add_backend("late", None, *flags, "--no-prefill-save-pin")
+    s.wait()
+    a = np.random.default_rng(5).integers(16, 3000, 3000).tolist()
+    b = a[:2500] + np.random.default_rng(6).integers(16, 3000, 20).tolist()
+    c = {"model": s.model_name, "max_tokens": 1, "temperature": 0,
+         "messages": [{"role": "system", "content": words(300, seed=21)}, {"role": "user", "content": words(900, seed=22)}]}
+    for backend, want in ((pin, 2500), (late, 0)):
+        sa = _open_stream(backend.port, {"prompt": a, "max_tokens": 1, "temperature": 0})
+        try:
+            time.sleep(0.05)
+            sc = _open_stream(backend.port, c, "/v1/chat/completions")
+            try:
+                time.sleep(0.05)
+                assert get_json(backend.url + "/health")["active"] == 2  # C waits behind A's prefill
+                st, _, body = post(backend.url + "/v1/completions", {"prompt": b, "max_tokens": 1, "temperature": 0})
+                assert st == 200, body
+                assert b"[DONE]" in _read_all(sc)
+            finally:
+                sc.close()
+            assert b"[DONE]" in _read_all(sa)
+        finally:
+            sa.close()
+        assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == want, backend.name
+        h = get_json(backend.url + "/health")
+        assert (h["prefill_saves"], h["prefill_handoffs"]) == (1, 0), backend.name
+        assert h["cache_evictions"] >= 2, backend.name  # A's entry went before B was admitted, then more
 
 
 def test_request_sharing_a_decoding_prompt_reuses_it(make_stack):
