@@ -8,6 +8,7 @@ backends get the same requests at once). Prints, per seed, the cached_tokens eac
 and whether their greedy answers were identical; the last line is the JSON of all seeds.
 
     python bench/layout_concurrent.py --budget 3MB --seeds 3,4,5,6,7,8,9,10,11,12,13,14,15
+    python bench/layout_concurrent.py --budget 2MB --backend-flags='--no-prefill-save-pin'
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ def system_prompt(k: int, n: int) -> str:
         f"Guideline {k}-{i}: inspect component_{k}_{i} for defect class {i * 13 + k}." for i in range(n))
 
 
-def one_seed(demo: str, budget: str, seed: int) -> dict:
+def one_seed(demo: str, budget: str, seed: int, extra: list[str]) -> dict:
     redis = RedisServer().start()
     s = Stack(redis.url, demo)
     try:
-        flags = ["--cache-bytes", budget, "--min-shared-tokens", "64"]
+        flags = ["--cache-bytes", budget, "--min-shared-tokens", "64", *extra]
         bs = {lay: s.add_backend(lay, None, *flags, "--cache-layout", lay) for lay in ("shared", "whole")}
         for b in bs.values():
             b.wait_healthy()
@@ -80,11 +81,13 @@ def main() -> None:
     p.add_argument("--budget", default="3MB", help="cache budget per backend (binary units)")
     p.add_argument("--seeds", default="3,4,5", help="comma-separated seeds (one pair of fresh backends each)")
     p.add_argument("--model", default=None, help="model dir (default: the demo model)")
+    p.add_argument("--backend-flags", default="", help="more flags for both backends, one string "
+                   "(e.g. '--no-prefill-save-pin')")
     args = p.parse_args()
     demo = args.model or str(ensure_demo_model("tiny"))
     out = {}
     for seed in (int(x) for x in args.seeds.split(",")):
-        r = out[seed] = one_seed(demo, args.budget, seed)
+        r = out[seed] = one_seed(demo, args.budget, seed, args.backend_flags.split())
         print(f"seed {seed}: cached tokens shared {r['cached']['shared']}, whole {r['cached']['whole']} of "
               f"{r['prompt']}; identical answers {r['same_answers']}/{r['requests']}", flush=True)
     sh = sum(r["cached"]["shared"] for r in out.values())
