@@ -113,6 +113,19 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
     }
 
 
+def layouts_note(records: list[dict]) -> str:
+    """``" (cache layout shared)"``, or with mixed layouts each with its count (``" (cache
+    layouts shared x2, whole x1)"``); empty when no record names one (docs/cache-policy.md, rule 7)."""
+    from collections import Counter
+
+    n = Counter(r["cache_layout"] for r in records if r.get("cache_layout"))
+    if not n:
+        return ""
+    if len(n) == 1:
+        return f" (cache layout {next(iter(n))})"
+    return " (cache layouts " + ", ".join(f"{k} x{v}" for k, v in sorted(n.items())) + ")"
+
+
 def console():
     """A rich Console; piped or captured output gets 150 columns so no column is cut."""
     from rich.console import Console
@@ -253,7 +266,7 @@ def run(args) -> int:
         con.print(f"no models registered under namespace '{args.namespace}'")
     now = time.time()
     for m, d in data.items():
-        t = Table(title=f"model {m}")
+        t = Table(title=f"model {m}{layouts_note(d['backends'])}")
         for col in ("backend", "state", "url", "active", "queued", "entries", "cache MiB", "evictions",
                     "hit ratio (tokens)", "age s"):
             t.add_column(col)

@@ -78,6 +78,7 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
         assert st.returncode == 0 and "demo-tiny-0" in st.stdout
         st = _run(["status"])  # says which Redis it read, and from where
         assert st.returncode == 0 and f"(from {serve_url_file()})" in st.stdout
+        assert "model demo-tiny (cache layout shared)" in st.stdout, st.stdout
         # The embedded Redis dies: serve starts it again (same URL, empty), the backends
         # re-publish and register, and prefix routing comes back.
         import redis

@@ -75,3 +75,12 @@ def test_top_sorts_by_load_and_rates_follow_counters(make_stack, redis_server):
     rows = [ln.split("│")[1].strip() for ln in con.export_text().splitlines() if ln.startswith("│")]
     assert rows == ["b1", "b0"]
     assert sparkline([0.0, 0.5, 1.0, None], hi=1.0) == "▁▅█ "
+
+
+def test_status_titles_name_the_cache_layouts():
+    from mlxgw.status import layouts_note
+
+    assert layouts_note([{"cache_layout": "shared"}, {"cache_layout": "shared"}]) == " (cache layout shared)"
+    assert layouts_note([{"cache_layout": "whole"}, {"cache_layout": "shared"}, {"cache_layout": "shared"}]) == (
+        " (cache layouts shared x2, whole x1)")
+    assert layouts_note([{"id": "b0"}]) == ""  # a backend from before the field
