@@ -129,7 +129,13 @@ def run(args: argparse.Namespace) -> int:
     backend_id = args.backend_id or f"{socket.gethostname()}:{args.port}"
     raise_open_files_limit()
     url = args.url or f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
-    budget = parse_bytes(args.cache_bytes)
+    try:
+        budget = parse_bytes(args.cache_bytes)
+    except ValueError:
+        budget = 0
+    if budget <= 0:
+        log.error("--cache-bytes %r is not a size above 0 bytes (e.g. 2GB, 512MB)", args.cache_bytes)
+        return 2
 
     reporter = Reporter(
         args.redis_url,

@@ -241,7 +241,7 @@ def limits_middleware(cfg: LimitConfig, max_body_bytes: int):
             reason, retry = denied
             headers = {"Retry-After": str(retry)}
             if reason == "overloaded":
-                raise overloaded(f"the gateway is at its limit of {cfg.max_in_flight} requests in flight; "
+                raise overloaded(f"the gateway is at its limit of {cfg.max_in_flight} request{'' if cfg.max_in_flight == 1 else 's'} in flight; "
                                  "retry shortly")
             msg = (f"too many requests in flight for this API key (limit {cfg.max_concurrent_per_key})"
                    if reason == "concurrency" else
@@ -255,7 +255,7 @@ def limits_middleware(cfg: LimitConfig, max_body_bytes: int):
                 limits.release(caller, capped=False)
                 raise
             if not limits.take_slot(caller):
-                raise overloaded(f"the gateway is at its limit of {cfg.max_in_flight} requests in flight; "
+                raise overloaded(f"the gateway is at its limit of {cfg.max_in_flight} request{'' if cfg.max_in_flight == 1 else 's'} in flight; "
                                  "retry shortly")
         try:
             return await handler(request)

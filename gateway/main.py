@@ -106,17 +106,17 @@ def add_security_arguments(p: argparse.ArgumentParser, defaults: bool = True) ->
                         "is read (default: the open files left after --max-in-flight backend sockets and 256 "
                         "spare); 0: no cap")
     p.add_argument("--max-concurrent-per-key", type=int, default=dflt(d.max_concurrent_per_key),
-                   help="requests in flight per API key (per address without keys); 0: no limit")
+                   help=f"requests in flight per API key (per address without keys; default {d.max_concurrent_per_key}); 0: no limit")
     p.add_argument("--rate-limit-rpm", type=float, default=dflt(d.rate_per_minute),
-                   help="requests per minute per API key (token bucket); 0: no limit")
+                   help=f"requests per minute per API key (token bucket; default {d.rate_per_minute:g}); 0: no limit")
     p.add_argument("--rate-burst", type=int, default=dflt(d.rate_burst),
                    help="token-bucket size (default: 10 seconds of --rate-limit-rpm)")
-    p.add_argument("--max-messages", type=int, default=dflt(d.max_messages), help="most messages per chat request")
-    p.add_argument("--max-body-bytes", default=dflt("32MiB"), help="largest request body, e.g. 32MiB")
+    p.add_argument("--max-messages", type=int, default=dflt(d.max_messages), help=f"most messages per chat request (default {d.max_messages})")
+    p.add_argument("--max-body-bytes", default=dflt("32MiB"), help="largest request body, e.g. 32MiB (binary units; default 32MiB)")
     p.add_argument("--body-timeout", type=float, default=dflt(d.body_timeout),
-                   help="seconds to receive a request body before answering 408")
+                   help=f"seconds to receive a request body before answering 408 (default {d.body_timeout:g})")
     p.add_argument("--write-timeout", type=float, default=dflt(d.write_timeout),
-                   help="seconds a client may leave an answer unread before it is dropped")
+                   help=f"seconds a client may leave an answer unread before it is dropped (default {d.write_timeout:g})")
 
 
 def parse_models(specs: list[str]) -> dict[str, str]:
@@ -187,6 +187,11 @@ def config_from_args(args) -> GatewayConfig:
 EXIT_INSECURE = 6
 
 
+def _count(n: int, what: str) -> str:
+    """``"1 request"``, ``"40 requests"``, ``"unlimited requests"`` (0)."""
+    return f"{n or 'unlimited'} {what}{'' if n == 1 else 's'}"
+
+
 def run(args: argparse.Namespace) -> int:
     raise_open_files_limit()  # first: the default --max-in-flight follows the raised limit
     try:
@@ -210,9 +215,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
     app = make_app(cfg)
     lim = cfg.limits
-    log.info("gateway %s starting on %s:%d: Redis %s (namespace %s), models %s, at most %s requests in flight "
+    log.info("gateway %s starting on %s:%d: Redis %s (namespace %s), models %s, at most %s in flight "
              "and %s connections", cfg.gateway_id, args.host, args.port, redact_url(cfg.redis_url), cfg.namespace,
-             ", ".join(cfg.models) or "-", lim.max_in_flight or "unlimited", lim.max_connections or "unlimited")
+             ", ".join(cfg.models) or "-", _count(lim.max_in_flight, "request"), lim.max_connections or "unlimited")
     code = asyncio.run(_serve(app, cfg, args.host, args.port))
     if code == 0:
         log.info("gateway %s stopped", cfg.gateway_id)

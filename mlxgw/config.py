@@ -190,9 +190,11 @@ def validate(cfg: ServeConfig) -> None:
     for name, size in [("[gateway] max_body_bytes", cfg.max_body_bytes)] + \
             [(f"[[models]] {m.name or m.path or 'demo'} cache_bytes", m.cache_bytes) for m in cfg.models]:
         try:
-            parse_bytes(size)
+            n = parse_bytes(size)
         except (ValueError, AttributeError):
             raise ValueError(f"{name}: {size!r} is not a size (e.g. 2GB, 512MB)") from None
+        if n <= 0:  # a cache that can hold nothing, or a body limit nothing fits under
+            raise ValueError(f"{name}: {size!r} must be more than 0 bytes (e.g. 2GB, 512MB)")
     if cfg.redis_url == "":
         raise ValueError("[redis] url is empty; leave it out for the embedded Redis")
     ranges = [("[gateway] port", cfg.port, cfg.port)]

@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-layout", choices=LAYOUTS,
                    help="shared (default): a prefix several cached prompts share is held once; whole: one copy "
                         "per entry, as mlx-lm (docs/cache-policy.md, rule 7)")
-    p.add_argument("--block-size", type=int, help="tokens per block")
+    p.add_argument("--block-size", type=int, help="tokens per block (default 64; gateway and backends must match)")
     p.add_argument("--namespace", help="Redis key namespace (default mlxgw)")
     p.add_argument("--no-memory-check", action="store_true", help="skip the memory estimate")
     from gateway.route import POLICIES

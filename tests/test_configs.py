@@ -61,6 +61,9 @@ BAD = [  # (toml, message): each once reached a traceback, a child's argparse du
     ('[[models]]\nname = "a"\nbackends = "two"\n', "backends must be an integer, not 'two'"),
     ('[[models]]\nname = "a"\nport = "9110"\n', "port must be an integer, not '9110'"),
     ('[[models]]\nname = "a"\ncache_bytes = "lots"\n', "cache_bytes: 'lots' is not a size"),
+    ('[[models]]\nname = "a"\ncache_bytes = "-1GB"\n', "cache_bytes: '-1GB' must be more than 0 bytes"),
+    ('[[models]]\nname = "a"\ncache_bytes = 0\n', "cache_bytes: 0 must be more than 0 bytes"),
+    ('[gateway]\nmax_body_bytes = "0MB"\n', "max_body_bytes: '0MB' must be more than 0 bytes"),
     ('[[models]]\nname = "a"\nbackends = 0\n', "backends must be at least 1, not 0"),
     ('[[models]]\nname = "a"\nmin_hit_tokens = "x"\n', "min_hit_tokens must be an integer"),
     ('[routing]\nload_weight = "high"\n', "[routing]: load_weight must be a number, not 'high'"),
@@ -102,6 +105,12 @@ def test_serve_exits_2_on_a_bad_value(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mlxgw", "serve", "--block-size", "0"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "block_size must be at least 1, not 0" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "mlxgw", "serve", "--cache-bytes=-5GB"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "'-5GB' must be more than 0 bytes" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "mlxgw", "backend", "--cache-bytes=-1GB", "--redis-url",
+                        "redis://127.0.0.1:1/0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--cache-bytes '-1GB' is not a size above 0 bytes" in r.stderr, r.stderr
     for cmd in ("gateway", "backend"):  # their own flag: refused by argparse, not at the first request
         r = subprocess.run([sys.executable, "-m", "mlxgw", cmd, "--block-size", "0"], capture_output=True, text=True,
                            timeout=120)
