@@ -81,22 +81,34 @@ def _f(rec: dict, key: str) -> float:
         return 0.0
 
 
+#: Missed heartbeats after which status and top show a backend as silent (its record lives
+#: until the heartbeat TTL, 5 beats by default).
+SILENT_AFTER_BEATS = 2.5
+
+
 def backend_view(rec: dict, now: Optional[float] = None) -> dict:
     """Derived figures of one registry record.
 
-    Returns ``id, state, url, active, queued (prefill tokens), entries,
+    Returns ``id, state (``silent Ns`` once `SILENT_AFTER_BEATS` heartbeats were missed),
+    silent, url, active, queued (prefill tokens), entries,
     cache_mb (MiB), cache_use (bytes / budget, 0..1, 0 without a budget),
     evictions (entries the budget evicted since start), requests, hit_ratio (cached / prompt tokens since start), age_s (since the
     last heartbeat), load`` where ``load`` (active requests, then queued
     tokens) is the sort key of ``mlxgw top``.
     """
     now = time.time() if now is None else now
+    age = now - _f(rec, "last_heartbeat")
+    # A backend that missed its heartbeats (killed, hung, cut off) keeps its record until the
+    # TTL; say so rather than show its last state.
+    every = _f(rec, "heartbeat_interval") or schema.DEFAULT_HEARTBEAT_INTERVAL
+    silent = age > SILENT_AFTER_BEATS * every
     pt = _f(rec, "prompt_tokens")
     budget = _f(rec, "cache_budget_bytes")
     active, queued = int(_f(rec, "active")), int(_f(rec, "queued_prefill_tokens"))
     return {
         "id": rec.get("id", "?"),
-        "state": rec.get("state", "?"),
+        "state": f"silent {age:.0f}s" if silent else rec.get("state", "?"),
+        "silent": silent,
         "url": rec.get("url", "?"),
         "active": active,
         "queued": queued,
@@ -108,7 +120,7 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
         "hits": int(_f(rec, "hits")),
         "hit_ratio": round(_f(rec, "cached_tokens") / pt, 4) if pt else 0.0,
         "decode_tps": _f(rec, "decode_tps"),
-        "age_s": round(now - _f(rec, "last_heartbeat"), 1),
+        "age_s": round(age, 1),
         "load": (active, queued),
     }
 

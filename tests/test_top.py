@@ -84,3 +84,15 @@ def test_status_titles_name_the_cache_layouts():
     assert layouts_note([{"cache_layout": "whole"}, {"cache_layout": "shared"}, {"cache_layout": "shared"}]) == (
         " (cache layouts shared x2, whole x1)")
     assert layouts_note([{"id": "b0"}]) == ""  # a backend from before the field
+
+
+def test_a_backend_that_missed_its_heartbeats_shows_as_silent():
+    from mlxgw.status import backend_view
+
+    rec = {"id": "b0", "state": "ready", "last_heartbeat": "100.0", "heartbeat_interval": "1.0"}
+    assert backend_view(rec, now=102.0)["state"] == "ready"  # two intervals: one beat late at most
+    v = backend_view(rec, now=103.6)
+    assert (v["state"], v["silent"], v["age_s"]) == ("silent 4s", True, 3.6)
+    slow = {**rec, "heartbeat_interval": "10"}
+    assert backend_view(slow, now=120.0)["state"] == "ready"
+    assert backend_view({k: v for k, v in rec.items() if k != "heartbeat_interval"}, now=103.0)["silent"]  # 1 s default
