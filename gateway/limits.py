@@ -32,7 +32,7 @@ from typing import Optional
 from aiohttp import web
 
 from mlxgw.protocol import RequestError, overloaded
-from mlxgw.util import deadline
+from mlxgw.util import count, deadline
 
 from .auth import CALLER, OPEN_PATHS
 
@@ -230,6 +230,10 @@ def limits_middleware(cfg: LimitConfig, max_body_bytes: int):
     """
     limits = CallerLimits(cfg)
 
+    def at_cap() -> RequestError:  # shed on arrival, or once the body arrived and the cap had filled
+        return overloaded(f"the gateway is at its limit of {count(cfg.max_in_flight, 'request')} in flight; "
+                          "retry shortly")
+
     @web.middleware
     async def mw(request: web.Request, handler):
         if request.path in OPEN_PATHS:
@@ -241,8 +245,7 @@ def limits_middleware(cfg: LimitConfig, max_body_bytes: int):
             reason, retry = denied
             headers = {"Retry-After": str(retry)}
             if reason == "overloaded":
-                raise overloaded(f"the gateway is at its limit of {cfg.max_in_flight} request{'' if cfg.max_in_flight == 1 else 's'} in flight; "
-                                 "retry shortly")
+                raise at_cap()
             msg = (f"too many requests in flight for this API key (limit {cfg.max_concurrent_per_key})"
                    if reason == "concurrency" else
                    f"rate limit exceeded for this API key ({cfg.rate_per_minute:g} requests per minute)")
@@ -255,8 +258,7 @@ def limits_middleware(cfg: LimitConfig, max_body_bytes: int):
                 limits.release(caller, capped=False)
                 raise
             if not limits.take_slot(caller):
-                raise overloaded(f"the gateway is at its limit of {cfg.max_in_flight} request{'' if cfg.max_in_flight == 1 else 's'} in flight; "
-                                 "retry shortly")
+                raise at_cap()
         try:
             return await handler(request)
         finally:

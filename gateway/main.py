@@ -16,7 +16,7 @@ from aiohttp import web
 from mlxgw import schema
 
 from mlxgw.rlimit import open_files_limit, raise_open_files_limit
-from mlxgw.util import parse_bytes, positive_int, redact_url
+from mlxgw.util import count, parse_bytes, positive_int, redact_url
 
 from .app import ADMISSION, GatewayConfig, make_app
 from .connguard import GuardedRunner, auto_max_connections
@@ -187,11 +187,6 @@ def config_from_args(args) -> GatewayConfig:
 EXIT_INSECURE = 6
 
 
-def _count(n: int, what: str) -> str:
-    """``"1 request"``, ``"40 requests"``, ``"unlimited requests"`` (0)."""
-    return f"{n or 'unlimited'} {what}{'' if n == 1 else 's'}"
-
-
 def run(args: argparse.Namespace) -> int:
     raise_open_files_limit()  # first: the default --max-in-flight follows the raised limit
     try:
@@ -217,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     lim = cfg.limits
     log.info("gateway %s starting on %s:%d: Redis %s (namespace %s), models %s, at most %s in flight "
              "and %s connections", cfg.gateway_id, args.host, args.port, redact_url(cfg.redis_url), cfg.namespace,
-             ", ".join(cfg.models) or "-", _count(lim.max_in_flight, "request"), lim.max_connections or "unlimited")
+             ", ".join(cfg.models) or "-", count(lim.max_in_flight, "request") if lim.max_in_flight else "unlimited requests", lim.max_connections or "unlimited")
     code = asyncio.run(_serve(app, cfg, args.host, args.port))
     if code == 0:
         log.info("gateway %s stopped", cfg.gateway_id)

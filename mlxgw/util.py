@@ -30,6 +30,11 @@ def redact_url(url: str) -> str:
     return url
 
 
+def count(n: int, noun: str) -> str:
+    """``"1 request"``, ``"3 requests"``: ``n`` and the noun, plural unless ``n`` is 1."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def positive_int(s: str) -> int:
     """argparse type: an integer >= 1 (a block size of 0 or less would only fail
     at the first request). Raises argparse.ArgumentTypeError otherwise."""
