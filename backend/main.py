@@ -15,7 +15,7 @@ from aiohttp import web
 from mlxgw import schema
 from mlxgw.config import ModelConfig
 from mlxgw.rlimit import raise_open_files_limit
-from mlxgw.util import parse_bytes, positive_int, redact_url
+from mlxgw.util import parse_bytes, positive_int, redact_url, size_arg
 
 from . import sim
 from .cache import LAYOUTS, PromptCache
@@ -43,8 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # on another Mac gets what the README states.
     p.add_argument("--cache-entries", type=int, default=ModelConfig.cache_entries,
                    help="most prompt-cache entries (default %(default)s)")
-    p.add_argument("--cache-bytes", type=str, default=ModelConfig.cache_bytes,
-                   help="prompt-cache byte budget, e.g. 512MB, 8GB (binary units: 1GB = 2**30 bytes; "
+    p.add_argument("--cache-bytes", type=size_arg, default=ModelConfig.cache_bytes,
+                   help="prompt-cache byte budget, e.g. 512MB, 512M, 8GB (binary units: 1GB = 2**30 bytes; "
                         "default %(default)s)")
     p.add_argument("--min-hit-tokens", type=int, default=ModelConfig.min_hit_tokens,
                    help="floor of a good hit, tokens (exo PR 1817; default %(default)s)")
@@ -129,13 +129,7 @@ def run(args: argparse.Namespace) -> int:
     backend_id = args.backend_id or f"{socket.gethostname()}:{args.port}"
     raise_open_files_limit()
     url = args.url or f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
-    try:
-        budget = parse_bytes(args.cache_bytes)
-    except ValueError:
-        budget = 0
-    if budget <= 0:
-        log.error("--cache-bytes %r is not a size above 0 bytes (e.g. 2GB, 512MB)", args.cache_bytes)
-        return 2
+    budget = parse_bytes(args.cache_bytes)  # size_arg checked it
 
     reporter = Reporter(
         args.redis_url,

@@ -16,7 +16,7 @@ from aiohttp import web
 from mlxgw import schema
 
 from mlxgw.rlimit import open_files_limit, raise_open_files_limit
-from mlxgw.util import count, parse_bytes, positive_int, redact_url
+from mlxgw.util import count, parse_bytes, positive_int, redact_url, size_arg
 
 from .app import ADMISSION, GatewayConfig, make_app
 from .connguard import GuardedRunner, auto_max_connections
@@ -112,7 +112,8 @@ def add_security_arguments(p: argparse.ArgumentParser, defaults: bool = True) ->
     p.add_argument("--rate-burst", type=int, default=dflt(d.rate_burst),
                    help="token-bucket size (default: 10 seconds of --rate-limit-rpm)")
     p.add_argument("--max-messages", type=int, default=dflt(d.max_messages), help=f"most messages per chat request (default {d.max_messages})")
-    p.add_argument("--max-body-bytes", default=dflt("32MiB"), help="largest request body, e.g. 32MiB (binary units; default 32MiB)")
+    p.add_argument("--max-body-bytes", type=size_arg, default=dflt("32MiB"),
+                   help="largest request body, e.g. 32MiB or 32M (binary units; default 32MiB)")
     p.add_argument("--body-timeout", type=float, default=dflt(d.body_timeout),
                    help=f"seconds to receive a request body before answering 408 (default {d.body_timeout:g})")
     p.add_argument("--write-timeout", type=float, default=dflt(d.write_timeout),

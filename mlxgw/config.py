@@ -137,7 +137,7 @@ def _type_errors(cls, values: dict, where: str) -> None:
     defaults = {f.name: f.default for f in fields(cls)}
     for k, v in values.items():
         if k in ("cache_bytes", "max_body_bytes"):
-            continue  # a size: a string or a number of bytes, checked by parse_bytes
+            continue  # a size: a string or a number of bytes, checked by positive_bytes
         default = defaults.get(k)
         if v is None or not isinstance(default, (int, float, str, bool)):
             continue
@@ -176,7 +176,7 @@ def validate(cfg: ServeConfig) -> None:
     """
     from gateway.route import RoutingConfig
 
-    from .util import parse_bytes
+    from .util import positive_bytes
 
     gateway = {k: getattr(cfg, k) for k in GATEWAY_KEYS + ("namespace",)}
     _type_errors(ServeConfig, gateway, "[gateway]")
@@ -190,11 +190,9 @@ def validate(cfg: ServeConfig) -> None:
     for name, size in [("[gateway] max_body_bytes", cfg.max_body_bytes)] + \
             [(f"[[models]] {m.name or m.path or 'demo'} cache_bytes", m.cache_bytes) for m in cfg.models]:
         try:
-            n = parse_bytes(size)
-        except (ValueError, AttributeError):
-            raise ValueError(f"{name}: {size!r} is not a size (e.g. 2GB, 512MB)") from None
-        if n <= 0:  # a cache that can hold nothing, or a body limit nothing fits under
-            raise ValueError(f"{name}: {size!r} must be more than 0 bytes (e.g. 2GB, 512MB)")
+            positive_bytes(size)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
     if cfg.redis_url == "":
         raise ValueError("[redis] url is empty; leave it out for the embedded Redis")
     ranges = [("[gateway] port", cfg.port, cfg.port)]

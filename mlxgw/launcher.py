@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import config as config_mod
-from .util import redact_url, serve_url_file
+from .util import redact_url, serve_url_file, size_arg
 
 log = logging.getLogger("mlxgw.serve")
 
@@ -36,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="gateway listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="gateway port (default 8000)")
     p.add_argument("--backend-port", type=int, help="first backend port (default 8100)")
-    p.add_argument("--cache-bytes", help="prompt-cache budget per backend, e.g. 512MB or 2GB (binary units: "
-                   "1GB = 2**30 bytes; default 2GB)")
+    p.add_argument("--cache-bytes", type=size_arg,
+                   help="prompt-cache budget per backend, e.g. 512MB, 512M or 2GB (binary units: 1GB = 2**30 bytes; "
+                        "default 2GB)")
     p.add_argument("--cache-entries", type=int, help="prompt-cache entries per backend (default 16)")
     from backend.cache import LAYOUTS
 

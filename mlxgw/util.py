@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from urllib.parse import urlsplit, urlunsplit
@@ -49,19 +50,56 @@ def positive_int(s: str) -> int:
     return v
 
 
+_SIZE = re.compile(r"\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:E[+-]?\d+)?)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
+_UNIT = {None: 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
 def parse_bytes(s: str | int) -> int:
-    """``'512MB'``, ``'8GB'``, ``'1.5GiB'``, ``'1000000'`` -> bytes.
+    """A size -> bytes, binary units: ``'512MB'``, ``'512M'``, ``'512MiB'``, ``'1.5G'``,
+    ``'4k'``, ``'1000000'``, ``'100B'`` (case does not matter; ``1G = 2**30``).
 
     Raises:
-        ValueError: unparseable size.
+        ValueError: unparseable size (the sign is kept: see ``positive_bytes``).
     """
-    if isinstance(s, int):
+    if isinstance(s, int) and not isinstance(s, bool):
         return s
-    t = s.strip().upper().replace("IB", "B")
-    for unit, mult in (("KB", 1 << 10), ("MB", 1 << 20), ("GB", 1 << 30), ("TB", 1 << 40), ("B", 1)):
-        if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * mult)
-    return int(float(t))
+    m = _SIZE.fullmatch(s) if isinstance(s, str) else None
+    if not m:
+        raise ValueError(f"{s!r} is not a size")
+    return int(float(m.group(1)) * _UNIT[m.group(2) and m.group(2).upper()])
+
+
+def positive_bytes(s: str | int) -> int:
+    """``parse_bytes``, and more than 0 (a cache that holds nothing, or a body limit
+    nothing fits under, is a mistake, not a setting).
+
+    Raises:
+        ValueError: ``"'x' is not a size (e.g. 2GB, 512MB)"`` or ``"'-1GB' must be more
+            than 0 bytes (e.g. 2GB, 512MB)"``.
+    """
+    try:
+        n = parse_bytes(s)
+    except ValueError:
+        raise ValueError(f"{s!r} is not a size (e.g. 2GB, 512MB)") from None
+    if n <= 0:
+        raise ValueError(f"{s!r} must be more than 0 bytes (e.g. 2GB, 512MB)")
+    return n
+
+
+def size_arg(s: str) -> str:
+    """argparse type for a size flag: ``s`` unchanged once ``positive_bytes`` accepts it
+    (the flag's text is passed on to child processes as given).
+
+    Raises:
+        argparse.ArgumentTypeError: as ``positive_bytes``.
+    """
+    import argparse
+
+    try:
+        positive_bytes(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
 
 
 def serve_url_file():
