@@ -23,14 +23,14 @@ from collections import deque
 from typing import Optional
 
 
-class _Claim:
-    """One routed request's chained block keys on one backend (compared by identity)."""
+class _Prefix:
+    """One prompt's chained block keys sent to one backend: a pending claim or a
+    remembered route (compared by identity; ``live`` until dropped)."""
 
-    __slots__ = ("backend", "keys")
+    __slots__ = ("backend", "keys", "live")
 
     def __init__(self, backend: str, keys: list[str]):
-        self.backend = backend
-        self.keys = keys
+        self.backend, self.keys, self.live = backend, keys, True
 
 
 def _common_blocks(a: list[str], b: list[str]) -> int:
@@ -50,6 +50,17 @@ def _common_blocks(a: list[str], b: list[str]) -> int:
     return lo
 
 
+def _deepest(prefixes, keys: list[str]) -> dict[str, int]:
+    """Backend id -> the longest common prefix (blocks) of ``keys`` with any of
+    ``prefixes`` sent there (all filed under ``keys[0]``)."""
+    out: dict[str, int] = {}
+    for p in prefixes:
+        d = _common_blocks(p.keys, keys)
+        if d > out.get(p.backend, 0):
+            out[p.backend] = d
+    return out
+
+
 class PendingClaims:
     """Block keys routed to each backend and not yet reported.
 
@@ -66,20 +77,20 @@ class PendingClaims:
 
     def __init__(self, grace: float = 1.0):
         self.grace = grace
-        self._by_root: dict[str, list[_Claim]] = {}  # first block key -> live claims
-        self._ending: deque[tuple[float, _Claim]] = deque()  # (expiry, claim)
+        self._by_root: dict[str, list[_Prefix]] = {}  # first block key -> live claims
+        self._ending: deque[tuple[float, _Prefix]] = deque()  # (expiry, claim)
         self._n = 0
 
-    def add(self, backend: str, keys: list[str]) -> Optional[_Claim]:
+    def add(self, backend: str, keys: list[str]) -> Optional[_Prefix]:
         """Claim ``keys`` for ``backend``; returns the handle to `release` (None: nothing claimed)."""
         if not keys:
             return None
-        claim = _Claim(backend, keys)
+        claim = _Prefix(backend, keys)
         self._by_root.setdefault(keys[0], []).append(claim)
         self._n += 1
         return claim
 
-    def release(self, handle: Optional[_Claim], ok: bool, now: Optional[float] = None) -> None:
+    def release(self, handle: Optional[_Prefix], ok: bool, now: Optional[float] = None) -> None:
         """The request ended: drop the claim after ``grace`` seconds (``ok``) or now."""
         now = time.monotonic() if now is None else now
         if handle is not None:
@@ -92,14 +103,7 @@ class PendingClaims:
     def depths(self, keys: list[str], now: Optional[float] = None) -> dict[str, int]:
         """Backend id -> pending prefix depth in blocks, for a request's block keys."""
         self._expire(time.monotonic() if now is None else now)
-        out: dict[str, int] = {}
-        if not keys:
-            return out
-        for c in self._by_root.get(keys[0], ()):
-            d = _common_blocks(c.keys, keys)
-            if d > out.get(c.backend, 0):
-                out[c.backend] = d
-        return out
+        return _deepest(self._by_root.get(keys[0], ()), keys) if keys else {}
 
     def __len__(self) -> int:
         """Live claims (in flight or within their grace)."""
@@ -109,7 +113,7 @@ class PendingClaims:
         while self._ending and self._ending[0][0] <= now:
             self._drop(self._ending.popleft()[1])
 
-    def _drop(self, claim: _Claim) -> None:
+    def _drop(self, claim: _Prefix) -> None:
         claims = self._by_root.get(claim.keys[0])
         if not claims:
             return
@@ -120,13 +124,6 @@ class PendingClaims:
                 break
         if not claims:
             del self._by_root[claim.keys[0]]
-
-
-class _Route:
-    __slots__ = ("backend", "keys", "live")
-
-    def __init__(self, backend: str, keys: list[str]):
-        self.backend, self.keys, self.live = backend, keys, True
 
 
 class RecentRoutes:
@@ -149,9 +146,9 @@ class RecentRoutes:
 
     def __init__(self, max_keys: int = 262_144):
         self.max_keys = max_keys
-        self._by_root: dict[str, dict[int, _Route]] = {}  # first key -> routes (by id)
-        self._by_last: dict[tuple[str, str], _Route] = {}  # (last key, backend) -> route
-        self._fifo: deque[_Route] = deque()
+        self._by_root: dict[str, dict[int, _Prefix]] = {}  # first key -> routes (by id)
+        self._by_last: dict[tuple[str, str], _Prefix] = {}  # (last key, backend) -> route
+        self._fifo: deque[_Prefix] = deque()
         self.keys = 0  # block keys held by live routes
 
     def add(self, backend: str, keys: list[str]) -> None:
@@ -162,7 +159,7 @@ class RecentRoutes:
             old = self._by_last.get((k, backend))
             if old is not None:
                 self._drop(old)
-        r = _Route(backend, keys)
+        r = _Prefix(backend, keys)
         self._by_root.setdefault(keys[0], {})[id(r)] = r
         self._by_last[(keys[-1], backend)] = r
         self._fifo.append(r)
@@ -174,20 +171,13 @@ class RecentRoutes:
 
     def depths(self, keys: list[str]) -> dict[str, int]:
         """Backend id -> depth in blocks of the longest remembered prefix of ``keys`` there."""
-        out: dict[str, int] = {}
-        if not keys:
-            return out
-        for r in self._by_root.get(keys[0], {}).values():
-            d = _common_blocks(r.keys, keys)
-            if d > out.get(r.backend, 0):
-                out[r.backend] = d
-        return out
+        return _deepest(self._by_root.get(keys[0], {}).values(), keys) if keys else {}
 
     def __len__(self) -> int:
         """Routes remembered."""
         return sum(len(v) for v in self._by_root.values())
 
-    def _drop(self, r: _Route) -> None:
+    def _drop(self, r: _Prefix) -> None:
         if not r.live:
             return
         r.live = False
