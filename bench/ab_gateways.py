@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import bare_hop  # noqa: E402
-from bench.overhead import PromptMaker, loadavg, long_context_copy  # noqa: E402
+from bench.overhead import PromptMaker, filler, loadavg, long_context_copy  # noqa: E402
 from mlxgw.harness import RedisServer, Stack  # noqa: E402
 
 
@@ -89,17 +89,20 @@ def _ms(x: float) -> float:
 
 
 class Bodies:
-    """Distinct chat bodies of a given rendered size (demo tokenizer)."""
+    """Distinct chat bodies of a given rendered size (demo tokenizer), after a shared system
+    message of ``system_words`` words when not 0 (agent traffic: every prompt then shares its
+    first blocks, and this gateway's pending claims all fall under one first block)."""
 
-    def __init__(self, pm: PromptMaker):
+    def __init__(self, pm: PromptMaker, system_words: int = 0):
         self.pm, self.words, self.n = pm, {}, 0
+        self.system = [{"role": "system", "content": filler(system_words, 1)}] if system_words else []
 
     def __call__(self, tokens: int) -> bytes:
         if tokens not in self.words:
             self.words[tokens] = self.pm.words_for(tokens, 0)
         self.n += 1
         content = PromptMaker.content(9, self.n, self.words[tokens], 0)
-        return json.dumps({"model": "demo-tiny", "messages": [{"role": "user", "content": content}],
+        return json.dumps({"model": "demo-tiny", "messages": self.system + [{"role": "user", "content": content}],
                            "max_tokens": 1}).encode()
 
 
@@ -214,6 +217,9 @@ def main(argv=None) -> int:
     p.add_argument("--stream-requests", type=int, default=200, help="streamed requests per gateway")
     p.add_argument("--stream-tokens", type=int, default=256, help="output tokens per streamed request")
     p.add_argument("--stream-concurrency", type=int, default=8)
+    p.add_argument("--system-words", type=int, default=0,
+                   help="a shared system message of this many words before every prompt (the sizes then "
+                        "count the user message only)")
     p.add_argument("--skip", default="", help="comma list: sequential,concurrent,stream,mixed")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -228,7 +234,7 @@ def main(argv=None) -> int:
     rev = subprocess.run(["git", "-C", str(base_dir), "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True).stdout.strip()
     model = long_context_copy(ensure_demo_model(), 65536, tmp)
-    bodies = Bodies(PromptMaker(load_tokenizer(model)))
+    bodies = Bodies(PromptMaker(load_tokenizer(model)), args.system_words)
     redis = RedisServer().start()
     stack = Stack(redis.url, str(model), block_size=64, lookup_deadline_ms=None)
     proxy = None

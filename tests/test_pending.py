@@ -161,3 +161,26 @@ def test_a_sibling_through_another_gateway_meets_the_prompt_in_prefill(make_stac
         assert int(h["X-Mlxgw-Matched-Tokens"]) == (1500 // s.block_size * s.block_size if same else 0)
         assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == cached, flags
         s.stop()
+
+
+def test_many_claims_under_one_shared_prefix_keep_exact_depths_and_leave_nothing_behind():
+    """Agent traffic files every claim under one first block (a shared system prompt): depths
+    stay exact per backend as claims come and go, and the count index empties with them."""
+    from mlxgw import schema
+
+    system = list(range(5000, 5000 + 64 * 8))  # 8 shared blocks
+    prompts = [system + [i] * 64 * (1 + i % 5) for i in range(300)]  # 9-13 blocks each
+    keys = [schema.block_keys("m", ids, 64) for ids in prompts]
+    p = PendingClaims(grace=0.5)
+    handles = [p.add(f"b{i % 3}", k) for i, k in enumerate(keys)]
+    probe = schema.block_keys("m", system + [7] * 64 * 3 + [1] * 64, 64)  # request 7's first 3 own blocks
+    assert p.depths(probe, now=0) == {"b0": 8, "b1": 11, "b2": 8}  # 7 % 3 == 1
+    for i, h in enumerate(handles):
+        if i % 3 == 1:
+            p.release(h, ok=i != 7, now=1.0)  # request 7 failed: dropped at once
+    assert p.depths(probe, now=1.0) == {"b0": 8, "b1": 8, "b2": 8} and len(p) == 299
+    p.release(handles[1], ok=True, now=1.0)  # a second release of one claim changes nothing
+    assert p.depths(probe, now=1.6) == {"b0": 8, "b2": 8} and len(p) == 200
+    for h in handles:
+        p.release(h, ok=False, now=2.0)
+    assert p.depths(probe, now=2.0) == {} and len(p) == 0 and p._held._by_backend == {}
