@@ -212,10 +212,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         for c in children:
             _spawn(c)
-        if not _wait_ready(children, lambda: stopping):
+        if not _wait_ready(children, lambda: stopping, "the backends (each loads the model)"):
             return 1 if not stopping else 0
         _spawn(gateway)
-        if not _wait_ready([gateway], lambda: stopping):
+        if not _wait_ready([gateway], lambda: stopping, "the gateway (loads the tokenizers)"):
             return 1 if not stopping else 0
         f = serve_url_file()
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -351,7 +351,10 @@ def _spawn(c: Child) -> None:
     c.next_start = 0.0
 
 
-def _wait_ready(children: list[Child], stopping, timeout: float = 600.0) -> bool:
+def _wait_ready(children: list[Child], stopping, what: str, timeout: float = 600.0) -> bool:
+    """Wait until every child answers its health URL; a progress line names ``what`` is starting
+    (rewritten in place on a terminal, a log line every 5 s otherwise). False: a child exited,
+    ``stopping()`` became true, or ``timeout`` seconds passed."""
     t0 = time.time()
     pending = {c.name: c for c in children}
     last = ""
@@ -365,7 +368,7 @@ def _wait_ready(children: list[Child], stopping, timeout: float = 600.0) -> bool
                 return False
             if _healthy(c.health_url):
                 del pending[name]
-        msg = f"starting: {len(children) - len(pending)}/{len(children)} ready ({time.time() - t0:.0f}s)"
+        msg = f"starting {what}: {len(children) - len(pending)}/{len(children)} ready ({time.time() - t0:.0f}s)"
         if msg != last and sys.stderr.isatty():
             print("\r" + msg, end="", file=sys.stderr, flush=True)
             last = msg
