@@ -19,7 +19,10 @@ backend claims it in Redis, which it does when the request arrives
 from __future__ import annotations
 
 import time
-from collections import _count_elements, deque  # _count_elements: Counter.update's C loop
+# _count_elements: the loop Counter.update runs (C in CPython, a Python fallback in
+# collections elsewhere) on a plain dict; a Counter itself deletes through a Python-level
+# __delitem__, which made add-and-drop 4x slower (214 against 55 us for 512 keys).
+from collections import _count_elements, deque
 from typing import Optional
 
 
