@@ -14,6 +14,7 @@ from aiohttp import web
 
 from mlxgw import schema
 from mlxgw.config import ModelConfig
+from mlxgw.prompt import tokenizer_fingerprint
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.util import parse_bytes, positive_int, redact_url, size_arg
 
@@ -201,6 +202,8 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
                   "pass a model directory to --model, or see README 'Set up' for the offline demo model)")
         await runner.cleanup()
         return 2
+    # Gateways route here only if their tokenizer's fingerprint is the same (gateway.index).
+    reporter.extra["tokenizer"] = tokenizer_fingerprint(engine.tokenizer)
     try:
         await reporter.start()
     except Exception as e:

@@ -240,8 +240,10 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
     ranked = [s for s in decision.ranked if not st.proxy.recently_failed(s.cand.backend_id)] or decision.ranked
     if not ranked:
         # Retry-After: backends (re-)register within a heartbeat, e.g. after Redis restarted empty.
-        raise RequestError(f"no live backend serves '{info.name}'", status=503, type="server_error", code="no_backend",
-                           headers={"Retry-After": "1"})
+        bad = st.index.incompatible.get(info.name)
+        why = (f"; left out: {'; '.join(f'{b}: {w}' for b, w in sorted(bad.items()))}" if bad else "")
+        raise RequestError(f"no live backend serves '{info.name}'{why}", status=503, type="server_error",
+                           code="no_backend", headers={"Retry-After": "1"})
     rid = uuid.uuid4().hex
     route_ms = (time.perf_counter() - t0) * 1000
     explain = " ".join(s.explain() for s in ranked)
@@ -369,6 +371,8 @@ async def handle_health(request: web.Request) -> web.Response:
         "retries": st.proxy.retries,
         "circuit_open": sorted(st.proxy.open),
         "token_rejected": sorted(st.proxy.token_rejected),
+        # live backends left out: another block size or tokenizer (gateway.index.mismatch)
+        "incompatible": st.index.incompatible,
         **st.counters,
     }
     return web.json_response(body, status=200 if ok else 503)
@@ -394,6 +398,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         for name, path in cfg.models.items():
             toks.add(name, path)
         index = OwnershipIndex(cfg.redis_url, cfg.namespace, cfg.lookup_deadline, cfg.gateway_id)
+        index.expect = {name: (cfg.block_size, info.fingerprint) for name, info in toks.models.items()}
         try:
             await index.refresh()
         except Exception as e:

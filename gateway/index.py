@@ -215,6 +215,9 @@ class OwnershipIndex:
         self._redis_id: Optional[bytes] = None  # `schema.redis_id_key` as last read
         self._kept: dict[tuple[str, str], tuple[Candidate, float]] = {}  # (model, id) -> (record, until)
         self.data_losses = 0
+        # model -> (block size, tokenizer fingerprint) a backend must have to be routed to
+        self.expect: dict[str, tuple[int, str]] = {}
+        self.incompatible: dict[str, dict[str, str]] = {}  # model -> backend id -> why (last refresh)
 
     def keys(self, model: str) -> schema.Keys:
         return schema.Keys(self.namespace, model)
@@ -244,7 +247,7 @@ class OwnershipIndex:
             return Lookup("error", self._fallback(model), time.perf_counter() - t0)
         self.pulse.done(loop.time(), answered=True)
         self.lookups_stretched += limit.stretched > 0
-        cands = self._with_unlisted(model, schema.parse_lookup(rows))
+        cands = self._with_unlisted(model, self._compatible(model, schema.parse_lookup(rows)))
         self._set_healthy(True)
         self.lookups["ok"] += 1
         return Lookup("ok", cands, time.perf_counter() - t0)
@@ -272,6 +275,30 @@ class OwnershipIndex:
         if not unlisted:
             return cands
         return cands + [dataclasses.replace(c, depth_blocks=0, saved_blocks=0) for c in unlisted]
+
+    def mismatch(self, model: str, c: Candidate) -> Optional[str]:
+        """Why backend ``c`` cannot serve this gateway's ``model`` (None: it can).
+
+        Its token ids must mean the same tokens (`mlxgw.prompt.tokenizer_fingerprint`: the
+        gateway forwards ids it computed, so another tokenizer answers nonsense) and its block
+        keys must cover the same spans (another block size never matches a prefix). A field
+        the backend does not publish (an older backend) is not checked.
+        """
+        want = self.expect.get(model)
+        if want is None:
+            return None
+        block_size, fingerprint = want
+        if c.block_size and c.block_size != block_size:
+            return f"block size {c.block_size}, this gateway's is {block_size} (--block-size must match)"
+        if c.tokenizer and fingerprint and c.tokenizer != fingerprint:
+            return (f"another tokenizer (vocabulary fingerprint {c.tokenizer}, this gateway's {fingerprint}): "
+                    "the model it serves is not the one this gateway tokenizes for")
+        return None
+
+    def _compatible(self, model: str, cands: list[Candidate]) -> list[Candidate]:
+        if model not in self.expect:
+            return cands
+        return [c for c in cands if self.mismatch(model, c) is None]
 
     def _args(self, k: schema.Keys) -> list[str]:
         return [k.backend_prefix, k.gateways, k.gateway_load_prefix, self.gateway_id]
@@ -301,12 +328,30 @@ class OwnershipIndex:
             k = self.keys(m)
             rows = await self._lookup(keys=[k.backends], args=self._args(k))
             snap[m] = schema.parse_lookup(rows)
+        self._note_incompatible(snap)
+        snap = {m: self._compatible(m, cs) for m, cs in snap.items()}
         self.pulse.alive(asyncio.get_running_loop().time())
         snap = self._keep_known(snap, lost)
         self._log_changes(self.snapshot, snap)
         self.snapshot = snap
         self.snapshot_at = time.time()
         self._set_healthy(True)
+
+    def _note_incompatible(self, snap: dict[str, list[Candidate]]) -> None:
+        """Record the live backends this gateway will not route to, and tell the operator once
+        per backend and reason (they are left out of every lookup: `_compatible`)."""
+        now: dict[str, dict[str, str]] = {}
+        for m, cs in snap.items():
+            for c in cs:
+                why = self.mismatch(m, c)
+                if why is not None:
+                    now.setdefault(m, {})[c.backend_id] = why
+                    if self.incompatible.get(m, {}).get(c.backend_id) != why:
+                        log.warning("backend %s (%s, %s) is not routed to: %s", c.backend_id, m, c.url, why)
+        for m, bs in self.incompatible.items():
+            for b in bs.keys() - now.get(m, {}).keys():
+                log.info("backend %s (%s) is no longer left out for an incompatible setting", b, m)
+        self.incompatible = now
 
     def _keep_known(self, snap: dict[str, list[Candidate]], lost: bool) -> dict[str, list[Candidate]]:
         """``snap`` plus the backends kept since Redis lost its data: on a loss, every

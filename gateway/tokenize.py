@@ -43,7 +43,9 @@ def _text_chars(messages) -> int:
 class ModelInfo:
     """A served model as the gateway knows it: name, local path, tokenizer, context (tokens),
     its token-id segment cache (None: the tokenizer needs the plain path) and the special-token
-    ids put around a text prompt (`gateway.segcache.special_affixes`; None: plain path for text)."""
+    ids put around a text prompt (`gateway.segcache.special_affixes`; None: plain path for text);
+    ``fingerprint`` is `mlxgw.prompt.tokenizer_fingerprint` of its tokenizer, which a backend must
+    share to be routed to."""
 
     name: str
     path: str
@@ -51,6 +53,7 @@ class ModelInfo:
     context_length: int
     segments: Optional[SegmentEncoder] = None
     text_affixes: Optional[tuple[list[int], list[int]]] = None
+    fingerprint: str = ""
 
 
 def read_context_length(path: Path) -> int:
@@ -82,7 +85,8 @@ def load_model_info(name: str, path: str, segment_cache_bytes: int = DEFAULT_CAC
     hf = getattr(tok, "_tokenizer", tok)
     segments = SegmentEncoder.create(hf, segment_cache_bytes)
     affixes = special_affixes(hf) if segments is not None else None
-    return ModelInfo(name, str(p), tok, read_context_length(p), segments, affixes)
+    return ModelInfo(name, str(p), tok, read_context_length(p), segments, affixes,
+                     prompt_mod.tokenizer_fingerprint(tok))
 
 
 class Tokenizers:

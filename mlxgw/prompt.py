@@ -133,6 +133,23 @@ def system_prefix_tokens(tokenizer, messages, tools, kwargs, ids, encode=None) -
     return end if end < len(ids) else 0
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """16 hex digits (xxh3-64) of the tokenizer's vocabulary: every token string and its id,
+    added and special tokens included, in id order.
+
+    Gateway and backend publish and compare it (`gateway.index`): the gateway forwards token
+    ids it computed with its own tokenizer, so a backend whose ids mean other tokens (another
+    model family served under the same name, a re-trained tokenizer) would answer nonsense.
+    Two quantizations of one model share a tokenizer and so a fingerprint. Computed once at
+    start (``get_vocab`` of the transformers tokenizer under mlx-lm's wrapper).
+    """
+    import xxhash
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    text = "".join(f"{i}\t{token}\n" for token, i in sorted(hf.get_vocab().items(), key=lambda kv: kv[1]))
+    return xxhash.xxh3_64_hexdigest(text.encode("utf-8", "surrogatepass"))
+
+
 def encode_text(tokenizer, prompt: str) -> list[int]:
     """Tokenize a text-completion prompt as mlx-lm's server does (``tokenizer.encode``)."""
     return list(tokenizer.encode(prompt))

@@ -191,7 +191,8 @@ def as_str(x) -> str:
 
 
 # Registry record fields that are text (docs/redis-schema.md); every other field is a number.
-REGISTRY_TEXT_FIELDS = frozenset({"id", "url", "model", "model_path", "host", "state", "engine", "cache_layout"})
+REGISTRY_TEXT_FIELDS = frozenset({"id", "url", "model", "model_path", "host", "state", "engine", "cache_layout",
+                                  "tokenizer"})
 
 
 def registry_record(raw: dict) -> dict:
@@ -245,7 +246,7 @@ def block_value(epoch: int, saved: bool) -> str:
 # Returns one row per live backend: {id, epoch, url, active, queued_prefill,
 # state, cache_bytes, cache_budget_bytes, depth_in_blocks, gw_requests,
 # gw_prefill_tokens, saved_depth_in_blocks, min_hit_tokens, cache_victim_used_at,
-# kv_bytes_per_token} (gw_* summed over
+# kv_bytes_per_token, block_size, tokenizer} (gw_* summed over
 # the other live gateways; the depth counts saved copies and claims, the saved
 # depth saved copies only). A backend is live while its registry hash exists
 # (the heartbeat TTL); ownership counts only when the stored epoch equals the
@@ -260,10 +261,10 @@ local claimed = {}
 for _, id in ipairs(ids) do
   local h = redis.call('HMGET', ARGV[1] .. id, 'epoch', 'url', 'active', 'queued_prefill_tokens', 'state',
                       'cache_bytes', 'cache_budget_bytes', 'min_hit_tokens', 'cache_victim_used_at',
-                      'kv_bytes_per_token')
+                      'kv_bytes_per_token', 'block_size', 'tokenizer')
   if h[1] then
     table.insert(rows, {id, h[1], h[2] or '', h[3] or '0', h[4] or '0', h[5] or '', h[6] or '0', h[7] or '0', 0, 0, 0,
-                        0, h[8] or '0', h[9] or '0', h[10] or '0'})
+                        0, h[8] or '0', h[9] or '0', h[10] or '0', h[11] or '0', h[12] or ''})
     table.insert(cids, id)
     table.insert(claimed, h[1] .. 'c')
   end
@@ -362,7 +363,9 @@ class Candidate:
     not published, every claim counts as before). ``victim_used_at`` is the
     unix time (s) the entry its cache would evict next was last used (0: empty
     or not published) and ``kv_bytes_per_token`` its KV bytes per cached token
-    (0: unknown); placement uses both (gateway.route).
+    (0: unknown); placement uses both (gateway.route). ``block_size`` (tokens) and
+    ``tokenizer`` (`mlxgw.prompt.tokenizer_fingerprint`) must equal the gateway's for the
+    backend to be routed to (gateway.index; 0 / "": not published, not checked).
     """
 
     backend_id: str
@@ -380,6 +383,8 @@ class Candidate:
     min_hit_tokens: int = 0
     victim_used_at: float = 0.0
     kv_bytes_per_token: float = 0.0
+    block_size: int = 0
+    tokenizer: str = ""
 
     @property
     def free_cache_bytes(self) -> int:
@@ -408,6 +413,8 @@ def parse_lookup(rows: list) -> list[Candidate]:
                 min_hit_tokens=int(float(as_str(r[12]) or 0)) if len(r) > 12 else 0,
                 victim_used_at=float(as_str(r[13]) or 0) if len(r) > 13 else 0.0,
                 kv_bytes_per_token=float(as_str(r[14]) or 0) if len(r) > 14 else 0.0,
+                block_size=int(float(as_str(r[15]) or 0)) if len(r) > 15 else 0,
+                tokenizer=as_str(r[16]) if len(r) > 16 else "",
             )
         )
     return out

@@ -1,0 +1,90 @@
+"""A backend whose token ids or block keys would not mean what the gateway's do is never
+routed to (gateway/index.py `mismatch`): another tokenizer under the same served name (it
+would answer nonsense to the ids the gateway forwards), another block size (it would never
+match a prefix). Real sim backends, a real gateway and Redis."""
+
+import json
+import time
+from pathlib import Path
+
+from mlxgw.httpget import get_json, post
+
+
+def tokenizer_variant(src: str, dst: Path) -> str:
+    """A copy of model ``src`` whose tokenizer gives two ordinary tokens each other's ids
+    (weights and config symlinked): a model directory that loads, with another vocabulary."""
+    dst.mkdir()
+    for f in Path(src).iterdir():
+        if f.name != "tokenizer.json":
+            (dst / f.name).symlink_to(f)
+    tj = json.loads((Path(src) / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (dst / "tokenizer.json").write_text(json.dumps(tj))
+    return str(dst)
+
+
+def test_the_fingerprint_names_the_vocabulary(demo_model, tmp_path):
+    from mlx_lm.utils import load_tokenizer
+    from transformers import AutoTokenizer
+
+    from mlxgw.prompt import tokenizer_fingerprint
+
+    fp = tokenizer_fingerprint(load_tokenizer(Path(demo_model)))
+    assert len(fp) == 16 and int(fp, 16) >= 0
+    # the gateway's and the backend's loaders agree; a plain transformers load too
+    assert tokenizer_fingerprint(AutoTokenizer.from_pretrained(demo_model)) == fp
+    other = tokenizer_variant(demo_model, tmp_path / "other")
+    assert tokenizer_fingerprint(load_tokenizer(Path(other))) != fp
+
+
+def test_a_backend_with_another_tokenizer_or_block_size_is_left_out(make_stack, tmp_path):
+    s = make_stack()
+    sim = ("--engine", "sim")
+    good = s.add_backend("good", None, *sim)
+    g = s.add_gateway()
+    s.wait()
+    # Started after the gateway, as a backend on another machine would join.
+    other = s.add_backend("other-tok", None, *sim, "--model", tokenizer_variant(s.model_path, tmp_path / "m"))
+    blocks = s.add_backend("other-bs", None, *sim, "--block-size", str(s.block_size * 2))
+    other.wait_healthy()
+    blocks.wait_healthy()
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        health = get_json(g.url + "/health") or {}
+        if len(health.get("incompatible", {}).get(s.model_name, {})) == 2:
+            break
+        time.sleep(0.2)
+    left_out = health["incompatible"][s.model_name]
+    assert sorted(left_out) == ["other-bs", "other-tok"], health
+    assert left_out["other-bs"].startswith(f"block size {s.block_size * 2}, this gateway's is {s.block_size}")
+    assert left_out["other-tok"].startswith("another tokenizer (vocabulary fingerprint ")
+    assert health["backends"][s.model_name] == ["good"] and health["status"] == "ok"
+    log = g.log_path.read_text()
+    assert "backend other-tok (" in log and "is not routed to: another tokenizer" in log
+    assert "backend other-bs (" in log and "is not routed to: block size" in log
+
+    # Every request goes to the one backend that shares both; distinct sessions would spread
+    # them over three equal backends otherwise.
+    served = []
+    for i in range(9):
+        st, h, body = post(g.url + "/v1/chat/completions",
+                           {"model": s.model_name, "max_tokens": 2, "user": f"session-{i}",
+                            "messages": [{"role": "user", "content": f"question {i}"}]})
+        assert st == 200, body
+        served.append(h["X-Mlxgw-Backend"])
+    assert served == ["good"] * 9
+
+    # With only those two left, a request is refused with the reasons, not sent to them.
+    good.proc.terminate()
+    good.proc.wait(10)
+    deadline = time.time() + 15
+    while time.time() < deadline and (get_json(g.url + "/health") or {}).get("backends", {}).get(s.model_name):
+        time.sleep(0.2)
+    st, h, body = post(g.url + "/v1/chat/completions",
+                       {"model": s.model_name, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    err = json.loads(body)["error"]
+    assert st == 503 and err["code"] == "no_backend", body
+    assert err["message"].startswith(f"no live backend serves '{s.model_name}'; left out: other-bs: block size")
+    assert "other-tok: another tokenizer" in err["message"]
