@@ -261,6 +261,24 @@ def unreachable(args, e: BaseException) -> int:
     return 4
 
 
+def disagreement(records: list[dict]) -> list[str]:
+    """One line per setting the backends of one model disagree on, naming who has which:
+    ``block_size`` and ``tokenizer`` (a gateway routes only to the backends matching its own,
+    docs/routing.md "Failures"). Empty when they agree (unpublished values not counted)."""
+    out = []
+    for field in ("block_size", "tokenizer"):
+        groups: dict[str, list[str]] = {}
+        for r in records:
+            v = r.get(field)
+            if v not in (None, "", 0):
+                groups.setdefault(str(v), []).append(str(r.get("id", "?")))
+        if len(groups) > 1:
+            out.append(f"backends disagree on {field}: " + "; ".join(
+                f"{v} ({', '.join(sorted(ids))})" for v, ids in sorted(groups.items(), key=lambda kv: -len(kv[1]))) +
+                "; a gateway routes only to those matching its own")
+    return out
+
+
 def run(args) -> int:
     try:
         data = collect(connect(args), args.namespace)
@@ -286,6 +304,8 @@ def run(args) -> int:
             t.add_row(b["id"], b["state"], b["url"], str(b["active"]), str(b["queued"]), str(b["entries"]),
                       f"{b['cache_mb']:.1f}", str(b["evictions"]), f"{b['hit_ratio']:.2f}", f"{b['age_s']:.1f}")
         con.print(t)
+        for line in disagreement(d["backends"]):
+            con.print(line, markup=False, highlight=False, soft_wrap=True)
         for e in d["recent_events"]:
             con.print(event_line(e), markup=False, highlight=False)
     return 0

@@ -4,6 +4,8 @@ would answer nonsense to the ids the gateway forwards), another block size (it w
 match a prefix). Real sim backends, a real gateway and Redis."""
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -64,6 +66,15 @@ def test_a_backend_with_another_tokenizer_or_block_size_is_left_out(make_stack, 
     log = g.log_path.read_text()
     assert "backend other-tok (" in log and "is not routed to: another tokenizer" in log
     assert "backend other-bs (" in log and "is not routed to: block size" in log
+
+    # `mlxgw status` shows the disagreement among the model's backends, each value with its owners.
+    r = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", s.redis_url, "--namespace",
+                        s.namespace], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = " ".join(r.stdout.split())  # rich wraps long lines
+    assert (f"backends disagree on block_size: {s.block_size} (good, other-tok); {s.block_size * 2} (other-bs); "
+            "a gateway routes only to those matching its own") in out, out
+    assert "backends disagree on tokenizer: " in out and "(good, other-bs); " in out, out
 
     # Every request goes to the one backend that shares both; distinct sessions would spread
     # them over three equal backends otherwise.
