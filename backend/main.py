@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import socket
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from mlxgw import schema
 from mlxgw.config import ModelConfig
 from mlxgw.prompt import tokenizer_fingerprint
 from mlxgw.rlimit import raise_open_files_limit
+from mlxgw.stopping import Stopper
 from mlxgw.util import parse_bytes, positive_int, redact_url, size_arg
 
 from . import sim
@@ -216,13 +216,9 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
     log.info("backend %s registered at %s (model %s, epoch %d; prompt cache %.0f MiB, %d entries, %s layout)",
              cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch, engine.cache.max_bytes / 2**20,
              engine.cache.max_entries, engine.cache.layout)
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except NotImplementedError:  # pragma: no cover (Windows)
-            pass
-    await stop.wait()
+    stopper = Stopper(f"backend {cfg.backend_id}")
+    await stopper.wait()
+    stopper.close()
     log.info("backend %s stopping: draining, then withdrawing from Redis", cfg.backend_id)
     reporter.state = "draining"
     await runner.cleanup()

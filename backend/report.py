@@ -37,6 +37,7 @@ import redis.asyncio as aioredis
 
 from mlxgw import schema
 from mlxgw.redis_client import connect_async
+from mlxgw.util import cancel_and_wait, deadline
 
 from .cache import CacheEntry
 
@@ -44,6 +45,8 @@ log = logging.getLogger("mlxgw.backend.report")
 
 # Longest a request waits for its flush before its answer goes out, seconds (`Reporter.settle`).
 SETTLE_TIMEOUT = 0.5
+#: Seconds each Redis step of a shutdown may take (withdrawal, closing the client).
+STOP_WRITE_SECONDS = 3.0
 
 
 def servable_blocks(entry: CacheEntry, model: str, block_size: int) -> list[str]:
@@ -215,31 +218,32 @@ class Reporter:
         ]
 
     async def stop(self) -> None:
-        """Withdraw ownership and the registry record (clean shutdown)."""
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        """Withdraw ownership and the registry record (clean shutdown). Bounded: each step
+        gives up after `STOP_WRITE_SECONDS` (a Redis gone or hung must not hold the exit)."""
+        await cancel_and_wait(*self._tasks)
         if self.redis is None:
             return
         try:
-            await self.cleanup_epoch(self.backend_id, self.epoch)
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.delete(self.keys.backend(self.backend_id))
-            pipe.zrem(self.keys.backends, self.backend_id)
-            pipe.xadd(
-                self.keys.events,
-                schema.event_fields(schema.EVENT_CLEARED, self.backend_id, self.epoch, {}),
-                maxlen=schema.EVENT_STREAM_MAXLEN,
-                approximate=True,
-            )
-            await pipe.execute()
-        except Exception as e:
-            log.warning("backend %s could not withdraw from Redis at shutdown: %s", self.backend_id, e)
-        await self.redis.aclose()
+            async with deadline(STOP_WRITE_SECONDS):
+                await self.cleanup_epoch(self.backend_id, self.epoch)
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.delete(self.keys.backend(self.backend_id))
+                pipe.zrem(self.keys.backends, self.backend_id)
+                pipe.xadd(
+                    self.keys.events,
+                    schema.event_fields(schema.EVENT_CLEARED, self.backend_id, self.epoch, {}),
+                    maxlen=schema.EVENT_STREAM_MAXLEN,
+                    approximate=True,
+                )
+                await pipe.execute()
+        except Exception as e:  # asyncio.TimeoutError included
+            log.warning("backend %s could not withdraw from Redis at shutdown: %s", self.backend_id,
+                        e or type(e).__name__)
+        try:
+            async with deadline(STOP_WRITE_SECONDS):
+                await self.redis.aclose()
+        except Exception:
+            pass
 
     async def settle(self) -> None:
         """Flush before an answer goes out, without holding answers up for a sick Redis.

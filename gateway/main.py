@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import re
-import signal
 import socket
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from aiohttp import web
 from mlxgw import schema
 
 from mlxgw.rlimit import open_files_limit, raise_open_files_limit
+from mlxgw.stopping import EMBEDDED_REDIS_ENV, Stopper, shut_down_embedded_redis
 from mlxgw.util import count, parse_bytes, positive_int, redact_url, size_arg
 
 from .app import ADMISSION, GatewayConfig, make_app
@@ -221,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(app: web.Application, cfg: GatewayConfig, host: str, port: int) -> int:
-    """Listen (behind `gateway.connguard`) until SIGINT or SIGTERM, then shut down gracefully.
+    """Listen (behind `gateway.connguard`) until SIGINT, SIGTERM or SIGHUP, or until the `mlxgw serve`
+    that started it is gone (`mlxgw.stopping`), then shut down gracefully.
     Returns the exit code: 0, or 3 when the address cannot be bound."""
     runner = GuardedRunner(app, cfg.limits.max_connections, counts=app[ADMISSION].rejected,
                            handler_cancellation=True, access_log=None)
@@ -232,15 +233,12 @@ async def _serve(app: web.Application, cfg: GatewayConfig, host: str, port: int)
         log.error("cannot listen on %s:%d: %s", host, port, e)
         await runner.cleanup()
         return 3
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except NotImplementedError:  # pragma: no cover (Windows: Ctrl-C raises KeyboardInterrupt)
-            pass
+    stopper = Stopper(f"gateway on port {port}")
     try:
-        await stop.wait()
+        await stopper.wait()
     finally:
+        stopper.close()
         await runner.cleanup()
+    if stopper.orphaned and os.environ.get(EMBEDDED_REDIS_ENV):
+        shut_down_embedded_redis(cfg.redis_url)
     return 0

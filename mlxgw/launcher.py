@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import config as config_mod
+from .stopping import EMBEDDED_REDIS_ENV, PARENT_ENV, STOP_SIGNALS
 from .util import redact_url, serve_url_file, size_arg
 
 log = logging.getLogger("mlxgw.serve")
@@ -181,7 +182,9 @@ def run(args: argparse.Namespace) -> int:
             return 4
 
     token = os.environ.get("MLXGW_INTERNAL_TOKEN") or secrets.token_hex(16)
-    env = {**os.environ, "MLXGW_REDIS_URL": redis_url, "MLXGW_INTERNAL_TOKEN": token}
+    # Children stop when this process is gone (mlxgw.stopping); the gateway then also stops the
+    # embedded Redis, which nobody else would.
+    env = {**os.environ, "MLXGW_REDIS_URL": redis_url, "MLXGW_INTERNAL_TOKEN": token, PARENT_ENV: str(os.getpid())}
     py = [sys.executable, "-m", "mlxgw"]
     children: list[Child] = []
     for m in cfg.models:
@@ -198,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
     for m in cfg.models:
         gw_cmd += ["--model", f"{m.name}={m.path}"]
     gw_cmd += gateway_security_flags(cfg)
-    gateway = Child("gateway", gw_cmd, env, f"http://127.0.0.1:{cfg.port}/health")
+    gw_env = {**env, EMBEDDED_REDIS_ENV: "1"} if embedded is not None else env
+    gateway = Child("gateway", gw_cmd, gw_env, f"http://127.0.0.1:{cfg.port}/health")
 
     stopping = False
 
@@ -206,8 +210,8 @@ def run(args: argparse.Namespace) -> int:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
+    for sig in STOP_SIGNALS:  # SIGHUP too: a closed terminal stops the stack cleanly
+        signal.signal(sig, _stop)
     previous_url = ""  # the URL another serve left for `mlxgw status`, put back at stop
     try:
         for c in children:

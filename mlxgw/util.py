@@ -110,18 +110,34 @@ def serve_url_file():
     return Path(os.environ.get("MLXGW_CACHE_DIR", Path.home() / ".cache" / "mlxgw")) / "serve-redis-url"
 
 
-async def cancel_and_wait(task) -> None:
-    """Cancel a background ``asyncio.Task`` (or None) and wait for it to end; its
-    errors are swallowed (it is being shut down)."""
-    import asyncio
+#: Seconds a cancelled background task may take to end before a shutdown goes on without it.
+CANCEL_WAIT_SECONDS = 5.0
 
-    if task is None:
+
+async def cancel_and_wait(*tasks, timeout: float = CANCEL_WAIT_SECONDS) -> None:
+    """Cancel background ``asyncio.Task`` objects (None is skipped) and wait for them to end,
+    at most ``timeout`` seconds; their errors are swallowed (they are being shut down).
+
+    Bounded because a task inside a redis-py command can swallow its cancellation while the
+    server goes away (redis/redis-py issues 2028, 2551): a backend whose parent `mlxgw serve`
+    was killed stopped its Redis writer that way and never exited (helper-46's trial). A task
+    still running after ``timeout`` is logged and left behind.
+    """
+    import asyncio
+    import logging
+
+    tasks = [t for t in tasks if t is not None]
+    for t in tasks:
+        t.cancel()
+    if not tasks:
         return
-    task.cancel()
-    try:
-        await task
-    except (asyncio.CancelledError, Exception):
-        pass
+    done, pending = await asyncio.wait(tasks, timeout=timeout)
+    for t in done:
+        if not t.cancelled():
+            t.exception()  # retrieved: no "exception was never retrieved" at exit
+    for t in pending:
+        logging.getLogger("mlxgw").warning("task %s did not end within %.0f s of its cancel; going on without it",
+                                           t.get_name(), timeout)
 
 
 class Tally:

@@ -117,6 +117,50 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
             assert s.connect_ex(("127.0.0.1", prt)) != 0, f"port {prt} still open after stop"
 
 
+def test_serve_gone_by_sighup_or_sigkill_leaves_nothing_running(demo_model, tmp_path):
+    """A closed terminal (SIGHUP) stops the stack as Ctrl-C does; a serve killed outright
+    (SIGKILL) leaves no child behind either: they notice their parent is gone (mlxgw.stopping)
+    and the gateway stops the embedded Redis. Both used to leave everything running, holding
+    the ports the next serve needs (helper-46)."""
+    import psutil
+
+    for sig in (signal.SIGHUP, signal.SIGKILL):
+        kids = []
+        port = free_port()
+        bport = free_port_run(1, avoid=(port,))
+        logf = tmp_path / f"serve-{sig.name}.log"
+        p = subprocess.Popen(MLXGW + ["serve", "--backends", "1", "--port", str(port), "--backend-port", str(bport)],
+                             stdout=open(logf, "wb"), stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 120
+            while time.time() < deadline and "mlxgw is ready" not in logf.read_text():
+                assert p.poll() is None, logf.read_text()
+                time.sleep(0.3)
+            kids = psutil.Process(p.pid).children(recursive=True)
+            names = sorted(k.name() for k in kids)
+            assert len(kids) == 3 and any("redis-server" in n for n in names), names  # gateway, backend, Redis
+            p.send_signal(sig)
+            rc = p.wait(30)
+            gone, alive = psutil.wait_procs(kids, timeout=20)
+            assert not alive, (sig.name, [k.name() for k in alive], logf.read_text()[-2000:])
+        finally:  # nothing of this test left behind, whatever failed
+            for k in kids:
+                if k.is_running():
+                    k.kill()
+            if p.poll() is None:
+                p.kill()
+        out = logf.read_text()
+        if sig == signal.SIGHUP:
+            assert rc == 0 and "mlxgw stopped." in out, out[-2000:]
+        else:
+            assert rc == -signal.SIGKILL
+            assert "the mlxgw serve that started it" in out and "is gone; stopping" in out, out[-2000:]
+            assert "stopped the embedded Redis at redis://:***@127.0.0.1:" in out, out[-2000:]
+        for prt in (port, bport):
+            with socket.socket() as s:
+                assert s.connect_ex(("127.0.0.1", prt)) != 0, f"port {prt} still open after {sig.name}"
+
+
 def test_missing_model_path():
     r = _run(["serve", "--model", "/nonexistent/model", "--port", str(free_port())])
     assert r.returncode == 2 and "does not exist" in r.stderr
