@@ -244,6 +244,9 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         why = (f"; left out: {'; '.join(f'{b}: {w}' for b, w in sorted(bad.items()))}" if bad else "")
         raise RequestError(f"no live backend serves '{info.name}'{why}", status=503, type="server_error",
                            code="no_backend", headers={"Retry-After": "1"})
+    reason = decision.reason
+    if ranked[0] is not decision.best:  # the choice failed just now: say what the one taken offers
+        reason = "prefix" if ranked[0].matched > 0 else "load"
     rid = uuid.uuid4().hex
     route_ms = (time.perf_counter() - t0) * 1000
     explain = " ".join(s.explain() for s in ranked)
@@ -265,13 +268,13 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
                 "X-Mlxgw-Lookup": lk.status,
                 "X-Mlxgw-Candidates": explain,
                 # The next-ranked backends answer only when those before failed.
-                "X-Mlxgw-Route-Reason": decision.reason if i == 0 else "retry",
+                "X-Mlxgw-Route-Reason": reason if i == 0 else "retry",
                 "X-Mlxgw-Request-Id": rid,
             },
         )
         for i, s in enumerate(ranked[: 1 + cfg.max_retries])
     ]
-    log.debug("route %s: %s (reason %s, lookup %s, %.2f ms)", rid, explain, decision.reason, lk.status, route_ms)
+    log.debug("route %s: %s (reason %s, lookup %s, %.2f ms)", rid, explain, reason, lk.status, route_ms)
     st.index.record_routed(
         info.name,
         schema.event_fields(
@@ -283,7 +286,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
                 "matched": ranked[0].matched,
                 "prompt_tokens": len(ids),
                 "lookup": lk.status,
-                "reason": decision.reason,
+                "reason": reason,
                 "gateway": cfg.gateway_id,  # several gateways write one stream
                 "candidates": [[s.cand.backend_id, s.matched, s.queued, s.active] for s in ranked],
             },

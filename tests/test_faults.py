@@ -321,6 +321,10 @@ def test_hung_backend_times_out_then_circuit_breaker(make_stack):
     # A second prompt cached on the owner alone (sent to it directly), for the last check.
     only_owner = words(300, seed=56)
     assert _ask(owner.url, only_owner)[0] == 200
+    # And a text prompt (no chat template, so no first block shared with the other backend's
+    # prompts) for the request that finds the owner's circuit open.
+    skipped = {"model": "demo-tiny", "prompt": words(300, seed=58), "max_tokens": 1}
+    assert post(owner.url + "/v1/completions", skipped)[0] == 200
     owner.signal(signal.SIGSTOP)
     try:
         t0 = time.time()
@@ -332,6 +336,11 @@ def test_hung_backend_times_out_then_circuit_breaker(make_stack):
         t0 = time.time()
         status, h, _ = _ask(s.gateway.url, text + " again")  # skipped at once while the circuit is open
         assert status == 200 and h["X-Mlxgw-Backend"] == other.name and time.time() - t0 < 1.9, (status, h, time.time() - t0)
+        # The owner's prefix ranked it first, but its circuit is open: the reason given is the
+        # chosen backend's own (it said "prefix" beside 0 matched tokens: helper-46).
+        status, h, _ = post(s.gateway.url + "/v1/completions", {**skipped, "prompt": skipped["prompt"] + " again"})
+        assert status == 200 and h["X-Mlxgw-Backend"] == other.name, (status, h)
+        assert (h["X-Mlxgw-Matched-Tokens"], h["X-Mlxgw-Route-Reason"]) == ("0", "load"), h
         other.signal(signal.SIGSTOP)  # every backend hung: a clear 504 within the configured time
         t0 = time.time()
         status, h, body = _ask(s.gateway.url, words(50, seed=54))
