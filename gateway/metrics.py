@@ -163,10 +163,14 @@ def request_done(m: GatewayMetrics, *, rid: str, model: str, prompt_tokens: int,
     """
     now = time.perf_counter()
     h = resp.headers if resp is not None else {}
-    backend = h.get("X-Mlxgw-Backend") or (attempts[0].backend_id if attempts else "-")
+    answered = next((a for a in reversed(attempts) if a.answer_headers is not None), None)
+    backend = h.get("X-Mlxgw-Backend") or (answered.backend_id if answered is not None else
+                                           attempts[0].backend_id if attempts else "-")
     used = next((a for a in attempts if a.backend_id == backend), attempts[0] if attempts else None)
     matched = int(h.get("X-Mlxgw-Matched-Tokens") or (used.headers.get("X-Mlxgw-Matched-Tokens", 0) if used else 0))
-    cached = int(h["X-Mlxgw-Cached-Tokens"]) if "X-Mlxgw-Cached-Tokens" in h else None
+    # A client that left mid-stream has no response here; the backend's own header counts it.
+    raw = h.get("X-Mlxgw-Cached-Tokens") or ((used.answer_headers or {}).get("X-Mlxgw-Cached-Tokens") if used else None)
+    cached = int(raw) if raw is not None else None
     ttft = (used.first_byte_at - t0) if used is not None and used.first_byte_at else None
     if resp is not None and resp.status >= 400 and outcome == "ok":
         outcome = f"http_{resp.status}"

@@ -94,6 +94,9 @@ class Attempt:
     tried: bool = False  # the request was sent to this backend
     gone: bool = False  # given up: the backend left the registry while this request waited on it
     client_gone: bool = False  # the client left during the answer (a write to it failed)
+    # The backend's answer headers once they came (its X-Mlxgw-Cached-Tokens: the metrics count a
+    # stream the client then left, when no response to the client is left to read them from).
+    answer_headers: Optional[Mapping[str, str]] = None
 
 
 class Transform(Protocol):
@@ -318,6 +321,7 @@ class Proxy:
                             await up.read()
                             continue
                         self.token_rejected.discard(a.backend_id)
+                        a.answer_headers = up.headers
                         is_sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
                         if not is_sse:
                             # A whole JSON answer: read it, then send headers and body in

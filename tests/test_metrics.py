@@ -178,3 +178,41 @@ def test_a_hit_is_at_least_one_block(make_stack):
     assert 0 < cached[1] < 64 and 0 < cached[2] < 64 and cached[3] >= 64, cached
     h = get_json(b0.url + "/health")
     assert (h["hits"], h["misses"]) == (1, 3), (h["hits"], h["misses"], cached)
+
+
+def test_a_stream_the_client_leaves_still_counts_its_tokens(make_stack):
+    """A client that closes a stream after its first tokens (an agent's Esc) left no response
+    for the gateway to read the backend's X-Mlxgw-Cached-Tokens from: its prompt and cached
+    tokens were missing from the gateway's counters while the backend's had them (helper-46)."""
+    import openai
+
+    s = make_stack()
+    s.add_backend("b0", None, "--engine", "sim", "--sim-decode-rate", "20")  # 20 tokens/s: time to leave
+    s.add_gateway()
+    s.wait()
+    g, m = s.gateway.url, s.model_name
+    client = openai.OpenAI(base_url=g + "/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": words(400, seed=31)}]
+    assert client.chat.completions.create(model=m, messages=messages, max_tokens=2).usage.prompt_tokens > 0
+    _, before = _scrape(g)
+    raw = client.chat.completions.with_raw_response.create(model=m, messages=messages, max_tokens=200, stream=True)
+    prompt, cached = int(raw.headers["X-Mlxgw-Prompt-Tokens"]), int(raw.headers["X-Mlxgw-Cached-Tokens"])
+    stream = raw.parse()
+    got = 0
+    for chunk in stream:
+        got += bool(chunk.choices and chunk.choices[0].delta.content)
+        if got == 3:
+            break
+    stream.close()
+    assert got == 3 and cached > 0 and prompt > cached
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        _, after = _scrape(g)
+        if _v(after, "mlxgw:gateway_requests_total", model_name=m, outcome="client_disconnected") >= 1:
+            break
+        time.sleep(0.2)
+    assert _v(after, "mlxgw:gateway_requests_total", model_name=m, outcome="client_disconnected") == 1
+    assert (_v(after, "mlxgw:gateway_prompt_tokens_total", model_name=m) -
+            _v(before, "mlxgw:gateway_prompt_tokens_total", model_name=m)) == prompt
+    assert (_v(after, "mlxgw:gateway_cached_tokens_total", model_name=m) -
+            _v(before, "mlxgw:gateway_cached_tokens_total", model_name=m)) == cached
