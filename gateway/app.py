@@ -100,7 +100,7 @@ async def error_middleware(request: web.Request, handler):
         if e.status == 404:
             err = RequestError(f"no route for {request.method} {request.path}", status=404, code="not_found")
         elif e.status == 413:
-            err = RequestError("request body too large", status=413, code="body_too_large")
+            err = limits.body_too_large()
         resp = _refuse(request, err)
     except (asyncio.CancelledError, ConnectionResetError):
         raise

@@ -202,6 +202,13 @@ class CallerLimits:
             del self.buckets[c]
 
 
+def body_too_large(max_bytes: Optional[int] = None) -> RequestError:
+    """The 413 ``body_too_large`` answer, naming the limit (bytes) when known and the setting."""
+    limit = f" of {max_bytes / 2**20:g} MiB ({max_bytes} bytes)" if max_bytes else ""
+    return RequestError(f"request body over the gateway's limit{limit}; the operator sets it with --max-body-bytes "
+                        "(or [gateway] max_body_bytes)", status=413, code="body_too_large")
+
+
 async def receive_body(request: web.Request, max_bytes: int, timeout: float) -> bytes:
     """The whole request body (aiohttp keeps it: later ``request.read()`` calls return it).
 
@@ -210,12 +217,12 @@ async def receive_body(request: web.Request, max_bytes: int, timeout: float) -> 
             it has not all arrived within ``timeout`` seconds.
     """
     if request.content_length is not None and request.content_length > max_bytes:
-        raise RequestError("request body too large", status=413, code="body_too_large")
+        raise body_too_large(max_bytes)
     try:
         async with deadline(timeout):
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise RequestError("request body too large", status=413, code="body_too_large")
+        raise body_too_large(max_bytes)
     except asyncio.TimeoutError:
         raise RequestError("request body not received in time", status=408, code="body_timeout")
 

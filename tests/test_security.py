@@ -271,7 +271,8 @@ def test_waiver_and_keys_allow_a_wildcard_listen(sec, demo_model):
     for extra, want in ((["--allow-unauthenticated"], 200), (["--api-key-file", str(sec.key_file)], 401)):
         port = free_port()
         cmd = [sys.executable, "-m", "mlxgw", "gateway", "--model", f"demo-tiny={demo_model}", "--host", "0.0.0.0",
-               "--port", str(port), "--redis-url", sec.redis_url, "--namespace", sec.namespace, *extra]
+               "--port", str(port), "--redis-url", sec.redis_url, "--namespace", sec.namespace,
+               "--block-size", str(sec.block_size), *extra]  # another block size: its backends left out
         p = Proc(f"wild{len(extra)}", cmd, port, LOG_DIR / f"{sec.namespace}-wild{len(extra)}.log").start(env)
         try:
             p.wait_healthy()
@@ -331,6 +332,9 @@ def test_50mb_body_is_refused_and_the_gateway_keeps_serving(sec):
     gw = sec.gateways[1]
     resp = _raw(gw.port, _head("/v1/chat/completions", KEYS["val"], 50 * 2**20), b"{" + b" " * 2**20)
     assert _status(resp) == 413 and _json_body(resp)["error"]["code"] == "body_too_large"
+    assert _json_body(resp)["error"]["message"] == (  # the limit and who sets it (helper-46)
+        "request body over the gateway's limit of 32 MiB (33554432 bytes); the operator sets it with "
+        "--max-body-bytes (or [gateway] max_body_bytes)")
     # Chunked, no length announced: cut at the limit (32 MiB) while reading.
     with socket.create_connection(("127.0.0.1", gw.port), timeout=60) as s:
         s.sendall(_head("/v1/chat/completions", KEYS["val"], 0).replace(
