@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import Optional
 
 from aiohttp import web
 
@@ -114,6 +115,31 @@ def looks_local(model: str) -> bool:
     return Path(model).expanduser().exists()
 
 
+#: A prompt-cache budget below this holds no useful prompt (1 MiB: a few thousand tokens of a
+#: tiny model's KV, a few tokens of an 8B model's).
+SMALL_BUDGET_BYTES = 1 << 20
+
+
+def budget_warnings(text: str, budget: int, total_memory: Optional[int] = None) -> list[str]:
+    """What to tell the operator about a prompt-cache budget of ``budget`` bytes (given as
+    ``text``): a size without a unit is bytes, so ``--cache-bytes 512`` meant 512MB most likely
+    and caches nothing, silently (helper-46); a budget above the machine's memory never binds.
+    ``total_memory`` in bytes (default: this machine's)."""
+    out = []
+    if budget < SMALL_BUDGET_BYTES:
+        bare = text.strip().replace(".", "", 1).isdigit()
+        out.append(f"--cache-bytes {text} is {budget} bytes: too small to hold a prompt, so nothing will be cached" +
+                   (f" (a size without a unit counts bytes; did you mean {text.strip()}MB?)" if bare else ""))
+    if total_memory is None:
+        import psutil
+
+        total_memory = int(psutil.virtual_memory().total)
+    if total_memory and budget > total_memory:
+        out.append(f"--cache-bytes {text} is more than this machine's memory ({total_memory / 2**30:.1f} GiB): "
+                   "memory, not the budget, will bound the prompt cache")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Run one backend until SIGINT/SIGTERM; returns the process exit code."""
     from .engine import MLXEngine
@@ -131,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
     raise_open_files_limit()
     url = args.url or f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     budget = parse_bytes(args.cache_bytes)  # size_arg checked it
+    for line in budget_warnings(args.cache_bytes, budget):
+        log.warning("%s", line)
 
     reporter = Reporter(
         args.redis_url,

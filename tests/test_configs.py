@@ -227,3 +227,19 @@ def test_sizes_that_are_not_sizes_are_refused(text):
 
     with pytest.raises(ValueError, match="is not a size"):
         parse_bytes(text)
+
+
+def test_a_cache_budget_that_cannot_bind_is_pointed_out():
+    """``--cache-bytes 512`` is 512 bytes (a bare number counts bytes): it caches nothing,
+    silently (helper-46); a budget above the machine's memory never binds."""
+    from backend.main import budget_warnings
+
+    assert budget_warnings("512", 512, total_memory=2**34) == [
+        "--cache-bytes 512 is 512 bytes: too small to hold a prompt, so nothing will be cached (a size without a "
+        "unit counts bytes; did you mean 512MB?)"]
+    assert budget_warnings("10KB", 10240, total_memory=2**34) == [
+        "--cache-bytes 10KB is 10240 bytes: too small to hold a prompt, so nothing will be cached"]
+    assert budget_warnings("2TB", 2 << 40, total_memory=24 * 2**30) == [
+        "--cache-bytes 2TB is more than this machine's memory (24.0 GiB): memory, not the budget, will bound the "
+        "prompt cache"]
+    assert budget_warnings("2GB", 2 << 30, total_memory=24 * 2**30) == []
