@@ -205,7 +205,7 @@ class PromptCache:
 
     def __init__(
         self,
-        max_entries: int = 16,
+        max_entries: int = 64,
         max_bytes: int = 1 << 62,
         min_hit_tokens: int = 1000,
         min_hit_ratio: float = 0.5,

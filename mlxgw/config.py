@@ -28,7 +28,7 @@ class ModelConfig:
     backends: int = 2
     port: int = 8100
     cache_bytes: str = "2GB"
-    cache_entries: int = 16
+    cache_entries: int = 64
     min_hit_tokens: int = 1000
     min_shared_tokens: int = 0  # cache rule 6, opt-in (docs/cache-policy.md)
     cache_layout: str = "shared"  # cache rule 7: a shared prefix held once; "whole" is mlx-lm's way (docs/cache-policy.md)

@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-bytes", type=size_arg,
                    help="prompt-cache budget per backend, e.g. 512MB, 512M or 2GB (binary units: 1GB = 2**30 bytes; "
                         "default 2GB)")
-    p.add_argument("--cache-entries", type=int, help="prompt-cache entries per backend (default 16)")
+    p.add_argument("--cache-entries", type=int, help="prompt-cache entries per backend (default 64)")
     from backend.cache import LAYOUTS
 
     p.add_argument("--cache-layout", choices=LAYOUTS,

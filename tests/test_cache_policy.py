@@ -265,6 +265,26 @@ def test_shared_system_prompt_survives_ten_conversations(make_stack):
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= sys_len
 
 
+def test_a_fan_out_of_twenty_calls_keeps_other_conversations_cached(make_stack):
+    """An agent's fan-out (20 sub-agent calls on one long context, each its own entry) on a
+    backend with the default budgets: memory is far from full, so no other conversation is
+    evicted. With 16 entries, the default until session 30, the entry count bound first and
+    evicted them (helper-46: 11 evictions at 0.25% of the byte budget)."""
+    s = make_stack()
+    b = s.add_backend("b0", None, "--engine", "sim")
+    b.wait_healthy()
+    other = [{"role": "user", "content": words(300, seed=61)}]
+    first = _chat(b.url, other)
+    task = words(600, seed=62)
+    for i in range(20):
+        _chat(b.url, [{"role": "user", "content": f"{task}\nsub-task {i}: {words(8, seed=70 + i)}"}])
+    again = _chat(b.url, other + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                                  {"role": "user", "content": "and then?"}])
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 1
+    h = get_json(b.url + "/health")
+    assert h["cache_evictions"] == 0 and h["cache_entries"] >= 21, h
+
+
 def test_system_segment_saved(make_stack):
     s = make_stack()
     b = s.add_backend("b0")
