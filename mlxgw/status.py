@@ -261,6 +261,17 @@ def unreachable(args, e: BaseException) -> int:
     return 4
 
 
+def total_row(records: list[dict]) -> list[str]:
+    """The ``total`` row of a model's status table: sums over its backends, and the hit ratio
+    of them all (cached over prompt tokens summed, not the mean of the backends' ratios)."""
+    views = [backend_view(r) for r in records]
+    pt = sum(_f(r, "prompt_tokens") for r in records)
+    ratio = sum(_f(r, "cached_tokens") for r in records) / pt if pt else 0.0
+    return ["total", f"{sum(not v['silent'] for v in views)} live", "", str(sum(v["active"] for v in views)),
+            str(sum(v["queued"] for v in views)), str(sum(v["entries"] for v in views)),
+            f"{sum(v['cache_mb'] for v in views):.1f}", str(sum(v["evictions"] for v in views)), f"{ratio:.2f}", ""]
+
+
 def disagreement(records: list[dict]) -> list[str]:
     """One line per setting the backends of one model disagree on, naming who has which:
     ``block_size`` and ``tokenizer`` (a gateway routes only to the backends matching its own,
@@ -303,6 +314,9 @@ def run(args) -> int:
         for b in map(lambda r: backend_view(r, now), d["backends"]):
             t.add_row(b["id"], b["state"], b["url"], str(b["active"]), str(b["queued"]), str(b["entries"]),
                       f"{b['cache_mb']:.1f}", str(b["evictions"]), f"{b['hit_ratio']:.2f}", f"{b['age_s']:.1f}")
+        if len(d["backends"]) > 1:
+            t.add_section()
+            t.add_row(*total_row(d["backends"]))
         con.print(t)
         for line in disagreement(d["backends"]):
             con.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -96,3 +96,17 @@ def test_a_backend_that_missed_its_heartbeats_shows_as_silent():
     slow = {**rec, "heartbeat_interval": "10"}
     assert backend_view(slow, now=120.0)["state"] == "ready"
     assert backend_view({k: v for k, v in rec.items() if k != "heartbeat_interval"}, now=103.0)["silent"]  # 1 s default
+
+
+def test_status_total_row_sums_backends_and_pools_the_hit_ratio():
+    from mlxgw.status import total_row
+
+    now = time.time()
+    recs = [{"id": "a", "state": "ready", "active": "2", "queued_prefill_tokens": "100", "cache_entries": "3",
+             "cache_bytes": str(3 * 2**20), "cache_evictions": "1", "prompt_tokens": "1000", "cached_tokens": "900",
+             "last_heartbeat": str(now), "heartbeat_interval": "1"},
+            {"id": "b", "state": "ready", "active": "1", "queued_prefill_tokens": "0", "cache_entries": "1",
+             "cache_bytes": str(2**20), "cache_evictions": "0", "prompt_tokens": "3000", "cached_tokens": "100",
+             "last_heartbeat": str(now - 60), "heartbeat_interval": "1"}]
+    # 1000 cached of 4000 prompt tokens: 0.25, not the mean of 0.90 and 0.03; b is silent
+    assert total_row(recs) == ["total", "1 live", "", "3", "100", "4", "4.0", "1", "0.25", ""]
