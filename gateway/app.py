@@ -242,8 +242,9 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         # Retry-After: backends (re-)register within a heartbeat, e.g. after Redis restarted empty.
         bad = st.index.incompatible.get(info.name)
         why = (f"; left out: {'; '.join(f'{b}: {w}' for b, w in sorted(bad.items()))}" if bad else "")
+        # Retry-After only when waiting can help (a backend registering); a setting to fix cannot.
         raise RequestError(f"no live backend serves '{info.name}'{why}", status=503, type="server_error",
-                           code="no_backend", headers={"Retry-After": "1"})
+                           code="no_backend", headers={} if bad else {"Retry-After": "1"})
     reason = decision.reason
     if ranked[0] is not decision.best:  # the choice failed just now: say what the one taken offers
         reason = "prefix" if ranked[0].matched > 0 else "load"
@@ -381,6 +382,12 @@ async def handle_health(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if ok else 503)
 
 
+async def handle_favicon(request: web.Request) -> web.Response:
+    """No icon (204): a browser opening /health or /metrics asks for one, and its 404 counted
+    as a gateway error (helper-47)."""
+    return web.Response(status=204)
+
+
 async def handle_metrics(request: web.Request) -> web.Response:
     return await request.app[STATE].metrics.handler(request)
 
@@ -433,6 +440,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
     app.router.add_get("/v1/models/{name:.+}", handle_model)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get("/favicon.ico", handle_favicon)
     dashboard.install(app, cfg.redis_url, cfg.namespace)
     dialects.register(app, _route, _read_json, count_chat_tokens)
     return app

@@ -29,7 +29,7 @@ from mlxgw.protocol import RequestError
 
 ENV_KEYS = "MLXGW_API_KEYS"
 # Paths that never need a key: liveness probes from load balancers and the launcher.
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/favicon.ico"})
 # The request attribute holding the caller's id (set by the auth middleware);
 # a typed key where aiohttp has them (3.13+).
 CALLER = web.RequestKey("mlxgw_caller", str) if hasattr(web, "RequestKey") else "mlxgw_caller"

@@ -238,7 +238,9 @@ async def _serve(app: web.Application, cfg: GatewayConfig, host: str, port: int)
         await stopper.wait()
     finally:
         stopper.close()
+        # Orphaned: Redis first. Routing is over, and draining the answers still streaming can
+        # outlast the orphan's 20-s exit (a Redis stopped after the drain leaked: helper-47).
+        if stopper.orphaned and os.environ.get(EMBEDDED_REDIS_ENV):
+            shut_down_embedded_redis(cfg.redis_url)
         await runner.cleanup()
-    if stopper.orphaned and os.environ.get(EMBEDDED_REDIS_ENV):
-        shut_down_embedded_redis(cfg.redis_url)
     return 0

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import config as config_mod
-from .stopping import EMBEDDED_REDIS_ENV, PARENT_ENV, STOP_SIGNALS
+from .stopping import EMBEDDED_REDIS_ENV, PARENT_ENV, stop_signals
 from .util import redact_url, serve_url_file, size_arg
 
 log = logging.getLogger("mlxgw.serve")
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         nonlocal stopping
         stopping = True
 
-    for sig in STOP_SIGNALS:  # SIGHUP too: a closed terminal stops the stack cleanly
+    for sig in stop_signals():  # SIGHUP too (a closed terminal), unless started under nohup
         signal.signal(sig, _stop)
     previous_url = ""  # the URL another serve left for `mlxgw status`, put back at stop
     try:

@@ -261,15 +261,23 @@ def unreachable(args, e: BaseException) -> int:
     return 4
 
 
-def total_row(records: list[dict]) -> list[str]:
-    """The ``total`` row of a model's status table: sums over its backends, and the hit ratio
-    of them all (cached over prompt tokens summed, not the mean of the backends' ratios)."""
+def model_total(records: list[dict]) -> dict:
+    """A model's figures over its backends: ``live`` (not silent), sums of ``active``,
+    ``queued``, ``entries``, ``cache_mb``, ``evictions``, ``prompt_tokens``, ``cached_tokens``,
+    and ``hit_ratio``: cached over prompt tokens of them all (not the mean of their ratios)."""
     views = [backend_view(r) for r in records]
     pt = sum(_f(r, "prompt_tokens") for r in records)
-    ratio = sum(_f(r, "cached_tokens") for r in records) / pt if pt else 0.0
-    return ["total", f"{sum(not v['silent'] for v in views)} live", "", str(sum(v["active"] for v in views)),
-            str(sum(v["queued"] for v in views)), str(sum(v["entries"] for v in views)),
-            f"{sum(v['cache_mb'] for v in views):.1f}", str(sum(v["evictions"] for v in views)), f"{ratio:.2f}", ""]
+    ct = sum(_f(r, "cached_tokens") for r in records)
+    out = {k: sum(v[k] for v in views) for k in ("active", "queued", "entries", "evictions")}
+    return {"live": sum(not v["silent"] for v in views), **out, "cache_mb": round(sum(v["cache_mb"] for v in views), 2),
+            "prompt_tokens": int(pt), "cached_tokens": int(ct), "hit_ratio": round(ct / pt, 4) if pt else 0.0}
+
+
+def total_row(records: list[dict]) -> list[str]:
+    """The ``total`` row of a model's status table (`model_total`)."""
+    t = model_total(records)
+    return ["total", f"{t['live']} live", "", str(t["active"]), str(t["queued"]), str(t["entries"]),
+            f"{t['cache_mb']:.1f}", str(t["evictions"]), f"{t['hit_ratio']:.2f}", ""]
 
 
 def disagreement(records: list[dict]) -> list[str]:
@@ -296,6 +304,9 @@ def run(args) -> int:
     except redis.RedisError as e:
         return unreachable(args, e)
     if args.json:
+        for d in data.values():
+            d["total"] = model_total(d["backends"])
+            d["disagreements"] = disagreement(d["backends"])
         print(json.dumps(data, indent=2))
         return 0
     from rich.table import Table

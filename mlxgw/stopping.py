@@ -24,8 +24,15 @@ PARENT_ENV = "MLXGW_INTERNAL_PARENT_PID"
 #: Set by `mlxgw serve` in the gateway's environment when Redis is its private embedded one,
 #: which the gateway then shuts down if serve is gone (nobody else would).
 EMBEDDED_REDIS_ENV = "MLXGW_INTERNAL_EMBEDDED_REDIS"
-#: SIGHUP: a closed terminal or SSH session stops the process as Ctrl-C would.
+#: SIGHUP: a closed terminal or SSH session stops the process as Ctrl-C would (unless it was
+#: started ignoring SIGHUP, as ``nohup`` does: `stop_signals`).
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+def stop_signals() -> tuple:
+    """`STOP_SIGNALS` less those this process was started ignoring: ``nohup mlxgw backend &``
+    must outlive the SSH session it was started from (helper-47), as before SIGHUP stopped it."""
+    return tuple(s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN)
 #: Seconds between two looks at the parent pid.
 PARENT_POLL_SECONDS = 1.0
 #: Seconds an orphaned process's graceful shutdown may take before it exits regardless.
@@ -49,7 +56,7 @@ class Stopper:
         self.stop = asyncio.Event()
         self.orphaned = False
         loop = asyncio.get_running_loop()
-        for sig in STOP_SIGNALS:
+        for sig in stop_signals():
             try:
                 loop.add_signal_handler(sig, self.stop.set)
             except (NotImplementedError, RuntimeError):  # pragma: no cover (Windows)

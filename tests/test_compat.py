@@ -75,6 +75,11 @@ def test_a_backend_with_another_tokenizer_or_block_size_is_left_out(make_stack, 
     assert (f"backends disagree on block_size: {s.block_size} (good, other-tok); {s.block_size * 2} (other-bs); "
             "a gateway routes only to those matching its own") in out, out
     assert "backends disagree on tokenizer: " in out and "(good, other-bs); " in out, out
+    r = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--json", "--redis-url", s.redis_url, "--namespace",
+                        s.namespace], capture_output=True, text=True, timeout=60)
+    d = json.loads(r.stdout)[s.model_name]
+    assert d["total"]["live"] == 3 and len(d["disagreements"]) == 2, d
+    assert d["disagreements"][0].startswith("backends disagree on block_size: ")
 
     # Every request goes to the one backend that shares both; distinct sessions would spread
     # them over three equal backends otherwise.
@@ -97,5 +102,6 @@ def test_a_backend_with_another_tokenizer_or_block_size_is_left_out(make_stack, 
                        {"model": s.model_name, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     err = json.loads(body)["error"]
     assert st == 503 and err["code"] == "no_backend", body
+    assert "Retry-After" not in h  # a setting to fix, not a moment to wait
     assert err["message"].startswith(f"no live backend serves '{s.model_name}'; left out: other-bs: block size")
     assert "other-tok: another tokenizer" in err["message"]

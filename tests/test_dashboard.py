@@ -35,6 +35,10 @@ def test_dashboard_page_self_contained(make_stack):
     # /favicon.ico (a 404 the gateway counts as an error: helper-46).
     assert not re.search(r'<(script|link|img)[^>]+(src|href)="(?!data:)', page)
     assert '<link rel="icon" href="data:,">' in page
+    # A browser opening /health or /metrics asks for /favicon.ico: no icon, and no error counted.
+    errors = get_json(s.gateway.url + "/health")["errors"]
+    assert get_status(s.gateway.url + "/favicon.ico") == 204
+    assert get_json(s.gateway.url + "/health")["errors"] == errors
     assert "http://" not in page and "https://" not in page
     d = _wait_data(s.gateway.url, lambda d: d.get("models"))
     assert d["redis"] == "ok" and d["models"][0]["name"] == s.model_name

@@ -139,9 +139,38 @@ def test_serve_gone_by_sighup_or_sigkill_leaves_nothing_running(demo_model, tmp_
             kids = psutil.Process(p.pid).children(recursive=True)
             names = sorted(k.name() for k in kids)
             assert len(kids) == 3 and any("redis-server" in n for n in names), names  # gateway, backend, Redis
+            redis_proc = next(k for k in kids if "redis-server" in k.name())
+            if sig == signal.SIGKILL:  # with an answer still streaming, which the gateway drains
+                import threading
+
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(demo_model)
+                stops = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
+                streamed = []
+
+                def stream():
+                    try:
+                        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+                        for _ in client.chat.completions.create(
+                                model="demo-tiny", max_tokens=5000, stream=True, logit_bias={str(i): -100 for i in stops},
+                                messages=[{"role": "user", "content": "go on"}]):
+                            streamed.append(1)
+                    except Exception:
+                        pass  # cut off when its backend stops: expected
+
+                threading.Thread(target=stream, daemon=True).start()
+                deadline = time.time() + 30
+                while len(streamed) < 20 and time.time() < deadline:
+                    time.sleep(0.1)
+                assert len(streamed) >= 20
             p.send_signal(sig)
             rc = p.wait(30)
-            gone, alive = psutil.wait_procs(kids, timeout=20)
+            # Redis first: it went while the answer was still draining (it leaked when the
+            # drain outlasted the orphan's 20-s exit: helper-47).
+            gone, alive = psutil.wait_procs([redis_proc], timeout=5)
+            assert not alive, (sig.name, logf.read_text()[-2000:])
+            gone, alive = psutil.wait_procs(kids, timeout=30)
             assert not alive, (sig.name, [k.name() for k in alive], logf.read_text()[-2000:])
         finally:  # nothing of this test left behind, whatever failed
             for k in kids:
@@ -159,6 +188,24 @@ def test_serve_gone_by_sighup_or_sigkill_leaves_nothing_running(demo_model, tmp_
         for prt in (port, bport):
             with socket.socket() as s:
                 assert s.connect_ex(("127.0.0.1", prt)) != 0, f"port {prt} still open after {sig.name}"
+
+
+def test_a_backend_started_under_nohup_outlives_sighup(make_stack):
+    """SIGHUP stops a backend (a closed terminal), unless it was started ignoring SIGHUP as
+    ``nohup`` does: a backend started that way on another Mac must outlive the SSH session
+    (it did until SIGHUP became a stop signal; helper-47)."""
+    s = make_stack()
+    kept = s.add_backend("kept", None, "--engine", "sim", start=False)
+    kept.preexec_fn = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    kept.start(s.env())
+    stopped = s.add_backend("stopped", None, "--engine", "sim")
+    kept.wait_healthy()
+    stopped.wait_healthy()
+    for b in (kept, stopped):
+        b.proc.send_signal(signal.SIGHUP)
+    assert stopped.proc.wait(20) == 0 and "backend stopped stopped" in stopped.log_path.read_text()
+    time.sleep(1)
+    assert kept.proc.poll() is None and get_json(kept.url + "/health")["status"] == "ok"
 
 
 def test_missing_model_path():
