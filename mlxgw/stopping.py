@@ -30,9 +30,12 @@ STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP")
 
 
 def stop_signals() -> tuple:
-    """`STOP_SIGNALS` less those this process was started ignoring: ``nohup mlxgw backend &``
-    must outlive the SSH session it was started from (helper-47), as before SIGHUP stopped it."""
-    return tuple(s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN)
+    """`STOP_SIGNALS`, less SIGHUP when this process was started ignoring it: ``nohup mlxgw
+    backend &`` must outlive the SSH session it was started from (helper-47), as it did before
+    SIGHUP stopped it. SIGINT and SIGTERM always stop it (a shell starts background jobs
+    ignoring SIGINT; an explicit ``kill -INT`` must still stop them)."""
+    hup = getattr(signal, "SIGHUP", None)
+    return tuple(s for s in STOP_SIGNALS if not (s == hup and signal.getsignal(s) is signal.SIG_IGN))
 #: Seconds between two looks at the parent pid.
 PARENT_POLL_SECONDS = 1.0
 #: Seconds an orphaned process's graceful shutdown may take before it exits regardless.

@@ -129,8 +129,10 @@ def test_serve_gone_by_sighup_or_sigkill_leaves_nothing_running(demo_model, tmp_
         port = free_port()
         bport = free_port_run(1, avoid=(port,))
         logf = tmp_path / f"serve-{sig.name}.log"
+        # SIGHUP as a terminal session has it, however this test run was started (nohup ignores it).
         p = subprocess.Popen(MLXGW + ["serve", "--backends", "1", "--port", str(port), "--backend-port", str(bport)],
-                             stdout=open(logf, "wb"), stderr=subprocess.STDOUT)
+                             stdout=open(logf, "wb"), stderr=subprocess.STDOUT,
+                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
         try:
             deadline = time.time() + 120
             while time.time() < deadline and "mlxgw is ready" not in logf.read_text():
@@ -198,7 +200,9 @@ def test_a_backend_started_under_nohup_outlives_sighup(make_stack):
     kept = s.add_backend("kept", None, "--engine", "sim", start=False)
     kept.preexec_fn = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)
     kept.start(s.env())
-    stopped = s.add_backend("stopped", None, "--engine", "sim")
+    stopped = s.add_backend("stopped", None, "--engine", "sim", start=False)
+    stopped.preexec_fn = lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL)  # however this run was started
+    stopped.start(s.env())
     kept.wait_healthy()
     stopped.wait_healthy()
     for b in (kept, stopped):
