@@ -27,6 +27,10 @@ EMBEDDED_REDIS_ENV = "MLXGW_INTERNAL_EMBEDDED_REDIS"
 #: SIGHUP: a closed terminal or SSH session stops the process as Ctrl-C would (unless it was
 #: started ignoring SIGHUP, as ``nohup`` does: `stop_signals`).
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+#: Seconds between two looks at the parent pid.
+PARENT_POLL_SECONDS = 1.0
+#: Seconds an orphaned process's graceful shutdown may take before it exits regardless.
+ORPHAN_EXIT_SECONDS = 20.0
 
 
 def stop_signals() -> tuple:
@@ -36,10 +40,6 @@ def stop_signals() -> tuple:
     ignoring SIGINT; an explicit ``kill -INT`` must still stop them)."""
     hup = getattr(signal, "SIGHUP", None)
     return tuple(s for s in STOP_SIGNALS if not (s == hup and signal.getsignal(s) is signal.SIG_IGN))
-#: Seconds between two looks at the parent pid.
-PARENT_POLL_SECONDS = 1.0
-#: Seconds an orphaned process's graceful shutdown may take before it exits regardless.
-ORPHAN_EXIT_SECONDS = 20.0
 
 
 def _exit_now(name: str) -> None:
