@@ -241,8 +241,9 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
         return 4
     reporter.state = "ready"
     await reporter.heartbeat()
-    log.info("backend %s registered at %s (model %s, epoch %d; prompt cache %.0f MiB, %d entries, %s layout)",
-             cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch, engine.cache.max_bytes / 2**20,
+    mib = engine.cache.max_bytes / 2**20
+    log.info("backend %s registered at %s (model %s, epoch %d; prompt cache %s MiB, %d entries, %s layout)",
+             cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch, f"{mib:.0f}" if mib >= 10 else f"{mib:.3g}",
              engine.cache.max_entries, engine.cache.layout)
     stopper = Stopper(f"backend {cfg.backend_id}")
     await stopper.wait()
