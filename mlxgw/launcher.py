@@ -413,6 +413,11 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
         f"  api keys   {_keys_summary(cfg)}",
         f"  status     {_cli()} status | {_cli()} top   (read the Redis URL from {serve_url_file()})",
         "  stop       Ctrl-C",
-        "",
     ]
-    print("\n".join(lines), file=sys.stderr, flush=True)
+    from backend.main import budget_warnings
+
+    from .util import parse_bytes
+
+    for m in cfg.models:  # each backend logged them above, among its start-up lines
+        lines += [f"  warning    {m.name}: {w}" for w in budget_warnings(str(m.cache_bytes), parse_bytes(m.cache_bytes))]
+    print("\n".join(lines + [""]), file=sys.stderr, flush=True)

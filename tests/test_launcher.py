@@ -130,7 +130,9 @@ def test_serve_gone_by_sighup_or_sigkill_leaves_nothing_running(demo_model, tmp_
         bport = free_port_run(1, avoid=(port,))
         logf = tmp_path / f"serve-{sig.name}.log"
         # SIGHUP as a terminal session has it, however this test run was started (nohup ignores it).
-        p = subprocess.Popen(MLXGW + ["serve", "--backends", "1", "--port", str(port), "--backend-port", str(bport)],
+        # (and a budget too small to cache anything: the ready summary repeats the backends' warning)
+        p = subprocess.Popen(MLXGW + ["serve", "--backends", "1", "--port", str(port), "--backend-port", str(bport),
+                                      "--cache-bytes", "512K"],
                              stdout=open(logf, "wb"), stderr=subprocess.STDOUT,
                              preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
         try:
@@ -181,6 +183,8 @@ def test_serve_gone_by_sighup_or_sigkill_leaves_nothing_running(demo_model, tmp_
             if p.poll() is None:
                 p.kill()
         out = logf.read_text()
+        assert ("mlxgw is ready" in out and "  warning    demo-tiny: --cache-bytes 512K is 524288 bytes: too small to "
+                "hold a prompt, so nothing will be cached" in out.split("mlxgw is ready", 1)[1]), out[-3000:]
         if sig == signal.SIGHUP:
             assert rc == 0 and "mlxgw stopped." in out, out[-2000:]
         else:
