@@ -328,8 +328,7 @@ class OwnershipIndex:
             k = self.keys(m)
             rows = await self._lookup(keys=[k.backends], args=self._args(k))
             snap[m] = schema.parse_lookup(rows)
-        self._note_incompatible(snap)
-        snap = {m: self._compatible(m, cs) for m, cs in snap.items()}
+        snap = self._leave_out_incompatible(snap)
         self.pulse.alive(asyncio.get_running_loop().time())
         snap = self._keep_known(snap, lost)
         self._log_changes(self.snapshot, snap)
@@ -337,21 +336,27 @@ class OwnershipIndex:
         self.snapshot_at = time.time()
         self._set_healthy(True)
 
-    def _note_incompatible(self, snap: dict[str, list[Candidate]]) -> None:
-        """Record the live backends this gateway will not route to, and tell the operator once
-        per backend and reason (they are left out of every lookup: `_compatible`)."""
+    def _leave_out_incompatible(self, snap: dict[str, list[Candidate]]) -> dict[str, list[Candidate]]:
+        """``snap`` without the live backends this gateway will not route to (`mismatch`; every
+        lookup leaves them out too: `_compatible`), recorded in ``incompatible``; the operator
+        is told once per backend and reason."""
         now: dict[str, dict[str, str]] = {}
+        kept: dict[str, list[Candidate]] = {}
         for m, cs in snap.items():
+            kept[m] = []
             for c in cs:
                 why = self.mismatch(m, c)
-                if why is not None:
-                    now.setdefault(m, {})[c.backend_id] = why
-                    if self.incompatible.get(m, {}).get(c.backend_id) != why:
-                        log.warning("backend %s (%s, %s) is not routed to: %s", c.backend_id, m, c.url, why)
+                if why is None:
+                    kept[m].append(c)
+                    continue
+                now.setdefault(m, {})[c.backend_id] = why
+                if self.incompatible.get(m, {}).get(c.backend_id) != why:
+                    log.warning("backend %s (%s, %s) is not routed to: %s", c.backend_id, m, c.url, why)
         for m, bs in self.incompatible.items():
             for b in bs.keys() - now.get(m, {}).keys():
                 log.info("backend %s (%s) is no longer left out for an incompatible setting", b, m)
         self.incompatible = now
+        return kept
 
     def _keep_known(self, snap: dict[str, list[Candidate]], lost: bool) -> dict[str, list[Candidate]]:
         """``snap`` plus the backends kept since Redis lost its data: on a loss, every

@@ -120,7 +120,8 @@ async def cancel_and_wait(*tasks, timeout: float = CANCEL_WAIT_SECONDS) -> None:
 
     Bounded because a task inside a redis-py command can swallow its cancellation while the
     server goes away (redis/redis-py issues 2028, 2551): a backend whose parent `mlxgw serve`
-    was killed stopped its Redis writer that way and never exited (helper-46's trial). A task
+    was killed, its Redis gone, never exited that way (seen while testing the fix for
+    helper-46's finding that such a serve left its children running). A task
     still running after ``timeout`` is logged and left behind.
     """
     import asyncio
