@@ -59,9 +59,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the prompt cache stores entries: 'shared' (the default, cache rule 7: a prefix "
                         "several entries share is held once) or 'whole' (one KV copy per entry, as mlx-lm); "
                         "docs/cache-policy.md")
-    p.add_argument("--decode-concurrency", type=int, default=8)
-    p.add_argument("--prefill-concurrency", type=int, default=2)
-    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--decode-concurrency", type=positive_int, default=ModelConfig.decode_concurrency,
+                   help="decode slots: sequences generating at once (mlx-lm's completion_batch_size; 32, as "
+                        "mlx_lm.server); a request beyond them waits for one to end. Each running sequence holds "
+                        "its whole context's KV (docs/cache-policy.md, 'Decode slots')")
+    p.add_argument("--prefill-concurrency", type=positive_int, default=ModelConfig.prefill_concurrency,
+                   help="prompts prefilled side by side (mlx-lm's prefill_batch_size)")
+    p.add_argument("--prefill-step-size", type=positive_int, default=512,
+                   help="tokens of each prompt computed per prefill step (mlx-lm's prefill_step_size)")
     p.add_argument("--prefill-order", choices=PREFILL_ORDERS, default=DEFAULT_PREFILL_ORDER,
                    help="which waiting request takes a free prefill slot beside a running prefill: the oldest "
                         "(fifo), or the one with the fewest tokens to compute if fewer than the running one has "

@@ -34,6 +34,7 @@ class ModelConfig:
     cache_layout: str = "shared"  # cache rule 7: a shared prefix held once; "whole" is mlx-lm's way (docs/cache-policy.md)
     prefill_save: bool = True  # a request sharing a prompt in prefill waits for it and reuses it (docs/cache-policy.md)
     prefill_concurrency: int = 2  # prompts prefilled side by side per backend
+    decode_concurrency: int = 32  # decode slots per backend (mlx_lm.server's default; 8 until session 31)
     prefill_order: str = "step-beside"  # which waiting request prefills next (backend.engine.DEFAULT_PREFILL_ORDER)
 
 
@@ -153,7 +154,7 @@ _WHAT = {int: "an integer", float: "a number", str: "a string", bool: "true or f
 
 # Numbers that must be at least 1; every other number must not be negative (0 turns a
 # limit or a feature off). A block size of 0 started a stack whose every request failed.
-_AT_LEAST_ONE = ("block_size", "backends", "cache_entries", "prefill_concurrency")
+_AT_LEAST_ONE = ("block_size", "backends", "cache_entries", "prefill_concurrency", "decode_concurrency")
 
 
 def _range_errors(values: dict, where: str) -> None:
@@ -171,7 +172,7 @@ def validate(cfg: ServeConfig) -> None:
 
     Raises:
         ValueError: a value of the wrong type, a negative number (or below 1 where 0 makes
-            no sense: block size, backends, cache entries, prefill concurrency), a size that
+            no sense: block size, backends, cache entries, prefill and decode concurrency), a size that
             does not parse, a port out of range, two models with one name or overlapping ports.
     """
     from gateway.route import RoutingConfig
@@ -231,7 +232,8 @@ def apply_flags(cfg: ServeConfig, args) -> ServeConfig:
     elif getattr(args, "served_name", None):
         m0.name = args.served_name
     for flag, attr in (("backends", "backends"), ("backend_port", "port"), ("cache_bytes", "cache_bytes"),
-                       ("cache_entries", "cache_entries"), ("cache_layout", "cache_layout")):
+                       ("cache_entries", "cache_entries"), ("cache_layout", "cache_layout"),
+                       ("decode_concurrency", "decode_concurrency")):
         v = getattr(args, flag, None)
         if v is not None:
             setattr(m0, attr, v)

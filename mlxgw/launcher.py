@@ -23,7 +23,7 @@ from typing import Optional
 
 from . import config as config_mod
 from .stopping import EMBEDDED_REDIS_ENV, PARENT_ENV, stop_signals
-from .util import redact_url, serve_url_file, size_arg
+from .util import positive_int, redact_url, serve_url_file, size_arg
 
 log = logging.getLogger("mlxgw.serve")
 
@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-layout", choices=LAYOUTS,
                    help="shared (default): a prefix several cached prompts share is held once; whole: one copy "
                         "per entry, as mlx-lm (docs/cache-policy.md, rule 7)")
+    p.add_argument("--decode-concurrency", type=positive_int,
+                   help="decode slots per backend: answers generated at once (default 32, as mlx_lm.server; "
+                        "docs/cache-policy.md, 'Decode slots')")
     p.add_argument("--block-size", type=int, help="tokens per block (default 64; gateway and backends must match)")
     p.add_argument("--namespace", help="Redis key namespace (default mlxgw)")
     p.add_argument("--no-memory-check", action="store_true", help="skip the memory estimate")
@@ -283,6 +286,7 @@ def backend_model_flags(m: config_mod.ModelConfig) -> list[str]:
             "--min-hit-tokens", str(m.min_hit_tokens), "--min-shared-tokens", str(m.min_shared_tokens),
             "--prefill-save" if m.prefill_save else "--no-prefill-save",
             "--prefill-concurrency", str(m.prefill_concurrency), "--prefill-order", m.prefill_order,
+            "--decode-concurrency", str(m.decode_concurrency),
             "--cache-layout", m.cache_layout]
 
 

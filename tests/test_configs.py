@@ -75,6 +75,7 @@ BAD = [  # (toml, message): each once reached a traceback, a child's argparse du
     ('[redis]\nurl = ""\n', "[redis] url is empty"),
     ('[gateway]\nblock_size = -3\n', "[gateway]: block_size must be at least 1, not -3"),
     ('[[models]]\nname = "a"\ncache_entries = 0\n', "[[models]] a: cache_entries must be at least 1, not 0"),
+    ('[[models]]\nname = "a"\ndecode_concurrency = 0\n', "[[models]] a: decode_concurrency must be at least 1, not 0"),
     ('[routing]\nload_weight = -0.5\n', "[routing]: load_weight must be at least 0, not -0.5"),
     ('[gateway]\nrate_limit_rpm = -1\n', "[gateway]: rate_limit_rpm must be at least 0, not -1"),
 ]
@@ -119,10 +120,10 @@ def test_serve_exits_2_on_a_bad_value(tmp_path):
         r = subprocess.run([sys.executable, "-m", "mlxgw", cmd, f"{flag}={value}"], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 2 and f"argument {flag}: {says}" in r.stderr, (cmd, flag, r.stderr)
-    for cmd in ("gateway", "backend"):  # their own flag: refused by argparse, not at the first request
-        r = subprocess.run([sys.executable, "-m", "mlxgw", cmd, "--block-size", "0"], capture_output=True, text=True,
-                           timeout=120)
-        assert r.returncode == 2 and "--block-size: must be at least 1, not 0" in r.stderr, (cmd, r.stderr)
+    for cmd, flag in (("gateway", "--block-size"), ("backend", "--block-size"), ("backend", "--decode-concurrency")):
+        # their own flag: refused by argparse, not at the first request
+        r = subprocess.run([sys.executable, "-m", "mlxgw", cmd, flag, "0"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and f"{flag}: must be at least 1, not 0" in r.stderr, (cmd, r.stderr)
     for cmd in ("serve", "gateway", "status"):  # an empty URL (an unset variable) is not "the default"
         r = subprocess.run([sys.executable, "-m", "mlxgw", cmd, "--redis-url", ""], capture_output=True, text=True,
                            timeout=120)
@@ -169,9 +170,11 @@ def test_serve_passes_prefill_settings_to_the_backends(tmp_path):
     from mlxgw import launcher
 
     p = tmp_path / "c.toml"
-    p.write_text('[[models]]\nname = "m"\nprefill_concurrency = 1\nprefill_order = "step-beside"\n')
+    p.write_text('[[models]]\nname = "m"\nprefill_concurrency = 1\nprefill_order = "step-beside"\n'
+                 'decode_concurrency = 12\n')
     flags = launcher.backend_model_flags(config.load(str(p)).models[0])
     assert flags[flags.index("--prefill-concurrency") + 1] == "1"
+    assert flags[flags.index("--decode-concurrency") + 1] == "12"
     assert flags[flags.index("--prefill-order") + 1] == "step-beside"
     default = launcher.backend_model_flags(config.ModelConfig())
     from backend.engine import DEFAULT_PREFILL_ORDER
@@ -193,6 +196,10 @@ def test_serve_cache_layout_flag_reaches_the_backends(tmp_path):
     cfg = config.apply_flags(config.ServeConfig(), parser.parse_args([]))
     flags = launcher.backend_model_flags(cfg.models[0])
     assert flags[flags.index("--cache-layout") + 1] == "shared"
+    assert flags[flags.index("--decode-concurrency") + 1] == "32"
+    cfg = config.apply_flags(config.ServeConfig(), parser.parse_args(["--decode-concurrency", "12"]))
+    flags = launcher.backend_model_flags(cfg.models[0])
+    assert flags[flags.index("--decode-concurrency") + 1] == "12"
     with pytest.raises(SystemExit):
         parser.parse_args(["--cache-layout", "bogus"])
 
@@ -208,6 +215,7 @@ def test_a_backend_started_by_hand_has_the_serve_defaults():
     m = config.ModelConfig()
     assert (d.cache_bytes, d.cache_entries, d.min_hit_tokens) == (m.cache_bytes, m.cache_entries, m.min_hit_tokens)
     assert d.cache_bytes == "2GB"
+    assert (d.decode_concurrency, d.prefill_concurrency) == (m.decode_concurrency, m.prefill_concurrency) == (32, 2)
 
 
 @pytest.mark.parametrize("text,n", [

@@ -1,0 +1,61 @@
+"""Decode slots (``--decode-concurrency``, backend/engine.py): how many answers a backend
+generates at once, and what a request beyond them does.
+
+An agent's fan-out sends a dozen calls at once on one context, and prefix routing sends
+them all to the context's backend. With 8 slots (the default until session 31) the calls
+past the eighth waited for one of the first eight to finish before their first token; the
+default is now mlx_lm.server's 32 (docs/cache-policy.md, "Decode slots";
+``bench/fanout.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+
+CALLS = 12
+ANSWER_IDS = 200  # at scale 8 and speed 8: about 1.4 s of decode at least
+
+
+async def _first_tokens_and_ends(url: str) -> tuple[list[float], list[float]]:
+    """Send CALLS streamed cold requests at once; each one's first-token and end times (s)."""
+    t0 = time.monotonic()
+
+    async def one(session, i):
+        prompt = np.random.default_rng(100 + i).integers(16, 3000, 40).tolist()
+        body = {"prompt": prompt, "max_tokens": ANSWER_IDS, "stream": True}
+        first = None
+        async with session.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            n = 0
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    if any(c.get("text") for c in json.loads(line[6:]).get("choices") or []):
+                        first = first or time.monotonic() - t0
+                        n += 1
+        assert first is not None and n > 0
+        return first, time.monotonic() - t0
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        got = await asyncio.gather(*[one(session, i) for i in range(CALLS)])
+    return [f for f, _ in got], [e for _, e in got]
+
+
+@pytest.mark.timeout(120)
+def test_a_fan_out_of_twelve_decodes_at_once_by_default_and_waits_past_a_lower_slot_count(make_stack):
+    st = make_stack()
+    flags = ["--engine", "sim", "--sim-token-scale", "8", "--sim-speed", "8", "--cache-bytes", "1TB"]
+    default = st.add_backend("default", None, *flags)  # no flag: the default slot count
+    eight = st.add_backend("eight", None, *flags, "--decode-concurrency", "8")
+    st.wait()
+    firsts, ends = asyncio.run(_first_tokens_and_ends(default.url))
+    # 32 slots: every call is decoding before the first one has finished its answer.
+    assert max(firsts) < min(ends), (sorted(firsts), sorted(ends))
+    firsts, ends = asyncio.run(_first_tokens_and_ends(eight.url))
+    # 8 slots: four calls get their first token only after an earlier call ended.
+    assert sum(f > min(ends) for f in firsts) == CALLS - 8, (sorted(firsts), sorted(ends))
