@@ -123,6 +123,7 @@ class Reporter:
         self._slow = False  # a request's flush outlasted SETTLE_TIMEOUT and has not finished yet
         self.write_failures = 0
         self.republishes = 0
+        self.left_out_by: dict[str, str] = {}  # gateway id -> why it does not route here (`_check_gateways`)
 
     # -- engine-thread side (CacheListener) --------------------------------
     def on_saved(self, entry: CacheEntry) -> None:
@@ -423,13 +424,37 @@ class Reporter:
         pipe.pexpire(key, int(self.ttl * 1000))
         pipe.zadd(self.keys.backends, {self.backend_id: now})
         pipe.sadd(schema.models_key(self.namespace), self.model)
-        existed = (await pipe.execute())[0]
+        pipe.hgetall(self.keys.gateway_settings)
+        res = await pipe.execute()
+        existed = res[0]
+        self._check_gateways(res[-1], now)
         if self._registered and not existed:
             # Flushed, or expired while we could not reach Redis.
             log.warning("backend %s: registry record was gone; re-publishing ownership", self.backend_id)
             self._dirty = True
         self._registered = True
         self.redis_ok = True
+
+    def _check_gateways(self, raw: dict, now: float) -> None:
+        """Tell the operator, once per gateway and reason, that a live gateway of this model
+        will not route here (another block size or tokenizer: `schema.incompatibility`, the
+        gateways' own rule), and when it does again; ``left_out_by`` (in ``/health``) is the
+        current set. ``raw`` is the `Keys.gateway_settings` hash."""
+        gateways = schema.fresh_gateway_settings(raw, now)
+        left_out = {}
+        for gid, d in gateways.items():
+            why = schema.incompatibility(int(d.get("block_size") or 0), str(d.get("tokenizer") or ""),
+                                         self.block_size, str(self.extra.get("tokenizer", "")),
+                                         whose=f"gateway {gid}'s")
+            if why:
+                left_out[gid] = why
+        for gid, why in left_out.items():
+            if self.left_out_by.get(gid) != why:
+                log.warning("backend %s: gateway %s does not route to it: %s", self.backend_id, gid, why)
+        for gid in self.left_out_by.keys() - left_out.keys():
+            if gid in gateways:
+                log.info("backend %s: gateway %s routes to it now", self.backend_id, gid)
+        self.left_out_by = left_out
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -354,6 +354,8 @@ async def handle_health(request: web.Request) -> web.Response:
         "pid": os.getpid(),
         "redis": reporter.redis_ok,
         **engine.stats(),
+        # Gateways of this model that do not route here, and why (Reporter._check_gateways).
+        "left_out_by": reporter.left_out_by,
     }
     return web.json_response(body, status=200 if ok else 503)
 

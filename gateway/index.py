@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import redis
 import redis.asyncio as aioredis
 
 try:  # redis-py internals (5.x-8.x); without them commands are packed in Python as before
@@ -218,6 +219,7 @@ class OwnershipIndex:
         # model -> (block size, tokenizer fingerprint) a backend must have to be routed to
         self.expect: dict[str, tuple[int, str]] = {}
         self.incompatible: dict[str, dict[str, str]] = {}  # model -> backend id -> why (last refresh)
+        self._settings_pruned_at = 0.0  # `_publish_settings`
 
     def keys(self, model: str) -> schema.Keys:
         return schema.Keys(self.namespace, model)
@@ -287,13 +289,7 @@ class OwnershipIndex:
         want = self.expect.get(model)
         if want is None:
             return None
-        block_size, fingerprint = want
-        if c.block_size and c.block_size != block_size:
-            return f"block size {c.block_size}, this gateway's is {block_size} (--block-size must match)"
-        if c.tokenizer and fingerprint and c.tokenizer != fingerprint:
-            return (f"another tokenizer (vocabulary fingerprint {c.tokenizer}, this gateway's {fingerprint}): "
-                    "the model it serves is not the one this gateway tokenizes for")
-        return None
+        return schema.incompatibility(want[0], want[1], c.block_size, c.tokenizer)
 
     def _compatible(self, model: str, cands: list[Candidate]) -> list[Candidate]:
         if model not in self.expect:
@@ -319,7 +315,8 @@ class OwnershipIndex:
         pipe.set(id_key, secrets.token_hex(8), nx=True)
         pipe.get(id_key)
         pipe.smembers(schema.models_key(self.namespace))
-        _, redis_id, models = await pipe.execute()
+        self._publish_settings(pipe)
+        redis_id, models = (await pipe.execute())[1:3]
         lost = self._redis_id is not None and redis_id != self._redis_id
         self._redis_id = redis_id
         snap = {}
@@ -335,6 +332,24 @@ class OwnershipIndex:
         self.snapshot = snap
         self.snapshot_at = time.time()
         self._set_healthy(True)
+
+    def _publish_settings(self, pipe) -> None:
+        """Queue on ``pipe`` this gateway's entry in each of its models' `Keys.gateway_settings`
+        (what a backend must match to be routed to), so a backend can tell its operator it is
+        left out and ``mlxgw status`` can show it (neither knows the gateways' flags), and,
+        every `schema.GATEWAY_SETTINGS_PRUNE` seconds, delete the entries of gateways gone
+        that long (`PRUNE_SETTINGS_LUA`)."""
+        if not self.gateway_id:
+            return
+        now = time.time()
+        prune = now - self._settings_pruned_at > schema.GATEWAY_SETTINGS_PRUNE
+        for m, (block_size, fingerprint) in self.expect.items():
+            key = self.keys(m).gateway_settings
+            pipe.hset(key, self.gateway_id, schema.gateway_settings_value(block_size, fingerprint, now))
+            if prune:
+                pipe.eval(schema.PRUNE_SETTINGS_LUA, 1, key, f"{now - schema.GATEWAY_SETTINGS_PRUNE:.3f}")
+        if prune:
+            self._settings_pruned_at = now
 
     def _leave_out_incompatible(self, snap: dict[str, list[Candidate]]) -> dict[str, list[Candidate]]:
         """``snap`` without the live backends this gateway will not route to (`mismatch`; every
@@ -446,4 +461,13 @@ class OwnershipIndex:
         await cancel_and_wait(self._task)
         if self._flusher is not None:
             await asyncio.gather(self._flusher, return_exceptions=True)  # the last decisions still land
+        if self.gateway_id and self.expect and self.healthy:
+            # Gone now: backends and status stop counting this gateway at once, not in 10 s.
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                for m in self.expect:
+                    pipe.hdel(self.keys(m).gateway_settings, self.gateway_id)
+                await asyncio.wait_for(pipe.execute(), 1.0)
+            except (redis.RedisError, OSError, asyncio.TimeoutError):
+                pass  # it ages out (schema.GATEWAY_SETTINGS_FRESH)
         await self.redis.aclose()

@@ -19,12 +19,13 @@ The human-readable description of every key is in ``docs/redis-schema.md``;
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
 from array import array
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import msgpack
 import xxhash
@@ -183,6 +184,12 @@ class Keys:
     def gateway_load_prefix(self) -> str:
         return f"{self.prefix}:gwload:"
 
+    @property
+    def gateway_settings(self) -> str:
+        """HASH gateway id -> JSON of what a backend must match to be routed to by that
+        gateway (`gateway_settings_value`); backends and ``mlxgw status`` read it."""
+        return f"{self.prefix}:gwconf"
+
 
 def as_str(x) -> str:
     """A Redis reply item as text: bytes decoded as UTF-8 (undecodable bytes replaced),
@@ -193,6 +200,67 @@ def as_str(x) -> str:
 # Registry record fields that are text (docs/redis-schema.md); every other field is a number.
 REGISTRY_TEXT_FIELDS = frozenset({"id", "url", "model", "model_path", "host", "state", "engine", "cache_layout",
                                   "tokenizer"})
+
+
+# Gateways rewrite their `Keys.gateway_settings` entry every registry refresh (1 s); an entry
+# older than GATEWAY_SETTINGS_FRESH seconds is a gateway that stopped (readers skip it, and
+# a gateway deletes entries older than GATEWAY_SETTINGS_PRUNE when it writes its own).
+GATEWAY_SETTINGS_FRESH = 10.0
+GATEWAY_SETTINGS_PRUNE = 60.0
+
+
+# Delete the entries of a `Keys.gateway_settings` hash (KEYS[1]) written before ARGV[1]
+# (unix seconds): gateways gone for `GATEWAY_SETTINGS_PRUNE`. Entries that do not parse stay.
+PRUNE_SETTINGS_LUA = """
+local all = redis.call('HGETALL', KEYS[1])
+local n = 0
+for i = 1, #all, 2 do
+  local at = tonumber(string.match(all[i + 1], '"at": *([%d.]+)'))
+  if at and at < tonumber(ARGV[1]) then
+    redis.call('HDEL', KEYS[1], all[i])
+    n = n + 1
+  end
+end
+return n
+"""
+
+
+def gateway_settings_value(block_size: int, tokenizer: str, at: float) -> str:
+    """One gateway's `Keys.gateway_settings` entry: JSON ``{"block_size": tokens per block,
+    "tokenizer": `mlxgw.prompt.tokenizer_fingerprint` of its tokenizer for the model, "at":
+    unix seconds written}``."""
+    return json.dumps({"block_size": int(block_size), "tokenizer": tokenizer, "at": round(at, 3)})
+
+
+def fresh_gateway_settings(raw: dict, now: float, fresh: float = GATEWAY_SETTINGS_FRESH) -> dict[str, dict]:
+    """The entries of a `Keys.gateway_settings` hash (bytes or text, as Redis returns it)
+    written within ``fresh`` seconds of ``now``: gateway id -> its decoded settings.
+    Entries that do not parse are skipped. Never raises."""
+    out = {}
+    for k, v in raw.items():
+        try:
+            d = json.loads(as_str(v))
+            if now - float(d["at"]) <= fresh:
+                out[as_str(k)] = d
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def incompatibility(gateway_block_size: int, gateway_tokenizer: str, block_size: int, tokenizer: str,
+                    whose: str = "this gateway's") -> Optional[str]:
+    """Why a backend with ``block_size`` and ``tokenizer`` cannot serve a gateway with the
+    ``gateway_*`` settings (None: it can). Its token ids must mean the same tokens (the
+    gateway forwards ids it computed: another tokenizer answers nonsense) and its block keys
+    must cover the same spans (another block size never matches a prefix). A value either
+    side does not publish (0, "": an older process) is not checked. ``whose`` names the
+    gateway in the text."""
+    if block_size and gateway_block_size and block_size != gateway_block_size:
+        return f"block size {block_size}, {whose} is {gateway_block_size} (--block-size must match)"
+    if tokenizer and gateway_tokenizer and tokenizer != gateway_tokenizer:
+        return (f"another tokenizer (vocabulary fingerprint {tokenizer}, {whose} {gateway_tokenizer}): "
+                "the model it serves is not the one the gateway tokenizes for")
+    return None
 
 
 def registry_record(raw: dict) -> dict:

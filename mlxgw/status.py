@@ -33,9 +33,12 @@ def collect(r: redis.Redis, namespace: str, events: int = 10) -> dict:
         events: how many recent events per model.
 
     Returns:
-        ``{model: {"backends": [registry record (str -> str)], "recent_events":
-        [{"type", "backend", "epoch", "ts", <data fields>}]}}``, models sorted,
-        backends in heartbeat order, events newest first.
+        ``{model: {"backends": [registry record (str -> str)], "gateways": {gateway id:
+        settings}, "recent_events": [{"type", "backend", "epoch", "ts", <data fields>}]}}``,
+        models sorted, backends in heartbeat order, events newest first. ``gateways`` are
+        the live gateways' published settings (`schema.fresh_gateway_settings`); each
+        record gains ``left_out_by``: gateway id -> why that gateway does not route to it
+        (`schema.incompatibility`, the gateways' own rule).
 
     Raises:
         redis.RedisError: Redis unreachable or failing.
@@ -49,20 +52,25 @@ def collect(r: redis.Redis, namespace: str, events: int = 10) -> dict:
         k = schema.Keys(namespace, m)
         pipe.zrange(k.backends, 0, -1)
         pipe.xrevrange(k.events, count=events)
+        pipe.hgetall(k.gateway_settings)
     listed = pipe.execute()
+    now = time.time()
     pipe = r.pipeline(transaction=False)
     for i, m in enumerate(models):
-        for bid in listed[2 * i]:
+        for bid in listed[3 * i]:
             pipe.hgetall(schema.Keys(namespace, m).backend(schema.as_str(bid)))
     records = iter(pipe.execute())
     for i, m in enumerate(models):
+        gateways = schema.fresh_gateway_settings(listed[3 * i + 2], now)
         backends = []
-        for _ in listed[2 * i]:
+        for _ in listed[3 * i]:
             rec = next(records)
             if rec:
-                backends.append(schema.registry_record(rec))
+                rec = schema.registry_record(rec)
+                rec["left_out_by"] = left_out_by(rec, gateways)
+                backends.append(rec)
         evs = []
-        for _, f in listed[2 * i + 1]:
+        for _, f in listed[3 * i + 1]:
             try:
                 e = schema.decode_event(f)
             except Exception:  # a foreign or corrupt entry: show its plain fields only
@@ -70,7 +78,20 @@ def collect(r: redis.Redis, namespace: str, events: int = 10) -> dict:
             data = e.pop("data", {}) or {}
             e.update({kk: data[kk] for kk in _EVENT_FIELDS if kk in data})
             evs.append(e)
-        out[m] = {"backends": backends, "recent_events": evs}
+        out[m] = {"backends": backends, "gateways": gateways, "recent_events": evs}
+    return out
+
+
+def left_out_by(rec: dict, gateways: dict[str, dict]) -> dict[str, str]:
+    """Gateway id -> why that gateway does not route to the backend of registry record
+    ``rec`` (`schema.incompatibility`); empty when every gateway does."""
+    out = {}
+    for gid, g in gateways.items():
+        why = schema.incompatibility(int(g.get("block_size") or 0), str(g.get("tokenizer") or ""),
+                                     int(_f(rec, "block_size")), str(rec.get("tokenizer") or ""),
+                                     whose=f"gateway {gid}'s")
+        if why:
+            out[gid] = why
     return out
 
 
@@ -89,8 +110,9 @@ SILENT_AFTER_BEATS = 2.5
 def backend_view(rec: dict, now: Optional[float] = None) -> dict:
     """Derived figures of one registry record.
 
-    Returns ``id, state (``silent Ns`` once `SILENT_AFTER_BEATS` heartbeats were missed),
-    silent, url, active, queued (prefill tokens), entries,
+    Returns ``id, state (``silent Ns`` once `SILENT_AFTER_BEATS` heartbeats were missed;
+    ``left out`` when a live gateway does not route to it: ``left_out_by``, from `collect`),
+    silent, left_out, url, active, queued (prefill tokens), entries,
     cache_mb (MiB), cache_use (bytes / budget, 0..1, 0 without a budget),
     evictions (entries the budget evicted since start), requests, hit_ratio (cached / prompt tokens since start), age_s (since the
     last heartbeat), load`` where ``load`` (active requests, then queued
@@ -105,10 +127,12 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
     pt = _f(rec, "prompt_tokens")
     budget = _f(rec, "cache_budget_bytes")
     active, queued = int(_f(rec, "active")), int(_f(rec, "queued_prefill_tokens"))
+    left_out = bool(rec.get("left_out_by"))
     return {
         "id": rec.get("id", "?"),
-        "state": f"silent {age:.0f}s" if silent else rec.get("state", "?"),
+        "state": f"silent {age:.0f}s" if silent else ("left out" if left_out else rec.get("state", "?")),
         "silent": silent,
+        "left_out": left_out,
         "url": rec.get("url", "?"),
         "active": active,
         "queued": queued,
@@ -246,37 +270,44 @@ def connect(args) -> redis.Redis:
 
 
 def unreachable(args, e: BaseException) -> int:
-    """Tell the operator which Redis did not answer and where its URL came from (`connect`);
-    returns the exit code of ``status`` and ``top`` for it, 4."""
-    print(f"Redis unreachable at {redact_url(args.redis_url)}: {e}", file=sys.stderr)
+    """Tell the operator which Redis did not answer and where its URL came from (`connect`),
+    on stderr; with ``--json`` also on stdout, as ``{"error": {"type": "redis_unreachable",
+    "redis_url", "message", "hint"}}``, so a script reading stdout gets JSON either way.
+    Returns the exit code of ``status`` and ``top`` for it, 4."""
     if isinstance(e, redis.TimeoutError):  # connected, then no answer: not a wrong URL
-        print(f"(it accepted the connection but did not answer within {REPLY_TIMEOUT:g} s, twice: "
-              "overloaded, or stopped with SIGSTOP?)", file=sys.stderr)
-        return 4
-    hint = {"serve": "the URL a `mlxgw serve` left: is it still running?",
-            "default": f"no `mlxgw serve` left its URL in {serve_url_file()} (none running, or it runs with "
-                       "another MLXGW_CACHE_DIR); start one, or pass --redis-url"}.get(args.url_source)
+        hint = (f"it accepted the connection but did not answer within {REPLY_TIMEOUT:g} s, twice: "
+                "overloaded, or stopped with SIGSTOP?")
+    else:
+        hint = {"serve": "the URL a `mlxgw serve` left: is it still running?",
+                "default": f"no `mlxgw serve` left its URL in {serve_url_file()} (none running, or it runs with "
+                           "another MLXGW_CACHE_DIR); start one, or pass --redis-url"}.get(args.url_source, "")
+    print(f"Redis unreachable at {redact_url(args.redis_url)}: {e}", file=sys.stderr)
     if hint:
         print(f"({hint})", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"error": {"type": "redis_unreachable", "redis_url": redact_url(args.redis_url),
+                                    "message": str(e), "hint": hint}}, indent=2))
     return 4
 
 
 def model_total(records: list[dict]) -> dict:
-    """A model's figures over its backends: ``live`` (not silent), sums of ``active``,
+    """A model's figures over its backends: ``live`` (not silent, and routed to by the
+    gateways: not ``left out``), ``left_out`` (how many a gateway does not route to), sums of ``active``,
     ``queued``, ``entries``, ``cache_mb``, ``evictions``, ``prompt_tokens``, ``cached_tokens``,
     and ``hit_ratio``: cached over prompt tokens of them all (not the mean of their ratios)."""
     views = [backend_view(r) for r in records]
     pt = sum(_f(r, "prompt_tokens") for r in records)
     ct = sum(_f(r, "cached_tokens") for r in records)
     out = {k: sum(v[k] for v in views) for k in ("active", "queued", "entries", "evictions")}
-    return {"live": sum(not v["silent"] for v in views), **out, "cache_mb": round(sum(v["cache_mb"] for v in views), 2),
+    return {"live": sum(not v["silent"] and not v["left_out"] for v in views),
+            "left_out": sum(v["left_out"] for v in views), **out, "cache_mb": round(sum(v["cache_mb"] for v in views), 2),
             "prompt_tokens": int(pt), "cached_tokens": int(ct), "hit_ratio": round(ct / pt, 4) if pt else 0.0}
 
 
 def total_row(records: list[dict]) -> list[str]:
     """The ``total`` row of a model's status table (`model_total`)."""
     t = model_total(records)
-    return ["total", f"{t['live']} live", "", str(t["active"]), str(t["queued"]), str(t["entries"]),
+    return ["total", f"{t['live']} live" + (f", {t['left_out']} left out" if t["left_out"] else ""), "", str(t["active"]), str(t["queued"]), str(t["entries"]),
             f"{t['cache_mb']:.1f}", str(t["evictions"]), f"{t['hit_ratio']:.2f}", ""]
 
 
@@ -295,6 +326,16 @@ def disagreement(records: list[dict]) -> list[str]:
             out.append(f"backends disagree on {field}: " + "; ".join(
                 f"{v} ({', '.join(sorted(ids))})" for v, ids in sorted(groups.items(), key=lambda kv: -len(kv[1]))) +
                 "; a gateway routes only to those matching its own")
+    return out
+
+
+def left_out_lines(records: list[dict]) -> list[str]:
+    """One line per backend a live gateway does not route to, naming the gateways and why
+    (``left_out_by``, from `collect`)."""
+    out = []
+    for r in records:
+        for gid, why in sorted((r.get("left_out_by") or {}).items()):
+            out.append(f"gateway {gid} does not route to {r.get('id', '?')}: {why}")
     return out
 
 
@@ -329,7 +370,7 @@ def run(args) -> int:
             t.add_section()
             t.add_row(*total_row(d["backends"]))
         con.print(t)
-        for line in disagreement(d["backends"]):
+        for line in disagreement(d["backends"]) + left_out_lines(d["backends"]):
             con.print(line, markup=False, highlight=False, soft_wrap=True)
         for e in d["recent_events"]:
             con.print(event_line(e), markup=False, highlight=False)

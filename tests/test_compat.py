@@ -1,9 +1,12 @@
 """A backend whose token ids or block keys would not mean what the gateway's do is never
 routed to (gateway/index.py `mismatch`): another tokenizer under the same served name (it
 would answer nonsense to the ids the gateway forwards), another block size (it would never
-match a prefix). Real sim backends, a real gateway and Redis."""
+match a prefix). The gateways publish what they expect (`schema.Keys.gateway_settings`), so
+the backends left out and `mlxgw status` say so too. Real sim backends, a real gateway and
+Redis."""
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +28,12 @@ def tokenizer_variant(src: str, dst: Path) -> str:
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (dst / "tokenizer.json").write_text(json.dumps(tj))
     return str(dst)
+
+
+def s_redis(stack):
+    import redis
+
+    return redis.Redis.from_url(stack.redis_url)
 
 
 def test_the_fingerprint_names_the_vocabulary(demo_model, tmp_path):
@@ -67,6 +76,20 @@ def test_a_backend_with_another_tokenizer_or_block_size_is_left_out(make_stack, 
     assert "backend other-tok (" in log and "is not routed to: another tokenizer" in log
     assert "backend other-bs (" in log and "is not routed to: block size" in log
 
+    # The backends left out know it, from the settings the gateway publishes in Redis: their
+    # /health and their own log (the operator of a backend on another Mac reads that one).
+    gid = f"{socket.gethostname()}:{g.port}"
+    want = {"other-bs": f"block size {s.block_size * 2}, gateway {gid}'s is {s.block_size} (--block-size must match)",
+            "other-tok": "another tokenizer (vocabulary fingerprint "}
+    for b in (other, blocks):
+        deadline = time.time() + 10
+        while time.time() < deadline and not (get_json(b.url + "/health") or {}).get("left_out_by"):
+            time.sleep(0.2)
+        said = get_json(b.url + "/health")["left_out_by"]
+        assert list(said) == [gid] and said[gid].startswith(want[b.name]), said
+        assert f"backend {b.name}: gateway {gid} does not route to it: {want[b.name]}" in b.log_path.read_text()
+    assert get_json(good.url + "/health")["left_out_by"] == {}
+
     # `mlxgw status` shows the disagreement among the model's backends, each value with its owners.
     r = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", s.redis_url, "--namespace",
                         s.namespace], capture_output=True, text=True, timeout=60)
@@ -75,10 +98,18 @@ def test_a_backend_with_another_tokenizer_or_block_size_is_left_out(make_stack, 
     assert (f"backends disagree on block_size: {s.block_size} (good, other-tok); {s.block_size * 2} (other-bs); "
             "a gateway routes only to those matching its own") in out, out
     assert "backends disagree on tokenizer: " in out and "(good, other-bs); " in out, out
+    assert f"gateway {gid} does not route to other-bs: {want['other-bs']}" in out, out
+    assert f"gateway {gid} does not route to other-tok: {want['other-tok']}" in out, out
+    rows = {ln.split("│")[1].strip(): ln for ln in r.stdout.splitlines() if ln.count("│") > 3}
+    assert "left out" in rows["other-bs"] and "left out" in rows["other-tok"] and "ready" in rows["good"], rows
+    assert "1 live, 2 left out" in rows["total"], rows
     r = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--json", "--redis-url", s.redis_url, "--namespace",
                         s.namespace], capture_output=True, text=True, timeout=60)
     d = json.loads(r.stdout)[s.model_name]
-    assert d["total"]["live"] == 3 and len(d["disagreements"]) == 2, d
+    assert (d["total"]["live"], d["total"]["left_out"]) == (1, 2) and len(d["disagreements"]) == 2, d
+    assert {b["id"]: sorted(b["left_out_by"]) for b in d["backends"]} == {"good": [], "other-bs": [gid],
+                                                                          "other-tok": [gid]}, d
+    assert d["gateways"][gid]["block_size"] == s.block_size and len(d["gateways"][gid]["tokenizer"]) == 16, d
     assert d["disagreements"][0].startswith("backends disagree on block_size: ")
 
     # Every request goes to the one backend that shares both; distinct sessions would spread
@@ -105,3 +136,32 @@ def test_a_backend_with_another_tokenizer_or_block_size_is_left_out(make_stack, 
     assert "Retry-After" not in h  # a setting to fix, not a moment to wait
     assert err["message"].startswith(f"no live backend serves '{s.model_name}'; left out: other-bs: block size")
     assert "other-tok: another tokenizer" in err["message"]
+
+    # A gateway that stops takes its settings out of Redis at once (not 10 s later).
+    from mlxgw import schema
+
+    key = schema.Keys(s.namespace, s.model_name).gateway_settings
+    assert schema.fresh_gateway_settings(s_redis(s).hgetall(key), time.time()).keys() == {gid}
+    g.stop()
+    assert s_redis(s).hget(key, gid) is None
+
+
+def test_gateway_settings_age_out_and_are_pruned(redis_server):
+    """A stopped gateway's entry stops counting after `GATEWAY_SETTINGS_FRESH` seconds and is
+    deleted by the next gateway's prune (`PRUNE_SETTINGS_LUA`) after `GATEWAY_SETTINGS_PRUNE`."""
+    from mlxgw import schema
+
+    r = redis_server.client()
+    key = schema.Keys("tprune", "m").gateway_settings
+    now = time.time()
+    r.hset(key, mapping={"live": schema.gateway_settings_value(16, "ab" * 8, now - 1),
+                         "stopped": schema.gateway_settings_value(16, "ab" * 8, now - 30),
+                         "gone": schema.gateway_settings_value(64, "cd" * 8, now - 120),
+                         "junk": "not json"})
+    fresh = schema.fresh_gateway_settings(r.hgetall(key), now)
+    assert list(fresh) == ["live"] and fresh["live"]["block_size"] == 16, fresh
+    assert r.eval(schema.PRUNE_SETTINGS_LUA, 1, key, f"{now - schema.GATEWAY_SETTINGS_PRUNE:.3f}") == 1
+    assert sorted(r.hkeys(key)) == ["junk", "live", "stopped"]
+    assert schema.incompatibility(16, "ab" * 8, 16, "ab" * 8) is None
+    assert schema.incompatibility(16, "ab" * 8, 0, "") is None  # an older backend publishes neither
+    assert schema.incompatibility(16, "", 32, "ab" * 8) == "block size 32, this gateway's is 16 (--block-size must match)"
