@@ -215,7 +215,7 @@ class MLXEngine(Engine):
         model_path: str,
         cache: PromptCache,
         cache_bytes: int,
-        decode_concurrency: int = 32,
+        decode_concurrency: int = 16,
         prefill_concurrency: int = 2,
         prefill_step_size: int = 512,
         finish_prefill_on_cancel: bool = True,

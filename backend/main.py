@@ -60,8 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "several entries share is held once) or 'whole' (one KV copy per entry, as mlx-lm); "
                         "docs/cache-policy.md")
     p.add_argument("--decode-concurrency", type=positive_int, default=ModelConfig.decode_concurrency,
-                   help="decode slots: sequences generating at once (mlx-lm's completion_batch_size; 32, as "
-                        "mlx_lm.server); a request beyond them waits for one to end. Each running sequence holds "
+                   help="decode slots: sequences generating at once (mlx-lm's completion_batch_size; default "
+                        "16); a request beyond them waits for one to end. Each running sequence holds "
                         "its whole context's KV (docs/cache-policy.md, 'Decode slots')")
     p.add_argument("--prefill-concurrency", type=positive_int, default=ModelConfig.prefill_concurrency,
                    help="prompts prefilled side by side (mlx-lm's prefill_batch_size)")

@@ -147,9 +147,8 @@ async def run_variant(url: str, model: str, args, lo: int, hi: int) -> dict:
 
 
 VARIANT_SETS = {
-    # decode slots (backend --decode-concurrency): 8 was the default until session 31, 32 since
-    # (mlx_lm.server's)
-    "slots": {"slots8": ("", "--decode-concurrency 8"), "slots16": ("", "--decode-concurrency 16")},
+    # decode slots (backend --decode-concurrency): 8 was the default until session 31, 16 since
+    "slots": {"slots8": ("", "--decode-concurrency 8"), "slots32": ("", "--decode-concurrency 32")},
 }
 
 
@@ -165,7 +164,7 @@ def main(argv=None) -> int:
     p.add_argument("--output-tokens", type=int, default=400, help="each call's answer, real tokens")
     p.add_argument("--sim-token-scale", type=int, default=8, help="real tokens per sim id")
     p.add_argument("--sim-speed", type=float, default=8.0, help="sim backends' speed factor")
-    p.add_argument("--decode-concurrency", type=int, help="every backend's decode slots (default: the backend's, 32)")
+    p.add_argument("--decode-concurrency", type=int, help="every backend's decode slots (default: the backend's, 16)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS", help="gateway flags of a variant")
     p.add_argument("--backend-variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="backend flags of a variant")

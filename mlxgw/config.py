@@ -34,7 +34,7 @@ class ModelConfig:
     cache_layout: str = "shared"  # cache rule 7: a shared prefix held once; "whole" is mlx-lm's way (docs/cache-policy.md)
     prefill_save: bool = True  # a request sharing a prompt in prefill waits for it and reuses it (docs/cache-policy.md)
     prefill_concurrency: int = 2  # prompts prefilled side by side per backend
-    decode_concurrency: int = 32  # decode slots per backend (mlx_lm.server's default; 8 until session 31)
+    decode_concurrency: int = 16  # decode slots per backend (8 until session 31; docs/cache-policy.md)
     prefill_order: str = "step-beside"  # which waiting request prefills next (backend.engine.DEFAULT_PREFILL_ORDER)
 
 

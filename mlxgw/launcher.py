@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shared (default): a prefix several cached prompts share is held once; whole: one copy "
                         "per entry, as mlx-lm (docs/cache-policy.md, rule 7)")
     p.add_argument("--decode-concurrency", type=positive_int,
-                   help="decode slots per backend: answers generated at once (default 32, as mlx_lm.server; "
+                   help="decode slots per backend: answers generated at once (default 16; "
                         "docs/cache-policy.md, 'Decode slots')")
     p.add_argument("--block-size", type=int, help="tokens per block (default 64; gateway and backends must match)")
     p.add_argument("--namespace", help="Redis key namespace (default mlxgw)")

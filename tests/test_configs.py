@@ -196,7 +196,7 @@ def test_serve_cache_layout_flag_reaches_the_backends(tmp_path):
     cfg = config.apply_flags(config.ServeConfig(), parser.parse_args([]))
     flags = launcher.backend_model_flags(cfg.models[0])
     assert flags[flags.index("--cache-layout") + 1] == "shared"
-    assert flags[flags.index("--decode-concurrency") + 1] == "32"
+    assert flags[flags.index("--decode-concurrency") + 1] == "16"
     cfg = config.apply_flags(config.ServeConfig(), parser.parse_args(["--decode-concurrency", "12"]))
     flags = launcher.backend_model_flags(cfg.models[0])
     assert flags[flags.index("--decode-concurrency") + 1] == "12"
@@ -215,7 +215,7 @@ def test_a_backend_started_by_hand_has_the_serve_defaults():
     m = config.ModelConfig()
     assert (d.cache_bytes, d.cache_entries, d.min_hit_tokens) == (m.cache_bytes, m.cache_entries, m.min_hit_tokens)
     assert d.cache_bytes == "2GB"
-    assert (d.decode_concurrency, d.prefill_concurrency) == (m.decode_concurrency, m.prefill_concurrency) == (32, 2)
+    assert (d.decode_concurrency, d.prefill_concurrency) == (m.decode_concurrency, m.prefill_concurrency) == (16, 2)
 
 
 @pytest.mark.parametrize("text,n", [

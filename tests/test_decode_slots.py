@@ -4,7 +4,7 @@ generates at once, and what a request beyond them does.
 An agent's fan-out sends a dozen calls at once on one context, and prefix routing sends
 them all to the context's backend. With 8 slots (the default until session 31) the calls
 past the eighth waited for one of the first eight to finish before their first token; the
-default is now mlx_lm.server's 32 (docs/cache-policy.md, "Decode slots";
+default is now 16 (docs/cache-policy.md, "Decode slots";
 ``bench/fanout.py``).
 """
 
@@ -54,7 +54,7 @@ def test_a_fan_out_of_twelve_decodes_at_once_by_default_and_waits_past_a_lower_s
     eight = st.add_backend("eight", None, *flags, "--decode-concurrency", "8")
     st.wait()
     firsts, ends = asyncio.run(_first_tokens_and_ends(default.url))
-    # 32 slots: every call is decoding before the first one has finished its answer.
+    # 16 slots: every call is decoding before the first one has finished its answer.
     assert max(firsts) < min(ends), (sorted(firsts), sorted(ends))
     firsts, ends = asyncio.run(_first_tokens_and_ends(eight.url))
     # 8 slots: four calls get their first token only after an earlier call ended.
