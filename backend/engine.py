@@ -313,6 +313,9 @@ class MLXEngine(Engine):
     def stats(self) -> dict:
         return {
             "active": self.active,
+            # received, not yet in the batch: behind a prefill slot, a decode slot or a shared prefill
+            "waiting": len(getattr(self, "_waiting", ())),
+            "decode_slots": self.decode_concurrency,
             "queued_prefill_tokens": max(0, self.queued_prefill_tokens),
             **self.cache_figures(),
             "requests": self.requests_total,

@@ -112,7 +112,8 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
 
     Returns ``id, state (``silent Ns`` once `SILENT_AFTER_BEATS` heartbeats were missed;
     ``left out`` when a live gateway does not route to it: ``left_out_by``, from `collect`),
-    silent, left_out, url, active, queued (prefill tokens), entries,
+    silent, left_out, url, active, slots (decode slots, 0: not published), waiting (requests
+    not yet in the batch), active_text (``active/slots``), queued (prefill tokens), entries,
     cache_mb (MiB), cache_use (bytes / budget, 0..1, 0 without a budget),
     evictions (entries the budget evicted since start), requests, hit_ratio (cached / prompt tokens since start), age_s (since the
     last heartbeat), load`` where ``load`` (active requests, then queued
@@ -127,6 +128,7 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
     pt = _f(rec, "prompt_tokens")
     budget = _f(rec, "cache_budget_bytes")
     active, queued = int(_f(rec, "active")), int(_f(rec, "queued_prefill_tokens"))
+    slots = int(_f(rec, "decode_slots"))
     left_out = bool(rec.get("left_out_by"))
     return {
         "id": rec.get("id", "?"),
@@ -135,6 +137,10 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
         "left_out": left_out,
         "url": rec.get("url", "?"),
         "active": active,
+        "slots": slots,
+        "waiting": int(_f(rec, "waiting")),
+        # "12/16": active requests of the backend's decode slots; above them, requests wait
+        "active_text": f"{active}/{slots}" if slots else str(active),
         "queued": queued,
         "entries": int(_f(rec, "cache_entries")),
         "cache_mb": round(_f(rec, "cache_bytes") / 2**20, 2),
@@ -293,12 +299,12 @@ def unreachable(args, e: BaseException) -> int:
 def model_total(records: list[dict]) -> dict:
     """A model's figures over its backends: ``live`` (not silent, and routed to by the
     gateways: not ``left out``), ``left_out`` (how many a gateway does not route to), sums of ``active``,
-    ``queued``, ``entries``, ``cache_mb``, ``evictions``, ``prompt_tokens``, ``cached_tokens``,
+    ``slots``, ``waiting``, ``queued``, ``entries``, ``cache_mb``, ``evictions``, ``prompt_tokens``, ``cached_tokens``,
     and ``hit_ratio``: cached over prompt tokens of them all (not the mean of their ratios)."""
     views = [backend_view(r) for r in records]
     pt = sum(_f(r, "prompt_tokens") for r in records)
     ct = sum(_f(r, "cached_tokens") for r in records)
-    out = {k: sum(v[k] for v in views) for k in ("active", "queued", "entries", "evictions")}
+    out = {k: sum(v[k] for v in views) for k in ("active", "slots", "waiting", "queued", "entries", "evictions")}
     return {"live": sum(not v["silent"] and not v["left_out"] for v in views),
             "left_out": sum(v["left_out"] for v in views), **out, "cache_mb": round(sum(v["cache_mb"] for v in views), 2),
             "prompt_tokens": int(pt), "cached_tokens": int(ct), "hit_ratio": round(ct / pt, 4) if pt else 0.0}
@@ -307,8 +313,10 @@ def model_total(records: list[dict]) -> dict:
 def total_row(records: list[dict]) -> list[str]:
     """The ``total`` row of a model's status table (`model_total`)."""
     t = model_total(records)
-    return ["total", f"{t['live']} live" + (f", {t['left_out']} left out" if t["left_out"] else ""), "", str(t["active"]), str(t["queued"]), str(t["entries"]),
-            f"{t['cache_mb']:.1f}", str(t["evictions"]), f"{t['hit_ratio']:.2f}", ""]
+    live = f"{t['live']} live" + (f", {t['left_out']} left out" if t["left_out"] else "")
+    active = f"{t['active']}/{t['slots']}" if t["slots"] else str(t["active"])
+    return ["total", live, "", active, str(t["queued"]), str(t["entries"]), f"{t['cache_mb']:.1f}",
+            str(t["evictions"]), f"{t['hit_ratio']:.2f}", ""]
 
 
 def disagreement(records: list[dict]) -> list[str]:
@@ -360,11 +368,11 @@ def run(args) -> int:
     now = time.time()
     for m, d in data.items():
         t = Table(title=f"model {m}{layouts_note(d['backends'])}")
-        for col in ("backend", "state", "url", "active", "queued", "entries", "cache MiB", "evictions",
+        for col in ("backend", "state", "url", "active/slots", "queued", "entries", "cache MiB", "evictions",
                     "hit ratio (tokens)", "age s"):
             t.add_column(col)
         for b in map(lambda r: backend_view(r, now), d["backends"]):
-            t.add_row(b["id"], b["state"], b["url"], str(b["active"]), str(b["queued"]), str(b["entries"]),
+            t.add_row(b["id"], b["state"], b["url"], b["active_text"], str(b["queued"]), str(b["entries"]),
                       f"{b['cache_mb']:.1f}", str(b["evictions"]), f"{b['hit_ratio']:.2f}", f"{b['age_s']:.1f}")
         if len(d["backends"]) > 1:
             t.add_section()

@@ -59,13 +59,13 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
             f"{_fmt(last.get('rps'), '.2f')} req/s, token hit ratio {_fmt(last.get('hit_ratio'), '.2f')}, "
             f"{_fmt(last.get('gen_tps'), '.1f')} gen tok/s, TTFT {_fmt(last.get('ttft_ms'), '.1f')} ms"))
         t = Table(expand=False)
-        for col in ("backend", "state", "active", "queued", "cache MiB", "use", "req", "hit ratio (tokens)",
+        for col in ("backend", "state", "active/slots", "queued", "cache MiB", "use", "req", "hit ratio (tokens)",
                     "hit ratio / interval", "gen tok/s", "TTFT ms", "age s"):  # sorted by load
             t.add_column(col, no_wrap=True)
         for v in views:
             s = hist.backend_series(m, v["id"])
             cur = s[-1] if s else {}
-            t.add_row(v["id"], v["state"], str(v["active"]), str(v["queued"]), f"{v['cache_mb']:.1f}",
+            t.add_row(v["id"], v["state"], v["active_text"], str(v["queued"]), f"{v['cache_mb']:.1f}",
                       f"{v['cache_use']:.0%}", str(v["requests"]), f"{v['hit_ratio']:.2f}",
                       sparkline([p["hit_ratio"] for p in s], hi=1.0),
                       f"{sparkline([p['gen_tps'] for p in s], width=10)} {_fmt(cur.get('gen_tps'), '.1f')}",

@@ -18,6 +18,8 @@ import aiohttp
 import numpy as np
 import pytest
 
+from mlxgw.httpget import get_json
+
 CALLS = 12
 ANSWER_IDS = 200  # at scale 8 and speed 8: about 1.4 s of decode at least
 
@@ -53,6 +55,8 @@ def test_a_fan_out_of_twelve_decodes_at_once_by_default_and_waits_past_a_lower_s
     default = st.add_backend("default", None, *flags)  # no flag: the default slot count
     eight = st.add_backend("eight", None, *flags, "--decode-concurrency", "8")
     st.wait()
+    # Published, so the operator sees `active/slots` in mlxgw status, top and the dashboard.
+    assert (get_json(default.url + "/health")["decode_slots"], get_json(eight.url + "/health")["decode_slots"]) == (16, 8)
     firsts, ends = asyncio.run(_first_tokens_and_ends(default.url))
     # 16 slots: every call is decoding before the first one has finished its answer.
     assert max(firsts) < min(ends), (sorted(firsts), sorted(ends))

@@ -110,3 +110,20 @@ def test_status_total_row_sums_backends_and_pools_the_hit_ratio():
              "last_heartbeat": str(now - 60), "heartbeat_interval": "1"}]
     # 1000 cached of 4000 prompt tokens: 0.25, not the mean of 0.90 and 0.03; b is silent
     assert total_row(recs) == ["total", "1 live", "", "3", "100", "4", "4.0", "1", "0.25", ""]
+
+
+def test_active_is_shown_against_the_decode_slots():
+    """``12/16``: a backend's active requests of its decode slots (above them requests wait,
+    docs/cache-policy.md "Decode slots"); a record without ``decode_slots`` (an older backend)
+    shows the bare count."""
+    from mlxgw.status import backend_view, model_total, total_row
+
+    now = time.time()
+    base = {"state": "ready", "queued_prefill_tokens": "0", "last_heartbeat": str(now), "heartbeat_interval": "1"}
+    recs = [{**base, "id": "a", "active": "20", "waiting": "4", "decode_slots": "16"},
+            {**base, "id": "b", "active": "3", "waiting": "0", "decode_slots": "16"}]
+    assert [backend_view(r, now)["active_text"] for r in recs] == ["20/16", "3/16"]
+    assert backend_view({**base, "id": "old", "active": "2"}, now)["active_text"] == "2"
+    t = model_total(recs)
+    assert (t["active"], t["slots"], t["waiting"]) == (23, 32, 4)
+    assert total_row(recs)[3] == "23/32"
