@@ -24,9 +24,12 @@ CALLS = 12
 ANSWER_IDS = 200  # at scale 8 and speed 8: about 1.4 s of decode at least
 
 
-async def _first_tokens_and_ends(url: str) -> tuple[list[float], list[float]]:
-    """Send CALLS streamed cold requests at once; each one's first-token and end times (s)."""
+async def _first_tokens_and_ends(url: str, probe_at: int) -> tuple[list[float], list[float], dict]:
+    """Send CALLS streamed cold requests at once; each one's first-token and end times (s),
+    and the backend's ``/health`` read as the ``probe_at``-th call got its first token."""
     t0 = time.monotonic()
+    started: list[int] = []
+    probe: dict = {}
 
     async def one(session, i):
         prompt = np.random.default_rng(100 + i).integers(16, 3000, 40).tolist()
@@ -38,14 +41,19 @@ async def _first_tokens_and_ends(url: str) -> tuple[list[float], list[float]]:
             async for line in r.content:
                 if line.startswith(b"data: {"):
                     if any(c.get("text") for c in json.loads(line[6:]).get("choices") or []):
-                        first = first or time.monotonic() - t0
+                        if first is None:
+                            first = time.monotonic() - t0
+                            started.append(i)
+                            if len(started) == probe_at:
+                                async with session.get(url + "/health") as h:
+                                    probe.update(await h.json())
                         n += 1
         assert first is not None and n > 0
         return first, time.monotonic() - t0
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         got = await asyncio.gather(*[one(session, i) for i in range(CALLS)])
-    return [f for f, _ in got], [e for _, e in got]
+    return [f for f, _ in got], [e for _, e in got], probe
 
 
 @pytest.mark.timeout(120)
@@ -57,9 +65,12 @@ def test_a_fan_out_of_twelve_decodes_at_once_by_default_and_waits_past_a_lower_s
     st.wait()
     # Published, so the operator sees `active/slots` in mlxgw status, top and the dashboard.
     assert (get_json(default.url + "/health")["decode_slots"], get_json(eight.url + "/health")["decode_slots"]) == (16, 8)
-    firsts, ends = asyncio.run(_first_tokens_and_ends(default.url))
+    firsts, ends, health = asyncio.run(_first_tokens_and_ends(default.url, probe_at=CALLS))
     # 16 slots: every call is decoding before the first one has finished its answer.
     assert max(firsts) < min(ends), (sorted(firsts), sorted(ends))
-    firsts, ends = asyncio.run(_first_tokens_and_ends(eight.url))
-    # 8 slots: four calls get their first token only after an earlier call ended.
+    assert (health["active"], health["waiting"]) == (CALLS, 0), health
+    firsts, ends, health = asyncio.run(_first_tokens_and_ends(eight.url, probe_at=8))
+    # 8 slots: four calls get their first token only after an earlier call ended, and while
+    # eight decode the backend says four wait (`waiting`, shown by mlxgw status as 12/8).
     assert sum(f > min(ends) for f in firsts) == CALLS - 8, (sorted(firsts), sorted(ends))
+    assert (health["active"], health["waiting"]) == (CALLS, CALLS - 8), health
