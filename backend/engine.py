@@ -114,6 +114,7 @@ class GenRequest:
     _ids: Optional[np.ndarray] = field(default=None, repr=False)
     hit: Any = field(default=None, repr=False)  # the cache hit pinned on arrival (`CacheHit`)
     cache_version: int = -1  # `PromptCache.version` when it was pinned
+    queued_reuse: int = 0  # tokens of the arrival hit left out of `queued_prefill_tokens` while it waits
     claim: Optional[list] = field(default=None, repr=False)  # blocks claimed in Redis while it runs
 
     @property
@@ -404,6 +405,9 @@ class MLXEngine(Engine):
             try:
                 req = self._incoming.get(timeout=0.05) if idle else self._incoming.get_nowait()
                 req.hit, req.cache_version = self.cache.fetch(req.prompt), self.cache.version
+                # Only the tokens it will compute are queued work (the hit it found is not).
+                req.queued_reuse = req.hit.reused if req.hit is not None else 0
+                self.queued_prefill_tokens -= req.queued_reuse
                 if self.claims is not None and self.trimmable:
                     req.claim = self.claims.claim(req.prompt)
                 self._waiting.append(req)
@@ -513,7 +517,7 @@ class MLXEngine(Engine):
         self._abandoned.discard(req.rid)
         req.hit = None
         self.active -= 1
-        self.queued_prefill_tokens -= len(req.prompt)
+        self.queued_prefill_tokens -= len(req.prompt) - req.queued_reuse
         self._release(req)
         req.emit(GenEvent("end", finish_reason="cancelled"))
 
@@ -593,7 +597,7 @@ class MLXEngine(Engine):
             self.hits += 1
         else:
             self.misses += 1
-        self.queued_prefill_tokens -= hit.reused
+        self.queued_prefill_tokens -= hit.reused - req.queued_reuse  # its arrival hit is out already
         rest = prompt[hit.reused :]
         segments = [rest]
         save_system_at = 0

@@ -17,7 +17,7 @@ from mlxgw.config import ModelConfig
 from mlxgw.prompt import tokenizer_fingerprint
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.stopping import Stopper
-from mlxgw.util import parse_bytes, positive_int, redact_url, size_arg
+from mlxgw.util import is_loopback, parse_bytes, positive_int, redact_url, size_arg
 
 from . import sim
 from .cache import LAYOUTS, PromptCache
@@ -105,7 +105,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("MLXGW_INTERNAL_TOKEN"),
         help="require 'Authorization: Bearer TOKEN' (set by the launcher; env MLXGW_INTERNAL_TOKEN)",
     )
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="listen beyond loopback (--host) without an internal token: only when something in front "
+                        "of the backend already authenticates (docs/security.md)")
     sim.add_arguments(p)
+
+
+def exposure_error(host: str, token: Optional[str], allow_unauthenticated: bool) -> Optional[str]:
+    """Why this backend must not start as configured (None: it may): listening beyond loopback
+    without an internal token would let anyone who reaches the address use the model and skip
+    the gateways' routing, keys and limits. The gateway's rule for API keys (gateway.auth)."""
+    if token or allow_unauthenticated or is_loopback(host):
+        return None
+    return (f"refusing to listen on {host!r} without an internal token: anyone who can reach that address could "
+            "use the model and skip the gateways' keys and limits. Give --internal-token TOKEN or "
+            "MLXGW_INTERNAL_TOKEN (the gateways' token), or pass --allow-unauthenticated if something in front of "
+            "the backend already authenticates (docs/security.md)")
 
 
 def looks_loadable(model: str) -> bool:
@@ -157,6 +172,10 @@ def run(args: argparse.Namespace) -> int:
     if not looks_loadable(model_path):
         log.error("model path %s does not exist", model_path)
         return 2
+    why = exposure_error(args.host, args.internal_token, args.allow_unauthenticated)
+    if why:
+        log.error("%s", why)
+        return 6
     name = args.served_name or Path(model_path.rstrip("/")).name
     backend_id = args.backend_id or f"{socket.gethostname()}:{args.port}"
     raise_open_files_limit()
@@ -247,9 +266,14 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
     reporter.state = "ready"
     await reporter.heartbeat()
     mib = engine.cache.max_bytes / 2**20
-    log.info("backend %s registered at %s (model %s, epoch %d; prompt cache %s MiB, %d entries, %s layout)",
-             cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch, f"{mib:.0f}" if mib >= 10 else f"{mib:.3g}",
-             engine.cache.max_entries, engine.cache.layout)
+    log.info("backend %s registered at %s (model %s, epoch %d; prompt cache %s MiB, %d entries, %s layout; "
+             "%d decode slots)", cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch,
+             f"{mib:.0f}" if mib >= 10 else f"{mib:.3g}", engine.cache.max_entries, engine.cache.layout,
+             engine.decode_concurrency)
+    if not cfg.internal_token:
+        log.warning("backend %s has no internal token: anything that reaches %s can send it requests directly, "
+                    "past the gateways' routing, keys and limits (mlxgw serve sets one; docs/security.md)",
+                    cfg.backend_id, reporter.url)
     stopper = Stopper(f"backend {cfg.backend_id}")
     await stopper.wait()
     stopper.close()

@@ -53,7 +53,7 @@ class BackendMetrics:
         self.cache_usage = Gauge("mlxgw:kv_cache_usage_perc", "Prompt-cache bytes over the cache budget (0..1).", lab, registry=r)
         self.cache_entries = Gauge("mlxgw:prompt_cache_entries", "Entries in the prompt cache.", lab, registry=r)
         self.cache_bytes = Gauge("mlxgw:prompt_cache_bytes", "Bytes held by the prompt cache.", lab, registry=r)
-        self.queued_prefill = Gauge("mlxgw:num_prefill_tokens_waiting", "Prompt tokens admitted but not yet prefilled.", lab, registry=r)
+        self.queued_prefill = Gauge("mlxgw:num_prefill_tokens_waiting", "Prompt tokens still to compute of the requests not yet through their prefill (cache hits left out).", lab, registry=r)
         self.prompt_tokens = counter("mlxgw:prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("mlxgw:generation_tokens", "Generated tokens.")
         self.prefix_queries = counter("mlxgw:prefix_cache_queries", "Prompt tokens looked up in the prompt cache.")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import os
 from pathlib import Path
 from typing import Iterable, Optional
@@ -26,6 +25,7 @@ from typing import Iterable, Optional
 from aiohttp import web
 
 from mlxgw.protocol import RequestError
+from mlxgw.util import is_loopback
 
 ENV_KEYS = "MLXGW_API_KEYS"
 # Paths that never need a key: liveness probes from load balancers and the launcher.
@@ -60,21 +60,6 @@ def read_keys(key_file: Optional[str] = None, env: Optional[dict] = None) -> lis
         keys += file_keys
     keys += [k.strip() for k in env.get(ENV_KEYS, "").split(",") if k.strip()]
     return list(dict.fromkeys(keys))
-
-
-def is_loopback(host: str) -> bool:
-    """True when listening on ``host`` is reachable from this machine only.
-
-    ``localhost`` and loopback addresses (127.0.0.0/8, ::1) are; wildcard
-    addresses (``0.0.0.0``, ``::``, empty) and every other name are not.
-    """
-    h = (host or "").strip().strip("[]")
-    if h.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False
 
 
 def check_exposure(host: str, keys: list[str], allow_unauthenticated: bool) -> None:

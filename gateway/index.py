@@ -367,9 +367,11 @@ class OwnershipIndex:
                 now.setdefault(m, {})[c.backend_id] = why
                 if self.incompatible.get(m, {}).get(c.backend_id) != why:
                     log.warning("backend %s (%s, %s) is not routed to: %s", c.backend_id, m, c.url, why)
+        present = {(m, c.backend_id) for m, cs in snap.items() for c in cs}
         for m, bs in self.incompatible.items():
             for b in bs.keys() - now.get(m, {}).keys():
-                log.info("backend %s (%s) is no longer left out for an incompatible setting", b, m)
+                if (m, b) in present:  # one that left the registry is logged as leaving, not as fixed
+                    log.info("backend %s (%s) now matches this gateway's settings and is routed to", b, m)
         self.incompatible = now
         return kept
 

@@ -23,7 +23,7 @@ from typing import Optional
 
 from . import config as config_mod
 from .stopping import EMBEDDED_REDIS_ENV, PARENT_ENV, stop_signals
-from .util import positive_int, redact_url, serve_url_file, size_arg
+from .util import positive_int, redact_url, serve_token_file, serve_url_file, size_arg
 
 log = logging.getLogger("mlxgw.serve")
 
@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
 
     for sig in stop_signals():  # SIGHUP too (a closed terminal), unless started under nohup
         signal.signal(sig, _stop)
-    previous_url = ""  # the URL another serve left for `mlxgw status`, put back at stop
+    previous = ("", "")  # the URL and token another serve left for `mlxgw status` and joiners, put back at stop
     try:
         for c in children:
             _spawn(c)
@@ -226,8 +226,9 @@ def run(args: argparse.Namespace) -> int:
             return 1 if not stopping else 0
         f = serve_url_file()
         f.parent.mkdir(parents=True, exist_ok=True)
-        previous_url = f.read_text().strip() if f.exists() else ""
-        _write_url(redis_url)
+        t = serve_token_file()
+        previous = (f.read_text().strip() if f.exists() else "", t.read_text().strip() if t.exists() else "")
+        _write_url(redis_url, token)
         _summary(cfg, redis_url, embedded is not None, children)
         watch(children + [gateway], lambda: stopping, redis=embedded)
         return 0
@@ -243,28 +244,39 @@ def run(args: argparse.Namespace) -> int:
                     c.proc.kill()
         if embedded:
             embedded.stop()
-        _forget_url(redis_url, previous_url)
+        _forget_url(redis_url, *previous)
         print("mlxgw stopped.", file=sys.stderr)
 
 
-def _write_url(redis_url: str) -> None:
-    fd = os.open(serve_url_file(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
-        fh.write(redis_url + "\n")
+        fh.write(text + "\n")
 
 
-def _forget_url(redis_url: str, previous_url: str = "") -> None:
-    """Take back the Redis URL this serve left for ``mlxgw status``, unless another serve
-    replaced it since: put back the URL it replaced if that Redis still answers (another
-    serve of this user still runs), else remove the file."""
-    f = serve_url_file()
+def _write_url(redis_url: str, token: str = "") -> None:
+    """Leave this serve's Redis URL (for ``mlxgw status``) and internal token (for a gateway or
+    backend joining it by hand) in the user's cache dir, both readable only by the user."""
+    _write_private(serve_url_file(), redis_url)
+    if token:
+        _write_private(serve_token_file(), token)
+
+
+def _forget_url(redis_url: str, previous_url: str = "", previous_token: str = "") -> None:
+    """Take back the Redis URL and token this serve left, unless another serve replaced them
+    since: put back the ones it replaced if that Redis still answers (another serve of this
+    user still runs), else remove the files."""
+    f, t = serve_url_file(), serve_token_file()
     try:
         if f.read_text().strip() != redis_url:
             return
         if previous_url and previous_url != redis_url and _answers(previous_url):
-            _write_url(previous_url)
+            _write_url(previous_url, previous_token)
+            if not previous_token:
+                t.unlink(missing_ok=True)
         else:
             f.unlink()
+            t.unlink(missing_ok=True)
     except OSError:
         pass
 
@@ -411,11 +423,14 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
         f"  endpoint   http://{host}:{cfg.port}/v1   (OpenAI-compatible)",
         f"  anthropic  http://{host}:{cfg.port}   (Anthropic SDK base URL: the SDK adds /v1)",
         f"  models     {', '.join(m.name for m in cfg.models)}",
-        f"  backends   {', '.join(c.name + ' ' + c.health_url.rsplit('/', 1)[0] for c in children)}",
+        f"  backends   {', '.join(c.name + ' ' + c.health_url.rsplit('/', 1)[0] for c in children)}"
+        f"   ({', '.join(f'{m.name}: {m.decode_concurrency} decode slots each' for m in cfg.models)})",
         f"  redis      {redact_url(redis_url)}{' (embedded)' if embedded else ''}",
         f"  dashboard  http://{host}:{cfg.port}/dashboard   metrics  http://{host}:{cfg.port}/metrics",
         f"  api keys   {_keys_summary(cfg)}",
         f"  status     {_cli()} status | {_cli()} top   (read the Redis URL from {serve_url_file()})",
+        f"  join       MLXGW_INTERNAL_TOKEN=$(cat {serve_token_file()}) {_cli()} backend|gateway ... "
+        f"--redis-url $(cat {serve_url_file()})   (README, Commands)",
         "  stop       Ctrl-C",
     ]
     from backend.main import budget_warnings

@@ -353,7 +353,10 @@ def run(args) -> int:
     except redis.RedisError as e:
         return unreachable(args, e)
     if args.json:
+        now = time.time()
         for d in data.values():
+            for rec in d["backends"]:  # what the table shows: "left out", "silent 4s", or the record's state
+                rec["shown_state"] = backend_view(rec, now)["state"]
             d["total"] = model_total(d["backends"])
             d["disagreements"] = disagreement(d["backends"])
         print(json.dumps(data, indent=2))
@@ -368,7 +371,7 @@ def run(args) -> int:
     now = time.time()
     for m, d in data.items():
         t = Table(title=f"model {m}{layouts_note(d['backends'])}")
-        for col in ("backend", "state", "url", "active/slots", "queued", "entries", "cache MiB", "evictions",
+        for col in ("backend", "state", "url", "active/slots", "queued tok", "entries", "cache MiB", "evictions",
                     "hit ratio (tokens)", "age s"):
             t.add_column(col)
         for b in map(lambda r: backend_view(r, now), d["backends"]):

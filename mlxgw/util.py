@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import sys
 import time
@@ -110,6 +111,12 @@ def serve_url_file():
     return Path(os.environ.get("MLXGW_CACHE_DIR", Path.home() / ".cache" / "mlxgw")) / "serve-redis-url"
 
 
+def serve_token_file():
+    """Where ``mlxgw serve`` leaves its backends' internal token (mode 0600), for a gateway
+    or backend joining the stack by hand (``MLXGW_INTERNAL_TOKEN=$(cat FILE)``)."""
+    return serve_url_file().with_name("serve-internal-token")
+
+
 #: Seconds a cancelled background task may take to end before a shutdown goes on without it.
 CANCEL_WAIT_SECONDS = 5.0
 
@@ -174,3 +181,18 @@ class Tally:
         if n:
             self._last = time.monotonic()
             self.report(n)
+
+
+def is_loopback(host: str) -> bool:
+    """True when listening on ``host`` is reachable from this machine only.
+
+    ``localhost`` and loopback addresses (127.0.0.0/8, ::1) are; wildcard
+    addresses (``0.0.0.0``, ``::``, empty) and every other name are not.
+    """
+    h = (host or "").strip().strip("[]")
+    if h.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False

@@ -109,6 +109,9 @@ def test_a_backend_with_another_tokenizer_or_block_size_is_left_out(make_stack, 
     assert (d["total"]["live"], d["total"]["left_out"]) == (1, 2) and len(d["disagreements"]) == 2, d
     assert {b["id"]: sorted(b["left_out_by"]) for b in d["backends"]} == {"good": [], "other-bs": [gid],
                                                                           "other-tok": [gid]}, d
+    # The record's own state stays the backend's ("ready"); a script reads the table's state here.
+    assert {b["id"]: (b["state"], b["shown_state"]) for b in d["backends"]} == {
+        "good": ("ready", "ready"), "other-bs": ("ready", "left out"), "other-tok": ("ready", "left out")}, d
     assert d["gateways"][gid]["block_size"] == s.block_size and len(d["gateways"][gid]["tokenizer"]) == 16, d
     assert d["disagreements"][0].startswith("backends disagree on block_size: ")
 

@@ -74,3 +74,51 @@ def test_a_fan_out_of_twelve_decodes_at_once_by_default_and_waits_past_a_lower_s
     # eight decode the backend says four wait (`waiting`, shown by mlxgw status as 12/8).
     assert sum(f > min(ends) for f in firsts) == CALLS - 8, (sorted(firsts), sorted(ends))
     assert (health["active"], health["waiting"]) == (CALLS, CALLS - 8), health
+
+
+@pytest.mark.timeout(120)
+def test_a_request_waiting_for_a_slot_queues_only_the_tokens_it_will_compute(make_stack):
+    """``queued_prefill_tokens`` (registry, ``/health``, the metrics' waiting prefill tokens)
+    counts a waiting request's prompt less the cache hit it found on arrival: helper-48 saw
+    12 waiting fan-out calls counted at their whole 3,238-token prompts, 3,206 of them cached."""
+    st = make_stack()
+    b = st.add_backend("one", None, "--engine", "sim", "--sim-token-scale", "8", "--sim-speed", "8",
+                       "--cache-bytes", "1TB", "--decode-concurrency", "1", "--prefill-concurrency", "1")
+    st.wait()
+    rng = np.random.default_rng(7)
+    context = rng.integers(16, 3000, 400).tolist()
+    tail = rng.integers(16, 3000, 10).tolist()
+
+    async def run():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async with s.post(b.url + "/v1/completions", json={"prompt": context, "max_tokens": 1}) as r:
+                assert r.status == 200  # the context is cached now
+            first = asyncio.Event()
+
+            async def long_answer():  # takes the one decode slot for about 1.4 s
+                body = {"prompt": rng.integers(16, 3000, 40).tolist(), "max_tokens": ANSWER_IDS, "stream": True}
+                async with s.post(b.url + "/v1/completions", json=body) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: {"):
+                            first.set()
+
+            a = asyncio.create_task(long_answer())
+            await first.wait()
+            waiting = asyncio.create_task(s.post(b.url + "/v1/completions", json={"prompt": context + tail,
+                                                                                  "max_tokens": 1}))
+            health = {}
+            for _ in range(100):
+                async with s.get(b.url + "/health") as h:
+                    health = await h.json()
+                if health["waiting"] == 1:
+                    break
+                await asyncio.sleep(0.01)
+            r = await waiting
+            usage = (await r.json())["usage"]
+            await a
+            return health, usage
+
+    health, usage = asyncio.run(run())
+    assert health["waiting"] == 1 and health["active"] == 2, health
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 390, usage
+    assert health["queued_prefill_tokens"] == usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -14,7 +15,7 @@ import openai
 from mlxgw.httpget import get_json
 from mlxgw.launcher import Child, _spawn, watch
 from mlxgw.harness import free_port, free_port_run
-from mlxgw.util import serve_url_file
+from mlxgw.util import serve_token_file, serve_url_file
 
 MLXGW = [sys.executable, "-m", "mlxgw"]
 
@@ -75,6 +76,15 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
         # (in the tests' own cache dir, never the user's: tests/conftest.py) ...
         assert serve_url_file().read_text().startswith("redis://")
         assert serve_url_file().parent == Path(os.environ["MLXGW_CACHE_DIR"]) and Path.home() not in serve_url_file().parents
+        # ... and its internal token beside it, readable only by the user, so a gateway or backend
+        # can join this stack by hand (helper-48 had to restart serve with a token of its own).
+        tok = serve_token_file()
+        assert tok.parent == serve_url_file().parent and tok.stat().st_mode & 0o777 == 0o600
+        req = urllib.request.Request(f"http://127.0.0.1:{bport}/v1/models",
+                                     headers={"Authorization": "Bearer " + tok.read_text().strip()})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 200
+        assert f"  join       MLXGW_INTERNAL_TOKEN=$(cat {tok})" in out and "(demo-tiny: 16 decode slots each)" in out
         st = _run(["status", "--json"])
         assert st.returncode == 0 and "demo-tiny-0" in st.stdout
         st = _run(["status"])  # says which Redis it read, and from where
@@ -339,18 +349,20 @@ def test_a_stopping_serve_puts_back_the_url_of_one_still_running(redis_server):
     it stops, the first one's URL comes back if that Redis still answers, else the file goes."""
     from mlxgw.launcher import _forget_url, _write_url
 
-    f = serve_url_file()
+    f, t = serve_url_file(), serve_token_file()
     f.parent.mkdir(parents=True, exist_ok=True)
     mine = f"redis://127.0.0.1:{free_port()}/0"
     try:
-        _write_url(mine)
-        _forget_url(mine, previous_url=redis_server.url)  # the first serve's Redis answers
-        assert f.read_text().strip() == redis_server.url
-        _write_url(mine)
-        _forget_url(mine, previous_url=f"redis://127.0.0.1:{free_port()}/0")  # it is gone
-        assert not f.exists()
-        _write_url(redis_server.url)  # a third serve replaced ours meanwhile: left alone
-        _forget_url(mine, previous_url="")
-        assert f.read_text().strip() == redis_server.url
+        _write_url(mine, "mytoken")
+        assert t.read_text().strip() == "mytoken" and t.stat().st_mode & 0o777 == 0o600
+        _forget_url(mine, redis_server.url, "firsttoken")  # the first serve's Redis answers
+        assert (f.read_text().strip(), t.read_text().strip()) == (redis_server.url, "firsttoken")
+        _write_url(mine, "mytoken")
+        _forget_url(mine, f"redis://127.0.0.1:{free_port()}/0", "firsttoken")  # it is gone
+        assert not f.exists() and not t.exists()
+        _write_url(redis_server.url, "third")  # a third serve replaced ours meanwhile: left alone
+        _forget_url(mine, "", "")
+        assert (f.read_text().strip(), t.read_text().strip()) == (redis_server.url, "third")
     finally:
         f.unlink(missing_ok=True)
+        t.unlink(missing_ok=True)

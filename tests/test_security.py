@@ -182,6 +182,7 @@ def test_backend_refuses_requests_without_the_internal_token(sec):
     for headers in ({}, {"Authorization": f"Bearer {KEYS['val']}"}, {"Authorization": "Bearer " + "0" * 32}):
         status, _, raw = _post(b + "/v1/chat/completions", CHAT, headers=headers)
         assert status == 401 and json.loads(raw)["error"]["type"] == "authentication_error"
+    assert "has no internal token" not in sec.backends[0].log_path.read_text()  # it has one: no warning
 
 
 def test_a_backend_4xx_reaches_anthropic_clients_as_an_anthropic_error(sec):
@@ -261,6 +262,15 @@ def test_refuses_to_listen_beyond_loopback_without_keys(demo_model, tmp_path):
     empty.write_text("# nothing\n")
     r = subprocess.run(cmd + ["--api-key-file", str(empty)], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 6 and "holds no key" in r.stderr
+    # A backend started by hand beyond loopback without the internal token served anyone who
+    # reached it, past the gateways' keys (helper-48); refused now, before the model loads.
+    env.pop("MLXGW_INTERNAL_TOKEN", None)
+    r = subprocess.run([sys.executable, "-m", "mlxgw", "backend", "--model", demo_model, "--host", "0.0.0.0",
+                        "--port", "1", "--redis-url", "redis://127.0.0.1:1/0"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 6, r.stderr
+    assert "refusing to listen on '0.0.0.0' without an internal token" in r.stderr, r.stderr
+    assert "--internal-token" in r.stderr and "--allow-unauthenticated" in r.stderr
 
 
 def test_waiver_and_keys_allow_a_wildcard_listen(sec, demo_model):
