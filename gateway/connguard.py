@@ -17,6 +17,15 @@ close them (in the same bench, 4,080 client sockets at the peak against a cap
 of 2,944), so at most `MAX_LINGERING` linger; past that a connection is reset
 at once (the SDKs retry a reset connection like a 503). nginx resets at
 ``worker_connections`` too, without the answer.
+
+Connections a client keeps alive between requests count too, and aiohttp keeps an
+idle one for an hour by default: clients that went quiet could hold every slot while
+nothing is in flight, and a new client would be refused. So idle connections close
+after `KEEPALIVE_SECONDS` (nginx's ``keepalive_timeout``), and at the cap a new
+connection takes the place of the one idle longest between requests (nginx reuses
+keep-alive connections the same way when ``worker_connections`` run out); only when
+none is idle is it refused. A client whose idle connection is closed reconnects, as
+HTTP/1.1 clients must (the SDKs retry a connection closed before an answer).
 """
 
 from __future__ import annotations
@@ -37,6 +46,9 @@ log = logging.getLogger("mlxgw.gateway")
 LINGER_SECONDS = 2.0
 #: Refused connections allowed to linger at once; past it, reset.
 MAX_LINGERING = 64
+#: Seconds a client connection may stay idle between requests (nginx's keepalive_timeout
+#: default; aiohttp's own is 3630).
+KEEPALIVE_SECONDS = 75.0
 #: Open files kept out of every cap: the refused connections still lingering, Redis
 #: (`gateway.index.REDIS_POOL_SIZE`, 64), and logs, model and library files, listeners
 #: and the event loop (about 40 when idle).
@@ -102,6 +114,26 @@ class _Reset(asyncio.Protocol):
         transport.abort()
 
 
+def reclaim_idle(handlers) -> bool:
+    """Close the client connection idle longest between requests, to make room for a new one;
+    True if one was closed. Idle: it has answered at least one request and has none in
+    progress or queued (a connection still to send its first request is not idle: that is
+    a slow client, and a new one would be no more deserving). Reads aiohttp's
+    ``RequestHandler`` state (3.10+); without it, nothing is closed."""
+    best, best_t = None, None
+    for h in handlers:
+        if (getattr(h, "_request_count", 0) < 1 or getattr(h, "_request_in_progress", True)
+                or getattr(h, "_messages", None) or getattr(h, "_close", True) or getattr(h, "_force_close", True)):
+            continue
+        t = getattr(h, "_next_keepalive_close_time", 0.0)  # the end of its keep-alive: earliest = idle longest
+        if best is None or t < best_t:
+            best, best_t = h, t
+    if best is None:
+        return False
+    best.force_close()  # no request in progress or queued (close() would wait for the next one)
+    return True
+
+
 class GuardedRunner(web.AppRunner):
     """An `aiohttp.web.AppRunner` whose sites hand a connection to the app only while fewer
     than ``max_connections`` are open (0: no cap); the rest get `refusal`, or a reset while
@@ -114,6 +146,7 @@ class GuardedRunner(web.AppRunner):
     """
 
     def __init__(self, app: web.Application, max_connections: int, counts: Optional[dict] = None, **kwargs):
+        kwargs.setdefault("keepalive_timeout", KEEPALIVE_SECONDS)
         super().__init__(app, **kwargs)
         self.max_connections = max_connections
         self.counts = counts if counts is not None else {}
@@ -122,6 +155,10 @@ class GuardedRunner(web.AppRunner):
         self._refusals = Tally(lambda n: log.warning(  # one log line per 10 s, not one per connection
             "at the limit of %d client connections: refused %d connection(s) (503, or a reset while %d refused "
             "ones were open)", max_connections, n, MAX_LINGERING))
+        self.reclaimed = 0  # idle keep-alive connections closed to admit new ones (`reclaim_idle`)
+        self._reclaims = Tally(lambda n: log.info(
+            "at the limit of %d client connections: closed %d idle keep-alive connection(s) to admit new ones",
+            max_connections, n))
 
     @property
     def server(self):
@@ -133,7 +170,10 @@ class GuardedRunner(web.AppRunner):
 
         def factory():
             n = len(conns) if conns is not None else len(inner.connections)
-            if n < self.max_connections:
+            if n < self.max_connections or reclaim_idle(conns if conns is not None else inner.connections):
+                if n >= self.max_connections:
+                    self.reclaimed += 1
+                    self._reclaims.add()
                 return inner()
             self._refuse()
             if self._lingering[0] >= MAX_LINGERING:

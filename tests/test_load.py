@@ -270,6 +270,60 @@ def test_connections_over_the_cap_get_a_503_before_their_request_is_read(make_st
     assert f"refused {int(refused) - 1} connection(s)" in lines[1], lines
 
 
+def test_at_the_connection_cap_an_idle_keep_alive_connection_makes_room(make_stack):
+    """Clients that keep their connections alive between requests and go quiet used to hold
+    every slot under ``--max-connections`` (aiohttp keeps an idle one for an hour): a new
+    client got 503 ``overloaded`` with nothing in flight. Now the connection idle longest
+    gives way (nginx's reuse of keep-alive connections); a connection busy with a request,
+    or one that has not sent its first, never does."""
+    import socket
+
+    s = make_stack()
+    s.add_backend("b0", None, "--engine", "sim")
+    g = s.add_gateway("--max-connections", "4")
+    s.wait()
+
+    def ask(c, close=False):
+        c.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + (b"Connection: close\r\n" if close else b"") + b"\r\n")
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += c.recv(65536)
+        return head.split(b"\r\n")[0]
+
+    idle = [socket.create_connection(("127.0.0.1", g.port), timeout=30) for _ in range(4)]
+    try:
+        for c in idle:  # each answers one request and stays open, idle
+            assert ask(c) == b"HTTP/1.1 200 OK"
+            time.sleep(0.05)  # so the first is the one idle longest
+        with socket.create_connection(("127.0.0.1", g.port), timeout=30) as c:
+            assert ask(c, close=True) == b"HTTP/1.1 200 OK"  # was 503 overloaded
+        assert idle[0].recv(65536) == b""  # the longest idle was closed to make room
+        for c in idle[1:]:
+            assert ask(c) == b"HTTP/1.1 200 OK"  # the others still serve
+        # Connections that have not sent a request are not idle keep-alive ones: with four of
+        # them holding the slots (the freed one taken too), a new client is refused as before.
+        fresh = [socket.create_connection(("127.0.0.1", g.port), timeout=30) for _ in range(4)]
+        try:
+            for c in idle[1:]:
+                c.close()
+            deadline, first = time.time() + 10, b""
+            while time.time() < deadline:
+                with socket.create_connection(("127.0.0.1", g.port), timeout=30) as c:
+                    c.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    first = c.recv(65536).split(b"\r\n")[0]
+                if first.startswith(b"HTTP/1.1 503"):
+                    break
+                time.sleep(0.1)
+            assert first == b"HTTP/1.1 503 Service Unavailable", first
+        finally:
+            for c in fresh:
+                c.close()
+    finally:
+        for c in idle:
+            c.close()
+    assert "closed 1 idle keep-alive connection(s) to admit new ones" in g.log_path.read_text()
+
+
 @pytest.mark.parametrize("where", ["template", "upstream"])
 def test_out_of_open_files_is_the_gateways_overload_not_a_backend_failure(make_stack, where):
     """With every open file taken by client connections, the gateway's first chat-template
