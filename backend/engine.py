@@ -114,7 +114,7 @@ class GenRequest:
     _ids: Optional[np.ndarray] = field(default=None, repr=False)
     hit: Any = field(default=None, repr=False)  # the cache hit pinned on arrival (`CacheHit`)
     cache_version: int = -1  # `PromptCache.version` when it was pinned
-    queued_reuse: int = 0  # tokens of the arrival hit left out of `queued_prefill_tokens` while it waits
+    queued_reuse: int = 0  # tokens of its pinned hit left out of `queued_prefill_tokens` while it waits (`_pin`)
     claim: Optional[list] = field(default=None, repr=False)  # blocks claimed in Redis while it runs
 
     @property
@@ -404,10 +404,7 @@ class MLXEngine(Engine):
             idle = not self._live and not self._waiting
             try:
                 req = self._incoming.get(timeout=0.05) if idle else self._incoming.get_nowait()
-                req.hit, req.cache_version = self.cache.fetch(req.prompt), self.cache.version
-                # Only the tokens it will compute are queued work (the hit it found is not).
-                req.queued_reuse = req.hit.reused if req.hit is not None else 0
-                self.queued_prefill_tokens -= req.queued_reuse
+                self._pin(req, self.cache.fetch(req.prompt))
                 if self.claims is not None and self.trimmable:
                     req.claim = self.claims.claim(req.prompt)
                 self._waiting.append(req)
@@ -597,7 +594,7 @@ class MLXEngine(Engine):
             self.hits += 1
         else:
             self.misses += 1
-        self.queued_prefill_tokens -= hit.reused - req.queued_reuse  # its arrival hit is out already
+        self.queued_prefill_tokens -= hit.reused - req.queued_reuse  # its pinned hit is out already
         rest = prompt[hit.reused :]
         segments = [rest]
         save_system_at = 0
@@ -718,6 +715,17 @@ class MLXEngine(Engine):
         elif self.prefill_handoff:
             self._hand_over(tokens, kv, waiters)
 
+    def _pin(self, req: GenRequest, hit, version: Optional[int] = None) -> None:
+        """Make ``hit`` the waiting request's pinned hit (as of cache ``version``, default the
+        cache's now). Only the tokens it will compute are queued work, so
+        ``queued_prefill_tokens`` drops by what the new hit reuses beyond the old one (a fan-out's
+        calls pinned to their shared context as its prefill ends used to stay counted whole
+        until admitted: helper-49 saw 68,544 queued tokens for ~300 to compute)."""
+        reused = hit.reused if hit is not None else 0
+        self.queued_prefill_tokens -= reused - req.queued_reuse
+        req.queued_reuse = reused
+        req.hit, req.cache_version = hit, self.cache.version if version is None else version
+
     def _pin_saved(self, waiters: list[GenRequest]) -> None:
         """Give each request in ``waiters`` its hit from the prompt `_save_prompt` just saved
         (a private copy, counted in flight like any pinned hit) when it reuses more than the
@@ -733,7 +741,7 @@ class MLXEngine(Engine):
         for w in waiters:
             held = w.hit.reused if w.hit is not None else 0
             if self.cache.best_match(w.prompt)[1] > held:
-                w.hit, w.cache_version = self.cache.fetch(w.prompt), self.cache.version
+                self._pin(w, self.cache.fetch(w.prompt))
 
     def _save_prompt(self, live: _Live, tokens: list[int], kv) -> bool:
         """Save a running request's prompt KV (``tokens``, the request keeps running) for
@@ -780,7 +788,7 @@ class MLXEngine(Engine):
                 takers.append((w, n))
         for i, (w, n) in enumerate(takers):
             mine = kv if i == len(takers) - 1 else ops.copy(kv)
-            w.hit = CacheHit(ops.prefix(mine, len(ids), n), n, None, len(ids))
+            self._pin(w, CacheHit(ops.prefix(mine, len(ids), n), n, None, len(ids)), version=w.cache_version)
             self.prefill_handoffs += 1
 
     def _save(self, live: _Live, tokens: list[int], kv, only_into_free_space: bool = False) -> None:

@@ -122,3 +122,43 @@ def test_a_request_waiting_for_a_slot_queues_only_the_tokens_it_will_compute(mak
     assert health["waiting"] == 1 and health["active"] == 2, health
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 390, usage
     assert health["queued_prefill_tokens"] == usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.timeout(120)
+def test_a_waiting_request_pinned_to_a_prompt_saved_meanwhile_queues_only_its_tail(make_stack):
+    """A cold fan-out: B arrives while A, sharing its context, is still in prefill; A's prompt
+    is saved as its prefill ends and B takes its hit from it at once (docs/cache-policy.md),
+    then waits for the one decode slot. B's queued tokens are its tail, not its whole prompt
+    (helper-49: 12 such calls showed 68,544 queued tokens for ~300 to compute)."""
+    st = make_stack()
+    b = st.add_backend("one", None, "--engine", "sim", "--sim-token-scale", "8", "--sim-speed", "8",
+                       "--cache-bytes", "1TB", "--decode-concurrency", "1", "--prefill-concurrency", "1")
+    st.wait()
+    rng = np.random.default_rng(8)
+    context = rng.integers(16, 3000, 1200).tolist()  # ~0.7 s of prefill at this scale and speed
+
+    async def run():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async def call(prompt, max_tokens):
+                async with s.post(b.url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}) as r:
+                    return (await r.json())["usage"]
+
+            a = asyncio.create_task(call(context + rng.integers(16, 3000, 10).tolist(), ANSWER_IDS))
+            await asyncio.sleep(0.2)  # A is in prefill
+            prompt_b = context + rng.integers(16, 3000, 10).tolist()
+            waiting = asyncio.create_task(call(prompt_b, 1))
+            health = {}
+            for _ in range(400):  # until A's prefill ended and B was pinned, while A decodes
+                async with s.get(b.url + "/health") as h:
+                    health = await h.json()
+                if health["waiting"] == 1 and health["prefill_saves"] >= 1:
+                    break
+                await asyncio.sleep(0.01)
+            usage = await waiting
+            await a
+            return health, usage, len(prompt_b)
+
+    health, usage, n = asyncio.run(run())
+    assert health["waiting"] == 1 and health["prefill_saves"] == 1, health
+    assert usage["prompt_tokens"] == n and usage["prompt_tokens_details"]["cached_tokens"] >= 1200, usage
+    assert health["queued_prefill_tokens"] == n - usage["prompt_tokens_details"]["cached_tokens"], (health, usage)
