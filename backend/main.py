@@ -195,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
         ttl=args.heartbeat_ttl,
         extra={"model_path": str(model_path), "cache_budget_bytes": budget, "engine": args.engine,
                "min_hit_tokens": args.min_hit_tokens, "cache_layout": args.cache_layout,
-               "heartbeat_interval": args.heartbeat_interval},
+               "heartbeat_interval": args.heartbeat_interval,
+               "auth": "token" if args.internal_token else "none"},
     )
     cache = PromptCache(
         max_entries=args.cache_entries,

@@ -33,6 +33,7 @@ import time
 from collections import Counter
 from typing import Callable, Optional
 
+import redis
 import redis.asyncio as aioredis
 
 from mlxgw import schema
@@ -61,6 +62,11 @@ def servable_blocks(entry: CacheEntry, model: str, block_size: int) -> list[str]
     if not entry.trimmable:
         return []
     return schema.block_keys(model, entry.tokens, block_size)
+
+
+#: Seconds after start, and between checks, before a backend no gateway serves says so
+#: (`Reporter._check_served`).
+ORPHAN_CHECK_SECONDS = 10.0
 
 
 class Reporter:
@@ -124,6 +130,8 @@ class Reporter:
         self.write_failures = 0
         self.republishes = 0
         self.left_out_by: dict[str, str] = {}  # gateway id -> why it does not route here (`_check_gateways`)
+        self._served_checked = 0.0  # `_check_served`
+        self._said_unserved = False
 
     # -- engine-thread side (CacheListener) --------------------------------
     def on_saved(self, entry: CacheEntry) -> None:
@@ -428,6 +436,8 @@ class Reporter:
         res = await pipe.execute()
         existed = res[0]
         self._check_gateways(res[-1], now)
+        if not schema.fresh_gateway_settings(res[-1], now):
+            await self._check_served(now)
         if self._registered and not existed:
             # Flushed, or expired while we could not reach Redis.
             log.warning("backend %s: registry record was gone; re-publishing ownership", self.backend_id)
@@ -455,6 +465,33 @@ class Reporter:
             if gid in gateways:
                 log.info("backend %s: gateway %s routes to it now", self.backend_id, gid)
         self.left_out_by = left_out
+        if gateways:
+            self._said_unserved = False
+
+    async def _check_served(self, now: float) -> None:
+        """With no live gateway serving this backend's model name: if gateways serve other
+        models on this Redis, tell the operator once (a `--served-name` that matches no
+        gateway's model name, e.g. a model folder's name instead of ``demo-tiny``, leaves the
+        backend registered and never routed to). Asked at most every `ORPHAN_CHECK_SECONDS`,
+        from that long after start (gateways publish every second)."""
+        if now - self.started_at < ORPHAN_CHECK_SECONDS or now - self._served_checked < ORPHAN_CHECK_SECONDS:
+            return
+        self._served_checked = now
+        try:  # advice only: a failure here must not count as a failed heartbeat (a re-publish)
+            models = sorted(schema.as_str(m) for m in await self.redis.smembers(schema.models_key(self.namespace)))
+            others = [m for m in models if m != self.model]
+            pipe = self.redis.pipeline(transaction=False)
+            for m in others:
+                pipe.hgetall(schema.Keys(self.namespace, m).gateway_settings)
+            raws = await pipe.execute() if others else []
+        except (redis.RedisError, OSError):
+            return
+        served = [m for m, raw in zip(others, raws) if schema.fresh_gateway_settings(raw, now)]
+        if served and not self._said_unserved:
+            log.warning("backend %s: no gateway serves model %r, so none routes to it; the gateways on this Redis "
+                        "serve %s (is --served-name the gateway's model name?)", self.backend_id, self.model,
+                        ", ".join(repr(m) for m in served))
+        self._said_unserved = bool(served)
 
     async def _heartbeat_loop(self) -> None:
         while True:

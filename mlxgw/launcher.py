@@ -429,8 +429,8 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
         f"  dashboard  http://{host}:{cfg.port}/dashboard   metrics  http://{host}:{cfg.port}/metrics",
         f"  api keys   {_keys_summary(cfg)}",
         f"  status     {_cli()} status | {_cli()} top   (read the Redis URL from {serve_url_file()})",
-        f"  join       MLXGW_INTERNAL_TOKEN=$(cat {serve_token_file()}) {_cli()} backend|gateway ... "
-        f"--redis-url $(cat {serve_url_file()})   (README, Commands)",
+        f"  join       MLXGW_INTERNAL_TOKEN=$(cat {serve_token_file()}) MLXGW_REDIS_URL=$(cat {serve_url_file()}) "
+        f"{_cli()} backend|gateway ...   (README, Commands)",
         "  stop       Ctrl-C",
     ]
     from backend.main import budget_warnings

@@ -35,7 +35,8 @@ def collect(r: redis.Redis, namespace: str, events: int = 10) -> dict:
     Returns:
         ``{model: {"backends": [registry record (str -> str)], "gateways": {gateway id:
         settings}, "recent_events": [{"type", "backend", "epoch", "ts", <data fields>}]}}``,
-        models sorted, backends in heartbeat order, events newest first. ``gateways`` are
+        models sorted, backends in heartbeat order, events newest first; a model with
+        neither a live backend nor a live gateway is left out. ``gateways`` are
         the live gateways' published settings (`schema.fresh_gateway_settings`); each
         record gains ``left_out_by``: gateway id -> why that gateway does not route to it
         (`schema.incompatibility`, the gateways' own rule).
@@ -78,7 +79,8 @@ def collect(r: redis.Redis, namespace: str, events: int = 10) -> dict:
             data = e.pop("data", {}) or {}
             e.update({kk: data[kk] for kk in _EVENT_FIELDS if kk in data})
             evs.append(e)
-        out[m] = {"backends": backends, "gateways": gateways, "recent_events": evs}
+        if backends or gateways:  # a name nothing serves now (a backend's mistaken --served-name, gone) stays out
+            out[m] = {"backends": backends, "gateways": gateways, "recent_events": evs}
     return out
 
 
@@ -169,11 +171,12 @@ def layouts_note(records: list[dict]) -> str:
 
 
 def console():
-    """A rich Console; piped or captured output gets 150 columns so no column is cut."""
+    """A rich Console; piped or captured output gets 200 columns so no column is cut (at 150 a
+    `left out` total row cut every URL, helper-49)."""
     from rich.console import Console
 
     con = Console()
-    return con if con.is_terminal else Console(width=max(con.width, 150))
+    return con if con.is_terminal else Console(width=max(con.width, 200))
 
 
 def event_time(event: dict) -> str:
@@ -337,6 +340,22 @@ def disagreement(records: list[dict]) -> list[str]:
     return out
 
 
+def open_backends(records: list[dict]) -> list[dict]:
+    """The records of a model's backends that answer without the internal token (registry
+    ``auth``) when others of the model require it: anything that reaches one skips the
+    gateways' keys and limits, which the token on the others was meant to prevent. Empty
+    when they all agree (a stack without tokens is a choice, not a slip)."""
+    auth = {str(r.get("auth") or "") for r in records}
+    return [r for r in records if r.get("auth") == "none"] if {"token", "none"} <= auth else []
+
+
+def open_lines(records: list[dict]) -> list[str]:
+    """One line per `open_backends` record, for the status table."""
+    return [f"backend {r.get('id', '?')} answers without the internal token the others require: anything that "
+            f"reaches {r.get('url', '?')} can skip the gateways' keys and limits (start it with "
+            "MLXGW_INTERNAL_TOKEN; docs/security.md)" for r in open_backends(records)]
+
+
 def left_out_lines(records: list[dict]) -> list[str]:
     """One line per backend a live gateway does not route to, naming the gateways and why
     (``left_out_by``, from `collect`)."""
@@ -359,6 +378,7 @@ def run(args) -> int:
                 rec["shown_state"] = backend_view(rec, now)["state"]
             d["total"] = model_total(d["backends"])
             d["disagreements"] = disagreement(d["backends"])
+            d["open_backends"] = sorted(str(r.get("id")) for r in open_backends(d["backends"]))
         print(json.dumps(data, indent=2))
         return 0
     from rich.table import Table
@@ -381,7 +401,7 @@ def run(args) -> int:
             t.add_section()
             t.add_row(*total_row(d["backends"]))
         con.print(t)
-        for line in disagreement(d["backends"]) + left_out_lines(d["backends"]):
+        for line in disagreement(d["backends"]) + left_out_lines(d["backends"]) + open_lines(d["backends"]):
             con.print(line, markup=False, highlight=False, soft_wrap=True)
         for e in d["recent_events"]:
             con.print(event_line(e), markup=False, highlight=False)

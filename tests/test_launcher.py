@@ -84,7 +84,8 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
                                      headers={"Authorization": "Bearer " + tok.read_text().strip()})
         with urllib.request.urlopen(req, timeout=10) as resp:
             assert resp.status == 200
-        assert f"  join       MLXGW_INTERNAL_TOKEN=$(cat {tok})" in out and "(demo-tiny: 16 decode slots each)" in out
+        assert f"  join       MLXGW_INTERNAL_TOKEN=$(cat {tok}) MLXGW_REDIS_URL=$(cat {serve_url_file()})" in out
+        assert "(demo-tiny: 16 decode slots each)" in out
         st = _run(["status", "--json"])
         assert st.returncode == 0 and "demo-tiny-0" in st.stdout
         st = _run(["status"])  # says which Redis it read, and from where

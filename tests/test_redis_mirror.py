@@ -164,7 +164,7 @@ def test_cache_figures_reach_the_registry_with_each_save(make_stack, redis_serve
     assert (int(rec["cache_entries"]), int(rec["cache_tokens"]), int(rec["blocks_owned"])) == (
         2, sum(e["tokens"] for e in entries), len(cache["owned"]))
     assert int(rec["blocks_owned"]) > 0 and rec["cache_evictions"] == "0"
-    assert rec["cache_layout"] == "shared"
+    assert rec["cache_layout"] == "shared" and rec["auth"] == "none"  # started by hand without the token
     log = b0.log_path.read_text()
     assert "registered at" in log and "shared layout; 16 decode slots)" in log
     # Started by hand without the internal token (as here): it says anything local may skip the gateways.

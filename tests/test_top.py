@@ -127,3 +127,17 @@ def test_active_is_shown_against_the_decode_slots():
     t = model_total(recs)
     assert (t["active"], t["slots"], t["waiting"]) == (23, 32, 4)
     assert total_row(recs)[3] == "23/32"
+
+
+def test_a_backend_without_the_token_among_ones_with_it_is_named():
+    """A backend joined by hand without the internal token answers anyone (helper-49): status
+    names it when the model's other backends require the token; all without is a choice."""
+    from mlxgw.status import open_backends, open_lines
+
+    recs = [{"id": "a", "auth": "token", "url": "http://h:1"}, {"id": "b", "auth": "none", "url": "http://h:2"},
+            {"id": "old", "url": "http://h:3"}]  # an older backend publishes no auth: not named
+    assert [r["id"] for r in open_backends(recs)] == ["b"]
+    assert open_lines(recs) == ["backend b answers without the internal token the others require: anything that "
+                                "reaches http://h:2 can skip the gateways' keys and limits (start it with "
+                                "MLXGW_INTERNAL_TOKEN; docs/security.md)"]
+    assert open_backends([{**r, "auth": "none"} for r in recs]) == []
