@@ -66,7 +66,7 @@ def servable_blocks(entry: CacheEntry, model: str, block_size: int) -> list[str]
 
 #: Seconds after start, and between checks, before a backend no gateway serves says so
 #: (`Reporter._check_served`).
-ORPHAN_CHECK_SECONDS = 10.0
+ORPHAN_CHECK_SECONDS = 5.0
 
 
 class Reporter:
