@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Optional
 
 from aiohttp import web
@@ -49,6 +50,8 @@ MAX_LINGERING = 64
 #: Seconds a client connection may stay idle between requests (nginx's keepalive_timeout
 #: default; aiohttp's own is 3630).
 KEEPALIVE_SECONDS = 75.0
+#: Seconds without looking for an idle connection after a look found none (`GuardedRunner._reclaim`).
+RESCAN_SECONDS = 0.1
 #: Open files kept out of every cap: the refused connections still lingering, Redis
 #: (`gateway.index.REDIS_POOL_SIZE`, 64), and logs, model and library files, listeners
 #: and the event loop (about 40 when idle).
@@ -156,6 +159,7 @@ class GuardedRunner(web.AppRunner):
             "at the limit of %d client connections: refused %d connection(s) (503, or a reset while %d refused "
             "ones were open)", max_connections, n, MAX_LINGERING))
         self.reclaimed = 0  # idle keep-alive connections closed to admit new ones (`reclaim_idle`)
+        self._rescan_at = 0.0
         self._reclaims = Tally(lambda n: log.info(
             "at the limit of %d client connections: closed %d idle keep-alive connection(s) to admit new ones",
             max_connections, n))
@@ -170,7 +174,7 @@ class GuardedRunner(web.AppRunner):
 
         def factory():
             n = len(conns) if conns is not None else len(inner.connections)
-            if n < self.max_connections or reclaim_idle(conns if conns is not None else inner.connections):
+            if n < self.max_connections or self._reclaim(conns if conns is not None else inner.connections):
                 if n >= self.max_connections:
                     self.reclaimed += 1
                     self._reclaims.add()
@@ -181,6 +185,18 @@ class GuardedRunner(web.AppRunner):
             return _Refused(self._body, self._lingering)
 
         return factory
+
+    def _reclaim(self, handlers) -> bool:
+        """`reclaim_idle`, but after a scan that found nothing idle, no scan for
+        `RESCAN_SECONDS`: a flood of new connections at the cap would otherwise walk every
+        open connection once per accept."""
+        now = time.monotonic()
+        if now < self._rescan_at:
+            return False
+        if reclaim_idle(handlers):
+            return True
+        self._rescan_at = now + RESCAN_SECONDS
+        return False
 
     def _refuse(self) -> None:
         self.counts["connections"] = self.counts.get("connections", 0) + 1
