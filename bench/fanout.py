@@ -58,7 +58,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.replay import vocab_range  # noqa: E402
-from bench.replay_routers import pct, sim_unit_flags  # noqa: E402
+from bench.replay_routers import _one, pct, sim_unit_flags  # noqa: E402
 from mlxgw.demo_model import ensure_demo_model  # noqa: E402
 from mlxgw.harness import RedisServer, Stack  # noqa: E402
 from mlxgw.rlimit import raise_open_files_limit  # noqa: E402
@@ -69,32 +69,11 @@ def ids(rng: np.random.Generator, n: int, lo: int, hi: int) -> list[int]:
 
 
 async def call(session, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed completion; TTFT / end-to-end seconds, cached and prompt ids, backend."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    ttft, cached, err, backend = None, 0, None, None
-    try:
-        async with session.post(url + "/v1/completions", json=body) as r:
-            backend = r.headers.get("X-Mlxgw-Backend")
-            if r.status != 200:
-                err = f"HTTP {r.status}"
-            async for line in r.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                d = json.loads(line[6:])
-                if "error" in d:
-                    err = d["error"].get("message")
-                if ttft is None and any(c.get("text") for c in d.get("choices") or []):
-                    ttft = time.perf_counter() - t0
-                u = d.get("usage")
-                if u:
-                    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-        err = repr(e)
-    e2e = time.perf_counter() - t0
-    return {"ttft": ttft if ttft is not None else e2e, "e2e": e2e, "cached": cached, "prompt": len(prompt),
-            "backend": backend, "error": err, "t0": t0}
+    """One streamed completion (`bench.replay_routers._one`): TTFT / end-to-end seconds,
+    cached and prompt ids, the backend that answered, and the error (None when answered)."""
+    r = await _one(session, url, "mlxgw", model, prompt, max_tokens)
+    err = r["error"] or (None if r["status"] == 200 else f"HTTP {r['status']}")
+    return {**r, "backend": r["route"].get("backend"), "error": err}
 
 
 async def agent(session, url: str, model: str, a: int, args, lo: int, hi: int, start: float) -> dict:
