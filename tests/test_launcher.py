@@ -169,7 +169,7 @@ def test_serve_gone_by_sighup_or_sigkill_leaves_nothing_running(demo_model, tmp_
                     try:
                         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
                         for _ in client.chat.completions.create(
-                                model="demo-tiny", max_tokens=5000, stream=True, logit_bias={str(i): -100 for i in stops},
+                                model="demo-tiny", max_tokens=2000, stream=True, logit_bias={str(i): -100 for i in stops},
                                 messages=[{"role": "user", "content": "go on"}]):
                             streamed.append(1)
                     except Exception:
