@@ -484,6 +484,41 @@ class PromptCache:
         self._add(kept)
         self.shared_kept += 1
 
+    # -- restore (backend.persist) ------------------------------------------
+    def restore_segment(self, start: int, end: int, parts, parent: Optional[Segment]) -> Segment:
+        """A segment read back from disk (tokens ``[start, end)`` under ``parent``); its bytes
+        count against the budget from now on. Referenced by the child segments and entries
+        restored after it (`restore_entry`)."""
+        seg = Segment(start, end, parts, self.ops.parts_nbytes(parts), parent)
+        if parent is not None:
+            parent.refs += 1
+        self.nbytes += seg.nbytes
+        return seg
+
+    def restore_entry(self, tokens, cache_type: str, *, kv=None, seg: Optional[Segment] = None,
+                      prompt_tokens: int = 0, used_at: float = 0.0, hits: int = 0,
+                      branches: Optional[list] = None) -> CacheEntry:
+        """Add an entry read back from disk as it was saved (no rule 3 replacement, no dedupe):
+        the KV in ``kv`` (whole layout) or the chain ending at ``seg`` (rule 7, from
+        `restore_segment`). Restored in least recently used order, so the LRU order survives.
+        The listener hears of it like any save. Raises ValueError when the KV does not hold
+        exactly ``tokens`` (a damaged file)."""
+        t = np.asarray(tokens, dtype=np.int32)
+        if cache_type not in CACHE_TYPES or (seg is None) == (kv is None):
+            raise ValueError("an entry needs a cache type and exactly one of kv / seg")
+        if seg is not None and seg.end != len(t):
+            raise ValueError(f"segment chain ends at {seg.end}, the entry holds {len(t)} tokens")
+        if seg is not None:
+            seg.refs += 1
+        e = CacheEntry(
+            tokens=t, kv=kv, nbytes=seg.chain_nbytes() if seg is not None else self.ops.nbytes(kv),
+            cache_type=cache_type, trimmable=True if seg is not None else self.ops.trimmable(kv),
+            id=next(self._ids), last_used=next(self._clock), used_at=used_at, hits=hits,
+            prompt_tokens=min(prompt_tokens, len(t)) or len(t), branches=_longest(branches or []), seg=seg,
+        )
+        self._add(e)
+        return e
+
     def clear(self) -> None:
         """Evict everything (each eviction reported)."""
         for e in list(self._entries.values()):
@@ -668,6 +703,38 @@ class KVOps:
             out.append(c)
         mx.eval([a for c in out for a in (c.keys, c.values)])
         return out
+
+    # Persistence (backend.persist): a segment's parts as one safetensors file of per-layer
+    # keys/values; a whole entry's KV through mlx-lm's own prompt-cache file format.
+    def save_parts(self, parts, path: str) -> None:
+        """Write a segment's ``[(keys, values)]`` to ``path`` (a ``.safetensors`` file)."""
+        import mlx.core as mx
+
+        mx.save_safetensors(path, {f"{i}.{n}": a for i, kv in enumerate(parts) for n, a in zip("kv", kv)})
+
+    def load_parts(self, path: str):
+        """Read `save_parts`' file back (arrays evaluated, the file closed)."""
+        import mlx.core as mx
+
+        d = mx.load(path)
+        parts = [(d[f"{i}.k"], d[f"{i}.v"]) for i in range(len(d) // 2)]
+        mx.eval([a for kv in parts for a in kv])
+        return parts
+
+    def save_kv(self, kv, path: str) -> None:
+        """Write a whole entry's KV (any mlx-lm cache types) with ``mlx_lm``'s ``save_prompt_cache``."""
+        from mlx_lm.models.cache import save_prompt_cache
+
+        save_prompt_cache(path, kv)
+
+    def load_kv(self, path: str):
+        from mlx_lm.models.cache import load_prompt_cache
+
+        import mlx.core as mx
+
+        kv = load_prompt_cache(path)
+        mx.eval([c.state for c in kv])  # a tree of arrays: read now, not at the first hit
+        return kv
 
     def nbytes(self, kv) -> int:
         return kv_nbytes(kv)

@@ -42,15 +42,19 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
+from . import persist
 from .cache import CacheHit, PromptCache, common_prefix, kv_trimmable
 from .metrics import BackendMetrics
 
 log = logging.getLogger("mlxgw.backend.engine")
 
+#: Seconds `MLXEngine.stop` waits for the prompt cache to be written to --cache-dir.
+SAVE_SECONDS = 600.0
 HOLD_SCAN = 16  # waiting requests looked at per admission pass (bounds the prefix comparisons)
 PREFILL_ORDERS = ("fifo", "shorter-beside", "step-beside")
 # Measured side by side in session 17 (docs/cache-policy.md): lower TTFT p50 than fifo on both traces,
@@ -209,6 +213,9 @@ class MLXEngine(Engine):
         hit_tokens: tokens a request must reuse to count in ``hits`` (else
             ``misses``); the server passes the block size, so the shared first
             tokens of every chat template (a few) do not make every request a hit.
+        cache_dir / cache_fingerprint: restore the prompt cache saved there
+            before the engine is ready, and save it there when the engine stops
+            (`backend.persist`); None: neither.
     """
 
     def __init__(
@@ -228,11 +235,16 @@ class MLXEngine(Engine):
         claims: Any = None,
         prefill_order: str = DEFAULT_PREFILL_ORDER,
         hit_tokens: int = 1,
+        cache_dir: Optional[Path] = None,
+        cache_fingerprint: str = "",
     ):
         if prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"unknown prefill order {prefill_order!r}; one of {', '.join(PREFILL_ORDERS)}")
         self.prefill_order = prefill_order
         self.hit_tokens = max(1, hit_tokens)
+        self.cache_dir = cache_dir
+        self.cache_fingerprint = cache_fingerprint
+        self.restored: Optional[persist.Outcome] = None  # what the start restored (None: nothing)
         self.model_path = model_path
         self.finish_prefill_on_cancel = finish_prefill_on_cancel
         self.save_at_prefill_end = save_at_prefill_end
@@ -292,7 +304,8 @@ class MLXEngine(Engine):
     def stop(self) -> None:
         self._stop = True
         if self._thread.is_alive():
-            self._thread.join(timeout=10)
+            # Writing the prompt cache to --cache-dir takes its bytes over the disk's speed.
+            self._thread.join(timeout=10 if self.cache_dir is None else SAVE_SECONDS)
 
     def cache_figures(self) -> dict:
         """The registry's cache figures (`schema.CACHE_FIGURES`): entries, bytes held, tokens
@@ -346,6 +359,8 @@ class MLXEngine(Engine):
             self.load_error = e
             self._ready.set()
             return
+        if self.cache_dir is not None:
+            self._restore_cache()
         self._ready.set()
         try:
             self._loop()
@@ -353,6 +368,35 @@ class MLXEngine(Engine):
             log.exception("engine thread died")
             self.failed = True
             self._fail_all("engine failure")
+            return
+        if self.cache_dir is not None:
+            self._save_cache()
+
+    def _restore_cache(self) -> None:
+        """Read the prompt cache saved in ``cache_dir`` (engine thread, before ready): a save
+        that cannot be used means a cold start with the reason in the log, never a failed one."""
+        try:
+            self.restored = persist.restore(self.cache, self.cache_dir, self.cache_fingerprint)
+        except Exception as e:  # any unreadable or foreign save: the cache stays empty
+            log.warning("prompt cache in %s not restored: %s", self.cache_dir, e)
+            self.cache.clear()
+            self.cache.nbytes = 0  # segments read before the failure had no entry yet
+            return
+        if self.restored is not None:
+            left = self.restored.left
+            log.info("restored the prompt cache from %s: %s%s", self.cache_dir, self.restored.describe(),
+                     f"; {left} older entries left out (over --cache-entries / --cache-bytes)" if left else "")
+
+    def _save_cache(self) -> None:
+        """Write the prompt cache to ``cache_dir`` (engine thread, after the loop stopped)."""
+        log.info("saving the prompt cache (%d entries, %.1f MiB of KV) to %s", len(self.cache),
+                 self.cache.nbytes / 2**20, self.cache_dir)
+        try:
+            out = persist.save(self.cache, self.cache_dir, self.cache_fingerprint)
+        except Exception as e:  # a full disk: the previous save stays
+            log.warning("prompt cache not saved to %s: %s", self.cache_dir, e)
+            return
+        log.info("saved the prompt cache to %s: %s", self.cache_dir, out.describe())
 
     def _load(self) -> None:
         import mlx.core as mx

@@ -19,7 +19,7 @@ from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.stopping import Stopper
 from mlxgw.util import is_loopback, parse_bytes, positive_int, redact_url, size_arg
 
-from . import sim
+from . import persist, sim
 from .cache import LAYOUTS, PromptCache
 from .engine import DEFAULT_PREFILL_ORDER, PREFILL_ORDERS
 from .metrics import BackendMetrics
@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the prompt cache stores entries: 'shared' (the default, cache rule 7: a prefix "
                         "several entries share is held once) or 'whole' (one KV copy per entry, as mlx-lm); "
                         "docs/cache-policy.md")
+    p.add_argument("--cache-dir", help="keep the prompt cache across restarts: write it to this directory "
+                                        "at a clean stop and read it back at start (one directory per backend; "
+                                        "docs/cache-policy.md, 'Across restarts'); default: not kept")
     p.add_argument("--decode-concurrency", type=positive_int, default=ModelConfig.decode_concurrency,
                    help="decode slots: sequences generating at once (mlx-lm's completion_batch_size; default "
                         "16); a request beyond them waits for one to end. Each running sequence holds "
@@ -160,6 +163,20 @@ def budget_warnings(text: str, budget: int, total_memory: Optional[int] = None) 
     return out
 
 
+def kv_settings(args: argparse.Namespace, timing) -> dict:
+    """What, besides the model files, decides whether a saved prompt cache fits this run
+    (`backend.persist.fingerprint`): the engine (and the sim's KV model), the cache layout and
+    mlx-lm's version (its cache file format and KV layout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        mlx_lm = version("mlx-lm")
+    except PackageNotFoundError:  # pragma: no cover (a source checkout)
+        mlx_lm = "unknown"
+    return {"engine": args.engine, "layout": args.cache_layout, "mlx_lm": mlx_lm,
+            "sim": [timing.kv_bytes_per_token, timing.token_scale] if timing is not None else None}
+
+
 def run(args: argparse.Namespace) -> int:
     """Run one backend until SIGINT/SIGTERM; returns the process exit code."""
     from .engine import MLXEngine
@@ -198,6 +215,21 @@ def run(args: argparse.Namespace) -> int:
                "heartbeat_interval": args.heartbeat_interval,
                "auth": "token" if args.internal_token else "none"},
     )
+    timing = None
+    if args.engine == "sim":
+        try:
+            timing = sim.timing_from_args(args)
+        except (ValueError, OSError, KeyError) as e:
+            log.error("bad --sim-* settings: %s", e)
+            return 2
+    cache_dir, lock = None, None
+    if args.cache_dir:
+        cache_dir = Path(args.cache_dir).expanduser().resolve()
+        try:
+            lock = persist.CacheDirLock(cache_dir)
+        except (RuntimeError, OSError) as e:
+            log.error("%s", e)
+            return 2
     cache = PromptCache(
         max_entries=args.cache_entries,
         max_bytes=budget,
@@ -207,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         layout=args.cache_layout,
         share_min_tokens=args.block_size,
         listener=reporter,
-        ops=sim.SimKVOps() if args.engine == "sim" else None,
+        ops=sim.SimKVOps(timing) if timing is not None else None,
     )
     metrics = BackendMetrics(name)
     kw = dict(decode_concurrency=args.decode_concurrency, prefill_concurrency=args.prefill_concurrency,
@@ -215,13 +247,9 @@ def run(args: argparse.Namespace) -> int:
               metrics=metrics, save_at_prefill_end=args.prefill_save, prefill_save_evicts=args.prefill_save_evicts,
               prefill_handoff=args.prefill_handoff, prefill_save_pin=args.prefill_save_pin,
               claims=reporter if args.inflight_claims else None, prefill_order=args.prefill_order,
-              hit_tokens=args.block_size)
-    if args.engine == "sim":
-        try:
-            timing = sim.timing_from_args(args)
-        except (ValueError, OSError, KeyError) as e:
-            log.error("bad --sim-* settings: %s", e)
-            return 2
+              hit_tokens=args.block_size, cache_dir=cache_dir,
+              cache_fingerprint=persist.fingerprint(model_path, **kv_settings(args, timing)) if cache_dir else "")
+    if timing is not None:
         engine = sim.SimEngine(model_path, cache, budget, timing, **kw)
     else:
         engine = MLXEngine(model_path, cache, budget, **kw)
@@ -230,7 +258,11 @@ def run(args: argparse.Namespace) -> int:
     reporter.cache_figures = engine.cache_figures
     cfg = BackendConfig(backend_id, name, str(model_path), internal_token=args.internal_token,
                         request_timeout=args.request_timeout)
-    return asyncio.run(_serve(engine, reporter, cfg, args))
+    try:
+        return asyncio.run(_serve(engine, reporter, cfg, args))
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:

@@ -132,7 +132,21 @@ class SimKV:
 
 
 class SimKVOps(KVOps):
-    """`KVOps` for `SimKV`: always trimmable (a full-attention model)."""
+    """`KVOps` for `SimKV`: always trimmable (a full-attention model). ``timing``: the
+    engine's, for KV read back from disk (`load_parts`, `load_kv`)."""
+
+    def __init__(self, timing: Optional["SimTiming"] = None):
+        self.timing = timing
+
+    # Persistence (backend.persist): a sim KV is its token count.
+    def save_parts(self, parts, path: str) -> None:
+        Path(path).write_text(json.dumps({"tokens": parts.n}))
+
+    def load_parts(self, path: str):
+        return SimKV(int(json.loads(Path(path).read_text())["tokens"]), self.timing)
+
+    save_kv = save_parts
+    load_kv = load_parts
 
     def nbytes(self, kv) -> int:
         return kv.nbytes

@@ -36,6 +36,9 @@ class ModelConfig:
     prefill_concurrency: int = 2  # prompts prefilled side by side per backend
     decode_concurrency: int = 16  # decode slots per backend (8 until session 31; docs/cache-policy.md)
     prefill_order: str = "step-beside"  # which waiting request prefills next (backend.engine.DEFAULT_PREFILL_ORDER)
+    # Keep the prompt caches across restarts: backend i saves to and restores from
+    # <cache_dir>/<name>-<i> (backend.persist); empty: not kept.
+    cache_dir: str = ""
 
 
 @dataclass
@@ -233,7 +236,7 @@ def apply_flags(cfg: ServeConfig, args) -> ServeConfig:
         m0.name = args.served_name
     for flag, attr in (("backends", "backends"), ("backend_port", "port"), ("cache_bytes", "cache_bytes"),
                        ("cache_entries", "cache_entries"), ("cache_layout", "cache_layout"),
-                       ("decode_concurrency", "decode_concurrency")):
+                       ("decode_concurrency", "decode_concurrency"), ("cache_dir", "cache_dir")):
         v = getattr(args, flag, None)
         if v is not None:
             setattr(m0, attr, v)

@@ -25,6 +25,10 @@ from . import config as config_mod
 from .stopping import EMBEDDED_REDIS_ENV, PARENT_ENV, stop_signals
 from .util import positive_int, redact_url, serve_token_file, serve_url_file, size_arg
 
+#: Seconds serve waits for a backend with a --cache-dir to stop: it writes its prompt cache
+#: first (at most `backend.engine.SAVE_SECONDS`), then exits.
+SAVE_STOP_SECONDS = 660.0
+
 log = logging.getLogger("mlxgw.serve")
 
 
@@ -46,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-layout", choices=LAYOUTS,
                    help="shared (default): a prefix several cached prompts share is held once; whole: one copy "
                         "per entry, as mlx-lm (docs/cache-policy.md, rule 7)")
+    p.add_argument("--cache-dir", help="keep the prompt caches across restarts of serve: each backend saves its "
+                                        "cache under DIR/<model>-<i> at stop and restores it at start "
+                                        "(docs/cache-policy.md, 'Across restarts'); default: not kept")
     p.add_argument("--decode-concurrency", type=positive_int,
                    help="decode slots per backend: answers generated at once (default 16; "
                         "docs/cache-policy.md, 'Decode slots')")
@@ -195,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
             port = m.port + i
             cmd = py + ["backend", "--model", m.path, "--served-name", m.name, "--port", str(port),
                         "--id", f"{m.name}-{i}", "--namespace", cfg.namespace, "--block-size", str(cfg.block_size),
-                        *backend_model_flags(m)]
+                        *backend_model_flags(m), *backend_cache_dir_flags(m, i)]
             children.append(Child(f"{m.name}-{i}", cmd, env, f"http://127.0.0.1:{port}/health"))
     gw_cmd = py + ["gateway", "--host", cfg.host, "--port", str(cfg.port), "--namespace", cfg.namespace,
                    "--block-size", str(cfg.block_size)]
@@ -236,10 +243,12 @@ def run(args: argparse.Namespace) -> int:
         for c in [gateway] + children:
             if c.proc and c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
+        # A backend with --cache-dir writes its prompt cache before it exits (backend.engine.SAVE_SECONDS).
+        grace = SAVE_STOP_SECONDS if any(m.cache_dir for m in cfg.models) else 10
         for c in [gateway] + children:
             if c.proc:
                 try:
-                    c.proc.wait(10)
+                    c.proc.wait(grace)
                 except subprocess.TimeoutExpired:
                     c.proc.kill()
         if embedded:
@@ -300,6 +309,11 @@ def backend_model_flags(m: config_mod.ModelConfig) -> list[str]:
             "--prefill-concurrency", str(m.prefill_concurrency), "--prefill-order", m.prefill_order,
             "--decode-concurrency", str(m.decode_concurrency),
             "--cache-layout", m.cache_layout]
+
+
+def backend_cache_dir_flags(m: config_mod.ModelConfig, i: int) -> list[str]:
+    """``--cache-dir`` for backend ``i`` of ``m``: a directory of its own under ``m.cache_dir``."""
+    return ["--cache-dir", str(Path(m.cache_dir).expanduser().resolve() / f"{m.name}-{i}")] if m.cache_dir else []
 
 
 def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:

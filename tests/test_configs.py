@@ -200,6 +200,24 @@ def test_serve_cache_layout_flag_reaches_the_backends(tmp_path):
         parser.parse_args(["--cache-layout", "bogus"])
 
 
+def test_serve_cache_dir_gives_each_backend_a_directory_of_its_own(tmp_path):
+    """`mlxgw serve --cache-dir DIR` / ``[[models]] cache_dir``: backend i of model M keeps its
+    prompt cache in DIR/M-i (two backends may not share one: backend.persist.CacheDirLock)."""
+    from mlxgw import launcher
+
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    cfg = config.apply_flags(config.ServeConfig(), parser.parse_args(["--cache-dir", str(tmp_path / "kv"),
+                                                                       "--served-name", "demo"]))
+    m = cfg.models[0]
+    assert launcher.backend_cache_dir_flags(m, 1) == ["--cache-dir", str(tmp_path / "kv" / "demo-1")]
+    assert launcher.backend_cache_dir_flags(config.ModelConfig(name="demo"), 0) == []  # not kept by default
+    p = tmp_path / "c.toml"
+    p.write_text('[[models]]\nname = "m"\ncache_dir = "~/kv"\n')
+    flags = launcher.backend_cache_dir_flags(config.load(str(p)).models[0], 0)
+    assert flags == ["--cache-dir", str(Path("~/kv").expanduser().resolve() / "m-0")]
+
+
 def test_a_backend_started_by_hand_has_the_serve_defaults():
     """`mlxgw backend` on another Mac gets the cache budget the README states for `serve`
     (it had 4GB against serve's 2GB before session 28)."""

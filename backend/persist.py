@@ -1,0 +1,240 @@
+"""The prompt cache across restarts (``mlxgw backend --cache-dir``).
+
+A restarted backend used to start cold: an agent's 30k-token conversation then
+paid its whole prefill again on the next turn (tens of seconds to minutes on a
+Mac), and every restart (a config change, an upgrade) cost that for each
+conversation the backend held. With ``--cache-dir`` the backend writes its
+prompt cache there when it stops cleanly (after draining, once the gateways
+no longer route to it) and reads it back at start, before it registers: the
+restored entries are published to Redis under the new epoch like any save,
+so the gateways route their conversations back to it.
+
+On disk (one directory per backend; `CacheDirLock` refuses a second backend):
+
+* ``manifest.json``: format, fingerprint, and each entry (cache type, prompt
+  length, last use, hits) and segment (token range, parent), least recently
+  used first;
+* ``tokens.npz``: each entry's token ids (int32);
+* ``seg-N.safetensors``: rule 7's segments (backend.cache), each shared prefix
+  once, as in memory; ``kv-N.safetensors``: whole-layout entries, in mlx-lm's
+  ``save_prompt_cache`` format.
+
+A save goes to a fresh directory renamed into place at the end, so a stop cut
+short (SIGKILL, power) leaves the previous save, never half of one. The
+fingerprint (`fingerprint`) covers the model files, the engine, the cache
+layout and mlx-lm's version: a cache saved for other weights is never loaded
+(KV is only valid for the weights that computed it). At start, the most
+recently used entries that fit this run's ``--cache-entries`` and
+``--cache-bytes`` are restored; anything unreadable means a cold start with a
+warning, never a failed one. Nothing is saved when the process dies without a
+clean stop (the previous save stays, and is still right for these weights).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .cache import CACHE_TYPES, PromptCache
+
+log = logging.getLogger("mlxgw.backend")
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+# Model files whose bytes decide the KV: weights, config, tokenizer (ids) and templates.
+_MODEL_SUFFIXES = (".safetensors", ".json", ".model", ".txt", ".jinja", ".tiktoken")
+
+
+def fingerprint(model_path: str, **settings) -> str:
+    """A hex digest naming the KV a cache holds: each model file's name, size and mtime (a
+    local directory; the path itself for a hub id) and ``settings`` (engine, layout, ...).
+    Two runs agree only when the same weights would compute the same KV."""
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    p = Path(model_path).expanduser()
+    if p.is_dir():
+        for f in sorted(p.iterdir()):
+            if f.is_file() and f.suffix in _MODEL_SUFFIXES:
+                st = f.stat()
+                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    else:
+        h.update(str(model_path).encode())
+    return h.hexdigest()[:32]
+
+
+@dataclass
+class Outcome:
+    """What a save or a restore did: entries, tokens and bytes (KV) moved, seconds taken."""
+
+    entries: int = 0
+    tokens: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    left: int = 0  # restore: saved entries left out by this run's budgets
+
+    def describe(self) -> str:
+        mib = self.nbytes / 2**20
+        return (f"{self.entries} entries ({self.tokens:,} tokens, {mib:.1f} MiB of KV) in "
+                f"{self.seconds:.2f} s")
+
+
+class CacheDirLock:
+    """An exclusive lock on a cache directory for this process's lifetime (``flock``, POSIX:
+    macOS and Linux), so two backends never write over each other's save.
+
+    Raises:
+        RuntimeError: another live process holds it (the message names the directory).
+    """
+
+    def __init__(self, directory: Path):
+        import fcntl
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / ".lock"
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._fd)
+            raise RuntimeError(f"--cache-dir {directory} is in use by another backend "
+                               "(each backend needs a directory of its own)") from None
+
+    def release(self) -> None:
+        os.close(self._fd)  # closing drops the flock
+
+
+def _snapshot(directory: Path) -> Path:
+    return directory / "snapshot"
+
+
+def save(cache: PromptCache, directory: Path, fp: str) -> Outcome:
+    """Write every entry of ``cache`` under ``directory`` (replacing the previous save at the
+    end, atomically). Run it on the thread that owns the cache (the engine thread: MLX
+    arrays belong to its stream). Raises OSError on a write failure (the previous save
+    stays)."""
+    t0 = time.time()
+    final = _snapshot(directory)
+    tmp = directory / f"saving-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    entries = sorted(cache.entries(), key=lambda e: e.last_used)
+    segs, index = [], {}
+    for e in entries:
+        if e.seg is not None:
+            for s in e.seg.chain():  # root first: a parent is always numbered before its children
+                if id(s) not in index:
+                    index[id(s)] = len(segs)
+                    segs.append(s)
+    seg_meta = []
+    for i, s in enumerate(segs):
+        cache.ops.save_parts(s.parts, str(tmp / f"seg-{i}.safetensors"))
+        seg_meta.append({"start": s.start, "end": s.end, "nbytes": s.nbytes,
+                         "parent": None if s.parent is None else index[id(s.parent)]})
+    np.savez(tmp / "tokens.npz", **{f"e{i}": e.tokens for i, e in enumerate(entries)})
+    ent_meta = []
+    for i, e in enumerate(entries):
+        m = {"cache_type": e.cache_type, "tokens": len(e), "prompt_tokens": e.prompt_tokens, "hits": e.hits,
+             "used_at": e.used_at, "branches": list(e.branches), "nbytes": e.nbytes}
+        if e.seg is not None:
+            m["seg"] = index[id(e.seg)]
+        else:
+            m["kv"] = f"kv-{i}.safetensors"
+            cache.ops.save_kv(e.kv, str(tmp / m["kv"]))
+        ent_meta.append(m)
+    manifest = {"format": FORMAT, "fingerprint": fp, "saved_at": time.time(), "layout": cache.layout,
+                "segments": seg_meta, "entries": ent_meta}
+    (tmp / MANIFEST).write_text(json.dumps(manifest))
+    old = directory / f"replaced-{os.getpid()}"
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return Outcome(len(entries), sum(len(e) for e in entries), cache.nbytes, time.time() - t0)
+
+
+def _choose(manifest: dict, max_entries: int, max_bytes: int) -> tuple[list[int], set[int]]:
+    """The entries to restore (indices, least recently used first) and the segments they
+    need: the most recently used ones that fit both budgets, shared segments counted once."""
+    segs, ents = manifest["segments"], manifest["entries"]
+    chosen: list[int] = []
+    need: set[int] = set()
+    total = 0
+    for i in range(len(ents) - 1, -1, -1):
+        if len(chosen) >= max_entries:
+            break
+        e = ents[i]
+        chain, add = set(), int(e["nbytes"])
+        if "seg" in e:
+            j, add = e["seg"], 0
+            while j is not None and j not in need:  # `need` holds each member's ancestors too
+                chain.add(j)
+                add += int(segs[j]["nbytes"])
+                j = segs[j]["parent"]
+        if total + add > max_bytes:
+            continue  # an older, smaller entry may still fit
+        chosen.append(i)
+        need |= chain
+        total += add
+    return chosen[::-1], need
+
+
+def restore(cache: PromptCache, directory: Path, fp: str) -> Optional[Outcome]:
+    """Read the save under ``directory`` into ``cache`` (empty, before the backend registers:
+    the listener publishes the restored blocks with the first report). None when there is no
+    save. Everything is read before the cache is touched, so a damaged file leaves the cache
+    empty.
+
+    Raises:
+        ValueError: a save of another format, model or layout (the message says which), or
+            one whose KV does not match its tokens.
+        OSError: unreadable files.
+    """
+    t0 = time.time()
+    # Leftovers of a save cut short: the snapshot (if any) is the last complete one.
+    for d in directory.glob("saving-*"):
+        shutil.rmtree(d, ignore_errors=True)
+    snap = _snapshot(directory)
+    if not (snap / MANIFEST).exists():
+        return None
+    manifest = json.loads((snap / MANIFEST).read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"saved in format {manifest.get('format')!r}, this version reads {FORMAT}")
+    if manifest.get("fingerprint") != fp:
+        raise ValueError("saved for other model files or settings (fingerprint "
+                         f"{manifest.get('fingerprint')}, this run's {fp}): starting cold")
+    chosen, need = _choose(manifest, cache.max_entries, cache.max_bytes)
+    segs, ents = manifest["segments"], manifest["entries"]
+    parts = {j: cache.ops.load_parts(str(snap / f"seg-{j}.safetensors")) for j in sorted(need)}
+    kvs = {i: cache.ops.load_kv(str(snap / ents[i]["kv"])) for i in chosen if "kv" in ents[i]}
+    with np.load(snap / "tokens.npz") as z:
+        tokens = {i: z[f"e{i}"] for i in chosen}
+    for i in chosen:  # checked before anything is attached: the cache stays empty on a bad save
+        m = ents[i]
+        ends = segs[m["seg"]]["end"] if "seg" in m else m["tokens"]
+        if not (len(tokens[i]) == m["tokens"] == ends) or m["cache_type"] not in CACHE_TYPES:
+            raise ValueError(f"entry {i} does not match its KV ({len(tokens[i])} token ids, "
+                             f"{m['tokens']} tokens, KV to {ends}, type {m['cache_type']!r})")
+    built = {}
+    for j in sorted(need):  # parents first (numbered first by `save`)
+        m = segs[j]
+        built[j] = cache.restore_segment(m["start"], m["end"], parts[j], built.get(m["parent"]))
+    out = Outcome(left=len(ents) - len(chosen))
+    for i in chosen:
+        m = ents[i]
+        e = cache.restore_entry(tokens[i], m["cache_type"], kv=kvs.get(i), seg=built.get(m.get("seg")),
+                                prompt_tokens=int(m["prompt_tokens"]), used_at=float(m["used_at"]),
+                                hits=int(m["hits"]), branches=m.get("branches"))
+        out.entries += 1
+        out.tokens += len(e)
+    cache.trim_to()  # byte counts recomputed from the arrays: within budget, whatever the manifest said
+    out.nbytes = cache.nbytes
+    out.seconds = time.time() - t0
+    return out

@@ -1,0 +1,156 @@
+"""The prompt cache across restarts (``--cache-dir``, backend.persist)."""
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from backend import persist, sim
+from backend.cache import PromptCache
+from mlxgw.httpget import get_json, post
+from texts import words
+
+
+def _sim_cache(**kw) -> PromptCache:
+    ops = sim.SimKVOps(sim.SimTiming())
+    return PromptCache(**{"max_entries": 10, "layout": "shared", "share_min_tokens": 16, "ops": ops,
+                          "min_hit_tokens": 32, **kw})
+
+
+def _filled() -> tuple[PromptCache, list[int]]:
+    """Four conversations on one 300-token system prompt (rule 7 holds it once), used in order."""
+    c = _sim_cache()
+    system = list(range(100, 400))
+    for k in range(4):
+        toks = system + list(range(1000 * k, 1000 * k + 50 + k))
+        c.insert(toks, sim.SimKV(len(toks), c.ops.timing), "assistant", prompt_len=len(toks) - 5)
+    return c, system
+
+
+def test_save_and_restore_keep_entries_segments_bytes_and_lru_order(tmp_path):
+    c, system = _filled()
+    bpt = c.ops.timing.nbytes(1)
+    assert len(c) == 4 and c.nbytes == (300 + 50 + 51 + 52 + 53) * bpt  # the system prompt once
+    out = persist.save(c, tmp_path, "fp")
+    assert (out.entries, out.tokens, out.nbytes) == (4, 1406, c.nbytes)
+    snap = tmp_path / "snapshot"
+    assert sorted(p.name for p in snap.iterdir()) == ["manifest.json"] + [f"seg-{i}.safetensors" for i in range(5)] + [
+        "tokens.npz"]
+
+    r = _sim_cache()
+    got = persist.restore(r, tmp_path, "fp")
+    assert (got.entries, got.tokens, got.nbytes, got.left) == (4, 1406, c.nbytes, 0)
+    assert r.nbytes == c.nbytes  # shared on disk and in memory: 300 + four tails, not 4 x 350
+    assert [e.tokens.tolist() for e in r.entries()] == [e.tokens.tolist() for e in c.entries()]
+    assert [e.prompt_tokens for e in r.entries()] == [345, 346, 347, 348]
+    hit = r.fetch(system + list(range(2000, 2060)))
+    assert (hit.reused, len(r.get(hit.entry_id))) == (352, 352)  # the third conversation, whole
+    # The LRU order survived: with one entry too many, the oldest (the first conversation) goes.
+    r.insert(system + [7] * 40, sim.SimKV(340, r.ops.timing), "assistant")
+    r.trim_to(max_entries=4)
+    assert sorted(len(e) for e in r.entries()) == [340, 351, 352, 353]
+
+    # A later save replaces the earlier one whole.
+    persist.save(r, tmp_path, "fp")
+    again = _sim_cache()
+    assert persist.restore(again, tmp_path, "fp").entries == 4
+    assert sorted(len(e) for e in again.entries()) == [340, 351, 352, 353]
+
+
+def test_restore_keeps_the_newest_entries_within_this_runs_budgets(tmp_path):
+    c, _ = _filled()
+    persist.save(c, tmp_path, "fp")
+    bpt = c.ops.timing.nbytes(1)
+    small = _sim_cache(max_entries=2)
+    got = persist.restore(small, tmp_path, "fp")
+    assert (got.entries, got.left) == (2, 2)
+    assert [len(e) for e in small.entries()] == [352, 353] and small.nbytes == (300 + 52 + 53) * bpt
+    # Bytes for the shared prompt and one tail: the newest conversation only.
+    tight = _sim_cache(max_bytes=(300 + 53) * bpt)
+    got = persist.restore(tight, tmp_path, "fp")
+    assert (got.entries, got.left) == (1, 3) and [len(e) for e in tight.entries()] == [353]
+
+
+def test_a_foreign_or_damaged_save_is_refused_and_leaves_the_cache_empty(tmp_path):
+    c, _ = _filled()
+    persist.save(c, tmp_path, "fp")
+    r = _sim_cache()
+    with pytest.raises(ValueError, match="saved for other model files or settings"):
+        persist.restore(r, tmp_path, "other-model")
+    assert len(r) == 0 and r.nbytes == 0
+    np.savez(tmp_path / "snapshot" / "tokens.npz", e0=np.arange(3), e1=np.arange(3), e2=np.arange(3),
+             e3=np.arange(3))
+    with pytest.raises(ValueError, match="does not match its KV"):
+        persist.restore(r, tmp_path, "fp")
+    assert len(r) == 0 and r.nbytes == 0
+    # A save cut short leaves its work directory beside the last complete save: ignored, removed.
+    (tmp_path / "saving-123").mkdir()
+    (tmp_path / "snapshot" / "seg-2.safetensors").unlink()
+    with pytest.raises(OSError):
+        persist.restore(r, tmp_path, "fp")
+    assert len(r) == 0 and r.nbytes == 0 and not (tmp_path / "saving-123").exists()
+    assert persist.restore(r, tmp_path / "never-saved", "fp") is None
+
+
+def test_fingerprint_follows_the_model_files_and_settings(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    a = persist.fingerprint(str(tmp_path), engine="mlx", layout="shared")
+    assert a == persist.fingerprint(str(tmp_path), engine="mlx", layout="shared")
+    assert a != persist.fingerprint(str(tmp_path), engine="mlx", layout="whole")
+    (tmp_path / "model.safetensors").write_bytes(b"y" * 11)  # other weights
+    assert a != persist.fingerprint(str(tmp_path), engine="mlx", layout="shared")
+
+
+def _chat(url: str, text: str, **kw) -> tuple[dict, dict]:
+    status, h, raw = post(url + "/v1/chat/completions", {
+        "model": "demo-tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 8, "temperature": 0,
+        **kw})
+    assert status == 200, raw
+    import json
+
+    return h, json.loads(raw)
+
+
+@pytest.mark.parametrize("layout", ["shared", "whole"])
+def test_a_restarted_backend_serves_its_saved_prompts_again(make_stack, tmp_path, layout):
+    """A real mlx-lm backend: what it cached before a clean stop is cached after its restart,
+    published to Redis (the gateway routes to it with the prefix matched) and holds the right
+    KV (a greedy answer from the restored cache equals the one computed from scratch)."""
+    s = make_stack()
+    b = s.add_backend("b0", None, "--cache-dir", str(tmp_path / "kv"), "--cache-layout", layout)
+    g = s.add_gateway()
+    s.wait()
+    text = words(300, seed=71)
+    h, first = _chat(g.url, text)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    b.stop()
+    log = b.log_path.read_text()
+    assert "saved the prompt cache to " in log and ": 1 entries (" in log, log[-2000:]
+    b.start(s.env())
+    b.wait_healthy()
+    log = b.log_path.read_text()
+    assert "restored the prompt cache from " in log and ": 1 entries (" in log, log[-2000:]
+    prompt = first["usage"]["prompt_tokens"]
+    deadline = time.time() + 10
+    while time.time() < deadline:  # the gateway sees the new epoch's blocks within a report
+        h, again = _chat(g.url, text)
+        if int(h["X-Mlxgw-Matched-Tokens"]) > 0:
+            break
+        time.sleep(0.2)
+    assert int(h["X-Mlxgw-Matched-Tokens"]) == (prompt - 1) // s.block_size * s.block_size
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 1
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    assert get_json(b.url + "/internal/cache")["entries"][0]["tokens"] >= prompt
+
+
+def test_two_backends_cannot_share_a_cache_dir(make_stack, tmp_path):
+    s = make_stack()
+    b = s.add_backend("b0", None, "--engine", "sim", "--cache-dir", str(tmp_path))
+    b.wait_healthy()
+    r = subprocess.run([sys.executable, "-m", "mlxgw", "backend", "--engine", "sim", "--model", s.model_path,
+                        "--port", "1", "--redis-url", s.redis_url, "--cache-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"--cache-dir {tmp_path} is in use by another backend" in r.stderr, r.stderr
