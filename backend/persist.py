@@ -125,6 +125,20 @@ def save(cache: PromptCache, directory: Path, fp: str) -> Outcome:
     tmp = directory / f"saving-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _write(cache, tmp, fp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk keeps no half save
+        raise
+    old = directory / f"replaced-{os.getpid()}"
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return Outcome(len(cache), sum(len(e) for e in cache.entries()), cache.nbytes, time.time() - t0)
+
+
+def _write(cache: PromptCache, tmp: Path, fp: str) -> None:
     entries = sorted(cache.entries(), key=lambda e: e.last_used)
     segs, index = [], {}
     for e in entries:
@@ -151,13 +165,7 @@ def save(cache: PromptCache, directory: Path, fp: str) -> Outcome:
         ent_meta.append(m)
     manifest = {"format": FORMAT, "fingerprint": fp, "saved_at": time.time(), "layout": cache.layout,
                 "segments": seg_meta, "entries": ent_meta}
-    (tmp / MANIFEST).write_text(json.dumps(manifest))
-    old = directory / f"replaced-{os.getpid()}"
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-    return Outcome(len(entries), sum(len(e) for e in entries), cache.nbytes, time.time() - t0)
+    (tmp / MANIFEST).write_text(json.dumps(manifest))  # last: a save without it is incomplete
 
 
 def _choose(manifest: dict, max_entries: int, max_bytes: int) -> tuple[list[int], set[int]]:

@@ -94,6 +94,25 @@ def test_a_foreign_or_damaged_save_is_refused_and_leaves_the_cache_empty(tmp_pat
     assert persist.restore(r, tmp_path / "never-saved", "fp") is None
 
 
+def test_a_failed_save_keeps_the_previous_one_and_no_partial_files(tmp_path):
+    c, _ = _filled()
+    persist.save(c, tmp_path, "fp")
+    c.insert(list(range(5000, 5400)), sim.SimKV(400, c.ops.timing), "assistant")
+
+    class FullDisk(sim.SimKVOps):
+        def save_parts(self, parts, path):
+            if path.endswith("seg-3.safetensors"):
+                raise OSError(28, "No space left on device")
+            super().save_parts(parts, path)
+
+    c.ops = FullDisk(c.ops.timing)
+    with pytest.raises(OSError, match="No space left"):
+        persist.save(c, tmp_path, "fp")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot"]
+    r = _sim_cache()
+    assert persist.restore(r, tmp_path, "fp").entries == 4 and 400 not in [len(e) for e in r.entries()]
+
+
 def test_fingerprint_follows_the_model_files_and_settings(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
