@@ -445,8 +445,14 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
         f"  status     {_cli()} status | {_cli()} top   (read the Redis URL from {serve_url_file()})",
         f"  join       MLXGW_INTERNAL_TOKEN=$(cat {serve_token_file()}) MLXGW_REDIS_URL=$(cat {serve_url_file()}) "
         f"{_cli()} backend|gateway ...   (README, Commands)",
-        "  stop       Ctrl-C",
+        "  stop       Ctrl-C" + ("   (the backends save their prompt caches first)"
+                                  if any(m.cache_dir for m in cfg.models) else ""),
     ]
+    for m in cfg.models:
+        if m.cache_dir:
+            where = Path(m.cache_dir).expanduser().resolve()
+            lines.insert(-1, f"  kv kept    {m.name}: prompt caches saved at stop, restored at start, in {where}/"
+                             f"{m.name}-<i>   (docs/cache-policy.md, 'Across restarts')")
     from backend.main import budget_warnings
 
     from .util import parse_bytes

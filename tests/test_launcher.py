@@ -30,8 +30,9 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
     log = open(tmp_path / "serve.log", "wb")
     # The shipped offline config (2 backends of the demo model); flags override its ports.
     demo_toml = Path(__file__).parent.parent / "configs" / "demo.toml"
-    p = subprocess.Popen(MLXGW + ["serve", "--config", str(demo_toml), "--port", str(port), "--backend-port", str(bport)],
-                         stdout=log, stderr=subprocess.STDOUT)
+    kv = tmp_path / "kv"
+    p = subprocess.Popen(MLXGW + ["serve", "--config", str(demo_toml), "--port", str(port), "--backend-port", str(bport),
+                                  "--cache-dir", str(kv)], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 120
         h = None
@@ -86,6 +87,8 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
             assert resp.status == 200
         assert f"  join       MLXGW_INTERNAL_TOKEN=$(cat {tok}) MLXGW_REDIS_URL=$(cat {serve_url_file()})" in out
         assert "(demo-tiny: 16 decode slots each)" in out
+        assert (f"  kv kept    demo-tiny: prompt caches saved at stop, restored at start, in {kv.resolve()}/demo-tiny-<i>"
+                in out) and "  stop       Ctrl-C   (the backends save their prompt caches first)" in out
         st = _run(["status", "--json"])
         assert st.returncode == 0 and "demo-tiny-0" in st.stdout
         st = _run(["status"])  # says which Redis it read, and from where
@@ -122,6 +125,11 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
         p.send_signal(signal.SIGTERM)
         rc = p.wait(30)
     assert rc == 0
+    # --cache-dir: each backend saved its cache in a directory of its own at the stop.
+    out = (tmp_path / "serve.log").read_text()
+    for i in (0, 1):
+        assert f"saved the prompt cache to {kv.resolve()}/demo-tiny-{i}: " in out, out[-3000:]
+        assert (kv / f"demo-tiny-{i}" / "snapshot" / "manifest.json").exists()
     # ... and that file goes with the stack, so status never points at a dead Redis.
     assert not serve_url_file().exists()
     for prt in (port, bport, bport + 1):
