@@ -213,9 +213,10 @@ class MLXEngine(Engine):
         hit_tokens: tokens a request must reuse to count in ``hits`` (else
             ``misses``); the server passes the block size, so the shared first
             tokens of every chat template (a few) do not make every request a hit.
-        cache_dir / cache_fingerprint: restore the prompt cache saved there
+        cache_dir / cache_settings: restore the prompt cache saved there
             before the engine is ready, and save it there when the engine stops
-            (`backend.persist`); None: neither.
+            (`backend.persist`; a save is restored only with equal settings,
+            `persist.kv_settings`); None: neither.
     """
 
     def __init__(
@@ -236,14 +237,14 @@ class MLXEngine(Engine):
         prefill_order: str = DEFAULT_PREFILL_ORDER,
         hit_tokens: int = 1,
         cache_dir: Optional[Path] = None,
-        cache_fingerprint: str = "",
+        cache_settings: Optional[dict] = None,
     ):
         if prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"unknown prefill order {prefill_order!r}; one of {', '.join(PREFILL_ORDERS)}")
         self.prefill_order = prefill_order
         self.hit_tokens = max(1, hit_tokens)
         self.cache_dir = cache_dir
-        self.cache_fingerprint = cache_fingerprint
+        self.cache_settings = cache_settings or {}
         self.restored: Optional[persist.Outcome] = None  # what the start restored (None: nothing)
         self.model_path = model_path
         self.finish_prefill_on_cancel = finish_prefill_on_cancel
@@ -345,6 +346,9 @@ class MLXEngine(Engine):
             "generated_tokens": self.generated_tokens_total,
             "prefill_tps": round(self.prefill_tps, 1),
             "decode_tps": round(self.decode_tps, 1),
+            # --cache-dir: what the start restored (backend.persist)
+            "restored_entries": self.restored.entries if self.restored else 0,
+            "restored_tokens": self.restored.tokens if self.restored else 0,
         }
 
     # -- engine thread ----------------------------------------------------
@@ -376,23 +380,29 @@ class MLXEngine(Engine):
         """Read the prompt cache saved in ``cache_dir`` (engine thread, before ready): a save
         that cannot be used means a cold start with the reason in the log, never a failed one."""
         try:
-            self.restored = persist.restore(self.cache, self.cache_dir, self.cache_fingerprint)
+            self.restored = persist.restore(self.cache, self.cache_dir, self.cache_settings)
         except Exception as e:  # any unreadable or foreign save: the cache stays empty
             log.warning("prompt cache in %s not restored: %s", self.cache_dir, e)
             self.cache.clear()
             self.cache.nbytes = 0  # segments read before the failure had no entry yet
             return
-        if self.restored is not None:
+        if self.restored is None:
+            log.info("no saved prompt cache in %s yet: starting cold (it is saved there at a clean stop)",
+                     self.cache_dir)
+        else:
             left = self.restored.left
             log.info("restored the prompt cache from %s: %s%s", self.cache_dir, self.restored.describe(),
                      f"; {left} older entries left out (over --cache-entries / --cache-bytes)" if left else "")
 
     def _save_cache(self) -> None:
         """Write the prompt cache to ``cache_dir`` (engine thread, after the loop stopped)."""
+        if not len(self.cache):
+            log.info("nothing cached: the prompt cache save in %s (if any) stays as it was", self.cache_dir)
+            return
         log.info("saving the prompt cache (%d entries, %.1f MiB of KV) to %s", len(self.cache),
                  self.cache.nbytes / 2**20, self.cache_dir)
         try:
-            out = persist.save(self.cache, self.cache_dir, self.cache_fingerprint)
+            out = persist.save(self.cache, self.cache_dir, self.cache_settings)
         except Exception as e:  # a full disk: the previous save stays
             log.warning("prompt cache not saved to %s: %s", self.cache_dir, e)
             return

@@ -165,7 +165,7 @@ def budget_warnings(text: str, budget: int, total_memory: Optional[int] = None) 
 
 def kv_settings(args: argparse.Namespace, timing) -> dict:
     """What, besides the model files, decides whether a saved prompt cache fits this run
-    (`backend.persist.fingerprint`): the engine (and the sim's KV model), the cache layout and
+    (`backend.persist.kv_settings`): the engine (and the sim's KV model), the cache layout and
     mlx-lm's version (its cache file format and KV layout)."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -227,8 +227,11 @@ def run(args: argparse.Namespace) -> int:
         cache_dir = Path(args.cache_dir).expanduser().resolve()
         try:
             lock = persist.CacheDirLock(cache_dir)
-        except (RuntimeError, OSError) as e:
+        except RuntimeError as e:
             log.error("%s", e)
+            return 2
+        except OSError as e:  # not a directory, read-only, ...
+            log.error("--cache-dir %s cannot be used: %s", cache_dir, e.strerror or e)
             return 2
     cache = PromptCache(
         max_entries=args.cache_entries,
@@ -248,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
               prefill_handoff=args.prefill_handoff, prefill_save_pin=args.prefill_save_pin,
               claims=reporter if args.inflight_claims else None, prefill_order=args.prefill_order,
               hit_tokens=args.block_size, cache_dir=cache_dir,
-              cache_fingerprint=persist.fingerprint(model_path, **kv_settings(args, timing)) if cache_dir else "")
+              cache_settings=persist.kv_settings(model_path, **kv_settings(args, timing)) if cache_dir else None)
     if timing is not None:
         engine = sim.SimEngine(model_path, cache, budget, timing, **kw)
     else:
@@ -303,6 +306,10 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
              "%d decode slots)", cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch,
              f"{mib:.0f}" if mib >= 10 else f"{mib:.3g}", engine.cache.max_entries, engine.cache.layout,
              engine.decode_concurrency)
+    if engine.restored is not None:
+        log.info("backend %s: %d prompt-cache entries (%s tokens) restored from %s and published under epoch %d",
+                 cfg.backend_id, engine.restored.entries, f"{engine.restored.tokens:,}", engine.cache_dir,
+                 reporter.epoch)
     if not cfg.internal_token:
         log.warning("backend %s has no internal token: anything that reaches %s can send it requests directly, "
                     "past the gateways' routing, keys and limits (mlxgw serve sets one; docs/security.md)",

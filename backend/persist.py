@@ -32,6 +32,7 @@ clean stop (the previous save stays, and is still right for these weights).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -54,11 +55,12 @@ MANIFEST = "manifest.json"
 _MODEL_SUFFIXES = (".safetensors", ".json", ".model", ".txt", ".jinja", ".tiktoken")
 
 
-def fingerprint(model_path: str, **settings) -> str:
-    """A hex digest naming the KV a cache holds: each model file's name, size and mtime (a
-    local directory; the path itself for a hub id) and ``settings`` (engine, layout, ...).
-    Two runs agree only when the same weights would compute the same KV."""
-    h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+def kv_settings(model_path: str, **settings) -> dict:
+    """What decides the KV a cache holds: ``model_files``, a digest of each model file's name,
+    size and mtime (a local directory; the path itself for a hub id), and ``settings`` (engine,
+    layout, mlx-lm version, ...). Saved with the cache; a save is restored only into a run
+    whose settings are equal (`fingerprint`)."""
+    h = hashlib.sha256()
     p = Path(model_path).expanduser()
     if p.is_dir():
         for f in sorted(p.iterdir()):
@@ -67,7 +69,25 @@ def fingerprint(model_path: str, **settings) -> str:
                 h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     else:
         h.update(str(model_path).encode())
-    return h.hexdigest()[:32]
+    return {"model_files": h.hexdigest()[:16], **json.loads(json.dumps(settings, default=str))}
+
+
+def fingerprint(settings: dict) -> str:
+    """A hex digest of `kv_settings`: two runs agree only when the same weights would compute
+    the same KV into the same layout."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _differences(saved: dict, now: dict) -> str:
+    """Which settings differ, for the log: "the cache layout (saved shared, now whole)"."""
+    names = {"model_files": "the model files (weights, config or tokenizer)", "layout": "the cache layout",
+             "mlx_lm": "mlx-lm's version", "engine": "the engine", "sim": "the sim's KV model"}
+    out = []
+    for k in sorted(set(saved) | set(now)):
+        if saved.get(k) != now.get(k):
+            what = names.get(k, k)
+            out.append(what if k == "model_files" else f"{what} (saved {saved.get(k)}, now {now.get(k)})")
+    return ", ".join(out) or "unknown settings"
 
 
 @dataclass
@@ -92,12 +112,15 @@ class CacheDirLock:
 
     Raises:
         RuntimeError: another live process holds it (the message names the directory).
+        OSError: the directory cannot be made or opened (a file, read-only, ...).
     """
 
     def __init__(self, directory: Path):
         import fcntl
 
-        directory.mkdir(parents=True, exist_ok=True)
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(directory))
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # the saves hold prompts
         self.path = directory / ".lock"
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -115,18 +138,29 @@ def _snapshot(directory: Path) -> Path:
     return directory / "snapshot"
 
 
-def save(cache: PromptCache, directory: Path, fp: str) -> Outcome:
+def save(cache: PromptCache, directory: Path, settings: dict) -> Optional[Outcome]:
     """Write every entry of ``cache`` under ``directory`` (replacing the previous save at the
-    end, atomically). Run it on the thread that owns the cache (the engine thread: MLX
-    arrays belong to its stream). Raises OSError on a write failure (the previous save
-    stays)."""
+    end, atomically; files readable by their owner only: they hold the prompts). Run it on the
+    thread that owns the cache (the engine thread: MLX arrays belong to its stream). An empty
+    cache writes nothing (None): a run that cached nothing never replaces a save.
+
+    Raises:
+        OSError: a write failure, or less free space than the cache's KV (the new save is
+            written beside the previous one); the previous save stays, no partial files.
+    """
     t0 = time.time()
+    if not len(cache):
+        return None
     final = _snapshot(directory)
     tmp = directory / f"saving-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    free = shutil.disk_usage(directory).free
+    if free < cache.nbytes + (1 << 20):
+        raise OSError(errno.ENOSPC, f"not enough free disk space for the save: {cache.nbytes / 2**20:.1f} MiB of KV, "
+                      f"{free / 2**20:.1f} MiB free (the previous save is kept until a new one is complete)")
+    tmp.mkdir(mode=0o700, parents=True)
     try:
-        _write(cache, tmp, fp)
+        _write(cache, tmp, settings)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk keeps no half save
         raise
@@ -138,7 +172,7 @@ def save(cache: PromptCache, directory: Path, fp: str) -> Outcome:
     return Outcome(len(cache), sum(len(e) for e in cache.entries()), cache.nbytes, time.time() - t0)
 
 
-def _write(cache: PromptCache, tmp: Path, fp: str) -> None:
+def _write(cache: PromptCache, tmp: Path, settings: dict) -> None:
     entries = sorted(cache.entries(), key=lambda e: e.last_used)
     segs, index = [], {}
     for e in entries:
@@ -163,7 +197,8 @@ def _write(cache: PromptCache, tmp: Path, fp: str) -> None:
             m["kv"] = f"kv-{i}.safetensors"
             cache.ops.save_kv(e.kv, str(tmp / m["kv"]))
         ent_meta.append(m)
-    manifest = {"format": FORMAT, "fingerprint": fp, "saved_at": time.time(), "layout": cache.layout,
+    manifest = {"format": FORMAT, "fingerprint": fingerprint(settings), "settings": settings,
+                "saved_at": time.time(), "layout": cache.layout,
                 "segments": seg_meta, "entries": ent_meta}
     (tmp / MANIFEST).write_text(json.dumps(manifest))  # last: a save without it is incomplete
 
@@ -194,7 +229,7 @@ def _choose(manifest: dict, max_entries: int, max_bytes: int) -> tuple[list[int]
     return chosen[::-1], need
 
 
-def restore(cache: PromptCache, directory: Path, fp: str) -> Optional[Outcome]:
+def restore(cache: PromptCache, directory: Path, settings: dict) -> Optional[Outcome]:
     """Read the save under ``directory`` into ``cache`` (empty, before the backend registers:
     the listener publishes the restored blocks with the first report). None when there is no
     save. Everything is read before the cache is touched, so a damaged file leaves the cache
@@ -215,9 +250,10 @@ def restore(cache: PromptCache, directory: Path, fp: str) -> Optional[Outcome]:
     manifest = json.loads((snap / MANIFEST).read_text())
     if manifest.get("format") != FORMAT:
         raise ValueError(f"saved in format {manifest.get('format')!r}, this version reads {FORMAT}")
-    if manifest.get("fingerprint") != fp:
-        raise ValueError("saved for other model files or settings (fingerprint "
-                         f"{manifest.get('fingerprint')}, this run's {fp}): starting cold")
+    if manifest.get("fingerprint") != fingerprint(settings):
+        raise ValueError(f"saved under other settings: {_differences(manifest.get('settings') or {}, settings)}; "
+                         "this run starts cold, and its own cache replaces that save at its stop if it caches "
+                         "anything")
     chosen, need = _choose(manifest, cache.max_entries, cache.max_bytes)
     segs, ents = manifest["segments"], manifest["entries"]
     parts = {j: cache.ops.load_parts(str(snap / f"seg-{j}.safetensors")) for j in sorted(need)}

@@ -15,6 +15,13 @@ no cap, ``--clients`` above about half of ``--nofile`` runs it out of files.
 ``--src DIR`` runs the gateway and backends from another checkout (e.g. the
 code before the cap), the client from this one.
 
+``--idle-clients N`` first has N keep-alive clients send one request each and
+then go quiet with their connections open (as SDK clients between an agent's
+turns), for the whole burst: with ``--gateway-args '--max-connections C'`` and
+N near C, the burst's clients find the cap taken by idle connections, which the
+gateway now closes to make room (`gateway/connguard.py`, session 31); before,
+they were refused.
+
     python bench/overload.py --clients 3000
 """
 
@@ -70,6 +77,31 @@ async def burst(url: str, model: str, clients: int, max_tokens: int, timeout: fl
         return await asyncio.gather(*[_one(session, url, model, i, max_tokens) for i in range(clients)])
 
 
+async def hold_idle(url: str, model: str, n: int, ready: asyncio.Event, release: asyncio.Event) -> dict:
+    """``n`` keep-alive connections, each used for one request and then left open and idle
+    until ``release``; returns how many of those requests were answered and how many of the
+    connections the gateway closed meanwhile."""
+    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=3600)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        rows = await asyncio.gather(*[_one(session, url, model, -1 - i, 1) for i in range(n)])
+        # aiohttp's pool of idle connections (private; deques of (protocol, time) per host)
+        held = sum(len(v) for v in conn._conns.values())
+        ready.set()
+        await release.wait()
+        left = sum(1 for v in conn._conns.values() for proto, _ in v if proto.is_connected())
+    return {"idle_answered": sum(r["kind"] == "answered" for r in rows), "idle_held": held,
+            "idle_closed_by_gateway": held - left}
+
+
+async def burst_beside_idle(url: str, model: str, args) -> tuple[list[dict], dict]:
+    ready, release = asyncio.Event(), asyncio.Event()
+    idle = asyncio.create_task(hold_idle(url, model, args.idle_clients, ready, release))
+    await ready.wait()
+    rows = await burst(url, model, args.clients, args.max_tokens, args.timeout)
+    release.set()
+    return rows, await idle
+
+
 def _fds(pid: int) -> int:
     try:
         return psutil.Process(pid).num_fds()
@@ -118,6 +150,8 @@ def table(label: str, summary: list[dict], extra: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=3000, help="requests sent at once, one connection each")
+    p.add_argument("--idle-clients", type=int, default=0,
+                   help="keep-alive clients that send one request first and then hold their connections idle")
     p.add_argument("--backends", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=16, help="answer length (holds each request this long)")
     p.add_argument("--sim-speed", type=float, default=4.0, help="sim backends' speed factor (--sim-speed)")
@@ -129,7 +163,7 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
     raise_open_files_limit()  # the client holds --clients sockets
-    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < args.clients + 200:
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < args.clients + args.idle_clients + 200:
         print(f"this process may open only {resource.getrlimit(resource.RLIMIT_NOFILE)[0]} files; "
               f"--clients {args.clients} needs about {args.clients + 200}", file=sys.stderr)
         return 2
@@ -166,7 +200,11 @@ def main(argv=None) -> int:
         w = threading.Thread(target=watch, daemon=True)
         w.start()
         t0 = time.perf_counter()
-        rows = asyncio.run(burst(st.gateway.url, st.model_name, args.clients, args.max_tokens, args.timeout))
+        idle = {}
+        if args.idle_clients:
+            rows, idle = asyncio.run(burst_beside_idle(st.gateway.url, st.model_name, args))
+        else:
+            rows = asyncio.run(burst(st.gateway.url, st.model_name, args.clients, args.max_tokens, args.timeout))
         wall = time.perf_counter() - t0
         done.set()
         w.join()
@@ -175,11 +213,15 @@ def main(argv=None) -> int:
         st.stop()
         redis.cleanup()
     extra = {"gateway_peak_fds": peak[0], "sockets_at_peak": at_peak, "nofile": args.nofile, "wall_s": wall, "log_kb": len(log) / 1024,
-             "resource_lines": sum(log.count(s) for s in RESOURCE_LINES)}
+             "resource_lines": sum(log.count(s) for s in RESOURCE_LINES), **idle}
     summary = summarize(rows)
     cmd = "python bench/overload.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     head = (f"{args.clients} chat requests at once (max_tokens {args.max_tokens}, one connection each), "
             f"{args.backends} sim backends (speed {args.sim_speed:g}), every server at {args.nofile} open files.")
+    if args.idle_clients:
+        head += (f" Beside {args.idle_clients} idle keep-alive clients ({idle['idle_answered']} answered first, "
+                 f"{idle['idle_held']} connections then held idle, {idle['idle_closed_by_gateway']} of them closed "
+                 f"by the gateway during the burst).")
     body = f"# Overload ({label})\n\nCommand: `{cmd}`\n\n{head}\n\n{table(label, summary, extra)}\n"
     print(body)
     out = Path(args.out_dir)

@@ -134,12 +134,12 @@ def probe(tokens: int, kv_dir: Path) -> dict:
     cache.insert(list(range(tokens)), kv, "assistant")
     d = kv_dir / "probe"
     t0 = time.perf_counter()
-    persist.save(cache, d, "probe")
+    persist.save(cache, d, {"probe": 1})
     save_s = time.perf_counter() - t0
     dropped = _drop_page_cache(d)
     fresh = PromptCache(layout="shared")
     t0 = time.perf_counter()
-    persist.restore(fresh, d, "probe")
+    persist.restore(fresh, d, {"probe": 1})
     restore_s = time.perf_counter() - t0
     gib = cache.nbytes / 2**30
     assert fresh.nbytes == cache.nbytes and len(fresh.entries()[0]) == tokens

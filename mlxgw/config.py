@@ -6,6 +6,8 @@ commented examples.
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -170,13 +172,28 @@ def _range_errors(values: dict, where: str) -> None:
             raise ValueError(f"{where}: {k} must be at least {lo}, not {v!r}")
 
 
+def _check_cache_dir(path: str, where: str) -> None:
+    """A ``cache_dir`` the backends can write in: made now (owner only: the saves hold the
+    prompts), so a bad one stops serve before anything starts, not each backend after."""
+    d = Path(path).expanduser()
+    try:
+        if d.exists() and not d.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as e:
+        raise ValueError(f"{where}: cache_dir {d} cannot be used: {e.strerror or e}") from None
+
+
 def validate(cfg: ServeConfig) -> None:
     """Check a config (file and flags merged) before anything starts.
 
     Raises:
         ValueError: a value of the wrong type, a negative number (or below 1 where 0 makes
             no sense: block size, backends, cache entries, prefill and decode concurrency), a size that
-            does not parse, a port out of range, two models with one name or overlapping ports.
+            does not parse, a port out of range, two models with one name or overlapping ports,
+            a ``cache_dir`` that cannot be made or written.
     """
     from gateway.route import RoutingConfig
 
@@ -209,6 +226,8 @@ def validate(cfg: ServeConfig) -> None:
             raise ValueError(f"{where}: two models are named {m.name!r}")
         names.add(m.name)
         ranges.append((f"{where} backend ports", m.port, m.port + m.backends - 1))
+        if m.cache_dir:
+            _check_cache_dir(m.cache_dir, where)
     for where, lo, hi in ranges:
         if not (1 <= lo and hi <= 65535):
             raise ValueError(f"{where}: {lo}-{hi} is outside 1-65535")

@@ -78,6 +78,7 @@ BAD = [  # (toml, message): each once reached a traceback, a child's argparse du
     ('[[models]]\nname = "a"\ndecode_concurrency = 0\n', "[[models]] a: decode_concurrency must be at least 1, not 0"),
     ('[routing]\nload_weight = -0.5\n', "[routing]: load_weight must be at least 0, not -0.5"),
     ('[gateway]\nrate_limit_rpm = -1\n', "[gateway]: rate_limit_rpm must be at least 0, not -1"),
+    ('[[models]]\nname = "a"\ncache_dir = 5\n', "[[models]] a: cache_dir must be a string, not 5"),
 ]
 
 
@@ -88,6 +89,19 @@ def test_bad_values_are_config_errors(tmp_path, toml, message):
     with pytest.raises(ValueError) as e:
         config.validate(config.load(str(p)))
     assert message in str(e.value)
+
+
+def test_an_unusable_cache_dir_is_a_config_error(tmp_path):
+    """Caught before anything starts (helper-50: each backend failed after Redis started and the
+    models loaded, with a bare errno line that did not name --cache-dir)."""
+    (tmp_path / "a-file").write_text("")
+    for d, says in ((tmp_path / "a-file", "not a directory"), (tmp_path / "a-file" / "kv", "Not a directory")):
+        cfg = config.ServeConfig(models=[config.ModelConfig(name="a", cache_dir=str(d))])
+        with pytest.raises(ValueError, match=f"cache_dir {d} cannot be used: {says}"):
+            config.validate(cfg)
+    cfg = config.ServeConfig(models=[config.ModelConfig(name="a", cache_dir=str(tmp_path / "new" / "kv"))])
+    config.validate(cfg)
+    assert (tmp_path / "new" / "kv").is_dir() and (tmp_path / "new" / "kv").stat().st_mode & 0o777 == 0o700
 
 
 def test_serve_exits_2_on_a_bad_value(tmp_path):

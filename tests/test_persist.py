@@ -13,6 +13,9 @@ from mlxgw.httpget import get_json, post
 from texts import words
 
 
+FP = {"model_files": "abcd", "engine": "sim", "layout": "shared"}
+
+
 def _sim_cache(**kw) -> PromptCache:
     ops = sim.SimKVOps(sim.SimTiming())
     return PromptCache(**{"max_entries": 10, "layout": "shared", "share_min_tokens": 16, "ops": ops,
@@ -33,14 +36,14 @@ def test_save_and_restore_keep_entries_segments_bytes_and_lru_order(tmp_path):
     c, system = _filled()
     bpt = c.ops.timing.nbytes(1)
     assert len(c) == 4 and c.nbytes == (300 + 50 + 51 + 52 + 53) * bpt  # the system prompt once
-    out = persist.save(c, tmp_path, "fp")
+    out = persist.save(c, tmp_path, FP)
     assert (out.entries, out.tokens, out.nbytes) == (4, 1406, c.nbytes)
     snap = tmp_path / "snapshot"
     assert sorted(p.name for p in snap.iterdir()) == ["manifest.json"] + [f"seg-{i}.safetensors" for i in range(5)] + [
         "tokens.npz"]
 
     r = _sim_cache()
-    got = persist.restore(r, tmp_path, "fp")
+    got = persist.restore(r, tmp_path, FP)
     assert (got.entries, got.tokens, got.nbytes, got.left) == (4, 1406, c.nbytes, 0)
     assert r.nbytes == c.nbytes  # shared on disk and in memory: 300 + four tails, not 4 x 350
     assert [e.tokens.tolist() for e in r.entries()] == [e.tokens.tolist() for e in c.entries()]
@@ -53,50 +56,51 @@ def test_save_and_restore_keep_entries_segments_bytes_and_lru_order(tmp_path):
     assert sorted(len(e) for e in r.entries()) == [340, 351, 352, 353]
 
     # A later save replaces the earlier one whole.
-    persist.save(r, tmp_path, "fp")
+    persist.save(r, tmp_path, FP)
     again = _sim_cache()
-    assert persist.restore(again, tmp_path, "fp").entries == 4
+    assert persist.restore(again, tmp_path, FP).entries == 4
     assert sorted(len(e) for e in again.entries()) == [340, 351, 352, 353]
 
 
 def test_restore_keeps_the_newest_entries_within_this_runs_budgets(tmp_path):
     c, _ = _filled()
-    persist.save(c, tmp_path, "fp")
+    persist.save(c, tmp_path, FP)
     bpt = c.ops.timing.nbytes(1)
     small = _sim_cache(max_entries=2)
-    got = persist.restore(small, tmp_path, "fp")
+    got = persist.restore(small, tmp_path, FP)
     assert (got.entries, got.left) == (2, 2)
     assert [len(e) for e in small.entries()] == [352, 353] and small.nbytes == (300 + 52 + 53) * bpt
     # Bytes for the shared prompt and one tail: the newest conversation only.
     tight = _sim_cache(max_bytes=(300 + 53) * bpt)
-    got = persist.restore(tight, tmp_path, "fp")
+    got = persist.restore(tight, tmp_path, FP)
     assert (got.entries, got.left) == (1, 3) and [len(e) for e in tight.entries()] == [353]
 
 
 def test_a_foreign_or_damaged_save_is_refused_and_leaves_the_cache_empty(tmp_path):
     c, _ = _filled()
-    persist.save(c, tmp_path, "fp")
+    persist.save(c, tmp_path, FP)
     r = _sim_cache()
-    with pytest.raises(ValueError, match="saved for other model files or settings"):
-        persist.restore(r, tmp_path, "other-model")
+    with pytest.raises(ValueError, match=r"saved under other settings: the cache layout \(saved shared, now whole\), "
+                                         r"the model files \(weights, config or tokenizer\); this run starts cold"):
+        persist.restore(r, tmp_path, {**FP, "layout": "whole", "model_files": "0123"})
     assert len(r) == 0 and r.nbytes == 0
     np.savez(tmp_path / "snapshot" / "tokens.npz", e0=np.arange(3), e1=np.arange(3), e2=np.arange(3),
              e3=np.arange(3))
     with pytest.raises(ValueError, match="does not match its KV"):
-        persist.restore(r, tmp_path, "fp")
+        persist.restore(r, tmp_path, FP)
     assert len(r) == 0 and r.nbytes == 0
     # A save cut short leaves its work directory beside the last complete save: ignored, removed.
     (tmp_path / "saving-123").mkdir()
     (tmp_path / "snapshot" / "seg-2.safetensors").unlink()
     with pytest.raises(OSError):
-        persist.restore(r, tmp_path, "fp")
+        persist.restore(r, tmp_path, FP)
     assert len(r) == 0 and r.nbytes == 0 and not (tmp_path / "saving-123").exists()
-    assert persist.restore(r, tmp_path / "never-saved", "fp") is None
+    assert persist.restore(r, tmp_path / "never-saved", FP) is None
 
 
 def test_a_failed_save_keeps_the_previous_one_and_no_partial_files(tmp_path):
     c, _ = _filled()
-    persist.save(c, tmp_path, "fp")
+    persist.save(c, tmp_path, FP)
     c.insert(list(range(5000, 5400)), sim.SimKV(400, c.ops.timing), "assistant")
 
     class FullDisk(sim.SimKVOps):
@@ -107,20 +111,37 @@ def test_a_failed_save_keeps_the_previous_one_and_no_partial_files(tmp_path):
 
     c.ops = FullDisk(c.ops.timing)
     with pytest.raises(OSError, match="No space left"):
-        persist.save(c, tmp_path, "fp")
+        persist.save(c, tmp_path, FP)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot"]
     r = _sim_cache()
-    assert persist.restore(r, tmp_path, "fp").entries == 4 and 400 not in [len(e) for e in r.entries()]
+    assert persist.restore(r, tmp_path, FP).entries == 4 and 400 not in [len(e) for e in r.entries()]
 
 
 def test_fingerprint_follows_the_model_files_and_settings(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
-    a = persist.fingerprint(str(tmp_path), engine="mlx", layout="shared")
-    assert a == persist.fingerprint(str(tmp_path), engine="mlx", layout="shared")
-    assert a != persist.fingerprint(str(tmp_path), engine="mlx", layout="whole")
+    a = persist.kv_settings(str(tmp_path), engine="mlx", layout="shared")
+    assert set(a) == {"model_files", "engine", "layout"}
+    assert persist.fingerprint(a) == persist.fingerprint(persist.kv_settings(str(tmp_path), engine="mlx",
+                                                                             layout="shared"))
+    assert persist.fingerprint(a) != persist.fingerprint({**a, "layout": "whole"})
     (tmp_path / "model.safetensors").write_bytes(b"y" * 11)  # other weights
-    assert a != persist.fingerprint(str(tmp_path), engine="mlx", layout="shared")
+    b = persist.kv_settings(str(tmp_path), engine="mlx", layout="shared")
+    assert b["model_files"] != a["model_files"] and persist.fingerprint(a) != persist.fingerprint(b)
+
+
+def test_an_empty_cache_never_replaces_a_save_and_saves_are_private(tmp_path):
+    import stat
+
+    c, _ = _filled()
+    lock = persist.CacheDirLock(tmp_path / "kv")
+    persist.save(c, tmp_path / "kv", FP)
+    assert persist.save(_sim_cache(), tmp_path / "kv", FP) is None  # a run that cached nothing
+    assert persist.restore(_sim_cache(), tmp_path / "kv", FP).entries == 4
+    # The saves hold the prompts (tokens.npz decodes to the text): the owner's only.
+    for d in (tmp_path / "kv", tmp_path / "kv" / "snapshot"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    lock.release()
 
 
 def _chat(url: str, text: str, **kw) -> tuple[dict, dict]:
@@ -152,6 +173,8 @@ def test_a_restarted_backend_serves_its_saved_prompts_again(make_stack, tmp_path
     b.wait_healthy()
     log = b.log_path.read_text()
     assert "restored the prompt cache from " in log and ": 1 entries (" in log, log[-2000:]
+    health = get_json(b.url + "/health")
+    assert health["restored_entries"] == 1 and health["restored_tokens"] >= 300, health
     prompt = first["usage"]["prompt_tokens"]
     deadline = time.time() + 10
     while time.time() < deadline:  # the gateway sees the new epoch's blocks within a report
@@ -165,11 +188,16 @@ def test_a_restarted_backend_serves_its_saved_prompts_again(make_stack, tmp_path
     assert get_json(b.url + "/internal/cache")["entries"][0]["tokens"] >= prompt
 
 
-def test_two_backends_cannot_share_a_cache_dir(make_stack, tmp_path):
+def test_two_backends_cannot_share_a_cache_dir_and_an_unusable_one_is_named(make_stack, tmp_path):
     s = make_stack()
     b = s.add_backend("b0", None, "--engine", "sim", "--cache-dir", str(tmp_path))
     b.wait_healthy()
-    r = subprocess.run([sys.executable, "-m", "mlxgw", "backend", "--engine", "sim", "--model", s.model_path,
-                        "--port", "1", "--redis-url", s.redis_url, "--cache-dir", str(tmp_path)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and f"--cache-dir {tmp_path} is in use by another backend" in r.stderr, r.stderr
+    (tmp_path / "a-file").write_text("")
+    cases = [(tmp_path, f"--cache-dir {tmp_path} is in use by another backend"),
+             (tmp_path / "a-file", f"--cache-dir {tmp_path / 'a-file'} cannot be used: Not a directory")]
+    procs = [subprocess.Popen([sys.executable, "-m", "mlxgw", "backend", "--engine", "sim", "--model", s.model_path,
+                               "--port", "1", "--redis-url", s.redis_url, "--cache-dir", str(d)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for d, _ in cases]
+    for (_, says), p in zip(cases, procs):
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2 and says in err, err
