@@ -175,6 +175,15 @@ class _Live:
 
 
 
+def _age(seconds: float) -> str:
+    """A duration for the log: 42 s, 7 min, 3.5 h, 2.0 days."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h" if seconds < 172800 else f"{seconds / 86400:.1f} days"
+
+
 def _expected_load_error(e: BaseException) -> bool:
     """A model that cannot be found or fetched (a wrong path, a hub id without network, a
     gated repo) or that mlx-lm does not support: logged in one line, without a traceback."""
@@ -381,30 +390,50 @@ class MLXEngine(Engine):
         that cannot be used means a cold start with the reason in the log, never a failed one."""
         try:
             self.restored = persist.restore(self.cache, self.cache_dir, self.cache_settings)
-        except Exception as e:  # any unreadable or foreign save: the cache stays empty
+        except ValueError as e:  # a save under other settings: the message says what differs
             log.warning("prompt cache in %s not restored: %s", self.cache_dir, e)
+            return
+        except Exception as e:  # an unreadable (damaged, truncated) save: the cache stays empty
+            log.warning("prompt cache in %s not restored (%s): starting cold; the save stays until this run's "
+                        "stop replaces it", self.cache_dir, e)
             self.cache.clear()
             self.cache.nbytes = 0  # segments read before the failure had no entry yet
             return
         if self.restored is None:
             log.info("no saved prompt cache in %s yet: starting cold (it is saved there at a clean stop)",
                      self.cache_dir)
-        else:
-            left = self.restored.left
-            log.info("restored the prompt cache from %s: %s%s", self.cache_dir, self.restored.describe(),
-                     f"; {left} older entries left out (over --cache-entries / --cache-bytes)" if left else "")
+            return
+        left, age = self.restored.left, max(0.0, time.time() - self.restored.saved_at)
+        log.info("restored the prompt cache from %s: %s, saved %s ago%s", self.cache_dir, self.restored.describe(),
+                 _age(age), f"; {left} older entries left out (over --cache-entries / --cache-bytes)" if left else "")
+        self._restored_state = self._cache_state()
+
+    def _cache_state(self) -> tuple:
+        """What a save would write, in brief: unchanged means nothing to save."""
+        return (self.cache.version, self.cache.evictions, len(self.cache), self.cache.nbytes)
 
     def _save_cache(self) -> None:
         """Write the prompt cache to ``cache_dir`` (engine thread, after the loop stopped)."""
         if not len(self.cache):
             log.info("nothing cached: the prompt cache save in %s (if any) stays as it was", self.cache_dir)
             return
+        if getattr(self, "_restored_state", None) == self._cache_state():
+            # Nothing saved or evicted since the restore: rewriting would only drop the entries a
+            # smaller budget left out of this run.
+            log.info("prompt cache unchanged since it was restored: the save in %s stays as it was", self.cache_dir)
+            return
         log.info("saving the prompt cache (%d entries, %.1f MiB of KV) to %s", len(self.cache),
                  self.cache.nbytes / 2**20, self.cache_dir)
         try:
             out = persist.save(self.cache, self.cache_dir, self.cache_settings)
         except Exception as e:  # a full disk: the previous save stays
-            log.warning("prompt cache not saved to %s: %s", self.cache_dir, e)
+            import shutil
+
+            try:  # mlx's own write errors do not say the disk is full (several backends may share it)
+                free = f" ({shutil.disk_usage(self.cache_dir).free / 2**20:.1f} MiB free on its disk now)"
+            except OSError:
+                free = ""
+            log.warning("prompt cache not saved to %s: %s%s; the previous save stays", self.cache_dir, e, free)
             return
         log.info("saved the prompt cache to %s: %s", self.cache_dir, out.describe())
 

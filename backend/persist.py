@@ -57,7 +57,7 @@ _MODEL_SUFFIXES = (".safetensors", ".json", ".model", ".txt", ".jinja", ".tiktok
 
 def kv_settings(model_path: str, **settings) -> dict:
     """What decides the KV a cache holds: ``model_files``, a digest of each model file's name,
-    size and mtime (a local directory; the path itself for a hub id), and ``settings`` (engine,
+    size and sampled bytes (a local directory; the path itself for a hub id), and ``settings`` (engine,
     layout, mlx-lm version, ...). Saved with the cache; a save is restored only into a run
     whose settings are equal (`fingerprint`)."""
     h = hashlib.sha256()
@@ -65,11 +65,26 @@ def kv_settings(model_path: str, **settings) -> dict:
     if p.is_dir():
         for f in sorted(p.iterdir()):
             if f.is_file() and f.suffix in _MODEL_SUFFIXES:
-                st = f.stat()
-                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+                h.update(f"{f.name}:{f.stat().st_size}:".encode() + _sample_digest(f) + b"\n")
     else:
         h.update(str(model_path).encode())
     return {"model_files": h.hexdigest()[:16], **json.loads(json.dumps(settings, default=str))}
+
+
+def _sample_digest(f: Path, samples: int = 16, chunk: int = 1 << 16) -> bytes:
+    """A digest of ``samples`` chunks spread over the file (the whole file when it is small):
+    a copied or re-downloaded model matches, other weights of the same shapes (a fine-tune)
+    do not, and a start reads about 1 MiB per file, not the gigabytes of the weights."""
+    size = f.stat().st_size
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        if size <= samples * chunk:
+            h.update(fh.read())
+        else:
+            for k in range(samples):
+                fh.seek((size - chunk) * k // (samples - 1))
+                h.update(fh.read(chunk))
+    return h.digest()
 
 
 def fingerprint(settings: dict) -> str:
@@ -99,6 +114,7 @@ class Outcome:
     nbytes: int = 0
     seconds: float = 0.0
     left: int = 0  # restore: saved entries left out by this run's budgets
+    saved_at: float = 0.0  # restore: when the save was written (unix s)
 
     def describe(self) -> str:
         mib = self.nbytes / 2**20
@@ -138,6 +154,14 @@ def _snapshot(directory: Path) -> Path:
     return directory / "snapshot"
 
 
+def saved_bytes(directory: Path) -> int:
+    """Bytes of the save under ``directory`` on disk (0 when there is none)."""
+    snap = _snapshot(directory)
+    if not (snap / MANIFEST).exists():
+        return 0
+    return sum(f.stat().st_size for f in snap.iterdir() if f.is_file())
+
+
 def save(cache: PromptCache, directory: Path, settings: dict) -> Optional[Outcome]:
     """Write every entry of ``cache`` under ``directory`` (replacing the previous save at the
     end, atomically; files readable by their owner only: they hold the prompts). Run it on the
@@ -154,6 +178,7 @@ def save(cache: PromptCache, directory: Path, settings: dict) -> Optional[Outcom
     final = _snapshot(directory)
     tmp = directory / f"saving-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     free = shutil.disk_usage(directory).free
     if free < cache.nbytes + (1 << 20):
         raise OSError(errno.ENOSPC, f"not enough free disk space for the save: {cache.nbytes / 2**20:.1f} MiB of KV, "
@@ -270,7 +295,7 @@ def restore(cache: PromptCache, directory: Path, settings: dict) -> Optional[Out
     for j in sorted(need):  # parents first (numbered first by `save`)
         m = segs[j]
         built[j] = cache.restore_segment(m["start"], m["end"], parts[j], built.get(m["parent"]))
-    out = Outcome(left=len(ents) - len(chosen))
+    out = Outcome(left=len(ents) - len(chosen), saved_at=float(manifest.get("saved_at", 0.0)))
     for i in chosen:
         m = ents[i]
         e = cache.restore_entry(tokens[i], m["cache_type"], kv=kvs.get(i), seg=built.get(m.get("seg")),

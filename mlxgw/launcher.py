@@ -160,6 +160,10 @@ def run(args: argparse.Namespace) -> int:
             log.error("model path %s does not exist", m.path)
             return 2
         m.name = m.name or Path(m.path.rstrip("/")).name
+    err = check_cache_dirs(cfg.models)
+    if err:
+        log.error("%s", err)
+        return 2
     if not args.no_memory_check:
         err = check_memory(cfg.models)
         if err:
@@ -309,6 +313,31 @@ def backend_model_flags(m: config_mod.ModelConfig) -> list[str]:
             "--prefill-concurrency", str(m.prefill_concurrency), "--prefill-order", m.prefill_order,
             "--decode-concurrency", str(m.decode_concurrency),
             "--cache-layout", m.cache_layout]
+
+
+def check_cache_dirs(models: list[config_mod.ModelConfig]) -> Optional[str]:
+    """Before anything starts: an error when a backend's ``--cache-dir`` is held by a running
+    backend (another serve on the same ``cache_dir``: it would fail once the models loaded);
+    a warning for each save no backend of this run restores (``--backends`` lowered), which
+    keeps its disk until removed."""
+    from backend.persist import CacheDirLock, saved_bytes
+
+    for m in models:
+        if not m.cache_dir:
+            continue
+        root = Path(m.cache_dir).expanduser().resolve()
+        for i in range(m.backends):
+            try:
+                CacheDirLock(root / f"{m.name}-{i}").release()
+            except (RuntimeError, OSError) as e:
+                return f"{m.name}: {e}"
+        for d in sorted(root.glob(f"{m.name}-*")):
+            tail = d.name[len(m.name) + 1:]
+            if tail.isdigit() and int(tail) >= m.backends and saved_bytes(d):
+                log.warning("%s holds a saved prompt cache (%.1f MiB) that no backend of this run restores "
+                            "(%d backends of %s); remove it, or run with --backends %d to use it", d,
+                            saved_bytes(d) / 2**20, m.backends, m.name, int(tail) + 1)
+    return None
 
 
 def backend_cache_dir_flags(m: config_mod.ModelConfig, i: int) -> list[str]:

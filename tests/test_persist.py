@@ -125,9 +125,23 @@ def test_fingerprint_follows_the_model_files_and_settings(tmp_path):
     assert persist.fingerprint(a) == persist.fingerprint(persist.kv_settings(str(tmp_path), engine="mlx",
                                                                              layout="shared"))
     assert persist.fingerprint(a) != persist.fingerprint({**a, "layout": "whole"})
-    (tmp_path / "model.safetensors").write_bytes(b"y" * 11)  # other weights
+    # A copy (new mtimes) or a re-download of the same files is the same model (helper-51: a `cp -r`
+    # copy was taken for other weights) ...
+    import shutil
+
+    (tmp_path / "copy").mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copyfile(tmp_path / f, tmp_path / "copy" / f)
+    assert persist.kv_settings(str(tmp_path / "copy"), engine="mlx", layout="shared") == a
+    # ... other bytes of the same size (a fine-tune of the same shapes) are not, even in a large file.
+    big = np.random.default_rng(1).integers(0, 255, 3 << 20, dtype=np.uint8)
+    (tmp_path / "model.safetensors").write_bytes(big.tobytes())
     b = persist.kv_settings(str(tmp_path), engine="mlx", layout="shared")
-    assert b["model_files"] != a["model_files"] and persist.fingerprint(a) != persist.fingerprint(b)
+    big[2 << 20] ^= 1  # one byte, in a sampled chunk (the middle of the file)
+    big[(3 << 20) // 2: (3 << 20) // 2 + 8] ^= 1
+    (tmp_path / "model.safetensors").write_bytes(big.tobytes())
+    c = persist.kv_settings(str(tmp_path), engine="mlx", layout="shared")
+    assert len({a["model_files"], b["model_files"], c["model_files"]}) == 3
 
 
 def test_an_empty_cache_never_replaces_a_save_and_saves_are_private(tmp_path):
@@ -190,7 +204,7 @@ def test_a_restarted_backend_serves_its_saved_prompts_again(make_stack, tmp_path
 
 def test_two_backends_cannot_share_a_cache_dir_and_an_unusable_one_is_named(make_stack, tmp_path):
     s = make_stack()
-    b = s.add_backend("b0", None, "--engine", "sim", "--cache-dir", str(tmp_path))
+    b = s.add_backend("b0", None, "--engine", "sim", "--cache-dir", str(tmp_path), "--cache-entries", "1")
     b.wait_healthy()
     (tmp_path / "a-file").write_text("")
     cases = [(tmp_path, f"--cache-dir {tmp_path} is in use by another backend"),
@@ -201,3 +215,39 @@ def test_two_backends_cannot_share_a_cache_dir_and_an_unusable_one_is_named(make
     for (_, says), p in zip(cases, procs):
         _, err = p.communicate(timeout=120)
         assert p.returncode == 2 and says in err, err
+
+
+def test_a_run_that_changed_nothing_keeps_the_save_whole(make_stack, tmp_path):
+    """A run with a smaller budget restores only the newest entries; stopped without a new
+    save or eviction, it leaves the save as it was (helper-51: it shrank the save for good)."""
+    s = make_stack()
+    b = s.add_backend("b0", None, "--engine", "sim", "--cache-dir", str(tmp_path))
+    b.wait_healthy()
+    for i in range(3):
+        post(b.url + "/v1/completions", {"model": s.model_name, "prompt": [100 + i] * 200, "max_tokens": 1})
+    b.stop()
+    small = s.add_backend("b0", b.port, "--engine", "sim", "--cache-dir", str(tmp_path), "--cache-entries", "1")
+    small.wait_healthy()
+    small.stop()
+    log = small.log_path.read_text()
+    assert "restored the prompt cache from " in log and ": 1 entries (" in log and "saved " in log, log
+    assert "2 older entries left out (over --cache-entries / --cache-bytes)" in log, log
+    assert "prompt cache unchanged since it was restored: the save in " in log, log
+    import json
+
+    assert len(json.loads((tmp_path / "snapshot" / "manifest.json").read_text())["entries"]) == 3
+
+
+def test_serve_refuses_a_cache_dir_in_use_and_names_saves_it_leaves(tmp_path, caplog):
+    from mlxgw import config, launcher
+
+    m = config.ModelConfig(name="demo", backends=2, cache_dir=str(tmp_path))
+    held = persist.CacheDirLock(tmp_path / "demo-1")  # another serve's backend
+    assert launcher.check_cache_dirs([m]) == f"demo: --cache-dir {tmp_path / 'demo-1'} is in use by another " \
+                                             "backend (each backend needs a directory of its own)"
+    held.release()
+    c, _ = _filled()
+    persist.save(c, tmp_path / "demo-2", FP)  # a third backend's, from a run with --backends 3
+    assert launcher.check_cache_dirs([m]) is None
+    assert f"{tmp_path / 'demo-2'} holds a saved prompt cache" in caplog.text
+    assert "run with --backends 3 to use it" in caplog.text
