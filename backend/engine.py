@@ -226,6 +226,9 @@ class MLXEngine(Engine):
             before the engine is ready, and save it there when the engine stops
             (`backend.persist`; a save is restored only with equal settings,
             `persist.kv_settings`); None: neither.
+        cache_save_interval: with ``cache_dir``, also save while idle at most
+            this often, seconds, when the cache changed (`_save_when_idle`);
+            0: only at the stop.
     """
 
     def __init__(
@@ -247,6 +250,7 @@ class MLXEngine(Engine):
         hit_tokens: int = 1,
         cache_dir: Optional[Path] = None,
         cache_settings: Optional[dict] = None,
+        cache_save_interval: float = 0.0,
     ):
         if prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"unknown prefill order {prefill_order!r}; one of {', '.join(PREFILL_ORDERS)}")
@@ -254,6 +258,10 @@ class MLXEngine(Engine):
         self.hit_tokens = max(1, hit_tokens)
         self.cache_dir = cache_dir
         self.cache_settings = cache_settings or {}
+        self.cache_save_interval = cache_save_interval
+        self._last_save = time.monotonic()
+        self._saved_state: Optional[tuple] = None  # `_cache_state` at the last save or restore
+        self._restored_state: Optional[tuple] = None
         self.restored: Optional[persist.Outcome] = None  # what the start restored (None: nothing)
         self.model_path = model_path
         self.finish_prefill_on_cancel = finish_prefill_on_cancel
@@ -406,24 +414,39 @@ class MLXEngine(Engine):
         left, age = self.restored.left, max(0.0, time.time() - self.restored.saved_at)
         log.info("restored the prompt cache from %s: %s, saved %s ago%s", self.cache_dir, self.restored.describe(),
                  _age(age), f"; {left} older entries left out (over --cache-entries / --cache-bytes)" if left else "")
-        self._restored_state = self._cache_state()
+        self._saved_state = self._restored_state = self._cache_state()
 
     def _cache_state(self) -> tuple:
         """What a save would write, in brief: unchanged means nothing to save."""
         return (self.cache.version, self.cache.evictions, len(self.cache), self.cache.nbytes)
 
-    def _save_cache(self) -> None:
-        """Write the prompt cache to ``cache_dir`` (engine thread, after the loop stopped)."""
+    def _save_when_idle(self) -> None:
+        """The idle save (``cache_save_interval``): when nothing runs or waits, the cache changed
+        since the last save or restore, and the interval has passed since the last one. A crash
+        then loses at most that interval of cache changes, not everything since the last clean
+        stop; a request arriving during the save waits for it (the engine thread writes)."""
+        if (self.cache_dir is None or self.cache_save_interval <= 0 or not self._incoming.empty()
+                or time.monotonic() - self._last_save < self.cache_save_interval
+                or self._saved_state == self._cache_state() or not len(self.cache)):
+            return
+        self._save_cache(when="idle")
+
+    def _save_cache(self, when: str = "stop") -> None:
+        """Write the prompt cache to ``cache_dir`` (engine thread: after the loop stopped, or
+        idle, `_save_when_idle`)."""
+        self._last_save = time.monotonic()
         if not len(self.cache):
             log.info("nothing cached: the prompt cache save in %s (if any) stays as it was", self.cache_dir)
             return
-        if getattr(self, "_restored_state", None) == self._cache_state():
-            # Nothing saved or evicted since the restore: rewriting would only drop the entries a
-            # smaller budget left out of this run.
-            log.info("prompt cache unchanged since it was restored: the save in %s stays as it was", self.cache_dir)
+        if self._saved_state == self._cache_state():
+            # Nothing saved or evicted since the last save or the restore: rewriting would only
+            # drop the entries a smaller budget left out of this run.
+            log.info("prompt cache unchanged since it was %s: the save in %s stays as it was",
+                     "restored" if self._saved_state == self._restored_state else "last saved", self.cache_dir)
             return
-        log.info("saving the prompt cache (%d entries, %.1f MiB of KV) to %s", len(self.cache),
-                 self.cache.nbytes / 2**20, self.cache_dir)
+        log.info("saving the prompt cache (%d entries, %.1f MiB of KV) to %s%s", len(self.cache),
+                 self.cache.nbytes / 2**20, self.cache_dir, " while idle" if when == "idle" else "")
+        state = self._cache_state()
         try:
             out = persist.save(self.cache, self.cache_dir, self.cache_settings)
         except Exception as e:  # a full disk: the previous save stays
@@ -435,6 +458,7 @@ class MLXEngine(Engine):
                 free = ""
             log.warning("prompt cache not saved to %s: %s%s; the previous save stays", self.cache_dir, e, free)
             return
+        self._saved_state = state
         log.info("saved the prompt cache to %s: %s", self.cache_dir, out.describe())
 
     def _load(self) -> None:
@@ -493,7 +517,8 @@ class MLXEngine(Engine):
                 self._waiting.append(req)
                 continue
             except queue.Empty:
-                pass
+                if idle:
+                    self._save_when_idle()
             self._drain_cancels()
             self._admit_waiting()
             if self._live:

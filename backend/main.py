@@ -62,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", help="keep the prompt cache across restarts: write it to this directory "
                                         "at a clean stop and read it back at start (one directory per backend; "
                                         "docs/cache-policy.md, 'Across restarts'); default: not kept")
+    p.add_argument("--cache-save-interval", type=float, default=ModelConfig.cache_save_interval,
+                   help="with --cache-dir, also save the prompt cache while the backend is idle, at most every "
+                        "this many seconds and only when it changed, so a crash loses at most that much "
+                        "(default %(default)g; 0: only at a clean stop)")
     p.add_argument("--decode-concurrency", type=positive_int, default=ModelConfig.decode_concurrency,
                    help="decode slots: sequences generating at once (mlx-lm's completion_batch_size; default "
                         "16); a request beyond them waits for one to end. Each running sequence holds "
@@ -251,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
               prefill_handoff=args.prefill_handoff, prefill_save_pin=args.prefill_save_pin,
               claims=reporter if args.inflight_claims else None, prefill_order=args.prefill_order,
               hit_tokens=args.block_size, cache_dir=cache_dir,
-              cache_settings=persist.kv_settings(model_path, **kv_settings(args, timing)) if cache_dir else None)
+              cache_settings=persist.kv_settings(model_path, **kv_settings(args, timing)) if cache_dir else None,
+              cache_save_interval=args.cache_save_interval)
     if timing is not None:
         engine = sim.SimEngine(model_path, cache, budget, timing, **kw)
     else:

@@ -41,6 +41,8 @@ class ModelConfig:
     # Keep the prompt caches across restarts: backend i saves to and restores from
     # <cache_dir>/<name>-<i> (backend.persist); empty: not kept.
     cache_dir: str = ""
+    # With cache_dir: also save while idle, at most this often (s), when the cache changed; 0: only at stop.
+    cache_save_interval: float = 600.0
 
 
 @dataclass

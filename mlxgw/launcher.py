@@ -342,7 +342,10 @@ def check_cache_dirs(models: list[config_mod.ModelConfig]) -> Optional[str]:
 
 def backend_cache_dir_flags(m: config_mod.ModelConfig, i: int) -> list[str]:
     """``--cache-dir`` for backend ``i`` of ``m``: a directory of its own under ``m.cache_dir``."""
-    return ["--cache-dir", str(Path(m.cache_dir).expanduser().resolve() / f"{m.name}-{i}")] if m.cache_dir else []
+    if not m.cache_dir:
+        return []
+    return ["--cache-dir", str(Path(m.cache_dir).expanduser().resolve() / f"{m.name}-{i}"),
+            "--cache-save-interval", f"{m.cache_save_interval:g}"]
 
 
 def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:

@@ -251,3 +251,24 @@ def test_serve_refuses_a_cache_dir_in_use_and_names_saves_it_leaves(tmp_path, ca
     assert launcher.check_cache_dirs([m]) is None
     assert f"{tmp_path / 'demo-2'} holds a saved prompt cache" in caplog.text
     assert "run with --backends 3 to use it" in caplog.text
+
+
+def test_an_idle_backend_saves_so_a_crash_keeps_the_cache(make_stack, tmp_path):
+    """``--cache-save-interval``: once idle, a changed cache is saved (at most that often), so a
+    backend killed outright (SIGKILL: no clean stop) gets it back at its restart."""
+    s = make_stack()
+    b = s.add_backend("b0", None, "--engine", "sim", "--cache-dir", str(tmp_path), "--cache-save-interval", "0.5")
+    b.wait_healthy()
+    for i in range(2):
+        post(b.url + "/v1/completions", {"model": s.model_name, "prompt": [200 + i] * 300, "max_tokens": 1})
+    deadline = time.time() + 15
+    while time.time() < deadline and "saved the prompt cache to " not in b.log_path.read_text():
+        time.sleep(0.1)
+    time.sleep(1.0)  # nothing changed since: no second save
+    log = b.log_path.read_text()
+    assert log.count("saving the prompt cache (2 entries, ") == 1 and " while idle" in log, log
+    b.kill()
+    b.start(s.env())
+    b.wait_healthy()
+    assert "restored the prompt cache from " in b.log_path.read_text()
+    assert get_json(b.url + "/health")["restored_entries"] == 2
