@@ -414,6 +414,9 @@ class MLXEngine(Engine):
         left, age = self.restored.left, max(0.0, time.time() - self.restored.saved_at)
         log.info("restored the prompt cache from %s: %s, saved %s ago%s", self.cache_dir, self.restored.describe(),
                  _age(age), f"; {left} older entries left out (over --cache-entries / --cache-bytes)" if left else "")
+        if self.restored.damaged:
+            log.warning("%d saved prompt-cache entries in %s could not be read and were left out (%s)",
+                        self.restored.damaged, self.cache_dir, self.restored.error)
         self._saved_state = self._restored_state = self._cache_state()
 
     def _cache_state(self) -> tuple:

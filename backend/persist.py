@@ -115,6 +115,8 @@ class Outcome:
     seconds: float = 0.0
     left: int = 0  # restore: saved entries left out by this run's budgets
     saved_at: float = 0.0  # restore: when the save was written (unix s)
+    damaged: int = 0  # restore: entries left out because a file of theirs could not be read
+    error: str = ""  # restore: the first such read error
 
     def describe(self) -> str:
         mib = self.nbytes / 2**20
@@ -228,6 +230,15 @@ def _write(cache: PromptCache, tmp: Path, settings: dict) -> None:
     (tmp / MANIFEST).write_text(json.dumps(manifest))  # last: a save without it is incomplete
 
 
+def _chain(segs: list[dict], j: int) -> set[int]:
+    """Segment ``j`` and its ancestors (indices into the manifest's segments)."""
+    out = set()
+    while j is not None:
+        out.add(j)
+        j = segs[j]["parent"]
+    return out
+
+
 def _choose(manifest: dict, max_entries: int, max_bytes: int) -> tuple[list[int], set[int]]:
     """The entries to restore (indices, least recently used first) and the segments they
     need: the most recently used ones that fit both budgets, shared segments counted once."""
@@ -281,8 +292,27 @@ def restore(cache: PromptCache, directory: Path, settings: dict) -> Optional[Out
                          "anything")
     chosen, need = _choose(manifest, cache.max_entries, cache.max_bytes)
     segs, ents = manifest["segments"], manifest["entries"]
-    parts = {j: cache.ops.load_parts(str(snap / f"seg-{j}.safetensors")) for j in sorted(need)}
-    kvs = {i: cache.ops.load_kv(str(snap / ents[i]["kv"])) for i in chosen if "kv" in ents[i]}
+    # A file that cannot be read (truncated, deleted) costs only the entries whose KV it holds.
+    parts, bad, errors = {}, set(), []
+    for j in sorted(need):  # parents first: a segment under a bad one is bad
+        if segs[j]["parent"] in bad:
+            bad.add(j)
+            continue
+        try:
+            parts[j] = cache.ops.load_parts(str(snap / f"seg-{j}.safetensors"))
+        except Exception as e:
+            bad.add(j)
+            errors.append(e)
+    kvs = {}
+    for i in chosen:
+        if "kv" in ents[i]:
+            try:
+                kvs[i] = cache.ops.load_kv(str(snap / ents[i]["kv"]))
+            except Exception as e:
+                errors.append(e)
+    readable = [i for i in chosen if ("seg" in ents[i] and ents[i]["seg"] not in bad) or i in kvs]
+    damaged = len(chosen) - len(readable)
+    chosen, need = readable, set().union(*(_chain(segs, ents[i]["seg"]) for i in readable if "seg" in ents[i]))
     with np.load(snap / "tokens.npz") as z:
         tokens = {i: z[f"e{i}"] for i in chosen}
     for i in chosen:  # checked before anything is attached: the cache stays empty on a bad save
@@ -295,7 +325,8 @@ def restore(cache: PromptCache, directory: Path, settings: dict) -> Optional[Out
     for j in sorted(need):  # parents first (numbered first by `save`)
         m = segs[j]
         built[j] = cache.restore_segment(m["start"], m["end"], parts[j], built.get(m["parent"]))
-    out = Outcome(left=len(ents) - len(chosen), saved_at=float(manifest.get("saved_at", 0.0)))
+    out = Outcome(left=len(ents) - len(chosen) - damaged, saved_at=float(manifest.get("saved_at", 0.0)),
+                  damaged=damaged, error=f"{type(errors[0]).__name__}: {errors[0]}" if errors else "")
     for i in chosen:
         m = ents[i]
         e = cache.restore_entry(tokens[i], m["cache_type"], kv=kvs.get(i), seg=built.get(m.get("seg")),

@@ -90,11 +90,20 @@ def test_a_foreign_or_damaged_save_is_refused_and_leaves_the_cache_empty(tmp_pat
         persist.restore(r, tmp_path, FP)
     assert len(r) == 0 and r.nbytes == 0
     # A save cut short leaves its work directory beside the last complete save: ignored, removed.
+    persist.save(c, tmp_path, FP)
     (tmp_path / "saving-123").mkdir()
+    # An unreadable file costs only the entries whose KV it holds (helper-51: one truncated file
+    # lost the whole save): seg-2 is the second conversation's own tail.
     (tmp_path / "snapshot" / "seg-2.safetensors").unlink()
-    with pytest.raises(OSError):
-        persist.restore(r, tmp_path, FP)
-    assert len(r) == 0 and r.nbytes == 0 and not (tmp_path / "saving-123").exists()
+    got = persist.restore(r, tmp_path, FP)
+    assert (got.entries, got.damaged, got.left) == (3, 1, 0) and "seg-2.safetensors" in got.error
+    assert sorted(len(e) for e in r.entries()) == [350, 352, 353] and not (tmp_path / "saving-123").exists()
+    assert r.nbytes == (300 + 50 + 52 + 53) * c.ops.timing.nbytes(1)
+    # seg-0 is the shared system prompt: every chain passes through it.
+    (tmp_path / "snapshot" / "seg-0.safetensors").unlink()
+    r = _sim_cache()
+    got = persist.restore(r, tmp_path, FP)
+    assert (got.entries, got.damaged) == (0, 4) and len(r) == 0 and r.nbytes == 0
     assert persist.restore(r, tmp_path / "never-saved", FP) is None
 
 
