@@ -230,6 +230,22 @@ def _write(cache: PromptCache, tmp: Path, settings: dict) -> None:
     (tmp / MANIFEST).write_text(json.dumps(manifest))  # last: a save without it is incomplete
 
 
+def _recover(directory: Path) -> None:
+    """Tidy what a save cut short left: without a ``snapshot``, a stop killed between `save`'s
+    two renames left the new save complete (its manifest is written last) or the previous one
+    moved aside; either becomes the snapshot (the newest complete one first). Then the rest
+    goes (a save without its manifest is incomplete)."""
+    snap = _snapshot(directory)
+    if not (snap / MANIFEST).exists():
+        done = [d for d in directory.glob("saving-*") if (d / MANIFEST).exists()]
+        done += [d for d in directory.glob("replaced-*") if (d / MANIFEST).exists()]
+        if done:
+            shutil.rmtree(snap, ignore_errors=True)
+            done[0].rename(snap)
+    for d in list(directory.glob("saving-*")) + list(directory.glob("replaced-*")):
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def _chain(segs: list[dict], j: int) -> set[int]:
     """Segment ``j`` and its ancestors (indices into the manifest's segments)."""
     out = set()
@@ -277,9 +293,7 @@ def restore(cache: PromptCache, directory: Path, settings: dict) -> Optional[Out
         OSError: unreadable files.
     """
     t0 = time.time()
-    # Leftovers of a save cut short: the snapshot (if any) is the last complete one.
-    for d in directory.glob("saving-*"):
-        shutil.rmtree(d, ignore_errors=True)
+    _recover(directory)
     snap = _snapshot(directory)
     if not (snap / MANIFEST).exists():
         return None

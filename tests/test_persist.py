@@ -126,6 +126,24 @@ def test_a_failed_save_keeps_the_previous_one_and_no_partial_files(tmp_path):
     assert persist.restore(r, tmp_path, FP).entries == 4 and 400 not in [len(e) for e in r.entries()]
 
 
+@pytest.mark.parametrize("left", ["new save complete", "previous save moved aside"])
+def test_a_stop_killed_between_the_renames_loses_no_save(tmp_path, left):
+    """`save` moves the previous snapshot aside, then renames the new one into place: killed in
+    between, the next start takes the complete one left (the new one when its manifest is there)."""
+    c, _ = _filled()
+    persist.save(c, tmp_path, FP)
+    snap = tmp_path / "snapshot"
+    if left == "new save complete":
+        snap.rename(tmp_path / "saving-77")
+        (tmp_path / "replaced-77").mkdir()  # the previous one, already partly removed
+    else:
+        snap.rename(tmp_path / "replaced-77")
+        (tmp_path / "saving-77").mkdir()  # the new one, without its manifest: incomplete
+    r = _sim_cache()
+    assert persist.restore(r, tmp_path, FP).entries == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot"]
+
+
 def test_fingerprint_follows_the_model_files_and_settings(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
