@@ -55,6 +55,9 @@ log = logging.getLogger("mlxgw.backend.engine")
 
 #: Seconds `MLXEngine.stop` waits for the prompt cache to be written to --cache-dir.
 SAVE_SECONDS = 600.0
+#: Seconds without a new request before an idle save may start (helper-52: a save 46 ms after
+#: an answer held the agent's next turn 3.6 s); shorter when the save interval is shorter.
+IDLE_SAVE_QUIET_SECONDS = 30.0
 HOLD_SCAN = 16  # waiting requests looked at per admission pass (bounds the prefix comparisons)
 PREFILL_ORDERS = ("fifo", "shorter-beside", "step-beside")
 # Measured side by side in session 17 (docs/cache-policy.md): lower TTFT p50 than fifo on both traces,
@@ -259,7 +262,7 @@ class MLXEngine(Engine):
         self.cache_dir = cache_dir
         self.cache_settings = cache_settings or {}
         self.cache_save_interval = cache_save_interval
-        self._last_save = time.monotonic()
+        self._last_save = self._last_request = time.monotonic()
         self._saved_state: Optional[tuple] = None  # `_cache_state` at the last save or restore
         self._restored_state: Optional[tuple] = None
         self.restored: Optional[persist.Outcome] = None  # what the start restored (None: nothing)
@@ -312,6 +315,7 @@ class MLXEngine(Engine):
     def submit(self, req: GenRequest) -> None:
         self.active += 1
         self.queued_prefill_tokens += len(req.prompt)
+        self._last_request = time.monotonic()
         self._incoming.put(req)
 
     def cancel(self, rid: str, abandoned: bool = False) -> None:
@@ -398,17 +402,15 @@ class MLXEngine(Engine):
         that cannot be used means a cold start with the reason in the log, never a failed one."""
         try:
             self.restored = persist.restore(self.cache, self.cache_dir, self.cache_settings)
-        except ValueError as e:  # a save under other settings: the message says what differs
-            log.warning("prompt cache in %s not restored: %s", self.cache_dir, e)
-            return
-        except Exception as e:  # an unreadable (damaged, truncated) save: the cache stays empty
-            log.warning("prompt cache in %s not restored (%s): starting cold; the save stays until this run's "
-                        "stop replaces it", self.cache_dir, e)
+        except Exception as e:  # other settings, or a damaged save: the message says which
+            log.warning("prompt cache in %s not restored: %s; starting cold (that save stays until this run saves "
+                        "its own cache, at a quiet moment or at its stop)", self.cache_dir, e)
             self.cache.clear()
             self.cache.nbytes = 0  # segments read before the failure had no entry yet
             return
         if self.restored is None:
-            log.info("no saved prompt cache in %s yet: starting cold (it is saved there at a clean stop)",
+            log.info("no saved prompt cache in %s yet: starting cold (it is saved there at a clean stop, and "
+                     "while idle)",
                      self.cache_dir)
             return
         left, age = self.restored.left, max(0.0, time.time() - self.restored.saved_at)
@@ -424,12 +426,16 @@ class MLXEngine(Engine):
         return (self.cache.version, self.cache.evictions, len(self.cache), self.cache.nbytes)
 
     def _save_when_idle(self) -> None:
-        """The idle save (``cache_save_interval``): when nothing runs or waits, the cache changed
-        since the last save or restore, and the interval has passed since the last one. A crash
-        then loses at most that interval of cache changes, not everything since the last clean
-        stop; a request arriving during the save waits for it (the engine thread writes)."""
+        """The idle save (``cache_save_interval``): when nothing runs or waits and no request
+        arrived for `IDLE_SAVE_QUIET_SECONDS` (the gap between an agent's turns is not idle: a
+        turn arriving during a save waits for it, since the engine thread writes), the cache
+        changed since the last save or restore, and the interval has passed since the last one.
+        A crash then loses the changes since the last quiet moment, not everything since the
+        last clean stop. Traffic that never pauses is saved only at the stop."""
+        now = time.monotonic()
         if (self.cache_dir is None or self.cache_save_interval <= 0 or not self._incoming.empty()
-                or time.monotonic() - self._last_save < self.cache_save_interval
+                or now - self._last_request < min(IDLE_SAVE_QUIET_SECONDS, self.cache_save_interval)
+                or now - self._last_save < self.cache_save_interval
                 or self._saved_state == self._cache_state() or not len(self.cache)):
             return
         self._save_cache(when="idle")

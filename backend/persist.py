@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import xxhash
 
 from .cache import CACHE_TYPES, PromptCache
 
@@ -195,6 +196,7 @@ def save(cache: PromptCache, directory: Path, settings: dict) -> Optional[Outcom
     if final.exists():
         final.rename(old)
     tmp.rename(final)
+    _fsync_dir(directory)
     shutil.rmtree(old, ignore_errors=True)
     return Outcome(len(cache), sum(len(e) for e in cache.entries()), cache.nbytes, time.time() - t0)
 
@@ -208,12 +210,14 @@ def _write(cache: PromptCache, tmp: Path, settings: dict) -> None:
                 if id(s) not in index:
                     index[id(s)] = len(segs)
                     segs.append(s)
-    seg_meta = []
+    seg_meta, sums = [], {}
     for i, s in enumerate(segs):
         cache.ops.save_parts(s.parts, str(tmp / f"seg-{i}.safetensors"))
+        sums[f"seg-{i}.safetensors"] = _seal(tmp / f"seg-{i}.safetensors")
         seg_meta.append({"start": s.start, "end": s.end, "nbytes": s.nbytes,
                          "parent": None if s.parent is None else index[id(s.parent)]})
     np.savez(tmp / "tokens.npz", **{f"e{i}": e.tokens for i, e in enumerate(entries)})
+    sums["tokens.npz"] = _seal(tmp / "tokens.npz")
     ent_meta = []
     for i, e in enumerate(entries):
         m = {"cache_type": e.cache_type, "tokens": len(e), "prompt_tokens": e.prompt_tokens, "hits": e.hits,
@@ -223,11 +227,54 @@ def _write(cache: PromptCache, tmp: Path, settings: dict) -> None:
         else:
             m["kv"] = f"kv-{i}.safetensors"
             cache.ops.save_kv(e.kv, str(tmp / m["kv"]))
+            sums[m["kv"]] = _seal(tmp / m["kv"])
         ent_meta.append(m)
     manifest = {"format": FORMAT, "fingerprint": fingerprint(settings), "settings": settings,
                 "saved_at": time.time(), "layout": cache.layout,
-                "segments": seg_meta, "entries": ent_meta}
+                "segments": seg_meta, "entries": ent_meta, "checksums": sums}
     (tmp / MANIFEST).write_text(json.dumps(manifest))  # last: a save without it is incomplete
+    _seal(tmp / MANIFEST)
+    _fsync_dir(tmp)
+
+
+def _seal(path: Path) -> str:
+    """Flush ``path`` to the disk and return its checksum (xxh3-128 of its bytes, read back
+    from the page cache): a restore reads only files whose bytes are the ones written (helper-52:
+    zeroed KV of the right size loaded silently and changed answers)."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check(snap: Path, name: str, sums: dict) -> Path:
+    """``snap / name``, after its checksum matched the manifest's (saves that predate checksums
+    have none). Raises ValueError for a damaged file."""
+    path = snap / name
+    if name in sums:
+        h = xxhash.xxh3_128()
+        with open(path, "rb") as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+        if h.hexdigest() != sums[name]:
+            raise ValueError(f"{name} is damaged (its checksum differs from the one saved)")
+    return path
+
+
+def _fsync_dir(d: Path) -> None:
+    """Make a rename in ``d`` durable (POSIX; best effort where a directory cannot be opened)."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _recover(directory: Path) -> None:
@@ -297,13 +344,16 @@ def restore(cache: PromptCache, directory: Path, settings: dict) -> Optional[Out
     snap = _snapshot(directory)
     if not (snap / MANIFEST).exists():
         return None
-    manifest = json.loads((snap / MANIFEST).read_text())
+    try:
+        manifest = json.loads((snap / MANIFEST).read_text())
+        manifest["segments"], manifest["entries"]  # noqa: B018 (present, or the save is damaged)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{MANIFEST} is damaged ({type(e).__name__}: {e})") from None
+    sums = manifest.get("checksums") or {}
     if manifest.get("format") != FORMAT:
         raise ValueError(f"saved in format {manifest.get('format')!r}, this version reads {FORMAT}")
     if manifest.get("fingerprint") != fingerprint(settings):
-        raise ValueError(f"saved under other settings: {_differences(manifest.get('settings') or {}, settings)}; "
-                         "this run starts cold, and its own cache replaces that save at its stop if it caches "
-                         "anything")
+        raise ValueError(f"saved under other settings: {_differences(manifest.get('settings') or {}, settings)}")
     chosen, need = _choose(manifest, cache.max_entries, cache.max_bytes)
     segs, ents = manifest["segments"], manifest["entries"]
     # A file that cannot be read (truncated, deleted) costs only the entries whose KV it holds.
@@ -313,7 +363,7 @@ def restore(cache: PromptCache, directory: Path, settings: dict) -> Optional[Out
             bad.add(j)
             continue
         try:
-            parts[j] = cache.ops.load_parts(str(snap / f"seg-{j}.safetensors"))
+            parts[j] = cache.ops.load_parts(str(_check(snap, f"seg-{j}.safetensors", sums)))
         except Exception as e:
             bad.add(j)
             errors.append(e)
@@ -321,19 +371,23 @@ def restore(cache: PromptCache, directory: Path, settings: dict) -> Optional[Out
     for i in chosen:
         if "kv" in ents[i]:
             try:
-                kvs[i] = cache.ops.load_kv(str(snap / ents[i]["kv"]))
+                kvs[i] = cache.ops.load_kv(str(_check(snap, ents[i]["kv"], sums)))
             except Exception as e:
                 errors.append(e)
     readable = [i for i in chosen if ("seg" in ents[i] and ents[i]["seg"] not in bad) or i in kvs]
     damaged = len(chosen) - len(readable)
     chosen, need = readable, set().union(*(_chain(segs, ents[i]["seg"]) for i in readable if "seg" in ents[i]))
-    with np.load(snap / "tokens.npz") as z:
-        tokens = {i: z[f"e{i}"] for i in chosen}
+    path = _check(snap, "tokens.npz", sums)
+    try:
+        with np.load(path) as z:
+            tokens = {i: z[f"e{i}"] for i in chosen}
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"tokens.npz is damaged ({e})") from None
     for i in chosen:  # checked before anything is attached: the cache stays empty on a bad save
         m = ents[i]
         ends = segs[m["seg"]]["end"] if "seg" in m else m["tokens"]
         if not (len(tokens[i]) == m["tokens"] == ends) or m["cache_type"] not in CACHE_TYPES:
-            raise ValueError(f"entry {i} does not match its KV ({len(tokens[i])} token ids, "
+            raise ValueError(f"{MANIFEST} is damaged: entry {i} does not match its KV ({len(tokens[i])} token ids, "
                              f"{m['tokens']} tokens, KV to {ends}, type {m['cache_type']!r})")
     built = {}
     for j in sorted(need):  # parents first (numbered first by `save`)

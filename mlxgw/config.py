@@ -257,7 +257,8 @@ def apply_flags(cfg: ServeConfig, args) -> ServeConfig:
         m0.name = args.served_name
     for flag, attr in (("backends", "backends"), ("backend_port", "port"), ("cache_bytes", "cache_bytes"),
                        ("cache_entries", "cache_entries"), ("cache_layout", "cache_layout"),
-                       ("decode_concurrency", "decode_concurrency"), ("cache_dir", "cache_dir")):
+                       ("decode_concurrency", "decode_concurrency"), ("cache_dir", "cache_dir"),
+                       ("cache_save_interval", "cache_save_interval")):
         v = getattr(args, flag, None)
         if v is not None:
             setattr(m0, attr, v)

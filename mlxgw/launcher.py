@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", help="keep the prompt caches across restarts of serve: each backend saves its "
                                         "cache under DIR/<model>-<i> at stop and restores it at start "
                                         "(docs/cache-policy.md, 'Across restarts'); default: not kept")
+    p.add_argument("--cache-save-interval", type=float,
+                   help="with --cache-dir: also save while idle (no request for 30 s), at most every this many "
+                        "seconds (default 600; 0: only at stop)")
     p.add_argument("--decode-concurrency", type=positive_int,
                    help="decode slots per backend: answers generated at once (default 16; "
                         "docs/cache-policy.md, 'Decode slots')")
@@ -483,7 +486,7 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
     for m in cfg.models:
         if m.cache_dir:
             where = Path(m.cache_dir).expanduser().resolve()
-            lines.insert(-1, f"  kv kept    {m.name}: prompt caches saved at stop, restored at start, in {where}/"
+            lines.insert(-1, f"  kv kept    {m.name}: prompt caches saved at stop and when idle, restored at start, in {where}/"
                              f"{m.name}-<i>   (docs/cache-policy.md, 'Across restarts')")
     from backend.main import budget_warnings
 

@@ -227,6 +227,9 @@ def test_serve_cache_dir_gives_each_backend_a_directory_of_its_own(tmp_path):
     assert launcher.backend_cache_dir_flags(m, 1) == ["--cache-dir", str(tmp_path / "kv" / "demo-1"),
                                                      "--cache-save-interval", "600"]
     assert launcher.backend_cache_dir_flags(config.ModelConfig(name="demo"), 0) == []  # not kept by default
+    cfg = config.apply_flags(config.ServeConfig(), parser.parse_args(["--cache-dir", "/kv", "--cache-save-interval",
+                                                                       "0"]))
+    assert launcher.backend_cache_dir_flags(cfg.models[0], 0)[-2:] == ["--cache-save-interval", "0"]
     p = tmp_path / "c.toml"
     p.write_text('[[models]]\nname = "m"\ncache_dir = "~/kv"\ncache_save_interval = 60\n')
     flags = launcher.backend_cache_dir_flags(config.load(str(p)).models[0], 0)

@@ -87,7 +87,8 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
             assert resp.status == 200
         assert f"  join       MLXGW_INTERNAL_TOKEN=$(cat {tok}) MLXGW_REDIS_URL=$(cat {serve_url_file()})" in out
         assert "(demo-tiny: 16 decode slots each)" in out
-        assert (f"  kv kept    demo-tiny: prompt caches saved at stop, restored at start, in {kv.resolve()}/demo-tiny-<i>"
+        assert (f"  kv kept    demo-tiny: prompt caches saved at stop and when idle, restored at start, in "
+                f"{kv.resolve()}/demo-tiny-<i>"
                 in out) and "  stop       Ctrl-C   (the backends save their prompt caches first)" in out
         st = _run(["status", "--json"])
         assert st.returncode == 0 and "demo-tiny-0" in st.stdout

@@ -81,14 +81,25 @@ def test_a_foreign_or_damaged_save_is_refused_and_leaves_the_cache_empty(tmp_pat
     persist.save(c, tmp_path, FP)
     r = _sim_cache()
     with pytest.raises(ValueError, match=r"saved under other settings: the cache layout \(saved shared, now whole\), "
-                                         r"the model files \(weights, config or tokenizer\); this run starts cold"):
+                                         r"the model files \(weights, config or tokenizer\)$"):
         persist.restore(r, tmp_path, {**FP, "layout": "whole", "model_files": "0123"})
     assert len(r) == 0 and r.nbytes == 0
     np.savez(tmp_path / "snapshot" / "tokens.npz", e0=np.arange(3), e1=np.arange(3), e2=np.arange(3),
              e3=np.arange(3))
-    with pytest.raises(ValueError, match="does not match its KV"):
+    with pytest.raises(ValueError, match=r"tokens.npz is damaged \(its checksum differs from the one saved\)"):
         persist.restore(r, tmp_path, FP)
     assert len(r) == 0 and r.nbytes == 0
+    # Bytes changed, size kept (helper-52: zeroed KV loaded silently and changed answers): the
+    # checksum catches it, and only that file's entries are left out.
+    persist.save(c, tmp_path, FP)
+    seg = tmp_path / "snapshot" / "seg-3.safetensors"
+    seg.write_text(seg.read_text().replace("52", "62"))  # the third conversation's 52-token tail
+    got = persist.restore(r, tmp_path, FP)
+    assert (got.entries, got.damaged) == (3, 1) and "seg-3.safetensors is damaged (its checksum" in got.error
+    r = _sim_cache()
+    (tmp_path / "snapshot" / "manifest.json").write_text('{"format": 1')
+    with pytest.raises(ValueError, match=r"manifest.json is damaged \(JSONDecodeError"):
+        persist.restore(r, tmp_path, FP)
     # A save cut short leaves its work directory beside the last complete save: ignored, removed.
     persist.save(c, tmp_path, FP)
     (tmp_path / "saving-123").mkdir()
