@@ -57,7 +57,10 @@ def test_live_keys_are_all_documented(make_stack, redis_server):
         matches = [(p, t) for p, t, _ in docs if p.match(k)]
         assert matches, f"undocumented key {k}"
         p, t = matches[0]
-        assert r.type(k) == ("zset" if t == "zset" else t), (k, r.type(k), t)
+        typ = r.type(k)
+        if typ == "none":  # a transient key (a gateway's in-flight load) gone since the scan
+            continue
+        assert typ == ("zset" if t == "zset" else t), (k, typ, t)
         seen_patterns.add(p.pattern)
     # every documented key exists on a live stack (the transient ones only while in use)
     assert seen_patterns >= {p.pattern for p, _, always in docs if always}
