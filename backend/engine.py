@@ -262,7 +262,7 @@ class MLXEngine(Engine):
         self.cache_dir = cache_dir
         self.cache_settings = cache_settings or {}
         self.cache_save_interval = cache_save_interval
-        self._last_save = self._last_request = time.monotonic()
+        self._last_save = self._last_busy = time.monotonic()  # `_save_when_idle`
         self._saved_state: Optional[tuple] = None  # `_cache_state` at the last save or restore
         self._restored_state: Optional[tuple] = None
         self.restored: Optional[persist.Outcome] = None  # what the start restored (None: nothing)
@@ -315,7 +315,6 @@ class MLXEngine(Engine):
     def submit(self, req: GenRequest) -> None:
         self.active += 1
         self.queued_prefill_tokens += len(req.prompt)
-        self._last_request = time.monotonic()
         self._incoming.put(req)
 
     def cancel(self, rid: str, abandoned: bool = False) -> None:
@@ -426,15 +425,15 @@ class MLXEngine(Engine):
         return (self.cache.version, self.cache.evictions, len(self.cache), self.cache.nbytes)
 
     def _save_when_idle(self) -> None:
-        """The idle save (``cache_save_interval``): when nothing runs or waits and no request
-        arrived for `IDLE_SAVE_QUIET_SECONDS` (the gap between an agent's turns is not idle: a
+        """The idle save (``cache_save_interval``): when nothing has run or waited for
+        `IDLE_SAVE_QUIET_SECONDS` (the gap between an agent's turns is not idle: a
         turn arriving during a save waits for it, since the engine thread writes), the cache
         changed since the last save or restore, and the interval has passed since the last one.
         A crash then loses the changes since the last quiet moment, not everything since the
         last clean stop. Traffic that never pauses is saved only at the stop."""
         now = time.monotonic()
         if (self.cache_dir is None or self.cache_save_interval <= 0 or not self._incoming.empty()
-                or now - self._last_request < min(IDLE_SAVE_QUIET_SECONDS, self.cache_save_interval)
+                or now - self._last_busy < min(IDLE_SAVE_QUIET_SECONDS, self.cache_save_interval)
                 or now - self._last_save < self.cache_save_interval
                 or self._saved_state == self._cache_state() or not len(self.cache)):
             return
@@ -518,6 +517,8 @@ class MLXEngine(Engine):
     def _loop(self) -> None:
         while not self._stop:
             idle = not self._live and not self._waiting
+            if not idle:
+                self._last_busy = time.monotonic()
             try:
                 req = self._incoming.get(timeout=0.05) if idle else self._incoming.get_nowait()
                 self._pin(req, self.cache.fetch(req.prompt))
