@@ -38,6 +38,7 @@ import asyncio
 import itertools
 import logging
 import queue
+import shutil
 import threading
 import time
 from collections import deque
@@ -434,23 +435,28 @@ class MLXEngine(Engine):
         now = time.monotonic()
         if (self.cache_dir is None or self.cache_save_interval <= 0 or not self._incoming.empty()
                 or now - self._last_busy < min(IDLE_SAVE_QUIET_SECONDS, self.cache_save_interval)
-                or now - self._last_save < self.cache_save_interval
-                or self._saved_state == self._cache_state() or not len(self.cache)):
+                or now - self._last_save < self.cache_save_interval or self._nothing_to_save()):
             return
         self._save_cache(when="idle")
+
+    def _nothing_to_save(self) -> str:
+        """Why a save would write nothing new, for the log ("" when it would): an empty cache, or one that
+        saved and evicted nothing since the last save or the restore (rewriting it would only
+        drop the entries a smaller budget left out of this run)."""
+        if not len(self.cache):
+            return f"nothing cached: the prompt cache save in {self.cache_dir} (if any) stays as it was"
+        if self._saved_state == self._cache_state():
+            since = "restored" if self._saved_state == self._restored_state else "last saved"
+            return f"prompt cache unchanged since it was {since}: the save in {self.cache_dir} stays as it was"
+        return ""
 
     def _save_cache(self, when: str = "stop") -> None:
         """Write the prompt cache to ``cache_dir`` (engine thread: after the loop stopped, or
         idle, `_save_when_idle`)."""
         self._last_save = time.monotonic()
-        if not len(self.cache):
-            log.info("nothing cached: the prompt cache save in %s (if any) stays as it was", self.cache_dir)
-            return
-        if self._saved_state == self._cache_state():
-            # Nothing saved or evicted since the last save or the restore: rewriting would only
-            # drop the entries a smaller budget left out of this run.
-            log.info("prompt cache unchanged since it was %s: the save in %s stays as it was",
-                     "restored" if self._saved_state == self._restored_state else "last saved", self.cache_dir)
+        why = self._nothing_to_save()
+        if why:
+            log.info("%s", why)
             return
         log.info("saving the prompt cache (%d entries, %.1f MiB of KV) to %s%s", len(self.cache),
                  self.cache.nbytes / 2**20, self.cache_dir, " while idle" if when == "idle" else "")
@@ -458,8 +464,6 @@ class MLXEngine(Engine):
         try:
             out = persist.save(self.cache, self.cache_dir, self.cache_settings)
         except Exception as e:  # a full disk: the previous save stays
-            import shutil
-
             try:  # mlx's own write errors do not say the disk is full (several backends may share it)
                 free = f" ({shutil.disk_usage(self.cache_dir).free / 2**20:.1f} MiB free on its disk now)"
             except OSError:

@@ -19,15 +19,17 @@ On disk (one directory per backend; `CacheDirLock` refuses a second backend):
   once, as in memory; ``kv-N.safetensors``: whole-layout entries, in mlx-lm's
   ``save_prompt_cache`` format.
 
-A save goes to a fresh directory renamed into place at the end, so a stop cut
-short (SIGKILL, power) leaves the previous save, never half of one. The
+A save goes to a fresh directory, each file flushed and checksummed, renamed
+into place at the end, so a stop cut short (SIGKILL, power) leaves the
+previous save, never half of one. The engine also saves at quiet moments
+(``--cache-save-interval``), so a crash loses only what changed since. The
 fingerprint (`fingerprint`) covers the model files, the engine, the cache
 layout and mlx-lm's version: a cache saved for other weights is never loaded
 (KV is only valid for the weights that computed it). At start, the most
 recently used entries that fit this run's ``--cache-entries`` and
-``--cache-bytes`` are restored; anything unreadable means a cold start with a
-warning, never a failed one. Nothing is saved when the process dies without a
-clean stop (the previous save stays, and is still right for these weights).
+``--cache-bytes`` are restored; a file that cannot be read costs the entries
+whose KV it holds, a damaged manifest or token file the whole save: a cold
+start with a warning, never a failed one.
 """
 
 from __future__ import annotations
@@ -237,29 +239,31 @@ def _write(cache: PromptCache, tmp: Path, settings: dict) -> None:
     _fsync_dir(tmp)
 
 
-def _seal(path: Path) -> str:
-    """Flush ``path`` to the disk and return its checksum (xxh3-128 of its bytes, read back
-    from the page cache): a restore reads only files whose bytes are the ones written (helper-52:
-    zeroed KV of the right size loaded silently and changed answers)."""
+def _digest(path: Path, flush: bool = False) -> str:
+    """xxh3-128 of the file's bytes; with ``flush``, ``fsync`` it first (then read back from
+    the page cache)."""
     h = xxhash.xxh3_128()
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
+    with open(path, "rb+" if flush else "rb") as f:
+        if flush:
+            os.fsync(f.fileno())
         while chunk := f.read(8 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _seal(path: Path) -> str:
+    """Flush ``path`` to the disk and return its checksum: a restore reads only files whose
+    bytes are the ones written (helper-52: zeroed KV of the right size loaded silently and
+    changed answers)."""
+    return _digest(path, flush=True)
 
 
 def _check(snap: Path, name: str, sums: dict) -> Path:
     """``snap / name``, after its checksum matched the manifest's (saves that predate checksums
     have none). Raises ValueError for a damaged file."""
     path = snap / name
-    if name in sums:
-        h = xxhash.xxh3_128()
-        with open(path, "rb") as f:
-            while chunk := f.read(8 << 20):
-                h.update(chunk)
-        if h.hexdigest() != sums[name]:
-            raise ValueError(f"{name} is damaged (its checksum differs from the one saved)")
+    if name in sums and _digest(path) != sums[name]:
+        raise ValueError(f"{name} is damaged (its checksum differs from the one saved)")
     return path
 
 
@@ -313,13 +317,8 @@ def _choose(manifest: dict, max_entries: int, max_bytes: int) -> tuple[list[int]
         if len(chosen) >= max_entries:
             break
         e = ents[i]
-        chain, add = set(), int(e["nbytes"])
-        if "seg" in e:
-            j, add = e["seg"], 0
-            while j is not None and j not in need:  # `need` holds each member's ancestors too
-                chain.add(j)
-                add += int(segs[j]["nbytes"])
-                j = segs[j]["parent"]
+        chain = _chain(segs, e["seg"]) - need if "seg" in e else set()  # shared segments counted once
+        add = sum(int(segs[j]["nbytes"]) for j in chain) if "seg" in e else int(e["nbytes"])
         if total + add > max_bytes:
             continue  # an older, smaller entry may still fit
         chosen.append(i)
@@ -331,13 +330,13 @@ def _choose(manifest: dict, max_entries: int, max_bytes: int) -> tuple[list[int]
 def restore(cache: PromptCache, directory: Path, settings: dict) -> Optional[Outcome]:
     """Read the save under ``directory`` into ``cache`` (empty, before the backend registers:
     the listener publishes the restored blocks with the first report). None when there is no
-    save. Everything is read before the cache is touched, so a damaged file leaves the cache
-    empty.
+    save. Every file is read before the cache is touched; one that cannot be read (or whose
+    checksum differs) leaves out the entries whose KV it holds (`Outcome.damaged`).
 
     Raises:
-        ValueError: a save of another format, model or layout (the message says which), or
-            one whose KV does not match its tokens.
-        OSError: unreadable files.
+        ValueError: a save of another format, model or layout (the message says which), or a
+            damaged manifest or token file (the cache is left empty).
+        OSError: the manifest or token file cannot be read.
     """
     t0 = time.time()
     _recover(directory)

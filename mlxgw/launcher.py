@@ -336,10 +336,11 @@ def check_cache_dirs(models: list[config_mod.ModelConfig]) -> Optional[str]:
                 return f"{m.name}: {e}"
         for d in sorted(root.glob(f"{m.name}-*")):
             tail = d.name[len(m.name) + 1:]
-            if tail.isdigit() and int(tail) >= m.backends and saved_bytes(d):
+            size = saved_bytes(d) if tail.isdigit() and int(tail) >= m.backends else 0
+            if size:
                 log.warning("%s holds a saved prompt cache (%.1f MiB) that no backend of this run restores "
                             "(%d backends of %s); remove it, or run with --backends %d to use it", d,
-                            saved_bytes(d) / 2**20, m.backends, m.name, int(tail) + 1)
+                            size / 2**20, m.backends, m.name, int(tail) + 1)
     return None
 
 
