@@ -49,6 +49,15 @@ trimmable one), with these rules on top (``docs/cache-policy.md``):
    (exo-explore/exo issue 1986, PR 1929), under this file's entries and rules.
    Layers the ops cannot slice (rotating windows, SSM state) keep whole entries.
 
+8. Disk tier (opt-in, ``disk``: a `backend.disktier.DiskTier`): an entry the
+   budgets evict (rule 5) is written to disk instead of dropped (trimmable
+   entries of at least ``share_min_tokens``), and its blocks stay owned; a
+   prompt whose longest cached prefix is on disk, longer by at least
+   ``share_min_tokens`` than the best in memory, reads that entry back into
+   memory (a promotion, saved as any entry) before its prefill. A memory save
+   drops the tier entries it extends. SGLang's HiCache and Dynamo's KV block
+   manager offload evicted KV to slower tiers in the same way.
+
 Every insert and every removal goes through `_add` / `_remove`, which call
 the listener, so Redis sees each one (nothing leaves silently).
 """
@@ -133,6 +142,7 @@ class CacheEntry:
     branches: list = field(default_factory=list)  # rule 6: lengths where other prompts branched off, longest first
     shared_used: int = 0  # rule 6: clock of the last branch
     seg: Optional[Segment] = None  # rule 7: the last segment of this entry's chain (``kv`` is then None)
+    on_disk: bool = False  # rule 8: an entry of the disk tier (its KV in a file, ``kv`` None)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -197,7 +207,9 @@ class PromptCache:
             ``"shared"`` (rule 7: a shared prefix held once).
         share_min_tokens: with ``"shared"``, the shortest common prefix an
             entry shares instead of holding its own copy, tokens (shorter
-            ones would only add segments to concatenate).
+            ones would only add segments to concatenate); also the shortest
+            entry rule 8 writes to disk and the least gain of a promotion.
+        disk: rule 8's disk tier (`backend.disktier.DiskTier`), or None.
 
     Raises ValueError for ``max_entries < 1`` or an unknown layout.
     Not thread-safe: the engine thread owns it.
@@ -214,6 +226,7 @@ class PromptCache:
         min_shared_tokens: int = 0,
         layout: str = "whole",
         share_min_tokens: int = 32,
+        disk: Any = None,
     ):
         if max_entries < 1:
             raise ValueError("max_entries must be >= 1")
@@ -227,6 +240,7 @@ class PromptCache:
         self.min_hit_ratio = min_hit_ratio
         self.listener = listener
         self.ops = ops or KVOps()
+        self.disk = disk
         self.min_shared_tokens = min_shared_tokens
         self.shared_kept = 0  # rule 6: prefixes kept as their own entry
         self.evictions = 0  # entries evicted by the budgets (rule 5), since start
@@ -272,9 +286,15 @@ class PromptCache:
         """Find the best entry for ``prompt`` and return a trimmed private copy.
 
         Returns a `CacheHit` with ``reused`` tokens (0 and ``kv=None`` on a
-        miss). The entry's recency is refreshed.
+        miss). The entry's recency is refreshed. With a disk tier (rule 8), an
+        entry there serving at least ``share_min_tokens`` more of the prompt is
+        read back into memory first (in this thread: the disk's read time).
         """
         e, n = self.best_match(prompt)
+        if self.disk is not None and len(self.disk):
+            d, nd = self.disk.best_match(np.asarray(prompt, dtype=np.int32))
+            if d is not None and nd >= n + self.share_min_tokens and self._promote(d):
+                e, n = self.best_match(prompt)
         if e is None or n == 0:
             return CacheHit(None, 0, None)
         if e.seg is not None:
@@ -420,6 +440,9 @@ class PromptCache:
             seg=seg,
         )
         self._add(entry)
+        if self.disk is not None and trimmable:  # rule 8: memory now serves those, faster
+            for d in self.disk.drop_covered(t):
+                self._tell_evicted(d)
         self.trim_to(max_entries=self.max_entries, max_bytes=self.max_bytes, keep=entry)
         return entry if entry.id in self._entries else None
 
@@ -447,12 +470,42 @@ class PromptCache:
             victim = self._pick_victim(keep)
             if victim is None:
                 break
+            self._spill(victim)
             self._keep_shared_prefix(victim)
             self._remove(victim)
             n += 1
             self.evictions += 1
             self.evicted_tokens += len(victim)
         return n
+
+    def _spill(self, victim: CacheEntry) -> None:
+        """Rule 8: write ``victim`` (being evicted) to the disk tier, before it leaves memory,
+        so its blocks never leave Redis in between."""
+        if self.disk is None or not victim.trimmable or len(victim) < self.share_min_tokens:
+            return
+        kv = self._materialise(victim.seg, len(victim)) if victim.seg is not None else victim.kv
+        if kv is None:
+            return
+        d, evicted = self.disk.put(victim, kv)
+        for x in evicted:
+            self._tell_evicted(x)
+        if d is not None and self.listener is not None:
+            self.listener.on_saved(d)
+
+    def _promote(self, d: CacheEntry) -> bool:
+        """Rule 8: move the disk tier's entry ``d`` into memory; False when its read failed."""
+        kv = self.disk.take(d)
+        entry = None
+        if kv is not None:
+            entry = self.insert(d.tokens, kv, d.cache_type, prompt_len=d.prompt_tokens)
+            if entry is not None:
+                entry.hits = d.hits
+        self._tell_evicted(d)  # after the memory entry took over its blocks
+        return entry is not None
+
+    def _tell_evicted(self, e: CacheEntry) -> None:
+        if self.listener is not None:
+            self.listener.on_evicted(e)
 
     def _keep_shared_prefix(self, victim: CacheEntry) -> None:
         """Rule 6: save ``victim``'s shared prefix as an entry of its own.
@@ -520,9 +573,12 @@ class PromptCache:
         return e
 
     def clear(self) -> None:
-        """Evict everything (each eviction reported)."""
+        """Evict everything, the disk tier's entries too (each eviction reported)."""
         for e in list(self._entries.values()):
             self._remove(e)
+        if self.disk is not None:
+            for d in self.disk.clear():
+                self._tell_evicted(d)
 
     def victim_used_at(self) -> float:
         """Unix time (s) the next eviction victim was last used; 0.0 when the cache is empty.

@@ -346,6 +346,20 @@ class MLXEngine(Engine):
             "kv_bytes_per_token": round(self.cache.kv_bytes_per_token(), 1),
         }
 
+    def disk_figures(self) -> dict:
+        """The disk tier's figures (cache rule 8, `backend.disktier`); zeros without one."""
+        d = self.cache.disk
+        return {
+            "disk_entries": len(d) if d else 0,
+            "disk_bytes": d.nbytes if d else 0,
+            "disk_budget_bytes": d.max_bytes if d else 0,
+            "disk_spills": d.spills if d else 0,
+            "disk_promotions": d.promotions if d else 0,
+            "disk_promoted_tokens": d.promoted_tokens if d else 0,
+            "disk_evictions": d.evictions if d else 0,
+            "disk_failures": d.failures if d else 0,
+        }
+
     def stats(self) -> dict:
         return {
             "active": self.active,
@@ -367,6 +381,7 @@ class MLXEngine(Engine):
             "generated_tokens": self.generated_tokens_total,
             "prefill_tps": round(self.prefill_tps, 1),
             "decode_tps": round(self.decode_tps, 1),
+            **self.disk_figures(),
             # --cache-dir: what the start restored (backend.persist)
             "restored_entries": self.restored.entries if self.restored else 0,
             "restored_tokens": self.restored.tokens if self.restored else 0,
@@ -394,6 +409,9 @@ class MLXEngine(Engine):
             self.failed = True
             self._fail_all("engine failure")
             return
+        finally:
+            if self.cache.disk is not None:  # after the withdrawal from Redis: nobody routes here for them
+                self.cache.disk.close()
         if self.cache_dir is not None:
             self._save_cache()
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import logging
 import os
+import shutil
 import socket
 from pathlib import Path
 from typing import Optional
@@ -20,7 +22,8 @@ from mlxgw.stopping import Stopper
 from mlxgw.util import is_loopback, parse_bytes, positive_int, redact_url, size_arg
 
 from . import persist, sim
-from .cache import LAYOUTS, PromptCache
+from .cache import LAYOUTS, KVOps, PromptCache
+from .disktier import DiskTier
 from .engine import DEFAULT_PREFILL_ORDER, PREFILL_ORDERS
 from .metrics import BackendMetrics
 from .report import Reporter
@@ -66,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --cache-dir, also save the prompt cache while the backend is idle, at most every "
                         "this many seconds and only when it changed, so a crash loses at most that much "
                         "(default %(default)g; 0: only at a clean stop)")
+    p.add_argument("--disk-cache-bytes", type=size_arg, default=None,
+                   help="cache rule 8 (docs/cache-policy.md), off by default: write prompt-cache entries the "
+                        "memory budget evicts to disk, up to this many bytes of KV (e.g. 100GB), and read one "
+                        "back when a prompt's longest cached prefix is there (a disk read instead of a prefill)")
+    p.add_argument("--disk-cache-dir", help="with --disk-cache-bytes: where its files go (default: "
+                                             "<--cache-dir>/tier; emptied at start)")
     p.add_argument("--decode-concurrency", type=positive_int, default=ModelConfig.decode_concurrency,
                    help="decode slots: sequences generating at once (mlx-lm's completion_batch_size; default "
                         "16); a request beyond them waits for one to end. Each running sequence holds "
@@ -181,6 +190,38 @@ def kv_settings(args: argparse.Namespace, timing) -> dict:
             "sim": [timing.kv_bytes_per_token, timing.token_scale] if timing is not None else None}
 
 
+def disk_tier(args: argparse.Namespace, cache_dir: Optional[Path], ops) -> Optional[DiskTier]:
+    """The disk tier ``--disk-cache-bytes`` asks for (cache rule 8), or None.
+
+    Its directory is ``--disk-cache-dir``, else ``<cache_dir>/tier`` (under the ``--cache-dir``
+    lock); a directory of its own is locked like a ``--cache-dir``. ``ops``: the cache's
+    `KVOps` (None: mlx-lm's). Raises ValueError (no directory, or the same as ``--cache-dir``),
+    RuntimeError (locked by another backend) or OSError (unusable); the caller exits 2.
+    """
+    if not args.disk_cache_bytes:
+        if args.disk_cache_dir:
+            raise ValueError("--disk-cache-dir needs --disk-cache-bytes (the disk tier's budget)")
+        return None
+    if args.disk_cache_dir:
+        where = Path(args.disk_cache_dir).expanduser().resolve()
+        if cache_dir is not None and where == cache_dir:
+            raise ValueError("--disk-cache-dir must differ from --cache-dir (leave it out to use <--cache-dir>/tier)")
+        lock = persist.CacheDirLock(where, flag="--disk-cache-dir")
+        atexit.register(lock.release)
+    elif cache_dir is not None:
+        where = cache_dir / "tier"
+    else:
+        raise ValueError("--disk-cache-bytes needs a directory: --disk-cache-dir, or --cache-dir (then <dir>/tier)")
+    budget = parse_bytes(args.disk_cache_bytes)
+    tier = DiskTier(where, budget, ops or KVOps())
+    free = shutil.disk_usage(where).free
+    if free < budget:
+        log.warning("the disk tier's budget (%.1f GiB) exceeds the free space in %s (%.1f GiB): writes past it "
+                    "fail, and each failed write drops its entry", budget / 2**30, where, free / 2**30)
+    log.info("disk tier: up to %.1f GiB of evicted prompt-cache entries in %s", budget / 2**30, where)
+    return tier
+
+
 def run(args: argparse.Namespace) -> int:
     """Run one backend until SIGINT/SIGTERM; returns the process exit code."""
     from .engine import MLXEngine
@@ -237,6 +278,11 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:  # not a directory, read-only, ...
             log.error("--cache-dir %s cannot be used: %s", cache_dir, e.strerror or e)
             return 2
+    try:
+        disk = disk_tier(args, cache_dir, sim.SimKVOps(timing) if timing is not None else None)
+    except (ValueError, OSError, RuntimeError) as e:
+        log.error("%s", e)
+        return 2
     cache = PromptCache(
         max_entries=args.cache_entries,
         max_bytes=budget,
@@ -247,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
         share_min_tokens=args.block_size,
         listener=reporter,
         ops=sim.SimKVOps(timing) if timing is not None else None,
+        disk=disk,
     )
     metrics = BackendMetrics(name)
     kw = dict(decode_concurrency=args.decode_concurrency, prefill_concurrency=args.prefill_concurrency,

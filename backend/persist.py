@@ -136,7 +136,7 @@ class CacheDirLock:
         OSError: the directory cannot be made or opened (a file, read-only, ...).
     """
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, flag: str = "--cache-dir"):
         import fcntl
 
         if directory.exists() and not directory.is_dir():
@@ -148,7 +148,7 @@ class CacheDirLock:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(self._fd)
-            raise RuntimeError(f"--cache-dir {directory} is in use by another backend "
+            raise RuntimeError(f"{flag} {directory} is in use by another backend "
                                "(each backend needs a directory of its own)") from None
 
     def release(self) -> None:

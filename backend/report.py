@@ -188,7 +188,8 @@ class Reporter:
                         event,
                         self.backend_id,
                         self.epoch,
-                        {"tokens": len(entry), "blocks": len(blocks), "cache_type": entry.cache_type},
+                        {"tokens": len(entry), "blocks": len(blocks), "cache_type": entry.cache_type,
+                         **({"tier": "disk"} if entry.on_disk else {})},
                     )
                 )
         self._notify()

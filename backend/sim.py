@@ -34,6 +34,15 @@ Benchmarks", gist awni/c1790e4c3a39be6e8f1c4afd42423d2d). KV per token from
 Qwen3-4B's config.json (36 layers, 8 KV heads, head_dim 128, bf16): 147,456
 bytes. Bandwidth: Apple's M4 Max (16-core CPU) figure, 546 GB/s.
 
+Disk (the prompt cache's disk tier, rule 8, and ``--cache-dir`` saves): writing
+or reading a KV file takes ``bytes / disk_write_rate`` or ``bytes / disk_read_rate``
+seconds (divided by ``speed``), in the engine thread as the real engine's
+file I/O is. Defaults: Tom's Guide's Blackmagic Disk Speed Test of a 14-inch
+MacBook Pro M2 Max, 2 TB (read 5,319 MB/s, write 6,402 MB/s; MacRumors,
+"M2 Pro and M2 Max MacBook Pros Feature Faster SSD Write Speeds, Tests Show",
+2023-01-24). Conservative for the M4 Max: The Verge measured an M5 Max at
+13.6 GB/s read, which it put at 86% faster than the M4 Max (about 7.3 GB/s).
+
 Output tokens are deterministic: a hash of the prompt's last tokens and the
 step, drawn from the tokenizer's ordinary vocabulary (never EOS, so every
 answer runs to ``max_tokens``).
@@ -61,6 +70,8 @@ DEFAULT_REF_CONTEXT = 2048 + 64  # the benchmark's prompt plus half its generati
 #: Qwen3-4B config.json: num_hidden_layers, num_key_value_heads, head_dim; bf16.
 DEFAULT_LAYERS, DEFAULT_KV_HEADS, DEFAULT_HEAD_DIM, DEFAULT_DTYPE_BYTES = 36, 8, 128, 2
 DEFAULT_BANDWIDTH = 546e9  # bytes/s, Apple M4 Max (16-core CPU, 40-core GPU)
+#: Bytes/s, Blackmagic Disk Speed Test, MacBook Pro 14" M2 Max 2 TB (see the module docstring).
+DEFAULT_DISK_READ_RATE, DEFAULT_DISK_WRITE_RATE = 5.319e9, 6.402e9
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -93,6 +104,8 @@ class SimTiming:
     ref_context: int = DEFAULT_REF_CONTEXT
     token_scale: float = 1.0
     speed: float = 1.0
+    disk_read_rate: float = DEFAULT_DISK_READ_RATE
+    disk_write_rate: float = DEFAULT_DISK_WRITE_RATE
 
     @property
     def t_weights(self) -> float:
@@ -116,6 +129,10 @@ class SimTiming:
     def nbytes(self, sim_tokens: int) -> int:
         return int(sim_tokens * self.token_scale * self.kv_bytes_per_token)
 
+    def disk_seconds(self, nbytes: int, write: bool) -> float:
+        """Time to write (or read) ``nbytes`` of KV to (from) the disk."""
+        return nbytes / (self.disk_write_rate if write else self.disk_read_rate) / self.speed
+
 
 class SimKV:
     """A KV cache that only counts its tokens; bytes come from the `SimTiming`."""
@@ -138,12 +155,17 @@ class SimKVOps(KVOps):
     def __init__(self, timing: Optional["SimTiming"] = None):
         self.timing = timing
 
-    # Persistence (backend.persist): a sim KV is its token count.
+    # Persistence (backend.persist) and the disk tier (backend.disktier): a sim KV is its token
+    # count; the time its bytes would take on the disk is slept (`SimTiming.disk_seconds`).
     def save_parts(self, parts, path: str) -> None:
         Path(path).write_text(json.dumps({"tokens": parts.n}))
+        time.sleep(parts.timing.disk_seconds(parts.nbytes, write=True))
 
     def load_parts(self, path: str):
-        return SimKV(int(json.loads(Path(path).read_text())["tokens"]), self.timing)
+        kv = SimKV(int(json.loads(Path(path).read_text())["tokens"]), self.timing)
+        if self.timing is not None:
+            time.sleep(self.timing.disk_seconds(kv.nbytes, write=False))
+        return kv
 
     save_kv = save_parts
     load_kv = load_parts
@@ -472,6 +494,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sim-token-scale", type=float, default=1.0,
                    help="real tokens each prompt/output token stands for (time and bytes)")
     g.add_argument("--sim-speed", type=float, default=1.0, help="divide every modelled time by this")
+    g.add_argument("--sim-disk-read-rate", type=float, default=DEFAULT_DISK_READ_RATE,
+                   help="bytes/s reading KV files (the disk tier, --cache-dir)")
+    g.add_argument("--sim-disk-write-rate", type=float, default=DEFAULT_DISK_WRITE_RATE,
+                   help="bytes/s writing KV files")
 
 
 def timing_from_args(args) -> SimTiming:
@@ -483,7 +509,8 @@ def timing_from_args(args) -> SimTiming:
     layers, heads, dim = args.sim_layers, args.sim_kv_heads, args.sim_head_dim
     if args.sim_model_config:
         layers, heads, dim = kv_config_from_file(args.sim_model_config)
-    for name in ("sim_prefill_rate", "sim_decode_rate", "sim_bandwidth", "sim_token_scale", "sim_speed"):
+    for name in ("sim_prefill_rate", "sim_decode_rate", "sim_bandwidth", "sim_token_scale", "sim_speed",
+                 "sim_disk_read_rate", "sim_disk_write_rate"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     if args.sim_token_scale < 1:
@@ -496,4 +523,6 @@ def timing_from_args(args) -> SimTiming:
         ref_context=args.sim_ref_context,
         token_scale=args.sim_token_scale,
         speed=args.sim_speed,
+        disk_read_rate=args.sim_disk_read_rate,
+        disk_write_rate=args.sim_disk_write_rate,
     )

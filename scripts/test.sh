@@ -7,8 +7,11 @@ scripts/setup.sh test
 set +e
 # -rs: a skipped test (e.g. the browser one without Chromium) is listed with its reason;
 # --durations: the slowest tests, to watch the 10-minute budget from CI logs;
-# -n: test processes (pytest-xdist; MLXGW_TEST_WORKERS=0 runs them all in this one).
-.venv/bin/python -m pytest -q -rs --durations=15 -p no:cacheprovider -n "${MLXGW_TEST_WORKERS:-2}" "$@"
+# -n: test processes (pytest-xdist; MLXGW_TEST_WORKERS=0 runs them all in this one);
+# --dist loadscope keeps a module's tests in one process (some share a module-scoped backend
+# and read its counters: split across processes, each half saw only its own requests).
+.venv/bin/python -m pytest -q -rs --durations=15 -p no:cacheprovider -n "${MLXGW_TEST_WORKERS:-2}" \
+    --dist loadscope "$@"
 rc=$?
 set -e
 # pytest's 5 means "no tests collected": a failure for CI, never a pass.

@@ -1,0 +1,191 @@
+"""The prompt cache's disk tier (cache rule 8, ``--disk-cache-bytes``).
+
+The memory budget of a Mac's prompt cache is small beside its SSD: an agent
+host with a 20 GB KV budget has hundreds of GB of disk, and an entry the
+budget evicts is the KV of a conversation that often comes back (the user
+was reading, the agent was running a tool). Recomputing a 30k-token prompt
+takes 18 s at Qwen3-4B's 1,622 tok/s prefill on an M4 Max; reading its KV
+(4.4 GB at 147,456 bytes/token) back from a 5-7 GB/s Apple SSD takes under
+a second. So an entry evicted from memory is written here instead of
+dropped, and a prompt whose longest cached prefix is on disk reads it back
+into memory (a promotion) before its prefill. The same two-tier design as
+SGLang's HiCache (host memory and storage under the GPU's radix cache) and
+Dynamo's KV block manager (G1 device, G2 host, G3 disk), at this cache's
+entry granularity.
+
+The tier holds whole entries (a rule 7 chain is materialised into one file:
+a shared prefix is written once per entry on disk, never shared there),
+in mlx-lm's ``save_prompt_cache`` format (`KVOps.save_kv`), one file each,
+with its own byte budget and least-recently-used eviction. Its entries keep
+their blocks owned in Redis (the backend can still serve them, a disk read
+instead of a prefill), so the `PromptCache` tells the listener of every
+entry that enters or leaves the tier, as of the memory entries.
+
+The tier is not kept across restarts (files left by an earlier run are
+removed at start; ``--cache-dir`` keeps the memory tier). Not thread-safe:
+the engine thread owns it, as the `PromptCache`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .cache import CacheEntry, common_prefix
+
+log = logging.getLogger("mlxgw.backend")
+
+#: Tier files: ``tier-<n>.safetensors`` (mlx-lm's prompt-cache format; the sim writes JSON).
+_PREFIX, _SUFFIX = "tier-", ".safetensors"
+
+
+class DiskTier:
+    """Entries evicted from memory, on disk, under a byte budget (cache rule 8).
+
+    Args:
+        directory: where the files go (made 0700: KV decodes to the prompts); files an
+            earlier run left there are removed.
+        max_bytes: byte budget of the files' KV (the entries' ``nbytes``), > 0.
+        ops: the cache's `KVOps` (``save_kv`` / ``load_kv`` / ``nbytes``).
+
+    Raises:
+        ValueError: ``max_bytes <= 0``.
+        OSError: the directory cannot be made or listed.
+    """
+
+    def __init__(self, directory: Path, max_bytes: int, ops):
+        if max_bytes <= 0:
+            raise ValueError("the disk tier needs a byte budget > 0")
+        self.directory = Path(directory)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for f in self.directory.glob(f"{_PREFIX}*"):
+            f.unlink(missing_ok=True)
+        self.max_bytes = max_bytes
+        self.ops = ops
+        self.nbytes = 0
+        self._entries: dict[int, CacheEntry] = {}
+        self._paths: dict[int, Path] = {}
+        self._files = itertools.count(1)
+        # Figures since start (the backend's stats and registry record).
+        self.spills = 0  # entries written here
+        self.promotions = 0  # entries read back into memory
+        self.promoted_tokens = 0
+        self.evictions = 0  # entries dropped from here by its budget
+        self.failures = 0  # writes or reads that failed (the entry was dropped)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> list[CacheEntry]:
+        return list(self._entries.values())
+
+    def best_match(self, prompt: np.ndarray) -> tuple[Optional[CacheEntry], int]:
+        """The entry holding the longest prefix of ``prompt`` (int32 array) and its length in
+        tokens, capped at ``len(prompt) - 1`` (rule 1). Entries here are all trimmable."""
+        cap = len(prompt) - 1
+        best, best_n = None, 0
+        for e in self._entries.values():
+            n = min(common_prefix(e.tokens, prompt), cap)
+            if n > best_n:
+                best, best_n = e, n
+        return best, best_n
+
+    def put(self, entry: CacheEntry, kv) -> tuple[Optional[CacheEntry], list[CacheEntry]]:
+        """Write ``kv`` (holding exactly ``entry.tokens``; a whole KV, not a segment chain) as a
+        new tier entry with ``entry``'s metadata and recency.
+
+        Returns ``(the tier entry or None, the tier entries evicted to make room)``; None when
+        the entry exceeds the whole budget or the write failed (logged; the entry is then
+        simply gone, as without a tier). The caller tells the listener of both.
+        """
+        nbytes = self.ops.nbytes(kv)
+        if nbytes > self.max_bytes:
+            return None, []
+        evicted = []
+        while self._entries and self.nbytes + nbytes > self.max_bytes:
+            victim = min(self._entries.values(), key=lambda e: e.last_used)
+            self._drop(victim)
+            self.evictions += 1
+            evicted.append(victim)
+        path = self.directory / f"{_PREFIX}{next(self._files)}{_SUFFIX}"
+        try:
+            self.ops.save_kv(kv, str(path))
+        except Exception as e:  # OSError (disk full), or mlx's RuntimeError for a failed write
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
+            self.failures += 1
+            log.warning("disk tier: could not write %s (%d tokens, %.1f MiB): %s; the entry is dropped",
+                        path, len(entry), nbytes / 2**20, e)
+            return None, evicted
+        d = CacheEntry(
+            tokens=entry.tokens, kv=None, nbytes=nbytes, cache_type=entry.cache_type, trimmable=True,
+            id=entry.id, last_used=entry.last_used, used_at=entry.used_at, hits=entry.hits,
+            prompt_tokens=entry.prompt_tokens, on_disk=True,
+        )
+        self._entries[d.id] = d
+        self._paths[d.id] = path
+        self.nbytes += nbytes
+        self.spills += 1
+        return d, evicted
+
+    def take(self, entry: CacheEntry):
+        """Read ``entry``'s KV back and remove it from the tier (its file deleted). Returns the
+        KV, or None when the read failed (logged; the entry is removed all the same). The
+        caller tells the listener of the removal after it saved the KV in memory, so the
+        entry's blocks never leave Redis in between."""
+        path = self._paths[entry.id]
+        try:
+            kv = self.ops.load_kv(str(path))
+        except Exception as e:
+            self.failures += 1
+            log.warning("disk tier: could not read %s (%d tokens): %s; the prompt is prefilled instead",
+                        path, len(entry), e)
+            kv = None
+        self._drop(entry)
+        if kv is not None:
+            self.promotions += 1
+            self.promoted_tokens += len(entry)
+        return kv
+
+    def drop_covered(self, tokens: np.ndarray) -> list[CacheEntry]:
+        """Remove the tier entries whose tokens are a prefix of ``tokens`` (a memory entry just
+        saved serves them, faster); returns them for the listener."""
+        out = [e for e in self._entries.values()
+               if len(e) <= len(tokens) and common_prefix(e.tokens, tokens) == len(e)]
+        for e in out:
+            self._drop(e)
+        return out
+
+    def clear(self) -> list[CacheEntry]:
+        """Remove every entry; returns them for the listener."""
+        out = list(self._entries.values())
+        for e in out:
+            self._drop(e)
+        return out
+
+    def close(self) -> None:
+        """Remove the tier's files at the backend's stop (the tier is not kept across restarts;
+        the gateways stopped routing here before). No listener: the backend withdrew from Redis."""
+        n = len(self._entries)
+        for e in list(self._entries.values()):
+            self._drop(e)
+        if n:
+            log.info("disk tier: %d entries removed from %s at stop", n, self.directory)
+
+    def _drop(self, e: CacheEntry) -> None:
+        self._entries.pop(e.id)
+        self.nbytes -= e.nbytes
+        path = self._paths.pop(e.id)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as err:  # the budget counts files we know of; a stray one is only disk
+            log.warning("disk tier: could not remove %s: %s", path, err)

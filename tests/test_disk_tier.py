@@ -1,0 +1,205 @@
+"""The prompt cache's disk tier (cache rule 8, ``--disk-cache-bytes``, backend.disktier)."""
+
+import json
+import time
+from collections import Counter
+
+import pytest
+
+from backend import sim
+from backend.cache import PromptCache
+from backend.disktier import DiskTier
+from mlxgw.httpget import get_json, post
+from texts import words
+
+
+class Owners:
+    """A listener keeping what the reporter keeps: how many saved entries hold each prompt,
+    plus the order of events (to check a spill never lets a prompt's blocks go in between)."""
+
+    def __init__(self):
+        self.held: Counter = Counter()
+        self.gaps = 0  # a prompt that went to zero holders and came back (blocks left Redis)
+        self.gone: set = set()
+
+    def on_saved(self, e):
+        k = tuple(e.tokens.tolist())
+        if k in self.gone:
+            self.gaps += 1
+            self.gone.discard(k)
+        self.held[k] += 1
+
+    def on_evicted(self, e):
+        k = tuple(e.tokens.tolist())
+        self.held[k] -= 1
+        assert self.held[k] >= 0, "evicted more than saved"
+        if self.held[k] == 0:
+            del self.held[k]
+            self.gone.add(k)
+
+
+BPT = 10  # sim KV bytes per token
+
+
+def _cache(tmp_path, layout, memory_tokens=700, disk_tokens=10_000, **kw):
+    ops = sim.SimKVOps(sim.SimTiming(kv_bytes_per_token=BPT))
+    disk = DiskTier(tmp_path / "tier", disk_tokens * BPT, ops)
+    owners = Owners()
+    c = PromptCache(max_entries=10, max_bytes=memory_tokens * BPT, layout=layout, share_min_tokens=16,
+                    min_hit_tokens=32, listener=owners, ops=ops, disk=disk, **kw)
+    return c, disk, owners
+
+
+def _conv(k: int, n: int = 300) -> list[int]:
+    return list(range(10_000 * (k + 1), 10_000 * (k + 1) + n))
+
+
+def _save(c, toks):
+    return c.insert(toks, sim.SimKV(len(toks), c.ops.timing), "assistant", prompt_len=len(toks))
+
+
+def _keys(entries):
+    return sorted(tuple(e.tokens.tolist()) for e in entries)
+
+
+@pytest.mark.parametrize("layout", ["shared", "whole"])
+def test_an_evicted_entry_goes_to_disk_and_comes_back_on_its_next_turn(tmp_path, layout):
+    c, disk, owners = _cache(tmp_path, layout)
+    a, b, d = _conv(0), _conv(1), _conv(2)
+    for t in (a, b, d):  # room for two 300-token entries: a is evicted, to disk
+        _save(c, t)
+    assert _keys(c.entries()) == _keys([c.get(i) for i in (2, 3)]) and len(c) == 2
+    assert [len(e) for e in disk.entries()] == [300] and disk.entries()[0].tokens.tolist() == a
+    assert (c.evictions, disk.spills, disk.nbytes) == (1, 1, 300 * BPT)
+    assert [p.name for p in (tmp_path / "tier").iterdir()] == ["tier-1.safetensors"]
+    # Every prompt is still held by someone (memory or disk): its blocks stay owned.
+    assert set(owners.held) == {tuple(a), tuple(b), tuple(d)} and owners.gaps == 0
+
+    hit = c.fetch(a + [7] * 40)  # a's next turn: read back from disk, not prefilled
+    assert hit.reused == 300 and len(c.get(hit.entry_id)) == 300
+    assert (disk.promotions, disk.promoted_tokens) == (1, 300)
+    # a came into memory and b (now the least recently used) went to disk in its place.
+    assert _keys(c.entries()) == sorted([tuple(a), tuple(d)])
+    assert _keys(disk.entries()) == [tuple(b)] and len(list((tmp_path / "tier").iterdir())) == 1
+    assert set(owners.held) == {tuple(a), tuple(b), tuple(d)} and owners.gaps == 0
+    assert c.nbytes == 600 * BPT and disk.nbytes == 300 * BPT
+
+
+def test_a_prompt_served_as_well_from_memory_reads_nothing(tmp_path):
+    c, disk, _ = _cache(tmp_path, "shared", memory_tokens=450)  # the system prompt once, two tails
+    system = list(range(50, 250))
+    _save(c, system + _conv(0, 100))
+    _save(c, system + _conv(1, 100))
+    _save(c, system + _conv(2, 100))  # the first conversation to disk
+    assert len(disk) == 1
+    # A new conversation on the system prompt: memory serves the 200 shared tokens as well as
+    # the disk would (the disk entry shares the same 200): no read.
+    hit = c.fetch(system + _conv(3, 50))
+    assert hit.reused == 200 and disk.promotions == 0 and len(disk) == 1
+    # Less than share_min_tokens (16) more on disk than in memory: no read either.
+    hit = c.fetch(system + _conv(0, 10) + [1])
+    assert hit.reused == 200 and disk.promotions == 0
+
+
+def test_a_save_that_extends_a_disk_entry_replaces_it(tmp_path):
+    c, disk, owners = _cache(tmp_path, "shared")
+    a = _conv(0)
+    for t in (a, _conv(1), _conv(2)):
+        _save(c, t)
+    assert _keys(disk.entries()) == [tuple(a)]
+    # a's conversation went on elsewhere (computed again, say); its longer save covers the disk entry.
+    _save(c, a + [5] * 100)  # 400 tokens: b, now the least recently used, goes to disk for room
+    assert _keys(disk.entries()) == [tuple(_conv(1))]
+    assert [p.name for p in (tmp_path / "tier").iterdir()] == ["tier-2.safetensors"]
+    assert tuple(a) not in owners.held and tuple(a + [5] * 100) in owners.held
+
+
+def test_the_disk_budget_evicts_its_least_recently_used_entry(tmp_path):
+    c, disk, owners = _cache(tmp_path, "whole", memory_tokens=300, disk_tokens=650)
+    convs = [_conv(k) for k in range(4)]
+    for t in convs:  # memory holds one: three go to disk, which holds two
+        _save(c, t)
+    assert _keys(c.entries()) == [tuple(convs[3])]
+    assert _keys(disk.entries()) == sorted([tuple(convs[1]), tuple(convs[2])])
+    assert (disk.spills, disk.evictions, disk.nbytes) == (3, 1, 600 * BPT)
+    assert tuple(convs[0]) not in owners.held  # dropped from disk: its blocks leave Redis
+    assert len(list((tmp_path / "tier").iterdir())) == 2
+    assert c.fetch(convs[0] + [1]).reused == 0
+
+
+def test_an_unreadable_disk_entry_costs_only_its_prefill(tmp_path, caplog):
+    c, disk, owners = _cache(tmp_path, "shared")
+    a = _conv(0)
+    for t in (a, _conv(1), _conv(2)):
+        _save(c, t)
+    (tmp_path / "tier" / "tier-1.safetensors").unlink()
+    hit = c.fetch(a + [1])
+    assert hit.reused == 0 and len(disk) == 0 and disk.failures == 1 and disk.promotions == 0
+    assert tuple(a) not in owners.held  # not owned any more: no gateway sends it here for it
+    assert "could not read" in caplog.text and "prefilled instead" in caplog.text
+
+
+def test_a_failed_write_drops_the_entry_as_without_a_tier(tmp_path):
+    c, disk, owners = _cache(tmp_path, "shared")
+    (tmp_path / "tier").rmdir()
+    (tmp_path / "tier").write_text("")  # not a directory any more: every write fails
+    for t in (_conv(0), _conv(1), _conv(2)):
+        _save(c, t)
+    assert len(disk) == 0 and disk.failures == 1 and len(c) == 2
+    assert tuple(_conv(0)) not in owners.held
+
+
+def test_a_new_tier_empties_its_directory_and_clear_removes_files(tmp_path):
+    (tmp_path / "tier").mkdir()
+    (tmp_path / "tier" / "tier-9.safetensors").write_text("{}")
+    (tmp_path / "tier" / "notes.txt").write_text("mine")
+    c, disk, owners = _cache(tmp_path, "shared")
+    assert sorted(p.name for p in (tmp_path / "tier").iterdir()) == ["notes.txt"]  # only its own files
+    for t in (_conv(0), _conv(1), _conv(2)):
+        _save(c, t)
+    c.clear()
+    assert len(disk) == 0 and not owners.held
+    assert sorted(p.name for p in (tmp_path / "tier").iterdir()) == ["notes.txt"]
+
+
+def test_sim_disk_reads_take_the_modelled_time(tmp_path):
+    timing = sim.SimTiming(kv_bytes_per_token=1_000_000, disk_read_rate=1e9, disk_write_rate=2e9)
+    ops = sim.SimKVOps(timing)
+    t0 = time.monotonic()
+    ops.save_kv(sim.SimKV(100, timing), str(tmp_path / "x"))  # 100 MB at 2 GB/s: 50 ms
+    t1 = time.monotonic()
+    assert ops.load_kv(str(tmp_path / "x")).n == 100  # at 1 GB/s: 100 ms
+    t2 = time.monotonic()
+    assert 0.05 <= t1 - t0 < 0.5 and 0.1 <= t2 - t1 < 0.6
+
+
+def _chat(url: str, text: str) -> dict:
+    status, _, raw = post(url + "/v1/chat/completions", {
+        "model": "demo-tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 8,
+        "temperature": 0})
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+@pytest.mark.parametrize("layout", ["shared", "whole"])
+def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stack, tmp_path, layout):
+    """A real mlx-lm backend whose memory holds one conversation: the one evicted to disk is
+    still owned in Redis, its next request reuses it from disk, and the greedy answer from the
+    KV read back equals the one computed from scratch."""
+    s = make_stack()
+    b = s.add_backend("b0", None, "--cache-bytes", "0.5MB", "--cache-layout", layout,
+                      "--disk-cache-dir", str(tmp_path / "tier"), "--disk-cache-bytes", "64MB")
+    s.wait()
+    first = [_chat(b.url, words(300, seed=80 + k)) for k in range(3)]
+    health = get_json(b.url + "/health")
+    assert health["disk_spills"] >= 1 and health["disk_entries"] >= 1, {k: v for k, v in health.items() if "cache" in k or "disk" in k or "kv" in k}
+    assert health["disk_bytes"] > 0 and health["disk_budget_bytes"] == 64 << 20
+    again = _chat(b.url, words(300, seed=80))
+    prompt = first[0]["usage"]["prompt_tokens"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 1
+    assert again["choices"][0]["message"]["content"] == first[0]["choices"][0]["message"]["content"]
+    health = get_json(b.url + "/health")
+    assert health["disk_promotions"] == 1 and health["disk_promoted_tokens"] >= prompt - 1, health
+    b.stop()
+    assert "disk tier: " in b.log_path.read_text()
+    assert not list((tmp_path / "tier").glob("tier-*"))  # removed at stop
