@@ -43,6 +43,9 @@ class ModelConfig:
     cache_dir: str = ""
     # With cache_dir: also save while idle, at most this often (s), when the cache changed; 0: only at stop.
     cache_save_interval: float = 600.0
+    # Cache rule 8: entries the memory budget evicts go to disk (DIR/<name>-<i>/tier of cache_dir),
+    # up to this many bytes per backend; empty: no disk tier.
+    disk_cache_bytes: str = ""
 
 
 @dataclass
@@ -195,7 +198,7 @@ def validate(cfg: ServeConfig) -> None:
         ValueError: a value of the wrong type, a negative number (or below 1 where 0 makes
             no sense: block size, backends, cache entries, prefill and decode concurrency), a size that
             does not parse, a port out of range, two models with one name or overlapping ports,
-            a ``cache_dir`` that cannot be made or written.
+            a ``cache_dir`` that cannot be made or written, ``disk_cache_bytes`` without one.
     """
     from gateway.route import RoutingConfig
 
@@ -230,6 +233,13 @@ def validate(cfg: ServeConfig) -> None:
         ranges.append((f"{where} backend ports", m.port, m.port + m.backends - 1))
         if m.cache_dir:
             _check_cache_dir(m.cache_dir, where)
+        if m.disk_cache_bytes:
+            try:
+                positive_bytes(m.disk_cache_bytes)
+            except ValueError as e:
+                raise ValueError(f"{where} disk_cache_bytes: {e}") from None
+            if not m.cache_dir:
+                raise ValueError(f"{where}: disk_cache_bytes needs cache_dir (the disk tier's files go under it)")
     for where, lo, hi in ranges:
         if not (1 <= lo and hi <= 65535):
             raise ValueError(f"{where}: {lo}-{hi} is outside 1-65535")
@@ -258,7 +268,7 @@ def apply_flags(cfg: ServeConfig, args) -> ServeConfig:
     for flag, attr in (("backends", "backends"), ("backend_port", "port"), ("cache_bytes", "cache_bytes"),
                        ("cache_entries", "cache_entries"), ("cache_layout", "cache_layout"),
                        ("decode_concurrency", "decode_concurrency"), ("cache_dir", "cache_dir"),
-                       ("cache_save_interval", "cache_save_interval")):
+                       ("cache_save_interval", "cache_save_interval"), ("disk_cache_bytes", "disk_cache_bytes")):
         v = getattr(args, flag, None)
         if v is not None:
             setattr(m0, attr, v)

@@ -56,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-save-interval", type=float,
                    help="with --cache-dir: also save while idle (no request for 30 s), at most every this many "
                         "seconds (default 600; 0: only at stop)")
+    p.add_argument("--disk-cache-bytes", type=size_arg,
+                   help="with --cache-dir: each backend writes prompt-cache entries its memory budget evicts "
+                        "to DIR/<model>-<i>/tier, up to this many bytes (e.g. 100GB), and reads one back "
+                        "when a prompt's longest cached prefix is there (docs/cache-policy.md, rule 8); "
+                        "default: no disk tier")
     p.add_argument("--decode-concurrency", type=positive_int,
                    help="decode slots per backend: answers generated at once (default 16; "
                         "docs/cache-policy.md, 'Decode slots')")
@@ -349,7 +354,8 @@ def backend_cache_dir_flags(m: config_mod.ModelConfig, i: int) -> list[str]:
     if not m.cache_dir:
         return []
     return ["--cache-dir", str(Path(m.cache_dir).expanduser().resolve() / f"{m.name}-{i}"),
-            "--cache-save-interval", f"{m.cache_save_interval:g}"]
+            "--cache-save-interval", f"{m.cache_save_interval:g}",
+            *(["--disk-cache-bytes", m.disk_cache_bytes] if m.disk_cache_bytes else [])]
 
 
 def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:
@@ -489,6 +495,9 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
             where = Path(m.cache_dir).expanduser().resolve()
             lines.insert(-1, f"  kv kept    {m.name}: prompt caches saved at stop and when idle, restored at start, in {where}/"
                              f"{m.name}-<i>   (docs/cache-policy.md, 'Across restarts')")
+        if m.disk_cache_bytes:
+            lines.insert(-1, f"  disk tier  {m.name}: up to {m.disk_cache_bytes} of evicted entries per backend in "
+                             f"{where}/{m.name}-<i>/tier   (docs/cache-policy.md, rule 8)")
     from backend.main import budget_warnings
 
     from .util import parse_bytes

@@ -236,6 +236,28 @@ def test_serve_cache_dir_gives_each_backend_a_directory_of_its_own(tmp_path):
     assert flags == ["--cache-dir", str(Path("~/kv").expanduser().resolve() / "m-0"), "--cache-save-interval", "60"]
 
 
+def test_serve_disk_cache_bytes_gives_each_backend_a_disk_tier_under_its_cache_dir(tmp_path):
+    """`mlxgw serve --disk-cache-bytes` / ``[[models]] disk_cache_bytes`` (cache rule 8): passed to
+    each backend, whose tier goes in its own ``--cache-dir``; without a cache_dir, a config error."""
+    from mlxgw import launcher
+
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    cfg = config.apply_flags(config.ServeConfig(), parser.parse_args(
+        ["--cache-dir", str(tmp_path / "kv"), "--served-name", "demo", "--disk-cache-bytes", "100GB"]))
+    config.validate(cfg)
+    assert launcher.backend_cache_dir_flags(cfg.models[0], 1) == [
+        "--cache-dir", str(tmp_path / "kv" / "demo-1"), "--cache-save-interval", "600", "--disk-cache-bytes", "100GB"]
+    cfg = config.apply_flags(config.ServeConfig(), parser.parse_args(["--disk-cache-bytes", "100GB"]))
+    with pytest.raises(ValueError, match="disk_cache_bytes needs cache_dir"):
+        config.validate(cfg)
+    cfg = config.ServeConfig(models=[config.ModelConfig(name="a", cache_dir=str(tmp_path), disk_cache_bytes="lots")])
+    with pytest.raises(ValueError, match="a disk_cache_bytes: "):
+        config.validate(cfg)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--disk-cache-bytes", "-1GB"])
+
+
 def test_a_backend_started_by_hand_has_the_serve_defaults():
     """`mlxgw backend` on another Mac gets the cache budget the README states for `serve`
     (it had 4GB against serve's 2GB before session 28)."""

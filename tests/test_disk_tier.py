@@ -203,3 +203,18 @@ def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stac
     b.stop()
     assert "disk tier: " in b.log_path.read_text()
     assert not list((tmp_path / "tier").glob("tier-*"))  # removed at stop
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--disk-cache-bytes", "1GB"], "--disk-cache-bytes needs a directory: --disk-cache-dir, or --cache-dir"),
+    (["--disk-cache-dir", "{tmp}/t"], "--disk-cache-dir needs --disk-cache-bytes"),
+    (["--disk-cache-dir", "{tmp}/kv", "--cache-dir", "{tmp}/kv", "--disk-cache-bytes", "1GB"],
+     "--disk-cache-dir must differ from --cache-dir"),
+])
+def test_disk_tier_flags_that_cannot_work_stop_the_backend_with_the_reason(tmp_path, flags, says):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "mlxgw", "backend", *[f.format(tmp=tmp_path) for f in flags]],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]
