@@ -14,7 +14,10 @@ One invocation, for each cache budget, starts fresh simulated backends
 * ``--variant NAME=FLAGS``: our gateway with other flags, side by side (e.g.
   ``mlxgw-lw0='--load-weight 0'``, the routing default before queued prefill counted);
   ``--backend-variant NAME=FLAGS`` gives a run's backends extra flags (NAME starts
-  with ``mlxgw`` or ``pooled``, e.g. ``mlxgw-r6='--min-shared-tokens 16'``);
+  with ``mlxgw`` or ``pooled``, e.g. ``mlxgw-r6='--min-shared-tokens 16'``; in FLAGS,
+  ``{backend}`` becomes each backend's id and ``{ws_bytes}`` the trace's KV working set in
+  bytes, e.g. ``mlxgw-disk='--disk-cache-dir /tmp/tier/{backend} --disk-cache-bytes {ws_bytes}'``,
+  cache rule 8's disk tier with room for the whole working set on each backend);
 * ``mlxgw-xG`` / ``sglang-xG``: G gateway (router) processes, the client
   spreading requests over them in turn (ours share one Redis; each sglang
   router has its own tree).
@@ -331,7 +334,7 @@ def _cpu_seconds(proc) -> float:
 
 
 def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes: int, items, mapper, scale: float,
-            speed: float) -> dict:
+            speed: float, ws_bytes: int = 0) -> dict:
     """Start backends (+ routers) for one configuration, replay, collect, stop."""
     gws = 1
     base = name
@@ -347,7 +350,8 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
     routers: list = []
     try:
         for i in range(n):
-            st.add_backend(f"b{i}", None, *sim_flags)
+            st.add_backend(f"b{i}", None, *[f.replace("{backend}", f"{base}-b{i}").replace("{ws_bytes}", str(ws_bytes))
+                                            for f in sim_flags])
         if base.startswith("mlxgw"):
             variants = dict(v.split("=", 1) for v in args.variant)
             if base in variants:
@@ -406,6 +410,9 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
         "backend_cpu_s": backend_cpu,
         # Budget evictions over the backends (0: every backend had memory for all it saved).
         "evictions": sum(h.get("cache_evictions", 0) for h in health),
+        # Cache rule 8's disk tier (0 without one): entries read back, and their tokens.
+        "disk_promotions": sum(h.get("disk_promotions", 0) for h in health),
+        "disk_promoted_tokens": sum(h.get("disk_promoted_tokens", 0) for h in health),
         # Our gateways' Redis lookups by status over the replay ({} for other routers).
         "lookups": lookups,
         "ttfts": sorted(r["ttft"] for r in ok),
@@ -414,7 +421,8 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
 
 
 _MEDIAN_KEYS = ("hit_ratio", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "throughput_rps", "wall_s",
-                "load_share_max_mean", "overhead_ms", "router_cpu_ms_per_request", "backend_cpu_s", "evictions")
+                "load_share_max_mean", "overhead_ms", "router_cpu_ms_per_request", "backend_cpu_s", "evictions",
+                "disk_promotions")
 _RANGE_KEYS = ("hit_ratio", "ttft_p50", "ttft_p99")
 
 
@@ -588,17 +596,19 @@ def table(res: dict) -> str:
         lines.append(f"\n**Cache budget {b['fraction']:g} x working set** ({b['per_backend_gb']:.2f} GB per backend, "
                      f"{b['per_backend_gb'] * res['config']['backends']:.2f} GB in all)\n")
         lines.append("| router | hit ratio | hit/oracle | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | req/s "
-                     "| max/mean load | added latency p50 (ms) | router CPU ms/request | budget evictions | errors |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+                     "| max/mean load | added latency p50 (ms) | router CPU ms/request | budget evictions | disk reads "
+                     "| errors |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in b["runs"]:
             ov = "" if r["overhead_ms"] is None else f"{r['overhead_ms']:.2f}"
             cpu = "" if r.get("router_cpu_ms_per_request") is None else f"{r['router_cpu_ms_per_request']:.2f}"
             ev = "" if r.get("evictions") is None else f"{r['evictions']:.0f}"
+            dr = f"{r['disk_promotions']:.0f}" if r.get("disk_promotions") else ""  # cache rule 8's tier
             lines.append(
                 f"| {r['router']} | {_spread(r, 'hit_ratio', '{:.3f}')} | {r['hit_ratio'] / res['oracle_ratio']:.3f} | "
                 f"{_spread(r, 'ttft_p50', '{:.0f}', 1000)} / {_spread(r, 'ttft_p99', '{:.0f}', 1000)} | "
                 f"{r['e2e_p50'] * 1000:.0f} / {r['e2e_p99'] * 1000:.0f} | {r['throughput_rps']:.2f} | "
-                f"{r['load_share_max_mean']:.2f} | {ov} | {cpu} | {ev} | {r['errors']} |")
+                f"{r['load_share_max_mean']:.2f} | {ov} | {cpu} | {ev} | {dr} | {r['errors']} |")
         notes = []
         for name, d in b.get("paired", {}).items():
             if "p99_vs_sglang" in d:
@@ -742,12 +752,13 @@ def main(argv=None) -> int:
                     if "-x" in name and not multi_budget(args.multi_budgets, bi, budgets):
                         continue
                     t = time.time()
-                    r = run_one(name, args, model_path, redis.url, per_backend, items, mapper, scale, speed)
+                    r = run_one(name, args, model_path, redis.url, per_backend, items, mapper, scale, speed, ws)
                     print(f"  budget {frac:g} round {rep + 1} {name:10s} hit {r['hit_ratio']:.3f} ttft p50/p99 "
                           f"{r['ttft_p50'] * 1000:.0f}/{r['ttft_p99'] * 1000:.0f} ms errors {r['errors']} "
                           f"router cpu {r['router_cpu_ms_per_request'] or 0:.2f} ms/req "
                           f"backend cpu {r['backend_cpu_s']:.0f} s ({time.time() - t:.0f} s)"
-                          + (f" lookups {r['lookups']}" if r["lookups"] else ""), flush=True)
+                          + (f" lookups {r['lookups']}" if r["lookups"] else "")
+                          + (f" disk reads {r['disk_promotions']}" if r["disk_promotions"] else ""), flush=True)
                     runs.append(r)
                 rounds.append(runs)
             res["budgets"].append({"fraction": frac, "per_backend_gb": per_backend / 2**30,
