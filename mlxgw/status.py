@@ -117,7 +117,8 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
     silent, left_out, url, active, slots (decode slots, 0: not published), waiting (requests
     not yet in the batch), active_text (``active/slots``), queued (prefill tokens), entries,
     cache_mb (MiB), cache_use (bytes / budget, 0..1, 0 without a budget),
-    evictions (entries the budget evicted since start), requests, hit_ratio (cached / prompt tokens since start), age_s (since the
+    evictions (entries the budget evicted since start), disk_mb (MiB of KV in the disk tier, cache rule 8;
+    0 without one), disk_reads (entries read back from it since start), requests, hit_ratio (cached / prompt tokens since start), age_s (since the
     last heartbeat), load`` where ``load`` (active requests, then queued
     tokens) is the sort key of ``mlxgw top``.
     """
@@ -148,6 +149,8 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
         "cache_mb": round(_f(rec, "cache_bytes") / 2**20, 2),
         "cache_use": round(_f(rec, "cache_bytes") / budget, 4) if budget else 0.0,
         "evictions": int(_f(rec, "cache_evictions")),
+        "disk_mb": round(_f(rec, "disk_bytes") / 2**20, 2),
+        "disk_reads": int(_f(rec, "disk_promotions")),
         "requests": int(_f(rec, "requests")),
         "hits": int(_f(rec, "hits")),
         "hit_ratio": round(_f(rec, "cached_tokens") / pt, 4) if pt else 0.0,
@@ -307,10 +310,22 @@ def model_total(records: list[dict]) -> dict:
     views = [backend_view(r) for r in records]
     pt = sum(_f(r, "prompt_tokens") for r in records)
     ct = sum(_f(r, "cached_tokens") for r in records)
-    out = {k: sum(v[k] for v in views) for k in ("active", "slots", "waiting", "queued", "entries", "evictions")}
+    out = {k: sum(v[k] for v in views) for k in ("active", "slots", "waiting", "queued", "entries", "evictions",
+                                                 "disk_reads")}
     return {"live": sum(not v["silent"] and not v["left_out"] for v in views),
             "left_out": sum(v["left_out"] for v in views), **out, "cache_mb": round(sum(v["cache_mb"] for v in views), 2),
+            "disk_mb": round(sum(v["disk_mb"] for v in views), 2),
             "prompt_tokens": int(pt), "cached_tokens": int(ct), "hit_ratio": round(ct / pt, 4) if pt else 0.0}
+
+
+def has_disk_tier(records: list[dict]) -> bool:
+    """Whether any of a model's backends runs a disk tier (cache rule 8): the status table then
+    has a ``disk MiB / reads`` column."""
+    return any(_f(r, "disk_budget_bytes") > 0 for r in records)
+
+
+def _disk_cell(v: dict) -> str:
+    return f"{v['disk_mb']:.1f} / {v['disk_reads']}"
 
 
 def total_row(records: list[dict]) -> list[str]:
@@ -319,7 +334,7 @@ def total_row(records: list[dict]) -> list[str]:
     live = f"{t['live']} live" + (f", {t['left_out']} left out" if t["left_out"] else "")
     active = f"{t['active']}/{t['slots']}" if t["slots"] else str(t["active"])
     return ["total", live, "", active, str(t["queued"]), str(t["entries"]), f"{t['cache_mb']:.1f}",
-            str(t["evictions"]), f"{t['hit_ratio']:.2f}", ""]
+            str(t["evictions"]), *([_disk_cell(t)] if has_disk_tier(records) else []), f"{t['hit_ratio']:.2f}", ""]
 
 
 def disagreement(records: list[dict]) -> list[str]:
@@ -391,12 +406,14 @@ def run(args) -> int:
     now = time.time()
     for m, d in data.items():
         t = Table(title=f"model {m}{layouts_note(d['backends'])}")
+        disk = has_disk_tier(d["backends"])
         for col in ("backend", "state", "url", "active/slots", "queued tok", "entries", "cache MiB", "evictions",
-                    "hit ratio (tokens)", "age s"):
+                    *(["disk MiB / reads"] if disk else []), "hit ratio (tokens)", "age s"):
             t.add_column(col)
         for b in map(lambda r: backend_view(r, now), d["backends"]):
             t.add_row(b["id"], b["state"], b["url"], b["active_text"], str(b["queued"]), str(b["entries"]),
-                      f"{b['cache_mb']:.1f}", str(b["evictions"]), f"{b['hit_ratio']:.2f}", f"{b['age_s']:.1f}")
+                      f"{b['cache_mb']:.1f}", str(b["evictions"]), *([_disk_cell(b)] if disk else []),
+                      f"{b['hit_ratio']:.2f}", f"{b['age_s']:.1f}")
         if len(d["backends"]) > 1:
             t.add_section()
             t.add_row(*total_row(d["backends"]))

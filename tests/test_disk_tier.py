@@ -1,6 +1,8 @@
 """The prompt cache's disk tier (cache rule 8, ``--disk-cache-bytes``, backend.disktier)."""
 
 import json
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -182,7 +184,7 @@ def _chat(url: str, text: str) -> dict:
 
 
 @pytest.mark.parametrize("layout", ["shared", "whole"])
-def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stack, tmp_path, layout):
+def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stack, redis_server, tmp_path, layout):
     """A real mlx-lm backend whose memory holds one conversation: the one evicted to disk is
     still owned in Redis, its next request reuses it from disk, and the greedy answer from the
     KV read back equals the one computed from scratch."""
@@ -200,6 +202,16 @@ def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stac
     assert again["choices"][0]["message"]["content"] == first[0]["choices"][0]["message"]["content"]
     health = get_json(b.url + "/health")
     assert health["disk_promotions"] == 1 and health["disk_promoted_tokens"] >= prompt - 1, health
+    # `mlxgw status` shows the tier (from the registry record, after the next heartbeat).
+    deadline = time.time() + 10
+    while True:
+        out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", redis_server.url,
+                              "--namespace", s.namespace], capture_output=True, text=True, timeout=60)
+        row = next((ln for ln in out.stdout.splitlines() if "b0" in ln), "")
+        if f"{health['disk_bytes'] / 2**20:.1f} / 1 " in row or time.time() > deadline:
+            break
+        time.sleep(0.3)
+    assert "disk MiB / reads" in out.stdout and f"{health['disk_bytes'] / 2**20:.1f} / 1 " in row, out.stdout
     b.stop()
     assert "disk tier: " in b.log_path.read_text()
     assert not list((tmp_path / "tier").glob("tier-*"))  # removed at stop
@@ -212,9 +224,6 @@ def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stac
      "--disk-cache-dir must differ from --cache-dir"),
 ])
 def test_disk_tier_flags_that_cannot_work_stop_the_backend_with_the_reason(tmp_path, flags, says):
-    import subprocess
-    import sys
-
     r = subprocess.run([sys.executable, "-m", "mlxgw", "backend", *[f.format(tmp=tmp_path) for f in flags]],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]
