@@ -65,7 +65,9 @@ the listener, so Redis sees each one (nothing leaves silently).
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
@@ -291,6 +293,9 @@ class PromptCache:
         read back into memory first (in this thread: the disk's read time).
         """
         e, n = self.best_match(prompt)
+        if self.disk is not None:
+            for x in self.disk.reap():  # background writes that failed: those prefixes are gone
+                self._tell_evicted(x)
         if self.disk is not None and len(self.disk):
             d, nd = self.disk.best_match(np.asarray(prompt, dtype=np.int32))
             if d is not None and nd >= n + self.share_min_tokens and self._promote(d):
@@ -487,7 +492,7 @@ class PromptCache:
         if kv is None:
             return
         d, evicted = self.disk.put(victim, kv)
-        for x in evicted:
+        for x in evicted + self.disk.reap():
             self._tell_evicted(x)
         if d is not None and self.listener is not None:
             self.listener.on_saved(d)
@@ -682,6 +687,28 @@ class PromptCache:
         return self.ops.join(pieces, n)
 
 
+#: Metadata ``format`` of the disk tier's host-written KV files (`KVOps.write_host`).
+HOST_FORMAT = "mlxgw-kv-1"
+
+
+@dataclass
+class HostKV:
+    """A host (numpy) copy of a KV cache's plain layers (`KVOps.to_host`); ``dtype`` is the
+    safetensors name (``BF16``, ``F16``, ``F32``)."""
+
+    layers: list
+    dtype: str
+
+
+@functools.lru_cache(maxsize=1)
+def _dtype_names() -> dict:
+    """mlx dtype -> safetensors dtype name, for the KV dtypes `KVOps.to_host` copies (mlx is
+    imported on first use, as everywhere in this module)."""
+    import mlx.core as mx
+
+    return {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32"}
+
+
 def _victim(entries, keep: Optional[CacheEntry]) -> Optional[CacheEntry]:
     # mlx-lm's CacheOrder: take from the largest group, ties in the order
     # assistant, user, system; within a group the least recently used.
@@ -784,13 +811,87 @@ class KVOps:
         save_prompt_cache(path, kv)
 
     def load_kv(self, path: str):
+        """Read a file of `save_kv` or `write_host` back as a list of mlx-lm cache layers
+        (arrays evaluated: read now, not at the first hit)."""
+        import mlx.core as mx
         from mlx_lm.models.cache import load_prompt_cache
 
+        arrays, meta = mx.load(path, return_metadata=True)
+        if meta.get("format") == HOST_FORMAT:
+            kv = self._layers([(arrays[f"{i}.k"], arrays[f"{i}.v"]) for i in range(len(arrays) // 2)])
+        else:
+            del arrays
+            kv = load_prompt_cache(path)
+        mx.eval([c.state for c in kv])
+        return kv
+
+    # The disk tier's write-behind (backend.disktier): the engine thread takes a host copy
+    # (numpy), a writer thread writes it with no MLX call (MLX stays on the engine thread).
+    def to_host(self, kv):
+        """A host (numpy) copy of plain ``KVCache`` layers: ``[(keys, values)]`` arrays of shape
+        ``(batch, kv_heads, tokens, head_dim)`` (bfloat16 as its uint16 bits) plus the dtype
+        name; None for other layer types (the caller writes those with `save_kv`)."""
+        if not self.sliceable(kv):
+            return None
         import mlx.core as mx
 
-        kv = load_prompt_cache(path)
-        mx.eval([c.state for c in kv])  # a tree of arrays: read now, not at the first hit
+        dtype = kv[0].keys.dtype
+        if dtype not in _dtype_names() or any(c.keys.dtype != dtype or c.values.dtype != dtype for c in kv):
+            return None
+
+        def host(a):
+            return np.array(a.view(mx.uint16) if dtype == mx.bfloat16 else a)
+
+        # Each layer's first ``offset`` tokens: mlx-lm grows its buffers in steps past the offset.
+        return HostKV([(host(c.keys[..., :c.offset, :]), host(c.values[..., :c.offset, :])) for c in kv],
+                      _dtype_names()[dtype])
+
+    def host_nbytes(self, host) -> int:
+        return int(sum(k.nbytes + v.nbytes for k, v in host.layers))
+
+    def write_host(self, host, path: str) -> None:
+        """Write a `to_host` copy to ``path`` as a safetensors file mlx ``load`` reads (the
+        format's 8-byte header length, JSON header, raw little-endian data; written here
+        because numpy has no bfloat16 for the ``safetensors`` package). Any thread."""
+        header, offset, arrays = {}, 0, []
+        for i, (k, v) in enumerate(host.layers):
+            for name, a in ((f"{i}.k", k), (f"{i}.v", v)):
+                a = np.ascontiguousarray(a)
+                header[name] = {"dtype": host.dtype, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+                offset += a.nbytes
+                arrays.append(a)
+        header["__metadata__"] = {"format": HOST_FORMAT}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(path, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for a in arrays:
+                f.write(memoryview(a).cast("B"))
+
+    def from_host(self, host):
+        """Cache layers holding a `to_host` copy again (a promotion before its write ended)."""
+        import mlx.core as mx
+
+        dtype = {v: k for k, v in _dtype_names().items()}[host.dtype]
+
+        def dev(a):
+            x = mx.array(a)
+            return x.view(mx.bfloat16) if dtype == mx.bfloat16 else x
+
+        kv = self._layers([(dev(k), dev(v)) for k, v in host.layers])
+        mx.eval([c.state for c in kv])
         return kv
+
+    def _layers(self, pairs):
+        from mlx_lm.models.cache import KVCache
+
+        out = []
+        for k, v in pairs:
+            c = KVCache()
+            c.keys, c.values, c.offset = k, v, int(k.shape[2])
+            out.append(c)
+        return out
 
     def nbytes(self, kv) -> int:
         return kv_nbytes(kv)

@@ -21,9 +21,20 @@ their blocks owned in Redis (the backend can still serve them, a disk read
 instead of a prefill), so the `PromptCache` tells the listener of every
 entry that enters or leaves the tier, as of the memory entries.
 
+Writes are behind the eviction (write-behind): the engine thread takes a host
+(numpy) copy of the entry's KV, a memory copy far faster than the disk, and a
+writer thread writes it (`KVOps.write_host`, no MLX call off the engine
+thread), so running decodes do not pause for the disk. A promotion before the
+write ended takes the host copy instead of the file. Host copies waiting for
+the disk are held outside the memory budget, at most ``max_pending_bytes``
+(more waits for the writer). Layer types the host copy does not cover
+(rotating windows, quantized KV) are written in the engine thread with
+mlx-lm's ``save_prompt_cache``.
+
 The tier is not kept across restarts (files left by an earlier run are
-removed at start; ``--cache-dir`` keeps the memory tier). Not thread-safe:
-the engine thread owns it, as the `PromptCache`.
+removed at start; ``--cache-dir`` keeps the memory tier). The engine thread
+calls every method (as it owns the `PromptCache`); the writer thread shares
+only the pending copies, under a lock.
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import queue
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -51,14 +64,17 @@ class DiskTier:
         directory: where the files go (made 0700: KV decodes to the prompts); files an
             earlier run left there are removed.
         max_bytes: byte budget of the files' KV (the entries' ``nbytes``), > 0.
-        ops: the cache's `KVOps` (``save_kv`` / ``load_kv`` / ``nbytes``).
+        ops: the cache's `KVOps` (``to_host`` / ``write_host`` / ``from_host`` / ``save_kv`` /
+            ``load_kv`` / ``nbytes``).
+        max_pending_bytes: host copies waiting for the writer beyond which an eviction waits
+            for it, bytes (None: no write-behind, every write in the caller's thread).
 
     Raises:
         ValueError: ``max_bytes <= 0``.
         OSError: the directory cannot be made or listed.
     """
 
-    def __init__(self, directory: Path, max_bytes: int, ops):
+    def __init__(self, directory: Path, max_bytes: int, ops, max_pending_bytes: Optional[int] = None):
         if max_bytes <= 0:
             raise ValueError("the disk tier needs a byte budget > 0")
         self.directory = Path(directory)
@@ -67,16 +83,25 @@ class DiskTier:
             f.unlink(missing_ok=True)
         self.max_bytes = max_bytes
         self.ops = ops
+        self.max_pending_bytes = max_pending_bytes
         self.nbytes = 0
         self._entries: dict[int, CacheEntry] = {}
         self._paths: dict[int, Path] = {}
         self._files = itertools.count(1)
+        # Write-behind state, shared with the writer thread under _cond's lock.
+        self._cond = threading.Condition()
+        self._pending: dict[int, object] = {}  # entry id -> host copy not yet written
+        self.pending_bytes = 0
+        self._lost: list[int] = []  # entries whose write failed, for `reap`
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer: Optional[threading.Thread] = None
         # Figures since start (the backend's stats and registry record).
         self.spills = 0  # entries written here
         self.promotions = 0  # entries read back into memory
         self.promoted_tokens = 0
         self.evictions = 0  # entries dropped from here by its budget
         self.failures = 0  # writes or reads that failed (the entry was dropped)
+        self.write_waits = 0  # evictions that waited for the writer (max_pending_bytes reached)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -97,11 +122,12 @@ class DiskTier:
 
     def put(self, entry: CacheEntry, kv) -> tuple[Optional[CacheEntry], list[CacheEntry]]:
         """Write ``kv`` (holding exactly ``entry.tokens``; a whole KV, not a segment chain) as a
-        new tier entry with ``entry``'s metadata and recency.
+        new tier entry with ``entry``'s metadata and recency: queued for the writer thread
+        (write-behind), or written now.
 
         Returns ``(the tier entry or None, the tier entries evicted to make room)``; None when
-        the entry exceeds the whole budget or the write failed (logged; the entry is then
-        simply gone, as without a tier). The caller tells the listener of both.
+        the entry exceeds the whole budget or a write made now failed (logged; the entry is
+        then simply gone, as without a tier). The caller tells the listener of both.
         """
         nbytes = self.ops.nbytes(kv)
         if nbytes > self.max_bytes:
@@ -113,17 +139,16 @@ class DiskTier:
             self.evictions += 1
             evicted.append(victim)
         path = self.directory / f"{_PREFIX}{next(self._files)}{_SUFFIX}"
-        try:
-            self.ops.save_kv(kv, str(path))
-        except Exception as e:  # OSError (disk full), or mlx's RuntimeError for a failed write
+        host = self.ops.to_host(kv) if self.max_pending_bytes is not None else None
+        if host is None:
             try:
-                path.unlink(missing_ok=True)
-            except OSError:
-                pass
-            self.failures += 1
-            log.warning("disk tier: could not write %s (%d tokens, %.1f MiB): %s; the entry is dropped",
-                        path, len(entry), nbytes / 2**20, e)
-            return None, evicted
+                self.ops.save_kv(kv, str(path))
+            except Exception as e:  # OSError (disk full), or mlx's RuntimeError for a failed write
+                _unlink(path)
+                self.failures += 1
+                log.warning("disk tier: could not write %s (%d tokens, %.1f MiB): %s; the entry is dropped",
+                            path, len(entry), nbytes / 2**20, e)
+                return None, evicted
         d = CacheEntry(
             tokens=entry.tokens, kv=None, nbytes=nbytes, cache_type=entry.cache_type, trimmable=True,
             id=entry.id, last_used=entry.last_used, used_at=entry.used_at, hits=entry.hits,
@@ -133,26 +158,39 @@ class DiskTier:
         self._paths[d.id] = path
         self.nbytes += nbytes
         self.spills += 1
+        if host is not None:
+            self._write_behind(d.id, path, host)
         return d, evicted
 
     def take(self, entry: CacheEntry):
-        """Read ``entry``'s KV back and remove it from the tier (its file deleted). Returns the
-        KV, or None when the read failed (logged; the entry is removed all the same). The
-        caller tells the listener of the removal after it saved the KV in memory, so the
-        entry's blocks never leave Redis in between."""
-        path = self._paths[entry.id]
+        """Read ``entry``'s KV back (from its host copy when its write has not ended) and remove
+        it from the tier (its file deleted). Returns the KV, or None when the read failed
+        (logged; the entry is removed all the same). The caller tells the listener of the
+        removal after it saved the KV in memory, so the entry's blocks never leave Redis in
+        between."""
+        with self._cond:
+            host = self._unqueue(entry.id)
         try:
-            kv = self.ops.load_kv(str(path))
+            kv = self.ops.from_host(host) if host is not None else self.ops.load_kv(str(self._paths[entry.id]))
         except Exception as e:
             self.failures += 1
             log.warning("disk tier: could not read %s (%d tokens): %s; the prompt is prefilled instead",
-                        path, len(entry), e)
+                        self._paths[entry.id], len(entry), e)
             kv = None
         self._drop(entry)
         if kv is not None:
             self.promotions += 1
             self.promoted_tokens += len(entry)
         return kv
+
+    def reap(self) -> list[CacheEntry]:
+        """Remove the entries whose background write failed; returns them for the listener."""
+        with self._cond:
+            ids, self._lost = self._lost, []
+        out = [self._entries[i] for i in ids if i in self._entries]
+        for e in out:
+            self._drop(e)
+        return out
 
     def drop_covered(self, tokens: np.ndarray) -> list[CacheEntry]:
         """Remove the tier entries whose tokens are a prefix of ``tokens`` (a memory entry just
@@ -170,22 +208,86 @@ class DiskTier:
             self._drop(e)
         return out
 
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued write ended; False if ``timeout`` (s) passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending, timeout)
+
     def close(self) -> None:
-        """Remove the tier's files at the backend's stop (the tier is not kept across restarts;
-        the gateways stopped routing here before). No listener: the backend withdrew from Redis."""
+        """Stop the writer and remove the tier's files at the backend's stop (the tier is not
+        kept across restarts; the gateways stopped routing here before). No listener: the
+        backend withdrew from Redis."""
+        if self._writer is not None:
+            with self._cond:
+                self._pending.clear()  # nothing left is worth writing
+                self.pending_bytes = 0
+            self._queue.put(None)
+            self._writer.join(timeout=60)
         n = len(self._entries)
         for e in list(self._entries.values()):
             self._drop(e)
         if n:
             log.info("disk tier: %d entries removed from %s at stop", n, self.directory)
 
+    # -- write-behind --------------------------------------------------------
+    def _write_behind(self, entry_id: int, path: Path, host) -> None:
+        """Queue ``host`` for the writer; wait while the copies queued exceed ``max_pending_bytes``
+        (one larger than that alone waits for its own write)."""
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="disk-tier-writer", daemon=True)
+            self._writer.start()
+        with self._cond:
+            self._pending[entry_id] = host
+            self.pending_bytes += self.ops.host_nbytes(host)
+            self._queue.put((entry_id, path))
+            if self.pending_bytes > self.max_pending_bytes:
+                self.write_waits += 1
+                self._cond.wait_for(lambda: self.pending_bytes <= self.max_pending_bytes or not self._pending)
+
+    def _unqueue(self, entry_id: int):
+        """Take ``entry_id``'s host copy out of the queue (caller holds the lock); None if written."""
+        host = self._pending.pop(entry_id, None)
+        if host is not None:
+            self.pending_bytes -= self.ops.host_nbytes(host)
+            self._cond.notify_all()
+        return host
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            entry_id, path = item
+            with self._cond:
+                host = self._pending.get(entry_id)
+            if host is None:  # taken or dropped before its turn
+                continue
+            err = None
+            try:
+                self.ops.write_host(host, str(path))
+            except Exception as e:  # OSError: disk full, directory gone, ...
+                err = e
+            with self._cond:
+                if self._unqueue(entry_id) is None:
+                    _unlink(path)  # taken or dropped while it was written
+                elif err is not None:
+                    _unlink(path)
+                    self._lost.append(entry_id)
+                    self.failures += 1
+                    log.warning("disk tier: could not write %s: %s; the entry is dropped", path, err)
+
     def _drop(self, e: CacheEntry) -> None:
         self._entries.pop(e.id)
         self.nbytes -= e.nbytes
-        path = self._paths.pop(e.id)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as err:  # the budget counts files we know of; a stray one is only disk
-            log.warning("disk tier: could not remove %s: %s", path, err)
+        with self._cond:
+            self._unqueue(e.id)  # a write under way finds it gone and removes its file
+        _unlink(self._paths.pop(e.id))
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:  # the budget counts files we know of; a stray one is only disk
+        log.warning("disk tier: could not remove %s: %s", path, err)

@@ -213,7 +213,8 @@ def disk_tier(args: argparse.Namespace, cache_dir: Optional[Path], ops) -> Optio
     else:
         raise ValueError("--disk-cache-bytes needs a directory: --disk-cache-dir, or --cache-dir (then <dir>/tier)")
     budget = parse_bytes(args.disk_cache_bytes)
-    tier = DiskTier(where, budget, ops or KVOps())
+    # Host copies waiting for the writer sit outside the memory budget: at most a quarter of it.
+    tier = DiskTier(where, budget, ops or KVOps(), max_pending_bytes=parse_bytes(args.cache_bytes) // 4)
     free = shutil.disk_usage(where).free
     if free < budget:
         log.warning("the disk tier's budget (%.1f GiB) exceeds the free space in %s (%.1f GiB): writes past it "

@@ -170,6 +170,18 @@ class SimKVOps(KVOps):
     save_kv = save_parts
     load_kv = load_parts
 
+    # The disk tier's write-behind: a sim KV's host copy is itself (its token count).
+    def to_host(self, kv):
+        return SimKV(kv.n, kv.timing)
+
+    def host_nbytes(self, host) -> int:
+        return host.nbytes
+
+    write_host = save_parts
+
+    def from_host(self, host):
+        return SimKV(host.n, host.timing)
+
     def nbytes(self, kv) -> int:
         return kv.nbytes
 

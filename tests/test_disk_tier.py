@@ -43,9 +43,9 @@ class Owners:
 BPT = 10  # sim KV bytes per token
 
 
-def _cache(tmp_path, layout, memory_tokens=700, disk_tokens=10_000, **kw):
-    ops = sim.SimKVOps(sim.SimTiming(kv_bytes_per_token=BPT))
-    disk = DiskTier(tmp_path / "tier", disk_tokens * BPT, ops)
+def _cache(tmp_path, layout, memory_tokens=700, disk_tokens=10_000, pending=None, timing=None, **kw):
+    ops = sim.SimKVOps(timing or sim.SimTiming(kv_bytes_per_token=BPT))
+    disk = DiskTier(tmp_path / "tier", disk_tokens * BPT, ops, max_pending_bytes=pending)
     owners = Owners()
     c = PromptCache(max_entries=10, max_bytes=memory_tokens * BPT, layout=layout, share_min_tokens=16,
                     min_hit_tokens=32, listener=owners, ops=ops, disk=disk, **kw)
@@ -64,12 +64,13 @@ def _keys(entries):
     return sorted(tuple(e.tokens.tolist()) for e in entries)
 
 
-@pytest.mark.parametrize("layout", ["shared", "whole"])
-def test_an_evicted_entry_goes_to_disk_and_comes_back_on_its_next_turn(tmp_path, layout):
-    c, disk, owners = _cache(tmp_path, layout)
+@pytest.mark.parametrize("layout, pending", [("shared", None), ("whole", None), ("shared", 10**9)])
+def test_an_evicted_entry_goes_to_disk_and_comes_back_on_its_next_turn(tmp_path, layout, pending):
+    c, disk, owners = _cache(tmp_path, layout, pending=pending)
     a, b, d = _conv(0), _conv(1), _conv(2)
     for t in (a, b, d):  # room for two 300-token entries: a is evicted, to disk
         _save(c, t)
+    assert disk.flush(5)
     assert _keys(c.entries()) == _keys([c.get(i) for i in (2, 3)]) and len(c) == 2
     assert [len(e) for e in disk.entries()] == [300] and disk.entries()[0].tokens.tolist() == a
     assert (c.evictions, disk.spills, disk.nbytes) == (1, 1, 300 * BPT)
@@ -80,6 +81,7 @@ def test_an_evicted_entry_goes_to_disk_and_comes_back_on_its_next_turn(tmp_path,
     hit = c.fetch(a + [7] * 40)  # a's next turn: read back from disk, not prefilled
     assert hit.reused == 300 and len(c.get(hit.entry_id)) == 300
     assert (disk.promotions, disk.promoted_tokens) == (1, 300)
+    assert disk.flush(5)
     # a came into memory and b (now the least recently used) went to disk in its place.
     assert _keys(c.entries()) == sorted([tuple(a), tuple(d)])
     assert _keys(disk.entries()) == [tuple(b)] and len(list((tmp_path / "tier").iterdir())) == 1
@@ -162,6 +164,48 @@ def test_a_new_tier_empties_its_directory_and_clear_removes_files(tmp_path):
     c.clear()
     assert len(disk) == 0 and not owners.held
     assert sorted(p.name for p in (tmp_path / "tier").iterdir()) == ["notes.txt"]
+
+
+def test_writes_go_behind_the_eviction_and_a_prompt_back_early_takes_the_host_copy(tmp_path):
+    """Write-behind: an eviction does not wait for the disk (the engine thread goes on
+    decoding); a prompt whose entry is still being written gets it from the host copy, and
+    the file the writer then finishes is removed."""
+    timing = sim.SimTiming(kv_bytes_per_token=BPT, disk_write_rate=3000 * BPT)  # 300 tokens: 0.1 s
+    c, disk, owners = _cache(tmp_path, "shared", pending=10**9, timing=timing)
+    a = _conv(0)
+    t0 = time.monotonic()
+    for t in (a, _conv(1), _conv(2)):
+        _save(c, t)
+    assert time.monotonic() - t0 < 0.08 and disk.pending_bytes == 300 * BPT  # queued, not written
+    hit = c.fetch(a + [1])
+    assert hit.reused == 300 and disk.promotions == 1 and disk.failures == 0
+    assert disk.flush(5) and disk.pending_bytes == 0
+    # b went to disk for a's room; a's own file, written or not, is gone.
+    assert _keys(disk.entries()) == [tuple(_conv(1))]
+    assert [p.name for p in (tmp_path / "tier").iterdir()] == ["tier-2.safetensors"]
+    assert set(owners.held) == {tuple(a), tuple(_conv(1)), tuple(_conv(2))} and owners.gaps == 0
+
+
+def test_an_eviction_waits_for_the_writer_past_max_pending_bytes(tmp_path):
+    timing = sim.SimTiming(kv_bytes_per_token=BPT, disk_write_rate=3000 * BPT)
+    c, disk, _ = _cache(tmp_path, "shared", memory_tokens=300, pending=400 * BPT, timing=timing)
+    t0 = time.monotonic()
+    for k in range(3):  # two 300-token copies queued would be 600 tokens' bytes, over 400
+        _save(c, _conv(k))
+    assert time.monotonic() - t0 >= 0.09 and disk.write_waits == 1 and disk.pending_bytes <= 400 * BPT
+    assert disk.flush(5) and len(list((tmp_path / "tier").iterdir())) == 2
+
+
+def test_a_failed_background_write_drops_the_entry_at_the_next_lookup(tmp_path, caplog):
+    c, disk, owners = _cache(tmp_path, "shared", pending=10**9)
+    (tmp_path / "tier").rmdir()
+    (tmp_path / "tier").write_text("")  # every write fails
+    for t in (_conv(0), _conv(1), _conv(2)):
+        _save(c, t)
+    assert disk.flush(5) and disk.failures == 1 and len(disk) == 1  # not reaped yet
+    assert c.fetch(_conv(0) + [1]).reused == 0  # its prefix is gone: prefilled
+    assert len(disk) == 0 and tuple(_conv(0)) not in owners.held
+    assert "could not write" in caplog.text
 
 
 def test_sim_disk_reads_take_the_modelled_time(tmp_path):
