@@ -73,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cache rule 8 (docs/cache-policy.md), off by default: write prompt-cache entries the "
                         "memory budget evicts to disk, up to this many bytes of KV (e.g. 100GB), and read one "
                         "back when a prompt's longest cached prefix is there (a disk read instead of a prefill)")
+    p.add_argument("--disk-write-queue-bytes", type=str, default=None,
+                   help="with --disk-cache-bytes: KV copies waiting for the disk writer, held outside the memory "
+                        "budget, before an eviction waits for it (default: a quarter of --cache-bytes; 0: write "
+                        "in the engine thread, pausing decodes)")
     p.add_argument("--disk-cache-dir", help="with --disk-cache-bytes: where its files go (default: "
                                              "<--cache-dir>/tier; emptied at start)")
     p.add_argument("--decode-concurrency", type=positive_int, default=ModelConfig.decode_concurrency,
@@ -214,7 +218,16 @@ def disk_tier(args: argparse.Namespace, cache_dir: Optional[Path], ops) -> Optio
         raise ValueError("--disk-cache-bytes needs a directory: --disk-cache-dir, or --cache-dir (then <dir>/tier)")
     budget = parse_bytes(args.disk_cache_bytes)
     # Host copies waiting for the writer sit outside the memory budget: at most a quarter of it.
-    tier = DiskTier(where, budget, ops or KVOps(), max_pending_bytes=parse_bytes(args.cache_bytes) // 4)
+    if args.disk_write_queue_bytes is None:
+        pending: Optional[int] = parse_bytes(args.cache_bytes) // 4
+    else:
+        try:
+            pending = parse_bytes(args.disk_write_queue_bytes) or None  # 0: no write-behind
+        except ValueError as e:
+            raise ValueError(f"--disk-write-queue-bytes: {e}") from None
+        if pending is not None and pending < 0:
+            raise ValueError("--disk-write-queue-bytes must be >= 0")
+    tier = DiskTier(where, budget, ops or KVOps(), max_pending_bytes=pending)
     free = shutil.disk_usage(where).free
     if free < budget:
         log.warning("the disk tier's budget (%.1f GiB) exceeds the free space in %s (%.1f GiB): writes past it "

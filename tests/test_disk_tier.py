@@ -266,6 +266,8 @@ def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stac
     (["--disk-cache-dir", "{tmp}/t"], "--disk-cache-dir needs --disk-cache-bytes"),
     (["--disk-cache-dir", "{tmp}/kv", "--cache-dir", "{tmp}/kv", "--disk-cache-bytes", "1GB"],
      "--disk-cache-dir must differ from --cache-dir"),
+    (["--disk-cache-dir", "{tmp}/t", "--disk-cache-bytes", "1GB", "--disk-write-queue-bytes", "lots"],
+     "--disk-write-queue-bytes: 'lots' is not a size"),
 ])
 def test_disk_tier_flags_that_cannot_work_stop_the_backend_with_the_reason(tmp_path, flags, says):
     r = subprocess.run([sys.executable, "-m", "mlxgw", "backend", *[f.format(tmp=tmp_path) for f in flags]],
