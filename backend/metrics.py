@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from aiohttp import web
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # No ``*_created`` series (vLLM turns them off too): they double the output and nobody charts them.
 disable_created_metrics()
@@ -151,9 +151,9 @@ class BackendMetrics:
 
 
 class _EvictionCounters:
-    """The prompt cache's budget evictions as counters, read from ``stats()`` at scrape
-    time (the cache counts them on the engine thread; a Counter object cannot be read
-    from a function)."""
+    """The prompt cache's budget evictions and its disk tier's figures, read from ``stats()``
+    at scrape time (the cache counts them on the engine thread; a Counter object cannot be
+    read from a function)."""
 
     def __init__(self, model_name: str, stats: Callable[[], dict]):
         self.model_name, self.stats = model_name, stats
@@ -166,8 +166,20 @@ class _EvictionCounters:
         for name, key, doc in (
             ("mlxgw:prompt_cache_evictions", "cache_evictions", "Prompt-cache entries evicted to keep within the budget."),
             ("mlxgw:prompt_cache_evicted_tokens", "cache_evicted_tokens", "Tokens of the entries evicted by the budget."),
+            # Cache rule 8's disk tier (zeros without one).
+            ("mlxgw:disk_cache_spills", "disk_spills", "Prompt-cache entries the memory budget moved to the disk tier."),
+            ("mlxgw:disk_cache_promotions", "disk_promotions", "Disk-tier entries read back into memory for a prompt."),
+            ("mlxgw:disk_cache_promoted_tokens", "disk_promoted_tokens", "Tokens of those entries: prefill the disk tier saved."),
+            ("mlxgw:disk_cache_failures", "disk_failures", "Disk-tier writes or reads that failed (the entry dropped)."),
         ):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], s.get(key, 0))
             yield c
+        for name, key, doc in (
+            ("mlxgw:disk_cache_entries", "disk_entries", "Entries in the disk tier."),
+            ("mlxgw:disk_cache_bytes", "disk_bytes", "KV bytes in the disk tier."),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], s.get(key, 0))
+            yield g
 

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 
 import pytest
@@ -246,6 +247,9 @@ def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stac
     assert again["choices"][0]["message"]["content"] == first[0]["choices"][0]["message"]["content"]
     health = get_json(b.url + "/health")
     assert health["disk_promotions"] == 1 and health["disk_promoted_tokens"] >= prompt - 1, health
+    metrics = urllib.request.urlopen(b.url + "/metrics", timeout=10).read().decode()
+    assert 'mlxgw:disk_cache_promotions_total{model_name="demo-tiny"} 1.0' in metrics
+    assert f'mlxgw:disk_cache_promoted_tokens_total{{model_name="demo-tiny"}} {health["disk_promoted_tokens"]}.0' in metrics
     # `mlxgw status` shows the tier (from the registry record, after the next heartbeat).
     deadline = time.time() + 10
     while True:
