@@ -508,6 +508,13 @@ class PromptCache:
         self._tell_evicted(d)  # after the memory entry took over its blocks
         return entry is not None
 
+    def announce_disk(self) -> None:
+        """Tell the listener of the disk tier's entries adopted from an earlier run (rule 8),
+        as `backend.persist.restore` does for the memory entries it restores."""
+        if self.disk is not None and self.listener is not None:
+            for d in self.disk.entries():
+                self.listener.on_saved(d)
+
     def _tell_evicted(self, e: CacheEntry) -> None:
         if self.listener is not None:
             self.listener.on_evicted(e)
@@ -849,10 +856,13 @@ class KVOps:
     def host_nbytes(self, host) -> int:
         return int(sum(k.nbytes + v.nbytes for k, v in host.layers))
 
-    def write_host(self, host, path: str) -> None:
+    def write_host(self, host, path: str) -> str:
         """Write a `to_host` copy to ``path`` as a safetensors file mlx ``load`` reads (the
         format's 8-byte header length, JSON header, raw little-endian data; written here
-        because numpy has no bfloat16 for the ``safetensors`` package). Any thread."""
+        because numpy has no bfloat16 for the ``safetensors`` package). Any thread. Returns
+        the file's xxh3-128 (hex), computed as it is written."""
+        import xxhash
+
         header, offset, arrays = {}, 0, []
         for i, (k, v) in enumerate(host.layers):
             for name, a in ((f"{i}.k", k), (f"{i}.v", v)):
@@ -862,12 +872,16 @@ class KVOps:
                 arrays.append(a)
         header["__metadata__"] = {"format": HOST_FORMAT}
         raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        raw = len(raw).to_bytes(8, "little") + raw
+        h = xxhash.xxh3_128(raw)
         with open(path, "wb") as f:
-            f.write(len(raw).to_bytes(8, "little"))
             f.write(raw)
             for a in arrays:
-                f.write(memoryview(a).cast("B"))
+                m = memoryview(a).cast("B")
+                h.update(m)
+                f.write(m)
+        return h.hexdigest()
 
     def from_host(self, host):
         """Cache layers holding a `to_host` copy again (a promotion before its write ended)."""

@@ -31,8 +31,14 @@ the disk are held outside the memory budget, at most ``max_pending_bytes``
 (rotating windows, quantized KV) are written in the engine thread with
 mlx-lm's ``save_prompt_cache``.
 
-The tier is not kept across restarts (files left by an earlier run are
-removed at start; ``--cache-dir`` keeps the memory tier). The engine thread
+Across restarts: at a clean stop the tier waits for its writer, then writes
+``manifest.json`` (each entry's file, metadata and xxh3-128 checksum, least
+recently used first, and the KV settings of `backend.persist.kv_settings`)
+and ``tokens.npz`` beside its files. The next start adopts them when its KV
+settings are equal (the newest entries that fit its budget; a file is checked
+against its checksum when it is read back), and removes the manifest at once,
+so a run killed later leaves files the next start removes (tier files without
+a manifest are removed at start). ``--cache-dir`` keeps the memory tier. The engine thread
 calls every method (as it owns the `PromptCache`); the writer thread shares
 only the pending copies, under a lock.
 """
@@ -40,10 +46,12 @@ only the pending copies, under a lock.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -55,6 +63,8 @@ log = logging.getLogger("mlxgw.backend")
 
 #: Tier files: ``tier-<n>.safetensors`` (mlx-lm's prompt-cache format; the sim writes JSON).
 _PREFIX, _SUFFIX = "tier-", ".safetensors"
+MANIFEST, TOKENS = "manifest.json", "tokens.npz"
+FORMAT = 1
 
 
 class DiskTier:
@@ -68,19 +78,21 @@ class DiskTier:
             ``load_kv`` / ``nbytes``).
         max_pending_bytes: host copies waiting for the writer beyond which an eviction waits
             for it, bytes (None: no write-behind, every write in the caller's thread).
+        settings: the run's KV settings (`backend.persist.kv_settings`): a tier a clean stop
+            left under equal settings is adopted, and `close` keeps this one; None: neither.
 
     Raises:
         ValueError: ``max_bytes <= 0``.
         OSError: the directory cannot be made or listed.
     """
 
-    def __init__(self, directory: Path, max_bytes: int, ops, max_pending_bytes: Optional[int] = None):
+    def __init__(self, directory: Path, max_bytes: int, ops, max_pending_bytes: Optional[int] = None,
+                 settings: Optional[dict] = None):
         if max_bytes <= 0:
             raise ValueError("the disk tier needs a byte budget > 0")
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for f in self.directory.glob(f"{_PREFIX}*"):
-            f.unlink(missing_ok=True)
+        self.settings = settings
         self.max_bytes = max_bytes
         self.ops = ops
         self.max_pending_bytes = max_pending_bytes
@@ -102,6 +114,9 @@ class DiskTier:
         self.evictions = 0  # entries dropped from here by its budget
         self.failures = 0  # writes or reads that failed (the entry was dropped)
         self.write_waits = 0  # evictions that waited for the writer (max_pending_bytes reached)
+        self._sums: dict[int, str] = {}  # entry id -> its file's xxh3-128
+        self._adopted: set[int] = set()  # entries of an earlier run: checked when read back
+        self.adopted = self._adopt()  # (entries, tokens, bytes, what was left and why) or None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -143,6 +158,7 @@ class DiskTier:
         if host is None:
             try:
                 self.ops.save_kv(kv, str(path))
+                self._sums[entry.id] = _file_digest(path)
             except Exception as e:  # OSError (disk full), or mlx's RuntimeError for a failed write
                 _unlink(path)
                 self.failures += 1
@@ -171,7 +187,13 @@ class DiskTier:
         with self._cond:
             host = self._unqueue(entry.id)
         try:
-            kv = self.ops.from_host(host) if host is not None else self.ops.load_kv(str(self._paths[entry.id]))
+            if host is not None:
+                kv = self.ops.from_host(host)
+            else:
+                path = self._paths[entry.id]
+                if entry.id in self._adopted and _file_digest(path) != self._sums.get(entry.id):
+                    raise ValueError("damaged: its checksum differs from the one saved at the last stop")
+                kv = self.ops.load_kv(str(path))
         except Exception as e:
             self.failures += 1
             log.warning("disk tier: could not read %s (%d tokens): %s; the prompt is prefilled instead",
@@ -213,21 +235,127 @@ class DiskTier:
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending, timeout)
 
-    def close(self) -> None:
-        """Stop the writer and remove the tier's files at the backend's stop (the tier is not
-        kept across restarts; the gateways stopped routing here before). No listener: the
-        backend withdrew from Redis."""
+    def close(self, timeout: float = 600.0) -> None:
+        """At the backend's stop (the gateways stopped routing here): with ``settings``, wait
+        up to ``timeout`` s for the writer, then keep the tier for the next start (`_keep`);
+        without, remove its files. No listener: the backend withdrew from Redis."""
+        keep = self.settings is not None and self.flush(timeout)
         if self._writer is not None:
             with self._cond:
-                self._pending.clear()  # nothing left is worth writing
+                self._pending.clear()  # not kept: nothing left is worth writing
                 self.pending_bytes = 0
             self._queue.put(None)
             self._writer.join(timeout=60)
+        if keep and self._entries:
+            try:
+                self._keep()
+                return
+            except OSError as e:
+                log.warning("disk tier: could not keep its %d entries in %s for the next start: %s",
+                            len(self._entries), self.directory, e)
         n = len(self._entries)
         for e in list(self._entries.values()):
             self._drop(e)
         if n:
             log.info("disk tier: %d entries removed from %s at stop", n, self.directory)
+
+    # -- across restarts -------------------------------------------------------
+    def _keep(self) -> None:
+        """Write the manifest and token file beside the tier's files (each flushed, the manifest
+        last and renamed into place, so a stop cut short leaves no manifest)."""
+        from . import persist
+
+        # Entries whose write failed (not reaped yet) have no checksum and no file: not kept.
+        order = sorted((e for e in self._entries.values() if e.id in self._sums), key=lambda e: e.last_used)
+        for e in order:
+            persist._seal(self._paths[e.id])  # fsync: the manifest must not outlive its files
+        np.savez(self.directory / TOKENS, **{self._paths[e.id].name: e.tokens for e in order})
+        manifest = {
+            "format": FORMAT, "fingerprint": persist.fingerprint(self.settings), "settings": self.settings,
+            "saved_at": time.time(), "tokens_checksum": persist._seal(self.directory / TOKENS),
+            "entries": [{"file": self._paths[e.id].name, "tokens": len(e), "nbytes": e.nbytes,
+                         "cache_type": e.cache_type, "prompt_tokens": e.prompt_tokens, "hits": e.hits,
+                         "used_at": e.used_at, "checksum": self._sums[e.id]} for e in order],
+        }
+        tmp = self.directory / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest))
+        persist._seal(tmp)
+        tmp.rename(self.directory / MANIFEST)
+        persist._fsync_dir(self.directory)
+        log.info("disk tier: %d entries (%.1f MiB of KV) kept in %s for the next start", len(order),
+                 self.nbytes / 2**20, self.directory)
+
+    def _adopt(self) -> Optional[tuple]:
+        """Adopt the tier a clean stop left (`_keep`) when its settings equal this run's: the
+        newest entries that fit the budget, in least recently used order (ids below 0, apart
+        from the memory cache's). Everything else in the directory that is the tier's is
+        removed, the manifest first. Returns (entries, tokens, bytes, note) or None."""
+        from . import persist
+
+        mpath = self.directory / MANIFEST
+        manifest, note = None, ""
+        try:
+            if mpath.exists():
+                manifest = json.loads(mpath.read_text())
+                if self.settings is None:
+                    note, manifest = "this run keeps no tier (no KV settings)", None
+                elif manifest.get("format") != FORMAT:
+                    note, manifest = f"format {manifest.get('format')}, not {FORMAT}", None
+                elif manifest.get("fingerprint") != persist.fingerprint(self.settings):
+                    note = "saved under other settings: " + persist._differences(manifest.get("settings") or {},
+                                                                                 self.settings)
+                    manifest = None
+                elif persist._digest(self.directory / TOKENS) != manifest.get("tokens_checksum"):
+                    note, manifest = f"{TOKENS} is damaged", None
+        except (OSError, ValueError) as e:
+            note, manifest = f"unreadable manifest: {e}", None
+        _unlink(mpath)  # adopted or not: a run killed from here on must not find it again
+        keep: dict[str, dict] = {}
+        if manifest is not None:
+            room = self.max_bytes
+            for m in reversed(manifest["entries"]):  # newest first
+                f = self.directory / m["file"]
+                if m["nbytes"] <= room and f.is_file():
+                    keep[m["file"]] = m
+                    room -= m["nbytes"]
+        tokens = {}
+        if keep:
+            try:
+                with np.load(self.directory / TOKENS) as z:
+                    tokens = {name: z[name] for name in keep}
+            except (OSError, ValueError, KeyError) as e:
+                note, keep = f"unreadable {TOKENS}: {e}", {}
+        _unlink(self.directory / TOKENS)
+        for f in self.directory.glob(f"{_PREFIX}*"):
+            if f.name not in keep:
+                _unlink(f)
+        if manifest is None:
+            if note:
+                log.warning("disk tier: the entries left in %s are not used (%s)", self.directory, note)
+            return None
+        ids = itertools.count(-1, -1)
+        last = 0
+        for m in manifest["entries"]:  # least recently used first: the LRU order survives
+            if m["file"] not in keep:
+                continue
+            t = np.asarray(tokens[m["file"]], dtype=np.int32)
+            e = CacheEntry(tokens=t, kv=None, nbytes=int(m["nbytes"]), cache_type=m["cache_type"], trimmable=True,
+                           id=next(ids), last_used=-len(keep) + len(self._entries), used_at=float(m["used_at"]),
+                           hits=int(m["hits"]), prompt_tokens=int(m["prompt_tokens"]), on_disk=True)
+            self._entries[e.id] = e
+            self._paths[e.id] = self.directory / m["file"]
+            self._sums[e.id] = m["checksum"]
+            self._adopted.add(e.id)
+            self.nbytes += e.nbytes
+            last = max(last, int(m["file"][len(_PREFIX):-len(_SUFFIX)]))
+        self._files = itertools.count(last + 1)
+        left = len(manifest["entries"]) - len(self._entries)
+        out = (len(self._entries), sum(len(e) for e in self._entries.values()), self.nbytes,
+               f"{left} left out by this run's budget" if left else "")
+        log.info("disk tier: %d entries (%s tokens, %.1f MiB of KV) adopted from %s, kept at a stop %s ago%s",
+                 out[0], f"{out[1]:,}", out[2] / 2**20, self.directory,
+                 _age(time.time() - float(manifest.get("saved_at", 0))), f"; {out[3]}" if out[3] else "")
+        return out
 
     # -- write-behind --------------------------------------------------------
     def _write_behind(self, entry_id: int, path: Path, host) -> None:
@@ -264,13 +392,15 @@ class DiskTier:
                 continue
             err = None
             try:
-                self.ops.write_host(host, str(path))
+                digest = self.ops.write_host(host, str(path)) or _file_digest(path)
             except Exception as e:  # OSError: disk full, directory gone, ...
                 err = e
             with self._cond:
                 if self._unqueue(entry_id) is None:
                     _unlink(path)  # taken or dropped while it was written
-                elif err is not None:
+                elif err is None:
+                    self._sums[entry_id] = digest
+                else:
                     _unlink(path)
                     self._lost.append(entry_id)
                     self.failures += 1
@@ -278,10 +408,28 @@ class DiskTier:
 
     def _drop(self, e: CacheEntry) -> None:
         self._entries.pop(e.id)
+        self._adopted.discard(e.id)
         self.nbytes -= e.nbytes
         with self._cond:
             self._unqueue(e.id)  # a write under way finds it gone and removes its file
+            self._sums.pop(e.id, None)
         _unlink(self._paths.pop(e.id))
+
+
+def _file_digest(path: Path) -> str:
+    """xxh3-128 (hex) of a file's bytes."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _age(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else (f"{seconds / 60:.0f} min" if seconds < 7200
+                                                     else f"{seconds / 3600:.1f} h")
 
 
 def _unlink(path: Path) -> None:

@@ -327,7 +327,8 @@ class MLXEngine(Engine):
         self._stop = True
         if self._thread.is_alive():
             # Writing the prompt cache to --cache-dir takes its bytes over the disk's speed.
-            self._thread.join(timeout=10 if self.cache_dir is None else SAVE_SECONDS)
+            # So does waiting for the disk tier's writer before it keeps its entries.
+            self._thread.join(timeout=10 if self.cache_dir is None and self.cache.disk is None else SAVE_SECONDS)
 
     def cache_figures(self) -> dict:
         """The registry's cache figures (`schema.CACHE_FIGURES`): entries, bytes held, tokens
@@ -401,6 +402,7 @@ class MLXEngine(Engine):
             return
         if self.cache_dir is not None:
             self._restore_cache()
+        self.cache.announce_disk()  # a disk tier kept at the last stop (backend.disktier)
         self._ready.set()
         try:
             self._loop()

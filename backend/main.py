@@ -78,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "budget, before an eviction waits for it (default: a quarter of --cache-bytes; 0: write "
                         "in the engine thread, pausing decodes)")
     p.add_argument("--disk-cache-dir", help="with --disk-cache-bytes: where its files go (default: "
-                                             "<--cache-dir>/tier; emptied at start)")
+                                             "<--cache-dir>/tier); kept at a clean stop for the next start "
+                                             "with the same model and settings")
     p.add_argument("--decode-concurrency", type=positive_int, default=ModelConfig.decode_concurrency,
                    help="decode slots: sequences generating at once (mlx-lm's completion_batch_size; default "
                         "16); a request beyond them waits for one to end. Each running sequence holds "
@@ -194,12 +195,13 @@ def kv_settings(args: argparse.Namespace, timing) -> dict:
             "sim": [timing.kv_bytes_per_token, timing.token_scale] if timing is not None else None}
 
 
-def disk_tier(args: argparse.Namespace, cache_dir: Optional[Path], ops) -> Optional[DiskTier]:
+def disk_tier(args: argparse.Namespace, cache_dir: Optional[Path], ops, settings: dict) -> Optional[DiskTier]:
     """The disk tier ``--disk-cache-bytes`` asks for (cache rule 8), or None.
 
     Its directory is ``--disk-cache-dir``, else ``<cache_dir>/tier`` (under the ``--cache-dir``
     lock); a directory of its own is locked like a ``--cache-dir``. ``ops``: the cache's
-    `KVOps` (None: mlx-lm's). Raises ValueError (no directory, or the same as ``--cache-dir``),
+    `KVOps` (None: mlx-lm's); ``settings``: the run's `persist.kv_settings` (a tier kept at the
+    last clean stop under equal settings is adopted). Raises ValueError (no directory, or the same as ``--cache-dir``),
     RuntimeError (locked by another backend) or OSError (unusable); the caller exits 2.
     """
     if not args.disk_cache_bytes:
@@ -227,7 +229,7 @@ def disk_tier(args: argparse.Namespace, cache_dir: Optional[Path], ops) -> Optio
             raise ValueError(f"--disk-write-queue-bytes: {e}") from None
         if pending is not None and pending < 0:
             raise ValueError("--disk-write-queue-bytes must be >= 0")
-    tier = DiskTier(where, budget, ops or KVOps(), max_pending_bytes=pending)
+    tier = DiskTier(where, budget, ops or KVOps(), max_pending_bytes=pending, settings=settings)
     free = shutil.disk_usage(where).free
     if free < budget:
         log.warning("the disk tier's budget (%.1f GiB) exceeds the free space in %s (%.1f GiB): writes past it "
@@ -293,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
             log.error("--cache-dir %s cannot be used: %s", cache_dir, e.strerror or e)
             return 2
     try:
-        disk = disk_tier(args, cache_dir, sim.SimKVOps(timing) if timing is not None else None)
+        disk = disk_tier(args, cache_dir, sim.SimKVOps(timing) if timing is not None else None,
+                         persist.kv_settings(model_path, **kv_settings(args, timing)) if args.disk_cache_bytes else {})
     except (ValueError, OSError, RuntimeError) as e:
         log.error("%s", e)
         return 2

@@ -497,7 +497,7 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
                              f"{m.name}-<i>   (docs/cache-policy.md, 'Across restarts')")
         if m.disk_cache_bytes:
             lines.insert(-1, f"  disk tier  {m.name}: up to {m.disk_cache_bytes} of evicted entries per backend in "
-                             f"{where}/{m.name}-<i>/tier   (docs/cache-policy.md, rule 8)")
+                             f"{where}/{m.name}-<i>/tier, kept at stop   (docs/cache-policy.md, rule 8)")
     from backend.main import budget_warnings
 
     from .util import parse_bytes

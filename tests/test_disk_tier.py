@@ -44,9 +44,9 @@ class Owners:
 BPT = 10  # sim KV bytes per token
 
 
-def _cache(tmp_path, layout, memory_tokens=700, disk_tokens=10_000, pending=None, timing=None, **kw):
+def _cache(tmp_path, layout, memory_tokens=700, disk_tokens=10_000, pending=None, timing=None, settings=None, **kw):
     ops = sim.SimKVOps(timing or sim.SimTiming(kv_bytes_per_token=BPT))
-    disk = DiskTier(tmp_path / "tier", disk_tokens * BPT, ops, max_pending_bytes=pending)
+    disk = DiskTier(tmp_path / "tier", disk_tokens * BPT, ops, max_pending_bytes=pending, settings=settings)
     owners = Owners()
     c = PromptCache(max_entries=10, max_bytes=memory_tokens * BPT, layout=layout, share_min_tokens=16,
                     min_hit_tokens=32, listener=owners, ops=ops, disk=disk, **kw)
@@ -209,6 +209,63 @@ def test_a_failed_background_write_drops_the_entry_at_the_next_lookup(tmp_path, 
     assert "could not write" in caplog.text
 
 
+SETTINGS = {"model_files": "abcd", "engine": "sim", "layout": "shared"}
+
+
+def _kept(tmp_path, n=5, **kw):
+    """A tier holding conversations 0 .. n-3 (memory keeps the last two), kept at a clean stop."""
+    c, disk, _ = _cache(tmp_path, "shared", pending=10**9, settings=SETTINGS, **kw)
+    for k in range(n):
+        _save(c, _conv(k))
+    disk.close()
+    return c
+
+
+def test_a_clean_stop_keeps_the_tier_and_the_next_start_adopts_it(tmp_path):
+    _kept(tmp_path)
+    names = sorted(p.name for p in (tmp_path / "tier").iterdir())
+    assert names == ["manifest.json", "tier-1.safetensors", "tier-2.safetensors", "tier-3.safetensors",
+                     "tokens.npz"]
+    c, disk, owners = _cache(tmp_path, "shared", pending=10**9, settings=SETTINGS)
+    assert disk.adopted == (3, 900, 900 * BPT, "") and not (tmp_path / "tier" / "manifest.json").exists()
+    assert [e.tokens.tolist() for e in disk.entries()] == [_conv(0), _conv(1), _conv(2)]  # LRU order kept
+    c.announce_disk()
+    assert set(owners.held) == {tuple(_conv(k)) for k in range(3)}  # published like any save
+    hit = c.fetch(_conv(1) + [1])
+    assert hit.reused == 300 and disk.promotions == 1  # read back, its checksum checked
+    _save(c, _conv(7))
+    _save(c, _conv(8))  # memory holds two: conv 1 goes back to disk, in a file with a new name
+    assert disk.flush(5) and len(disk) == 3 and sorted(p.name for p in (tmp_path / "tier").glob("tier-*")) == [
+        "tier-1.safetensors", "tier-3.safetensors", "tier-4.safetensors"]
+
+
+def test_a_kept_tier_under_other_settings_or_without_a_manifest_is_removed(tmp_path, caplog):
+    _kept(tmp_path)
+    c, disk, _ = _cache(tmp_path, "shared", settings={**SETTINGS, "layout": "whole"})
+    assert disk.adopted is None and len(disk) == 0 and list((tmp_path / "tier").iterdir()) == []
+    assert "not used (saved under other settings: the cache layout (saved shared, now whole))" in caplog.text
+    # A run killed before its stop leaves files and no manifest: the next start removes them.
+    c, disk, _ = _cache(tmp_path, "shared", settings=SETTINGS)
+    for k in range(3):
+        _save(c, _conv(k))
+    assert len(list((tmp_path / "tier").iterdir())) == 1
+    c2, disk2, _ = _cache(tmp_path, "shared", settings=SETTINGS)
+    assert disk2.adopted is None and list((tmp_path / "tier").iterdir()) == []
+
+
+def test_a_smaller_budget_adopts_the_newest_and_a_damaged_file_costs_its_prefill(tmp_path, caplog):
+    _kept(tmp_path)
+    c, disk, _ = _cache(tmp_path, "shared", disk_tokens=650, settings=SETTINGS)
+    c.announce_disk()
+    assert disk.adopted == (2, 600, 600 * BPT, "1 left out by this run's budget")
+    assert [e.tokens.tolist() for e in disk.entries()] == [_conv(1), _conv(2)]
+    assert not (tmp_path / "tier" / "tier-1.safetensors").exists()
+    f = tmp_path / "tier" / "tier-2.safetensors"
+    f.write_text(f.read_text().replace("300", "999"))  # same length, other bytes
+    assert c.fetch(_conv(1) + [1]).reused == 0 and disk.failures == 1 and len(disk) == 1
+    assert "checksum differs" in caplog.text
+
+
 def test_sim_disk_reads_take_the_modelled_time(tmp_path):
     timing = sim.SimTiming(kv_bytes_per_token=1_000_000, disk_read_rate=1e9, disk_write_rate=2e9)
     ops = sim.SimKVOps(timing)
@@ -260,9 +317,20 @@ def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stac
             break
         time.sleep(0.3)
     assert "disk MiB / reads" in out.stdout and f"{health['disk_bytes'] / 2**20:.1f} / 1 " in row, out.stdout
+    # A clean stop keeps the tier (memory held conversation 0; 1 and 2 are on disk); the
+    # restarted backend adopts it and serves both from it, with the right KV.
     b.stop()
-    assert "disk tier: " in b.log_path.read_text()
-    assert not list((tmp_path / "tier").glob("tier-*"))  # removed at stop
+    assert "entries (" in b.log_path.read_text() and "kept in " in b.log_path.read_text()
+    assert (tmp_path / "tier" / "manifest.json").exists()
+    b.start(s.env())
+    b.wait_healthy()
+    assert "adopted from" in b.log_path.read_text()
+    assert get_json(b.url + "/health")["disk_entries"] == 2
+    for k in (1, 2):
+        again = _chat(b.url, words(300, seed=80 + k))
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first[k]["usage"]["prompt_tokens"] - 1
+        assert again["choices"][0]["message"]["content"] == first[k]["choices"][0]["message"]["content"]
+    assert get_json(b.url + "/health")["disk_promotions"] == 2
 
 
 @pytest.mark.parametrize("flags, says", [
