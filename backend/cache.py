@@ -53,9 +53,9 @@ trimmable one), with these rules on top (``docs/cache-policy.md``):
    budgets evict (rule 5) is written to disk instead of dropped (trimmable
    entries of at least ``share_min_tokens``), and its blocks stay owned; a
    prompt whose longest cached prefix is on disk, longer by at least
-   ``share_min_tokens`` than the best in memory, reads that entry back into
-   memory (a promotion, saved as any entry) before its prefill. A memory save
-   drops the tier entries it extends. SGLang's HiCache and Dynamo's KV block
+   ``share_min_tokens`` than the best in memory, reads that entry's KV back for
+   the request (it stays on disk; the request's own save, extending it, then
+   takes its place in memory). A memory save drops the tier entries it extends. SGLang's HiCache and Dynamo's KV block
    manager offload evicted KV to slower tiers in the same way.
 
 Every insert and every removal goes through `_add` / `_remove`, which call
@@ -210,7 +210,7 @@ class PromptCache:
         share_min_tokens: with ``"shared"``, the shortest common prefix an
             entry shares instead of holding its own copy, tokens (shorter
             ones would only add segments to concatenate); also the shortest
-            entry rule 8 writes to disk and the least gain of a promotion.
+            entry rule 8 writes to disk and the least gain of a disk read.
         disk: rule 8's disk tier (`backend.disktier.DiskTier`), or None.
 
     Raises ValueError for ``max_entries < 1`` or an unknown layout.
@@ -289,8 +289,8 @@ class PromptCache:
 
         Returns a `CacheHit` with ``reused`` tokens (0 and ``kv=None`` on a
         miss). The entry's recency is refreshed. With a disk tier (rule 8), an
-        entry there serving at least ``share_min_tokens`` more of the prompt is
-        read back into memory first (in this thread: the disk's read time).
+        entry there serving at least ``share_min_tokens`` more of the prompt than
+        memory does is read instead (in this thread: the disk's read time).
         """
         e, n = self.best_match(prompt)
         if self.disk is not None:
@@ -298,8 +298,12 @@ class PromptCache:
                 self._tell_evicted(x)
         if self.disk is not None and len(self.disk):
             d, nd = self.disk.best_match(np.asarray(prompt, dtype=np.int32))
-            if d is not None and nd >= n + self.share_min_tokens and self._promote(d):
-                e, n = self.best_match(prompt)
+            if d is not None and nd >= n + self.share_min_tokens:
+                kv = self.disk.read(d, nd, next(self._clock))
+                if kv is not None:
+                    self.ops.trim(kv, len(d) - nd)
+                    return CacheHit(kv, nd, d.id, len(d))
+                self._tell_evicted(d)  # unreadable: dropped, its prefix no longer here
         if e is None or n == 0:
             return CacheHit(None, 0, None)
         if e.seg is not None:
@@ -355,8 +359,9 @@ class PromptCache:
                 how much of ``tokens`` was prompt.
 
         Returns:
-            The new entry, or None when nothing was saved (empty tokens or an
-            entry larger than the whole byte budget).
+            The new entry, or None when nothing was saved in memory (empty
+            tokens or an entry larger than the whole byte budget: with a disk
+            tier, rule 8, that one is written there instead).
         """
         if cache_type not in CACHE_TYPES:
             raise ValueError(f"unknown cache type {cache_type!r}")
@@ -366,6 +371,7 @@ class PromptCache:
         nbytes = self.ops.nbytes(kv)
         trimmable = self.ops.trimmable(kv)
         if nbytes > self.max_bytes:
+            self.save_to_disk(t, kv, cache_type, prompt_len)
             return None
 
         # Each entry's common prefix with the new tokens, computed once for
@@ -483,30 +489,37 @@ class PromptCache:
             self.evicted_tokens += len(victim)
         return n
 
+    def save_to_disk(self, tokens, kv, cache_type: str = "assistant", prompt_len: int = 0) -> Optional[CacheEntry]:
+        """Rule 8: save ``kv`` (holding exactly ``tokens``) straight to the disk tier: an entry
+        larger than the whole memory budget, or one the engine keeps only if it fits in free
+        memory (an abandoned request's). Returns the tier entry; None without a tier, for a
+        non-trimmable KV or one shorter than ``share_min_tokens``, or when the write failed."""
+        t = np.asarray(tokens, dtype=np.int32)
+        if self.disk is None or len(t) < self.share_min_tokens or not self.ops.trimmable(kv):
+            return None
+        for d in self.disk.drop_covered(t):
+            self._tell_evicted(d)
+        e = CacheEntry(tokens=t, kv=None, nbytes=self.ops.nbytes(kv), cache_type=cache_type, trimmable=True,
+                       id=next(self._ids), last_used=next(self._clock), used_at=time.time(),
+                       prompt_tokens=min(prompt_len, len(t)) if prompt_len else len(t))
+        return self._to_disk(e, kv)
+
     def _spill(self, victim: CacheEntry) -> None:
         """Rule 8: write ``victim`` (being evicted) to the disk tier, before it leaves memory,
         so its blocks never leave Redis in between."""
         if self.disk is None or not victim.trimmable or len(victim) < self.share_min_tokens:
             return
         kv = self._materialise(victim.seg, len(victim)) if victim.seg is not None else victim.kv
-        if kv is None:
-            return
-        d, evicted = self.disk.put(victim, kv)
+        if kv is not None:
+            self._to_disk(victim, kv)
+
+    def _to_disk(self, entry: CacheEntry, kv) -> Optional[CacheEntry]:
+        d, evicted = self.disk.put(entry, kv)
         for x in evicted + self.disk.reap():
             self._tell_evicted(x)
         if d is not None and self.listener is not None:
             self.listener.on_saved(d)
-
-    def _promote(self, d: CacheEntry) -> bool:
-        """Rule 8: move the disk tier's entry ``d`` into memory; False when its read failed."""
-        kv = self.disk.take(d)
-        entry = None
-        if kv is not None:
-            entry = self.insert(d.tokens, kv, d.cache_type, prompt_len=d.prompt_tokens)
-            if entry is not None:
-                entry.hits = d.hits
-        self._tell_evicted(d)  # after the memory entry took over its blocks
-        return entry is not None
+        return d
 
     def announce_disk(self) -> None:
         """Tell the listener of the disk tier's entries adopted from an earlier run (rule 8),
@@ -884,7 +897,7 @@ class KVOps:
         return h.hexdigest()
 
     def from_host(self, host):
-        """Cache layers holding a `to_host` copy again (a promotion before its write ended)."""
+        """Cache layers holding a `to_host` copy again (a disk-tier read before its write ended)."""
         import mlx.core as mx
 
         dtype = {v: k for k, v in _dtype_names().items()}[host.dtype]

@@ -8,7 +8,8 @@ takes 18 s at Qwen3-4B's 1,622 tok/s prefill on an M4 Max; reading its KV
 (4.4 GB at 147,456 bytes/token) back from a 5-7 GB/s Apple SSD takes under
 a second. So an entry evicted from memory is written here instead of
 dropped, and a prompt whose longest cached prefix is on disk reads it back
-into memory (a promotion) before its prefill. The same two-tier design as
+before its prefill, for that request (it is not moved into memory: the
+request's own save, extending it, replaces it there). The same two-tier design as
 SGLang's HiCache (host memory and storage under the GPU's radix cache) and
 Dynamo's KV block manager (G1 device, G2 host, G3 disk), at this cache's
 entry granularity.
@@ -24,7 +25,7 @@ entry that enters or leaves the tier, as of the memory entries.
 Writes are behind the eviction (write-behind): the engine thread takes a host
 (numpy) copy of the entry's KV, a memory copy far faster than the disk, and a
 writer thread writes it (`KVOps.write_host`, no MLX call off the engine
-thread), so running decodes do not pause for the disk. A promotion before the
+thread), so running decodes do not pause for the disk. A read before the
 write ended takes the host copy instead of the file. Host copies waiting for
 the disk are held outside the memory budget, at most ``max_pending_bytes``
 (more waits for the writer). Layer types the host copy does not cover
@@ -109,8 +110,8 @@ class DiskTier:
         self._writer: Optional[threading.Thread] = None
         # Figures since start (the backend's stats and registry record).
         self.spills = 0  # entries written here
-        self.promotions = 0  # entries read back into memory
-        self.promoted_tokens = 0
+        self.reads = 0  # entries read back for a prompt
+        self.read_tokens = 0  # prompt tokens those reads served
         self.evictions = 0  # entries dropped from here by its budget
         self.failures = 0  # writes or reads that failed (the entry was dropped)
         self.write_waits = 0  # evictions that waited for the writer (max_pending_bytes reached)
@@ -178,14 +179,14 @@ class DiskTier:
             self._write_behind(d.id, path, host)
         return d, evicted
 
-    def take(self, entry: CacheEntry):
-        """Read ``entry``'s KV back (from its host copy when its write has not ended) and remove
-        it from the tier (its file deleted). Returns the KV, or None when the read failed
-        (logged; the entry is removed all the same). The caller tells the listener of the
-        removal after it saved the KV in memory, so the entry's blocks never leave Redis in
-        between."""
+    def read(self, entry: CacheEntry, n: int, clock: int):
+        """A private copy of ``entry``'s KV for a prompt reusing its first ``n`` tokens (from
+        its host copy when its write has not ended; an entry adopted from an earlier run is
+        checked against its checksum first). The entry stays, its recency set to ``clock``
+        (the memory cache's clock). Returns the KV, or None when the read failed (logged; the
+        entry is removed: the caller tells the listener)."""
         with self._cond:
-            host = self._unqueue(entry.id)
+            host = self._pending.get(entry.id)
         try:
             if host is not None:
                 kv = self.ops.from_host(host)
@@ -194,15 +195,17 @@ class DiskTier:
                 if entry.id in self._adopted and _file_digest(path) != self._sums.get(entry.id):
                     raise ValueError("damaged: its checksum differs from the one saved at the last stop")
                 kv = self.ops.load_kv(str(path))
+                self._adopted.discard(entry.id)  # checked once
         except Exception as e:
             self.failures += 1
             log.warning("disk tier: could not read %s (%d tokens): %s; the prompt is prefilled instead",
                         self._paths[entry.id], len(entry), e)
-            kv = None
-        self._drop(entry)
-        if kv is not None:
-            self.promotions += 1
-            self.promoted_tokens += len(entry)
+            self._drop(entry)
+            return None
+        entry.last_used, entry.used_at = clock, time.time()
+        entry.hits += 1
+        self.reads += 1
+        self.read_tokens += n
         return kv
 
     def reap(self) -> list[CacheEntry]:

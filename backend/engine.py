@@ -355,8 +355,8 @@ class MLXEngine(Engine):
             "disk_bytes": d.nbytes if d else 0,
             "disk_budget_bytes": d.max_bytes if d else 0,
             "disk_spills": d.spills if d else 0,
-            "disk_promotions": d.promotions if d else 0,
-            "disk_promoted_tokens": d.promoted_tokens if d else 0,
+            "disk_reads": d.reads if d else 0,
+            "disk_read_tokens": d.read_tokens if d else 0,
             "disk_evictions": d.evictions if d else 0,
             "disk_failures": d.failures if d else 0,
         }
@@ -941,8 +941,10 @@ class MLXEngine(Engine):
             # fits beside everything else: under memory pressure the other
             # sessions' entries are worth more than a turn nobody waits for.
             if not self._fits_in_free_space(kv, tokens):
-                self.saves_skipped += 1
-                log.debug("abandoned request %s not saved: no free cache space", req.rid)
+                # With a disk tier (cache rule 8) it goes there: no memory taken from anyone.
+                if self.cache.save_to_disk(tokens, kv, kind, len(req.prompt)) is None:
+                    self.saves_skipped += 1
+                    log.debug("abandoned request %s not saved: no free cache space", req.rid)
                 return
         self.cache.insert(
             tokens,

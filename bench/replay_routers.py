@@ -411,8 +411,8 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
         # Budget evictions over the backends (0: every backend had memory for all it saved).
         "evictions": sum(h.get("cache_evictions", 0) for h in health),
         # Cache rule 8's disk tier (0 without one): entries read back, and their tokens.
-        "disk_promotions": sum(h.get("disk_promotions", 0) for h in health),
-        "disk_promoted_tokens": sum(h.get("disk_promoted_tokens", 0) for h in health),
+        "disk_reads": sum(h.get("disk_reads", 0) for h in health),
+        "disk_read_tokens": sum(h.get("disk_read_tokens", 0) for h in health),
         # Our gateways' Redis lookups by status over the replay ({} for other routers).
         "lookups": lookups,
         "ttfts": sorted(r["ttft"] for r in ok),
@@ -422,7 +422,7 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
 
 _MEDIAN_KEYS = ("hit_ratio", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "throughput_rps", "wall_s",
                 "load_share_max_mean", "overhead_ms", "router_cpu_ms_per_request", "backend_cpu_s", "evictions",
-                "disk_promotions")
+                "disk_reads")
 _RANGE_KEYS = ("hit_ratio", "ttft_p50", "ttft_p99")
 
 
@@ -603,7 +603,7 @@ def table(res: dict) -> str:
             ov = "" if r["overhead_ms"] is None else f"{r['overhead_ms']:.2f}"
             cpu = "" if r.get("router_cpu_ms_per_request") is None else f"{r['router_cpu_ms_per_request']:.2f}"
             ev = "" if r.get("evictions") is None else f"{r['evictions']:.0f}"
-            dr = f"{r['disk_promotions']:.0f}" if r.get("disk_promotions") else ""  # cache rule 8's tier
+            dr = f"{r['disk_reads']:.0f}" if r.get("disk_reads") else ""  # cache rule 8's tier
             lines.append(
                 f"| {r['router']} | {_spread(r, 'hit_ratio', '{:.3f}')} | {r['hit_ratio'] / res['oracle_ratio']:.3f} | "
                 f"{_spread(r, 'ttft_p50', '{:.0f}', 1000)} / {_spread(r, 'ttft_p99', '{:.0f}', 1000)} | "
@@ -758,7 +758,7 @@ def main(argv=None) -> int:
                           f"router cpu {r['router_cpu_ms_per_request'] or 0:.2f} ms/req "
                           f"backend cpu {r['backend_cpu_s']:.0f} s ({time.time() - t:.0f} s)"
                           + (f" lookups {r['lookups']}" if r["lookups"] else "")
-                          + (f" disk reads {r['disk_promotions']}" if r["disk_promotions"] else ""), flush=True)
+                          + (f" disk reads {r['disk_reads']}" if r["disk_reads"] else ""), flush=True)
                     runs.append(r)
                 rounds.append(runs)
             res["budgets"].append({"fraction": frac, "per_backend_gb": per_backend / 2**30,

@@ -150,7 +150,7 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
         "cache_use": round(_f(rec, "cache_bytes") / budget, 4) if budget else 0.0,
         "evictions": int(_f(rec, "cache_evictions")),
         "disk_mb": round(_f(rec, "disk_bytes") / 2**20, 2),
-        "disk_reads": int(_f(rec, "disk_promotions")),
+        "disk_reads": int(_f(rec, "disk_reads")),
         "requests": int(_f(rec, "requests")),
         "hits": int(_f(rec, "hits")),
         "hit_ratio": round(_f(rec, "cached_tokens") / pt, 4) if pt else 0.0,

@@ -79,15 +79,18 @@ def test_an_evicted_entry_goes_to_disk_and_comes_back_on_its_next_turn(tmp_path,
     # Every prompt is still held by someone (memory or disk): its blocks stay owned.
     assert set(owners.held) == {tuple(a), tuple(b), tuple(d)} and owners.gaps == 0
 
-    hit = c.fetch(a + [7] * 40)  # a's next turn: read back from disk, not prefilled
-    assert hit.reused == 300 and len(c.get(hit.entry_id)) == 300
-    assert (disk.promotions, disk.promoted_tokens) == (1, 300)
+    turn = a + [7] * 40
+    hit = c.fetch(turn)  # a's next turn: read back from disk, not prefilled
+    assert hit.reused == 300 and c.ops.nbytes(hit.kv) == 300 * BPT and c.get(hit.entry_id) is None
+    assert (disk.reads, disk.read_tokens, len(c), len(disk)) == (1, 300, 2, 1)  # nothing moved
+    # The turn's own save extends a: it takes a's place, in memory; b (now the least recently
+    # used) goes to disk for its room.
+    _save(c, turn)
     assert disk.flush(5)
-    # a came into memory and b (now the least recently used) went to disk in its place.
-    assert _keys(c.entries()) == sorted([tuple(a), tuple(d)])
+    assert _keys(c.entries()) == sorted([tuple(turn), tuple(d)])
     assert _keys(disk.entries()) == [tuple(b)] and len(list((tmp_path / "tier").iterdir())) == 1
-    assert set(owners.held) == {tuple(a), tuple(b), tuple(d)} and owners.gaps == 0
-    assert c.nbytes == 600 * BPT and disk.nbytes == 300 * BPT
+    assert set(owners.held) == {tuple(turn), tuple(b), tuple(d)} and owners.gaps == 0
+    assert c.nbytes == 640 * BPT and disk.nbytes == 300 * BPT
 
 
 def test_a_prompt_served_as_well_from_memory_reads_nothing(tmp_path):
@@ -100,10 +103,10 @@ def test_a_prompt_served_as_well_from_memory_reads_nothing(tmp_path):
     # A new conversation on the system prompt: memory serves the 200 shared tokens as well as
     # the disk would (the disk entry shares the same 200): no read.
     hit = c.fetch(system + _conv(3, 50))
-    assert hit.reused == 200 and disk.promotions == 0 and len(disk) == 1
+    assert hit.reused == 200 and disk.reads == 0 and len(disk) == 1
     # Less than share_min_tokens (16) more on disk than in memory: no read either.
     hit = c.fetch(system + _conv(0, 10) + [1])
-    assert hit.reused == 200 and disk.promotions == 0
+    assert hit.reused == 200 and disk.reads == 0
 
 
 def test_a_save_that_extends_a_disk_entry_replaces_it(tmp_path):
@@ -139,7 +142,7 @@ def test_an_unreadable_disk_entry_costs_only_its_prefill(tmp_path, caplog):
         _save(c, t)
     (tmp_path / "tier" / "tier-1.safetensors").unlink()
     hit = c.fetch(a + [1])
-    assert hit.reused == 0 and len(disk) == 0 and disk.failures == 1 and disk.promotions == 0
+    assert hit.reused == 0 and len(disk) == 0 and disk.failures == 1 and disk.reads == 0
     assert tuple(a) not in owners.held  # not owned any more: no gateway sends it here for it
     assert "could not read" in caplog.text and "prefilled instead" in caplog.text
 
@@ -179,12 +182,13 @@ def test_writes_go_behind_the_eviction_and_a_prompt_back_early_takes_the_host_co
         _save(c, t)
     assert time.monotonic() - t0 < 0.08 and disk.pending_bytes == 300 * BPT  # queued, not written
     hit = c.fetch(a + [1])
-    assert hit.reused == 300 and disk.promotions == 1 and disk.failures == 0
+    assert hit.reused == 300 and disk.reads == 1 and disk.failures == 0 and disk.pending_bytes == 300 * BPT
+    _save(c, a + [1])  # the turn's save covers a: dropped from disk, its write under way or not
     assert disk.flush(5) and disk.pending_bytes == 0
-    # b went to disk for a's room; a's own file, written or not, is gone.
+    # b went to disk for the turn's room; a's own file, written or not, is gone.
     assert _keys(disk.entries()) == [tuple(_conv(1))]
     assert [p.name for p in (tmp_path / "tier").iterdir()] == ["tier-2.safetensors"]
-    assert set(owners.held) == {tuple(a), tuple(_conv(1)), tuple(_conv(2))} and owners.gaps == 0
+    assert set(owners.held) == {tuple(a + [1]), tuple(_conv(1)), tuple(_conv(2))} and owners.gaps == 0
 
 
 def test_an_eviction_waits_for_the_writer_past_max_pending_bytes(tmp_path):
@@ -232,11 +236,11 @@ def test_a_clean_stop_keeps_the_tier_and_the_next_start_adopts_it(tmp_path):
     c.announce_disk()
     assert set(owners.held) == {tuple(_conv(k)) for k in range(3)}  # published like any save
     hit = c.fetch(_conv(1) + [1])
-    assert hit.reused == 300 and disk.promotions == 1  # read back, its checksum checked
-    _save(c, _conv(7))
-    _save(c, _conv(8))  # memory holds two: conv 1 goes back to disk, in a file with a new name
-    assert disk.flush(5) and len(disk) == 3 and sorted(p.name for p in (tmp_path / "tier").glob("tier-*")) == [
-        "tier-1.safetensors", "tier-3.safetensors", "tier-4.safetensors"]
+    assert hit.reused == 300 and disk.reads == 1  # read back, its checksum checked
+    for k in (7, 8, 9):  # memory holds two: conv 7 goes to disk, in a file with a new name
+        _save(c, _conv(k))
+    assert disk.flush(5) and len(disk) == 4 and sorted(p.name for p in (tmp_path / "tier").glob("tier-*")) == [
+        "tier-1.safetensors", "tier-2.safetensors", "tier-3.safetensors", "tier-4.safetensors"]
 
 
 def test_a_kept_tier_under_other_settings_or_without_a_manifest_is_removed(tmp_path, caplog):
@@ -303,10 +307,10 @@ def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stac
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 1
     assert again["choices"][0]["message"]["content"] == first[0]["choices"][0]["message"]["content"]
     health = get_json(b.url + "/health")
-    assert health["disk_promotions"] == 1 and health["disk_promoted_tokens"] >= prompt - 1, health
+    assert health["disk_reads"] == 1 and health["disk_read_tokens"] == prompt - 1, health
     metrics = urllib.request.urlopen(b.url + "/metrics", timeout=10).read().decode()
-    assert 'mlxgw:disk_cache_promotions_total{model_name="demo-tiny"} 1.0' in metrics
-    assert f'mlxgw:disk_cache_promoted_tokens_total{{model_name="demo-tiny"}} {health["disk_promoted_tokens"]}.0' in metrics
+    assert 'mlxgw:disk_cache_reads_total{model_name="demo-tiny"} 1.0' in metrics
+    assert f'mlxgw:disk_cache_read_tokens_total{{model_name="demo-tiny"}} {health["disk_read_tokens"]}.0' in metrics
     # `mlxgw status` shows the tier (from the registry record, after the next heartbeat).
     deadline = time.time() + 10
     while True:
@@ -330,7 +334,7 @@ def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stac
         again = _chat(b.url, words(300, seed=80 + k))
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first[k]["usage"]["prompt_tokens"] - 1
         assert again["choices"][0]["message"]["content"] == first[k]["choices"][0]["message"]["content"]
-    assert get_json(b.url + "/health")["disk_promotions"] == 2
+    assert get_json(b.url + "/health")["disk_reads"] == 2
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -345,3 +349,12 @@ def test_disk_tier_flags_that_cannot_work_stop_the_backend_with_the_reason(tmp_p
     r = subprocess.run([sys.executable, "-m", "mlxgw", "backend", *[f.format(tmp=tmp_path) for f in flags]],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]
+
+
+def test_an_entry_larger_than_memory_goes_straight_to_disk(tmp_path):
+    c, disk, owners = _cache(tmp_path, "shared", memory_tokens=250)
+    big = _conv(0)  # 300 tokens: over the whole memory budget
+    assert c.insert(big, sim.SimKV(300, c.ops.timing), "user", prompt_len=300) is None
+    assert len(c) == 0 and _keys(disk.entries()) == [tuple(big)] and tuple(big) in owners.held
+    hit = c.fetch(big + [1])  # served from disk all the same (the request holds its KV, not the cache)
+    assert hit.reused == 300 and disk.reads == 1 and len(c) == 0 and len(disk) == 1
