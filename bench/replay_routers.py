@@ -15,7 +15,8 @@ One invocation, for each cache budget, starts fresh simulated backends
   ``mlxgw-lw0='--load-weight 0'``, the routing default before queued prefill counted);
   ``--backend-variant NAME=FLAGS`` gives a run's backends extra flags (NAME starts
   with ``mlxgw`` or ``pooled``, e.g. ``mlxgw-r6='--min-shared-tokens 16'``; in FLAGS,
-  ``{backend}`` becomes each backend's id and ``{ws_bytes}`` the trace's KV working set in
+  ``{backend}`` becomes a name of each backend's own in this run (a disk tier kept at a clean
+  stop must not warm the next run's) and ``{ws_bytes}`` the trace's KV working set in
   bytes, e.g. ``mlxgw-disk='--disk-cache-dir /tmp/tier/{backend} --disk-cache-bytes {ws_bytes}'``,
   cache rule 8's disk tier with room for the whole working set on each backend);
 * ``mlxgw-xG`` / ``sglang-xG``: G gateway (router) processes, the client
@@ -349,8 +350,9 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
                  *shlex.split(dict(v.split("=", 1) for v in args.backend_variant).get(base, ""))]
     routers: list = []
     try:
+        run = f"{base}-{time.time_ns()}"
         for i in range(n):
-            st.add_backend(f"b{i}", None, *[f.replace("{backend}", f"{base}-b{i}").replace("{ws_bytes}", str(ws_bytes))
+            st.add_backend(f"b{i}", None, *[f.replace("{backend}", f"{run}-b{i}").replace("{ws_bytes}", str(ws_bytes))
                                             for f in sim_flags])
         if base.startswith("mlxgw"):
             variants = dict(v.split("=", 1) for v in args.variant)
