@@ -14,7 +14,8 @@ One invocation, for each cache budget, starts fresh simulated backends
 * ``--variant NAME=FLAGS``: our gateway with other flags, side by side (e.g.
   ``mlxgw-lw0='--load-weight 0'``, the routing default before queued prefill counted);
   ``--backend-variant NAME=FLAGS`` gives a run's backends extra flags (NAME starts
-  with ``mlxgw`` or ``pooled``, e.g. ``mlxgw-r6='--min-shared-tokens 16'``; in FLAGS,
+  with ``mlxgw``, ``sglang`` or ``pooled``; per-round comparisons pair a variant with the peer
+  variant of the same suffix when it ran, ``mlxgw-disk`` with ``sglang-disk``), e.g. ``mlxgw-r6='--min-shared-tokens 16'``; in FLAGS,
   ``{backend}`` becomes a name of each backend's own in this run (a disk tier kept at a clean
   stop must not warm the next run's) and ``{ws_bytes}`` the trace's KV working set in
   bytes, e.g. ``mlxgw-disk='--disk-cache-dir /tmp/tier/{backend} --disk-cache-bytes {ws_bytes}'``,
@@ -366,7 +367,7 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
         st.wait()
         if base.startswith("mlxgw"):
             urls, kind = [g.url for g in st.gateways], "mlxgw"
-        elif base == "sglang":
+        elif base.startswith("sglang"):
             routers = [SglangRouter([b.url for b in st.backends], f"{name}-{i}") for i in range(gws)]
             for r in routers:
                 r.wait(n)
@@ -461,14 +462,27 @@ def paired(rounds: list[list[dict]]) -> dict:
             if not name.startswith(("mlxgw", "pooled")):
                 continue
             d = out.setdefault(name, {})
-            if "sglang" in by:
-                sg = by["sglang"]
+            sg = by.get(_peer(by, "sglang", name))
+            if sg is not None:
                 d.setdefault("p99_vs_sglang", []).append(r["ttft_p99"] / sg["ttft_p99"])
                 d.setdefault("p50_vs_sglang", []).append(r["ttft_p50"] / sg["ttft_p50"])
                 d.setdefault("hit_minus_sglang", []).append(r["hit_ratio"] - sg["hit_ratio"])
-            if "pooled" in by and name != "pooled":
-                d.setdefault("hit_minus_pooled", []).append(r["hit_ratio"] - by["pooled"]["hit_ratio"])
+            pooled = _peer(by, "pooled", name)
+            if pooled in by and pooled != name:
+                d.setdefault("hit_minus_pooled", []).append(r["hit_ratio"] - by[pooled]["hit_ratio"])
     return out
+
+
+def _peer(by: dict, ref: str, name: str) -> str:
+    """The run of router ``ref`` to compare ``name`` with: the one with the longest shared variant
+    suffix (``mlxgw-disk`` -> ``sglang-disk`` when it ran, else ``sglang``), so variants that
+    change the backends (``--backend-variant``) meet the peer in front of the same backends."""
+    parts = name.split("-")[1:]
+    for k in range(len(parts), 0, -1):
+        cand = "-".join([ref, *parts[:k]])
+        if cand in by:
+            return cand
+    return ref
 
 
 def _candidates(header: str) -> dict[str, int]:

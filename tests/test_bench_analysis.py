@@ -41,7 +41,8 @@ def test_table_gives_the_median_budget_evictions():
     res = {"budgets": [{"fraction": 1.0, "per_backend_gb": 2.0, "runs": combine_rounds(rounds)}],
            "config": {"backends": 4}, "oracle_ratio": 0.2}
     row = [ln for ln in table(res).splitlines() if ln.startswith("| mlxgw |")][0]
-    assert row.split(" | ")[-2:] == ["7", "0 |"]  # budget evictions (median of 5, 9, 7), errors
+    # budget evictions (median of 5, 9, 7), disk reads (none: no disk tier), errors
+    assert row.split(" | ")[-3:] == ["7", "", "0 |"]
 
 
 def test_paired_ratios_are_per_round():
@@ -54,6 +55,19 @@ def test_paired_ratios_are_per_round():
     assert d["mlxgw"]["hit_minus_pooled"] == pytest.approx([-0.01, -0.05])
     assert d["pooled"]["p99_vs_sglang"] == [0.25, 0.5] and "hit_minus_pooled" not in d["pooled"]
     assert "sglang" not in d
+
+
+def test_a_backend_variant_pairs_with_the_peer_in_front_of_the_same_backends():
+    """``mlxgw-disk`` (backends with a disk tier) meets ``sglang-disk`` and ``pooled-disk``, not
+    the peers in front of backends without one; a variant with no such peer falls back."""
+    rounds = [[_run("mlxgw-disk", 0.30, 1.0, 2.0), _run("mlxgw-disk-sync", 0.30, 1.0, 4.0),
+               _run("sglang", 0.10, 1.0, 8.0), _run("sglang-disk", 0.28, 1.0, 4.0),
+               _run("pooled", 0.10, 1.0, 1.0), _run("pooled-disk", 0.32, 1.0, 1.0), _run("mlxgw-lw0", 0.1, 1.0, 4.0)]]
+    d = paired(rounds)
+    assert d["mlxgw-disk"]["p99_vs_sglang"] == [0.5] and d["mlxgw-disk-sync"]["p99_vs_sglang"] == [1.0]
+    assert d["mlxgw-disk"]["hit_minus_pooled"] == pytest.approx([-0.02])
+    assert d["mlxgw-lw0"]["p99_vs_sglang"] == [0.5] and d["mlxgw-lw0"]["hit_minus_pooled"] == pytest.approx([0.0])
+    assert "hit_minus_pooled" not in d["pooled-disk"]
 
 
 def test_per_round_series_gets_a_95_percent_interval_from_four_rounds():
