@@ -561,11 +561,14 @@ def lost_hits(runs: list[dict], block: int = 1, router: str = "mlxgw", reference
 
 def lost_hits_by_router(runs: list[dict], block: int, shared: list[int] | None = None) -> dict[str, list[dict]]:
     """`lost_hits` of each of our gateway runs in one round against the pooled cache and
-    sglang-router (those that ran): ``{router: [result, ...]}``."""
+    sglang-router (those that ran; the variants in front of the same backends when they ran,
+    `_peer`): ``{router: [result, ...]}``."""
+    by = {r["router"]: r for r in runs}
     out = {}
-    for r in runs:
-        if r["router"].startswith("mlxgw"):
-            out[r["router"]] = [lh for ref in ("pooled", "sglang") if (lh := lost_hits(runs, block, r["router"], ref, shared))]
+    for name in by:
+        if name.startswith("mlxgw"):
+            refs = (_peer(by, "pooled", name), _peer(by, "sglang", name))
+            out[name] = [lh for ref in refs if (lh := lost_hits(runs, block, name, ref, shared))]
     return out
 
 
