@@ -158,8 +158,7 @@ class DiskTier:
         host = self.ops.to_host(kv) if self.max_pending_bytes is not None else None
         if host is None:
             try:
-                self.ops.save_kv(kv, str(path))
-                self._sums[entry.id] = _file_digest(path)
+                self.ops.save_kv(kv, str(path))  # its checksum is taken if it is kept (`_keep`)
             except Exception as e:  # OSError (disk full), or mlx's RuntimeError for a failed write
                 _unlink(path)
                 self.failures += 1
@@ -268,10 +267,15 @@ class DiskTier:
         last and renamed into place, so a stop cut short leaves no manifest)."""
         from . import persist
 
-        # Entries whose write failed (not reaped yet) have no checksum and no file: not kept.
-        order = sorted((e for e in self._entries.values() if e.id in self._sums), key=lambda e: e.last_used)
-        for e in order:
-            persist._seal(self._paths[e.id])  # fsync: the manifest must not outlive its files
+        # Entries whose background write failed (not reaped yet) have no file: not kept.
+        with self._cond:
+            lost = set(self._lost)
+        order = sorted((e for e in self._entries.values() if e.id not in lost), key=lambda e: e.last_used)
+        for e in order:  # the manifest must not outlive its files
+            if e.id in self._sums:  # written behind: its checksum was taken as it was written
+                _fsync(self._paths[e.id])
+            else:  # written in the engine thread (mlx-lm's format): read it once now
+                self._sums[e.id] = persist._seal(self._paths[e.id])
         np.savez(self.directory / TOKENS, **{self._paths[e.id].name: e.tokens for e in order})
         manifest = {
             "format": FORMAT, "fingerprint": persist.fingerprint(self.settings), "settings": self.settings,
@@ -417,6 +421,14 @@ class DiskTier:
             self._unqueue(e.id)  # a write under way finds it gone and removes its file
             self._sums.pop(e.id, None)
         _unlink(self._paths.pop(e.id))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _file_digest(path: Path) -> str:

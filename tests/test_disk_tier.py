@@ -216,17 +216,19 @@ def test_a_failed_background_write_drops_the_entry_at_the_next_lookup(tmp_path, 
 SETTINGS = {"model_files": "abcd", "engine": "sim", "layout": "shared"}
 
 
-def _kept(tmp_path, n=5, **kw):
-    """A tier holding conversations 0 .. n-3 (memory keeps the last two), kept at a clean stop."""
-    c, disk, _ = _cache(tmp_path, "shared", pending=10**9, settings=SETTINGS, **kw)
+def _kept(tmp_path, n=5, pending=10**9):
+    """A tier holding conversations 0 .. n-3 (memory keeps the last two), kept at a clean stop
+    (written behind, or with ``pending`` None in the caller's thread)."""
+    c, disk, _ = _cache(tmp_path, "shared", pending=pending, settings=SETTINGS)
     for k in range(n):
         _save(c, _conv(k))
     disk.close()
     return c
 
 
-def test_a_clean_stop_keeps_the_tier_and_the_next_start_adopts_it(tmp_path):
-    _kept(tmp_path)
+@pytest.mark.parametrize("pending", [10**9, None])
+def test_a_clean_stop_keeps_the_tier_and_the_next_start_adopts_it(tmp_path, pending):
+    _kept(tmp_path, pending=pending)
     names = sorted(p.name for p in (tmp_path / "tier").iterdir())
     assert names == ["manifest.json", "tier-1.safetensors", "tier-2.safetensors", "tier-3.safetensors",
                      "tokens.npz"]
