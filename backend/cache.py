@@ -155,13 +155,16 @@ class CacheHit:
     """What `PromptCache.fetch` found for a prompt.
 
     ``kv`` is a private copy already trimmed to ``reused`` tokens (None on a
-    miss); ``entry_id`` names the entry it came from.
+    miss); ``entry_id`` names the entry it came from. ``read``: a disk-tier read
+    still under way (``fetch(defer=True)``, rule 8): ``kv`` is None until
+    `PromptCache.finish_read` (``read.done`` tells when).
     """
 
     kv: Any
     reused: int
     entry_id: Optional[int]
     entry_len: int = 0
+    read: Any = None
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -284,13 +287,14 @@ class PromptCache:
                 best, best_n = e, n
         return best, best_n
 
-    def fetch(self, prompt) -> CacheHit:
+    def fetch(self, prompt, defer: bool = False) -> CacheHit:
         """Find the best entry for ``prompt`` and return a trimmed private copy.
 
         Returns a `CacheHit` with ``reused`` tokens (0 and ``kv=None`` on a
         miss). The entry's recency is refreshed. With a disk tier (rule 8), an
         entry there serving at least ``share_min_tokens`` more of the prompt than
-        memory does is read instead (in this thread: the disk's read time).
+        memory does is read instead: in this thread, or with ``defer`` by the
+        tier's reader thread (the hit's ``read``; `finish_read` completes it).
         """
         e, n = self.best_match(prompt)
         if self.disk is not None:
@@ -299,6 +303,9 @@ class PromptCache:
         if self.disk is not None and len(self.disk):
             d, nd = self.disk.best_match(np.asarray(prompt, dtype=np.int32))
             if d is not None and nd >= n + self.share_min_tokens:
+                job = self.disk.read_async(d, nd, next(self._clock)) if defer else None
+                if job is not None:
+                    return CacheHit(None, nd, d.id, len(d), read=job)
                 kv = self.disk.read(d, nd, next(self._clock))
                 if kv is not None:
                     self.ops.trim(kv, len(d) - nd)
@@ -314,6 +321,18 @@ class PromptCache:
         self._touch(e)
         e.hits += 1
         return CacheHit(kv, n, e.id, len(e))
+
+    def finish_read(self, hit: CacheHit) -> CacheHit:
+        """Complete a deferred disk-tier read (``hit.read``, done): the hit with its KV, trimmed
+        to ``hit.reused``, or a miss when the read failed (the entry is then dropped and the
+        listener told). Engine thread."""
+        kv, gone = self.disk.finish(hit.read)
+        if gone is not None:
+            self._tell_evicted(gone)
+        if kv is None:
+            return CacheHit(None, 0, None)
+        self.ops.trim(kv, hit.entry_len - hit.reused)
+        return CacheHit(kv, hit.reused, hit.entry_id, hit.entry_len)
 
     def added_nbytes(self, tokens, kv) -> int:
         """Bytes that saving ``kv`` (holding ``tokens``) would add to the cache: all of its
@@ -895,6 +914,31 @@ class KVOps:
                 h.update(m)
                 f.write(m)
         return h.hexdigest()
+
+    def read_host(self, path: str) -> tuple[Optional["HostKV"], str]:
+        """Read a disk-tier file into host memory with no MLX call (any thread): ``(HostKV,
+        xxh3-128 hex of the file)`` for a `write_host` file, ``(None, digest)`` for another
+        format (mlx-lm's ``save_prompt_cache``: `load_kv` reads those)."""
+        import xxhash
+
+        with open(path, "rb") as f:
+            raw = f.read()
+        digest = xxhash.xxh3_128(raw).hexdigest()
+        size = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + size])
+        if header.get("__metadata__", {}).get("format") != HOST_FORMAT:
+            return None, digest
+        base = 8 + size
+        np_dtype = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}  # bfloat16 as its bits
+
+        def tensor(name):
+            h = header[name]
+            start, end = h["data_offsets"]
+            t = np.dtype(np_dtype[h["dtype"]])
+            return np.frombuffer(raw, dtype=t, count=(end - start) // t.itemsize, offset=base + start).reshape(h["shape"])
+
+        layers = [(tensor(f"{i}.k"), tensor(f"{i}.v")) for i in range((len(header) - 1) // 2)]
+        return HostKV(layers, header["0.k"]["dtype"]), digest
 
     def from_host(self, host):
         """Cache layers holding a `to_host` copy again (a disk-tier read before its write ended)."""

@@ -28,7 +28,10 @@ writer thread writes it (`KVOps.write_host`, no MLX call off the engine
 thread), so running decodes do not pause for the disk. A read before the
 write ended takes the host copy instead of the file. Host copies waiting for
 the disk are held outside the memory budget, at most ``max_pending_bytes``
-(more waits for the writer). Layer types the host copy does not cover
+(more waits for the writer). Reads are beside the batch as well: the engine
+pins a request to a disk hit on arrival (`read_async`), a reader thread
+reads the file into host memory (`KVOps.read_host`), and the engine thread
+turns it into arrays at admission (`finish`). Layer types the host copy does not cover
 (rotating windows, quantized KV) are written in the engine thread with
 mlx-lm's ``save_prompt_cache``.
 
@@ -108,6 +111,8 @@ class DiskTier:
         self._lost: list[int] = []  # entries whose write failed, for `reap`
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._writer: Optional[threading.Thread] = None
+        self._reads: queue.SimpleQueue = queue.SimpleQueue()  # `DiskRead` jobs for the reader thread
+        self._reader: Optional[threading.Thread] = None
         # Figures since start (the backend's stats and registry record).
         self.spills = 0  # entries written here
         self.reads = 0  # entries read back for a prompt
@@ -207,6 +212,61 @@ class DiskTier:
         self.read_tokens += n
         return kv
 
+    def read_async(self, entry: CacheEntry, n: int, clock: int) -> Optional["DiskRead"]:
+        """Start reading ``entry`` for a prompt reusing its first ``n`` tokens in the reader
+        thread (file to host memory, no MLX call there); `finish` completes it in the engine
+        thread. None when its host copy is still queued for the writer (`read` takes that at
+        once). The entry's recency is set to ``clock`` now."""
+        with self._cond:
+            if entry.id in self._pending:
+                return None
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._read_loop, name="disk-tier-reader", daemon=True)
+            self._reader.start()
+        entry.last_used, entry.used_at = clock, time.time()
+        job = DiskRead(entry, n, self._paths[entry.id], self._sums.get(entry.id) if entry.id in self._adopted else None)
+        self._reads.put(job)
+        return job
+
+    def finish(self, job: "DiskRead") -> tuple[object, Optional[CacheEntry]]:
+        """``(KV, None)`` for a read `read_async` started (waits for it if need be), or ``(None,
+        the entry dropped)`` when it failed (logged; the caller tells the listener; None when
+        the entry had left the tier already). Engine thread."""
+        job.done.wait()
+        e = job.entry
+        kv, err = None, job.error
+        if err is None:
+            try:  # host memory to KV arrays, or mlx-lm's own file format read here
+                kv = self.ops.from_host(job.host) if job.host is not None else self.ops.load_kv(str(job.path))
+            except Exception as x:
+                err = x
+        if err is None:
+            self._adopted.discard(e.id)  # checked once
+            e.hits += 1
+            self.reads += 1
+            self.read_tokens += job.n
+            return kv, None
+        self.failures += 1
+        log.warning("disk tier: could not read %s (%d tokens): %s; the prompt is prefilled instead",
+                    job.path, len(e), err)
+        if e.id in self._entries and self._entries[e.id] is e:
+            self._drop(e)
+            return None, e
+        return None, None
+
+    def _read_loop(self) -> None:
+        while True:
+            job = self._reads.get()
+            if job is None:
+                return
+            try:
+                job.host, digest = self.ops.read_host(str(job.path))
+                if job.checksum is not None and digest != job.checksum:
+                    raise ValueError("damaged: its checksum differs from the one saved at the last stop")
+            except Exception as e:  # OSError: removed meanwhile, unreadable
+                job.host, job.error = None, e
+            job.done.set()
+
     def reap(self) -> list[CacheEntry]:
         """Remove the entries whose background write failed; returns them for the listener."""
         with self._cond:
@@ -242,6 +302,9 @@ class DiskTier:
         up to ``timeout`` s for the writer, then keep the tier for the next start (`_keep`);
         without, remove its files. No listener: the backend withdrew from Redis."""
         keep = self.settings is not None and self.flush(timeout)
+        if self._reader is not None:
+            self._reads.put(None)
+            self._reader.join(timeout=60)
         if self._writer is not None:
             with self._cond:
                 self._pending.clear()  # not kept: nothing left is worth writing
@@ -421,6 +484,19 @@ class DiskTier:
             self._unqueue(e.id)  # a write under way finds it gone and removes its file
             self._sums.pop(e.id, None)
         _unlink(self._paths.pop(e.id))
+
+
+class DiskRead:
+    """A disk-tier read under way (`DiskTier.read_async`): ``done`` is set once ``host`` (the
+    file in host memory: `KVOps.read_host`; None for a file in mlx-lm's format, read by
+    `DiskTier.finish`) or ``error`` is there."""
+
+    __slots__ = ("entry", "n", "path", "checksum", "host", "error", "done")
+
+    def __init__(self, entry: CacheEntry, n: int, path: Path, checksum: Optional[str]):
+        self.entry, self.n, self.path, self.checksum = entry, n, path, checksum
+        self.host, self.error = None, None
+        self.done = threading.Event()
 
 
 def _fsync(path: Path) -> None:

@@ -545,7 +545,9 @@ class MLXEngine(Engine):
                 self._last_busy = time.monotonic()
             try:
                 req = self._incoming.get(timeout=0.05) if idle else self._incoming.get_nowait()
-                self._pin(req, self.cache.fetch(req.prompt))
+                # A hit on the disk tier is read by its reader thread (cache rule 8) while the
+                # batch runs on; the request is held until it is in (`_held`).
+                self._pin(req, self.cache.fetch(req.prompt, defer=True))
                 if self.claims is not None and self.trimmable:
                     req.claim = self.claims.claim(req.prompt)
                 self._waiting.append(req)
@@ -557,6 +559,8 @@ class MLXEngine(Engine):
             self._admit_waiting()
             if self._live:
                 self._step()
+            elif self._waiting:  # all held by disk reads under way: do not spin
+                time.sleep(0.001)
 
     def _admit_waiting(self) -> None:
         """Admit waiting requests while the batch has a free prefill slot.
@@ -641,7 +645,10 @@ class MLXEngine(Engine):
         return itertools.islice(self._waiting, HOLD_SCAN)
 
     def _held(self, req: GenRequest, prefilling: list[_Live]) -> bool:
-        """True if ``req`` waits for a running prefill it reuses (the hold of ``save_at_prefill_end``)."""
+        """True if ``req`` waits for a running prefill it reuses (the hold of ``save_at_prefill_end``),
+        or for its hit to be read from the disk tier (cache rule 8)."""
+        if req.hit is not None and req.hit.read is not None and not req.hit.read.done.is_set():
+            return True
         return self.save_at_prefill_end and any(self._reuses(req, lv) for lv in prefilling)
 
     def _reuses(self, req: GenRequest, live: _Live) -> bool:
@@ -725,6 +732,8 @@ class MLXEngine(Engine):
         prompt = req.prompt
         hit = req.hit if req.hit is not None else self.cache.fetch(prompt)
         req.hit = None
+        if hit.read is not None:  # read from the disk tier while it waited (or a miss if that failed)
+            hit = self.cache.finish_read(hit)
         if self.cache.version != req.cache_version and self.cache.best_match(prompt)[1] > hit.reused:
             hit = self.cache.fetch(prompt)  # saved while it waited, and longer than its pinned hit
         req.cached = hit.reused

@@ -179,6 +179,16 @@ class SimKVOps(KVOps):
 
     write_host = save_parts
 
+    def read_host(self, path: str):
+        """A sim file in host memory, with the modelled read time (the reader thread sleeps)."""
+        import xxhash
+
+        raw = Path(path).read_bytes()
+        kv = SimKV(int(json.loads(raw)["tokens"]), self.timing)
+        if self.timing is not None:
+            time.sleep(self.timing.disk_seconds(kv.nbytes, write=False))
+        return kv, xxhash.xxh3_128(raw).hexdigest()
+
     def from_host(self, host):
         return SimKV(host.n, host.timing)
 

@@ -266,9 +266,12 @@ def test_a_smaller_budget_adopts_the_newest_and_a_damaged_file_costs_its_prefill
     assert disk.adopted == (2, 600, 600 * BPT, "1 left out by this run's budget")
     assert [e.tokens.tolist() for e in disk.entries()] == [_conv(1), _conv(2)]
     assert not (tmp_path / "tier" / "tier-1.safetensors").exists()
-    f = tmp_path / "tier" / "tier-2.safetensors"
-    f.write_text(f.read_text().replace("300", "999"))  # same length, other bytes
-    assert c.fetch(_conv(1) + [1]).reused == 0 and disk.failures == 1 and len(disk) == 1
+    for name in ("tier-2.safetensors", "tier-3.safetensors"):
+        f = tmp_path / "tier" / name
+        f.write_text(f.read_text().replace("300", "999"))  # same length, other bytes
+    assert c.fetch(_conv(1) + [1]).reused == 0 and disk.failures == 1 and len(disk) == 1  # read here
+    hit = c.fetch(_conv(2) + [1], defer=True)  # read by the reader thread
+    assert hit.read.done.wait(5) and c.finish_read(hit).reused == 0 and disk.failures == 2 and len(disk) == 0
     assert "checksum differs" in caplog.text
 
 
@@ -360,3 +363,24 @@ def test_an_entry_larger_than_memory_goes_straight_to_disk(tmp_path):
     assert len(c) == 0 and _keys(disk.entries()) == [tuple(big)] and tuple(big) in owners.held
     hit = c.fetch(big + [1])  # served from disk all the same (the request holds its KV, not the cache)
     assert hit.reused == 300 and disk.reads == 1 and len(c) == 0 and len(disk) == 1
+
+
+def test_a_deferred_read_runs_beside_the_engine_thread(tmp_path):
+    """``fetch(defer=True)`` (the engine's pin on arrival): the read happens in the tier's reader
+    thread, the hit completes with `finish_read`; a file gone meanwhile makes a miss."""
+    timing = sim.SimTiming(kv_bytes_per_token=BPT, disk_read_rate=3000 * BPT)  # 300 tokens: 0.1 s
+    c, disk, owners = _cache(tmp_path, "shared", timing=timing)
+    for t in (_conv(0), _conv(1), _conv(2), _conv(3)):  # 0 and 1 on disk
+        _save(c, t)
+    t0 = time.monotonic()
+    hit = c.fetch(_conv(0) + [1], defer=True)
+    assert time.monotonic() - t0 < 0.05 and hit.kv is None and hit.reused == 300 and not hit.read.done.is_set()
+    assert hit.read.done.wait(5) and time.monotonic() - t0 >= 0.09
+    done = c.finish_read(hit)
+    assert done.reused == 300 and c.ops.nbytes(done.kv) == 300 * BPT and disk.reads == 1
+    (tmp_path / "tier" / "tier-2.safetensors").unlink()  # conversation 1's file, gone behind the tier's back
+    hit = c.fetch(_conv(1) + [1], defer=True)
+    assert hit.reused == 300 and hit.read.done.wait(5) and isinstance(hit.read.error, FileNotFoundError)
+    done = c.finish_read(hit)  # a miss: the entry dropped, its prefix no longer owned
+    assert done.reused == 0 and done.kv is None and tuple(_conv(1)) not in owners.held and len(disk) == 1
+    assert disk.failures == 1 and disk.reads == 1
