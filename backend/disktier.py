@@ -81,7 +81,7 @@ class DiskTier:
         ops: the cache's `KVOps` (``to_host`` / ``write_host`` / ``from_host`` / ``save_kv`` /
             ``load_kv`` / ``nbytes``).
         max_pending_bytes: host copies waiting for the writer beyond which an eviction waits
-            for it, bytes (None: no write-behind, every write in the caller's thread).
+            for it, bytes (None: no I/O beside the caller: every write and read in its thread).
         settings: the run's KV settings (`backend.persist.kv_settings`): a tier a clean stop
             left under equal settings is adopted, and `close` keeps this one; None: neither.
 
@@ -216,9 +216,10 @@ class DiskTier:
         """Start reading ``entry`` for a prompt reusing its first ``n`` tokens in the reader
         thread (file to host memory, no MLX call there); `finish` completes it in the engine
         thread. None when its host copy is still queued for the writer (`read` takes that at
-        once). The entry's recency is set to ``clock`` now."""
+        once), and without ``max_pending_bytes`` (all I/O in the caller's thread). The entry's
+        recency is set to ``clock`` now."""
         with self._cond:
-            if entry.id in self._pending:
+            if entry.id in self._pending or self.max_pending_bytes is None:
                 return None
         if self._reader is None:
             self._reader = threading.Thread(target=self._read_loop, name="disk-tier-reader", daemon=True)

@@ -75,8 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "back when a prompt's longest cached prefix is there (a disk read instead of a prefill)")
     p.add_argument("--disk-write-queue-bytes", type=str, default=None,
                    help="with --disk-cache-bytes: KV copies waiting for the disk writer, held outside the memory "
-                        "budget, before an eviction waits for it (default: a quarter of --cache-bytes; 0: write "
-                        "in the engine thread, pausing decodes)")
+                        "budget, before an eviction waits for it (default: a quarter of --cache-bytes; 0: no disk "
+                        "I/O beside the batch: writes and reads in the engine thread, pausing decodes)")
     p.add_argument("--disk-cache-dir", help="with --disk-cache-bytes: where its files go (default: "
                                              "<--cache-dir>/tier); kept at a clean stop for the next start "
                                              "with the same model and settings")

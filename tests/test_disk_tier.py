@@ -384,3 +384,11 @@ def test_a_deferred_read_runs_beside_the_engine_thread(tmp_path):
     done = c.finish_read(hit)  # a miss: the entry dropped, its prefix no longer owned
     assert done.reused == 0 and done.kv is None and tuple(_conv(1)) not in owners.held and len(disk) == 1
     assert disk.failures == 1 and disk.reads == 1
+
+
+def test_without_a_write_queue_reads_are_in_the_callers_thread_too(tmp_path):
+    c, disk, _ = _cache(tmp_path, "shared")  # max_pending_bytes None (--disk-write-queue-bytes 0)
+    for t in (_conv(0), _conv(1), _conv(2)):
+        _save(c, t)
+    hit = c.fetch(_conv(0) + [1], defer=True)
+    assert hit.read is None and hit.reused == 300 and c.ops.nbytes(hit.kv) == 300 * BPT and disk.reads == 1
