@@ -261,7 +261,7 @@ def test_a_kept_tier_under_other_settings_or_without_a_manifest_is_removed(tmp_p
 
 def test_a_smaller_budget_adopts_the_newest_and_a_damaged_file_costs_its_prefill(tmp_path, caplog):
     _kept(tmp_path)
-    c, disk, _ = _cache(tmp_path, "shared", disk_tokens=650, settings=SETTINGS)
+    c, disk, _ = _cache(tmp_path, "shared", disk_tokens=650, pending=10**9, settings=SETTINGS)
     c.announce_disk()
     assert disk.adopted == (2, 600, 600 * BPT, "1 left out by this run's budget")
     assert [e.tokens.tolist() for e in disk.entries()] == [_conv(1), _conv(2)]
@@ -369,9 +369,10 @@ def test_a_deferred_read_runs_beside_the_engine_thread(tmp_path):
     """``fetch(defer=True)`` (the engine's pin on arrival): the read happens in the tier's reader
     thread, the hit completes with `finish_read`; a file gone meanwhile makes a miss."""
     timing = sim.SimTiming(kv_bytes_per_token=BPT, disk_read_rate=3000 * BPT)  # 300 tokens: 0.1 s
-    c, disk, owners = _cache(tmp_path, "shared", timing=timing)
+    c, disk, owners = _cache(tmp_path, "shared", timing=timing, pending=10**9)
     for t in (_conv(0), _conv(1), _conv(2), _conv(3)):  # 0 and 1 on disk
         _save(c, t)
+    assert disk.flush(5)  # written: a read of a copy still queued would take the copy
     t0 = time.monotonic()
     hit = c.fetch(_conv(0) + [1], defer=True)
     assert time.monotonic() - t0 < 0.05 and hit.kv is None and hit.reused == 300 and not hit.read.done.is_set()
