@@ -325,7 +325,7 @@ class PromptCache:
     def finish_read(self, hit: CacheHit) -> CacheHit:
         """Complete a deferred disk-tier read (``hit.read``, done): the hit with its KV, trimmed
         to ``hit.reused``, or a miss when the read failed (the entry is then dropped and the
-        listener told). Engine thread."""
+        listener told; the caller may `fetch` again for what memory holds). Engine thread."""
         kv, gone = self.disk.finish(hit.read)
         if gone is not None:
             self._tell_evicted(gone)

@@ -732,8 +732,10 @@ class MLXEngine(Engine):
         prompt = req.prompt
         hit = req.hit if req.hit is not None else self.cache.fetch(prompt)
         req.hit = None
-        if hit.read is not None:  # read from the disk tier while it waited (or a miss if that failed)
+        if hit.read is not None:  # read from the disk tier while it waited
             hit = self.cache.finish_read(hit)
+            if hit.kv is None:  # the read failed (entry dropped): what memory holds, if anything
+                hit = self.cache.fetch(prompt)
         if self.cache.version != req.cache_version and self.cache.best_match(prompt)[1] > hit.reused:
             hit = self.cache.fetch(prompt)  # saved while it waited, and longer than its pinned hit
         req.cached = hit.reused
