@@ -462,7 +462,8 @@ def paired(rounds: list[list[dict]]) -> dict:
             if not name.startswith(("mlxgw", "pooled")):
                 continue
             d = out.setdefault(name, {})
-            sg = by.get(_peer(by, "sglang", name))
+            d["peers"] = [_peer(by, "sglang", name), _peer(by, "pooled", name)]
+            sg = by.get(d["peers"][0])
             if sg is not None:
                 d.setdefault("p99_vs_sglang", []).append(r["ttft_p99"] / sg["ttft_p99"])
                 d.setdefault("p50_vs_sglang", []).append(r["ttft_p50"] / sg["ttft_p50"])
@@ -630,12 +631,13 @@ def table(res: dict) -> str:
                 f"{r['load_share_max_mean']:.2f} | {ov} | {cpu} | {ev} | {dr} | {r['errors']} |")
         notes = []
         for name, d in b.get("paired", {}).items():
+            sg, pooled = d.get("peers", ["sglang", "pooled"])
             if "p99_vs_sglang" in d:
-                notes.append(f"- {name} / sglang per round: p99 TTFT {_series(d['p99_vs_sglang'], '{:.2f}x')}; "
+                notes.append(f"- {name} / {sg} per round: p99 TTFT {_series(d['p99_vs_sglang'], '{:.2f}x')}; "
                              f"p50 TTFT {_series(d['p50_vs_sglang'], '{:.2f}x')}; hit ratio difference "
                              f"{_series(d['hit_minus_sglang'], '{:+.3f}')}")
             if "hit_minus_pooled" in d:
-                notes.append(f"- {name} hit ratio minus pooled per round: {_series(d['hit_minus_pooled'], '{:+.4f}')}")
+                notes.append(f"- {name} hit ratio minus {pooled} per round: {_series(d['hit_minus_pooled'], '{:+.4f}')}")
         for i, per_router in enumerate(b.get("lost_hits") or []):
             for name, lhs in per_router.items():
                 for lh in lhs:

@@ -66,6 +66,7 @@ def test_a_backend_variant_pairs_with_the_peer_in_front_of_the_same_backends():
     d = paired(rounds)
     assert d["mlxgw-disk"]["p99_vs_sglang"] == [0.5] and d["mlxgw-disk-sync"]["p99_vs_sglang"] == [1.0]
     assert d["mlxgw-disk"]["hit_minus_pooled"] == pytest.approx([-0.02])
+    assert d["mlxgw-disk"]["peers"] == ["sglang-disk", "pooled-disk"] and d["mlxgw-lw0"]["peers"] == ["sglang", "pooled"]
     assert d["mlxgw-lw0"]["p99_vs_sglang"] == [0.5] and d["mlxgw-lw0"]["hit_minus_pooled"] == pytest.approx([0.0])
     assert "hit_minus_pooled" not in d["pooled-disk"]
 
