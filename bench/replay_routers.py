@@ -18,7 +18,7 @@ One invocation, for each cache budget, starts fresh simulated backends
   variant of the same suffix when it ran, ``mlxgw-disk`` with ``sglang-disk``), e.g. ``mlxgw-r6='--min-shared-tokens 16'``; in FLAGS,
   ``{backend}`` becomes a name of each backend's own in this run (a disk tier kept at a clean
   stop must not warm the next run's) and ``{ws_bytes}`` the trace's KV working set in
-  bytes, e.g. ``mlxgw-disk='--disk-cache-dir /tmp/tier/{backend} --disk-cache-bytes {ws_bytes}'``,
+  bytes (times the backends for the pooled one: all of their disk, as all of their memory), e.g. ``mlxgw-disk='--disk-cache-dir /tmp/tier/{backend} --disk-cache-bytes {ws_bytes}'``,
   cache rule 8's disk tier with room for the whole working set on each backend);
 * ``mlxgw-xG`` / ``sglang-xG``: G gateway (router) processes, the client
   spreading requests over them in turn (ours share one Redis; each sglang
@@ -353,7 +353,7 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
     try:
         run = f"{base}-{time.time_ns()}"
         for i in range(n):
-            st.add_backend(f"b{i}", None, *[f.replace("{backend}", f"{run}-b{i}").replace("{ws_bytes}", str(ws_bytes))
+            st.add_backend(f"b{i}", None, *[f.replace("{backend}", f"{run}-b{i}").replace("{ws_bytes}", str(ws_bytes * mult))
                                             for f in sim_flags])
         if base.startswith("mlxgw"):
             variants = dict(v.split("=", 1) for v in args.variant)
