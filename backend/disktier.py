@@ -30,8 +30,8 @@ write ended takes the host copy instead of the file. Host copies waiting for
 the disk are held outside the memory budget, at most ``max_pending_bytes``
 (more waits for the writer). Reads are beside the batch as well: the engine
 pins a request to a disk hit on arrival (`read_async`), a reader thread
-reads the file into host memory (`KVOps.read_host`), and the engine thread
-turns it into arrays at admission (`finish`). Layer types the host copy does not cover
+reads the file from the disk through the page cache (`KVOps.prefetch`), and
+the engine thread loads it from memory at admission (`finish`). Layer types the host copy does not cover
 (rotating windows, quantized KV) are written in the engine thread with
 mlx-lm's ``save_prompt_cache``.
 
@@ -61,7 +61,7 @@ from typing import Optional
 
 import numpy as np
 
-from .cache import CacheEntry, common_prefix
+from .cache import CacheEntry, common_prefix, file_xxh3
 
 log = logging.getLogger("mlxgw.backend")
 
@@ -196,7 +196,7 @@ class DiskTier:
                 kv = self.ops.from_host(host)
             else:
                 path = self._paths[entry.id]
-                if entry.id in self._adopted and _file_digest(path) != self._sums.get(entry.id):
+                if entry.id in self._adopted and file_xxh3(path) != self._sums.get(entry.id):
                     raise ValueError("damaged: its checksum differs from the one saved at the last stop")
                 kv = self.ops.load_kv(str(path))
                 self._adopted.discard(entry.id)  # checked once
@@ -213,9 +213,10 @@ class DiskTier:
         return kv
 
     def read_async(self, entry: CacheEntry, n: int, clock: int) -> Optional["DiskRead"]:
-        """Start reading ``entry`` for a prompt reusing its first ``n`` tokens in the reader
-        thread (file to host memory, no MLX call there); `finish` completes it in the engine
-        thread. None when its host copy is still queued for the writer (`read` takes that at
+        """Start reading ``entry`` for a prompt reusing its first ``n`` tokens: the reader
+        thread reads its file from the disk into the page cache (`KVOps.prefetch`, no MLX
+        call there; an adopted entry's checksum checked) and `finish` loads it in the engine
+        thread from memory. None when its host copy is still queued for the writer (`read` takes that at
         once), and without ``max_pending_bytes`` (all I/O in the caller's thread). The entry's
         recency is set to ``clock`` now."""
         with self._cond:
@@ -237,8 +238,8 @@ class DiskTier:
         e = job.entry
         kv, err = None, job.error
         if err is None:
-            try:  # host memory to KV arrays, or mlx-lm's own file format read here
-                kv = self.ops.from_host(job.host) if job.host is not None else self.ops.load_kv(str(job.path))
+            try:  # from the page cache the reader filled (from the disk if the OS dropped it since)
+                kv = self.ops.load_kv(str(job.path), prefetched=True)
             except Exception as x:
                 err = x
         if err is None:
@@ -261,11 +262,11 @@ class DiskTier:
             if job is None:
                 return
             try:
-                job.host, digest = self.ops.read_host(str(job.path))
+                digest = self.ops.prefetch(str(job.path))
                 if job.checksum is not None and digest != job.checksum:
                     raise ValueError("damaged: its checksum differs from the one saved at the last stop")
             except Exception as e:  # OSError: removed meanwhile, unreadable
-                job.host, job.error = None, e
+                job.error = e
             job.done.set()
 
     def reap(self) -> list[CacheEntry]:
@@ -463,7 +464,7 @@ class DiskTier:
                 continue
             err = None
             try:
-                digest = self.ops.write_host(host, str(path)) or _file_digest(path)
+                digest = self.ops.write_host(host, str(path)) or file_xxh3(path)
             except Exception as e:  # OSError: disk full, directory gone, ...
                 err = e
             with self._cond:
@@ -488,15 +489,14 @@ class DiskTier:
 
 
 class DiskRead:
-    """A disk-tier read under way (`DiskTier.read_async`): ``done`` is set once ``host`` (the
-    file in host memory: `KVOps.read_host`; None for a file in mlx-lm's format, read by
-    `DiskTier.finish`) or ``error`` is there."""
+    """A disk-tier read under way (`DiskTier.read_async`): ``done`` is set once the file was
+    read through the page cache, or ``error`` says why it could not be."""
 
-    __slots__ = ("entry", "n", "path", "checksum", "host", "error", "done")
+    __slots__ = ("entry", "n", "path", "checksum", "error", "done")
 
     def __init__(self, entry: CacheEntry, n: int, path: Path, checksum: Optional[str]):
         self.entry, self.n, self.path, self.checksum = entry, n, path, checksum
-        self.host, self.error = None, None
+        self.error = None
         self.done = threading.Event()
 
 
@@ -506,17 +506,6 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _file_digest(path: Path) -> str:
-    """xxh3-128 (hex) of a file's bytes."""
-    import xxhash
-
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _age(seconds: float) -> str:

@@ -161,9 +161,9 @@ class SimKVOps(KVOps):
         Path(path).write_text(json.dumps({"tokens": parts.n}))
         time.sleep(parts.timing.disk_seconds(parts.nbytes, write=True))
 
-    def load_parts(self, path: str):
+    def load_parts(self, path: str, prefetched: bool = False):
         kv = SimKV(int(json.loads(Path(path).read_text())["tokens"]), self.timing)
-        if self.timing is not None:
+        if self.timing is not None and not prefetched:
             time.sleep(self.timing.disk_seconds(kv.nbytes, write=False))
         return kv
 
@@ -179,15 +179,14 @@ class SimKVOps(KVOps):
 
     write_host = save_parts
 
-    def read_host(self, path: str):
-        """A sim file in host memory, with the modelled read time (the reader thread sleeps)."""
+    def prefetch(self, path: str) -> str:
+        """The disk read of a sim file, modelled (the tier's reader thread sleeps its time)."""
         import xxhash
 
         raw = Path(path).read_bytes()
-        kv = SimKV(int(json.loads(raw)["tokens"]), self.timing)
         if self.timing is not None:
-            time.sleep(self.timing.disk_seconds(kv.nbytes, write=False))
-        return kv, xxhash.xxh3_128(raw).hexdigest()
+            time.sleep(self.timing.disk_seconds(SimKV(int(json.loads(raw)["tokens"]), self.timing).nbytes, write=False))
+        return xxhash.xxh3_128(raw).hexdigest()
 
     def from_host(self, host):
         return SimKV(host.n, host.timing)

@@ -14,7 +14,7 @@ p50 / mean (one output token: about the TTFT), and the backend's disk figures.
 
 Then a probe: one entry of ``--probe-tokens`` tokens of KV shaped like the sim's reference
 model (Qwen3-4B, bf16, 144 KiB a token) written and read back through the tier's own path
-(`KVOps.to_host` + `write_host`, `read_host` + `from_host`), the page cache dropped before the
+(`KVOps.to_host` + `write_host`, then `prefetch` + `load_kv`), the page cache dropped before the
 read: this machine's rates, against that prompt's prefill at the reference M4 Max's rate.
 
     python bench/disk_tier.py --rounds 3
@@ -97,10 +97,10 @@ def probe(tokens: int, tier_dir: Path) -> dict:
     write_s = time.perf_counter() - t0
     dropped = _drop_page_cache(tier_dir)
     t0 = time.perf_counter()
-    back, _ = ops.read_host(str(path))
+    ops.prefetch(str(path))
     read_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    got = ops.from_host(back)
+    got = ops.load_kv(str(path), prefetched=True)
     arrays_s = time.perf_counter() - t0
     assert got[0].offset == tokens and mx.array_equal(got[-1].keys, kv[-1].keys[..., :tokens, :]).item()
     gib = ops.host_nbytes(host) / 2**30
@@ -166,11 +166,11 @@ def main(argv=None) -> int:
                ("gib", "host_copy_s", "write_s", "read_s", "to_arrays_s", "write_gib_s", "read_gib_s",
                 "prefill_s_reference")}
         md += (f"\nKV probe ({len(probes)} runs, median): one entry of {args.probe_tokens} tokens of Qwen3-4B-shaped "
-               f"KV ({med['gib']:.2f} GiB) through the tier's path: host copy {med['host_copy_s']:.2f} s (engine "
+               f"KV ({med['gib']:.2f} GiB) through the tier's path: host views {med['host_copy_s']:.3f} s (engine "
                f"thread), written in {med['write_s']:.2f} s ({med['write_gib_s']:.2f} GiB/s, writer thread), read in "
                f"{med['read_s']:.2f} s ({med['read_gib_s']:.2f} GiB/s, reader thread, page cache "
                f"{'dropped first' if probes[0]['page_cache_dropped'] else 'not dropped (no posix_fadvise)'}), "
-               f"arrays made in {med['to_arrays_s']:.2f} s (engine thread) on this machine; computing that prompt "
+               f"loaded from the page cache in {med['to_arrays_s']:.2f} s (engine thread) on this machine; computing that prompt "
                f"takes {med['prefill_s_reference']:.1f} s at the reference M4 Max's measured prefill rate "
                f"({sim.DEFAULT_PREFILL_RATE:.0f} tokens/s, docs/sim.md).\n")
     print(md)
