@@ -295,8 +295,10 @@ def run(args: argparse.Namespace) -> int:
             log.error("--cache-dir %s cannot be used: %s", cache_dir, e.strerror or e)
             return 2
     try:
+        # The tier holds whole entries in either cache layout: the layout does not decide its files.
+        tier_settings = {k: v for k, v in kv_settings(args, timing).items() if k != "layout"}
         disk = disk_tier(args, cache_dir, sim.SimKVOps(timing) if timing is not None else None,
-                         persist.kv_settings(model_path, **kv_settings(args, timing)) if args.disk_cache_bytes else {})
+                         persist.kv_settings(model_path, **tier_settings) if args.disk_cache_bytes else {})
     except (ValueError, OSError, RuntimeError) as e:
         log.error("%s", e)
         return 2

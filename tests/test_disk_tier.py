@@ -327,13 +327,17 @@ def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stac
         time.sleep(0.3)
     assert "disk MiB / reads" in out.stdout and f"{health['disk_bytes'] / 2**20:.1f} / 1 " in row, out.stdout
     # A clean stop keeps the tier (memory held conversation 0; 1 and 2 are on disk); the
-    # restarted backend adopts it and serves both from it, with the right KV.
+    # backend restarted, in the other cache layout (the tier's files are whole entries either
+    # way), adopts it and serves both from it, with the right KV.
     b.stop()
     assert "entries (" in b.log_path.read_text() and "kept in " in b.log_path.read_text()
     assert (tmp_path / "tier" / "manifest.json").exists()
+    i = b.cmd.index("--cache-layout")
+    b.cmd[i + 1] = other = {"shared": "whole", "whole": "shared"}[layout]
     b.start(s.env())
     b.wait_healthy()
-    assert "adopted from" in b.log_path.read_text()
+    log = b.log_path.read_text()
+    assert "adopted from" in log and f"{other} layout" in log.split("adopted from")[1], log[-3000:]
     assert get_json(b.url + "/health")["disk_entries"] == 2
     for k in (1, 2):
         again = _chat(b.url, words(300, seed=80 + k))
