@@ -68,6 +68,7 @@ import copy
 import functools
 import itertools
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
@@ -927,7 +928,8 @@ class KVOps:
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
         raw = len(raw).to_bytes(8, "little") + raw
         h = xxhash.xxh3_128(raw)
-        with open(path, "wb") as f:
+        # Owner-only from the start: the KV decodes to the prompt (docs/security.md).
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(raw)
             for a in arrays:
                 m = memoryview(a).cast("B")

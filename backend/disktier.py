@@ -96,6 +96,7 @@ class DiskTier:
             raise ValueError("the disk tier needs a byte budget > 0")
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.directory, 0o700)  # the tier's own directory, owner-only even if the user made it
         self.settings = settings
         self.max_bytes = max_bytes
         self.ops = ops
@@ -164,6 +165,7 @@ class DiskTier:
         if host is None:
             try:
                 self.ops.save_kv(kv, str(path))  # its checksum is taken if it is kept (`_keep`)
+                os.chmod(path, 0o600)
             except Exception as e:  # OSError (disk full), or mlx's RuntimeError for a failed write
                 _unlink(path)
                 self.failures += 1
@@ -465,6 +467,7 @@ class DiskTier:
             err = None
             try:
                 digest = self.ops.write_host(host, str(path)) or file_xxh3(path)
+                os.chmod(path, 0o600)  # `write_host` makes it so; other ops' writes follow the umask
             except Exception as e:  # OSError: disk full, directory gone, ...
                 err = e
             with self._cond:

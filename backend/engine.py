@@ -54,6 +54,10 @@ from .metrics import BackendMetrics
 
 log = logging.getLogger("mlxgw.backend.engine")
 
+#: The disk tier's figures in stats, the registry record and /metrics (docs/redis-schema.md).
+DISK_FIGURES = ("disk_entries", "disk_bytes", "disk_budget_bytes", "disk_spills", "disk_reads", "disk_read_tokens",
+                "disk_evictions", "disk_failures")
+
 #: Seconds `MLXEngine.stop` waits for the prompt cache to be written to --cache-dir.
 SAVE_SECONDS = 600.0
 #: Seconds without a new request before an idle save may start (helper-52: a save 46 ms after
@@ -350,16 +354,11 @@ class MLXEngine(Engine):
     def disk_figures(self) -> dict:
         """The disk tier's figures (cache rule 8, `backend.disktier`); zeros without one."""
         d = self.cache.disk
-        return {
-            "disk_entries": len(d) if d else 0,
-            "disk_bytes": d.nbytes if d else 0,
-            "disk_budget_bytes": d.max_bytes if d else 0,
-            "disk_spills": d.spills if d else 0,
-            "disk_reads": d.reads if d else 0,
-            "disk_read_tokens": d.read_tokens if d else 0,
-            "disk_evictions": d.evictions if d else 0,
-            "disk_failures": d.failures if d else 0,
-        }
+        if d is None:  # not `if d`: an empty tier has len 0 and is still a tier (helper-53)
+            return dict.fromkeys(DISK_FIGURES, 0)
+        return {"disk_entries": len(d), "disk_bytes": d.nbytes, "disk_budget_bytes": d.max_bytes,
+                "disk_spills": d.spills, "disk_reads": d.reads, "disk_read_tokens": d.read_tokens,
+                "disk_evictions": d.evictions, "disk_failures": d.failures}
 
     def stats(self) -> dict:
         return {

@@ -240,11 +240,13 @@ def _write(cache: PromptCache, tmp: Path, settings: dict) -> None:
 
 
 def _digest(path: Path, flush: bool = False) -> str:
-    """xxh3-128 of the file's bytes; with ``flush``, ``fsync`` it first (then read back from
+    """xxh3-128 of the file's bytes; with ``flush``, make it owner-only (it holds prompts'
+    token ids or KV, whatever the umask made it) and ``fsync`` it first (then read back from
     the page cache)."""
     h = xxhash.xxh3_128()
     with open(path, "rb+" if flush else "rb") as f:
         if flush:
+            os.fchmod(f.fileno(), 0o600)
             os.fsync(f.fileno())
         while chunk := f.read(8 << 20):
             h.update(chunk)

@@ -157,6 +157,19 @@ def test_a_failed_write_drops_the_entry_as_without_a_tier(tmp_path):
     assert tuple(_conv(0)) not in owners.held
 
 
+def test_the_tier_is_owner_only_whatever_the_umask_or_the_directory_was(tmp_path):
+    import stat
+
+    (tmp_path / "tier").mkdir(mode=0o755)
+    c, disk, _ = _cache(tmp_path, "shared", pending=10**9, settings=SETTINGS)
+    for k in range(4):
+        _save(c, _conv(k))
+    disk.close()  # kept: manifest and tokens too
+    assert stat.S_IMODE((tmp_path / "tier").stat().st_mode) == 0o700
+    files = list((tmp_path / "tier").iterdir())
+    assert len(files) == 4 and {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}, files
+
+
 def test_a_new_tier_empties_its_directory_and_clear_removes_files(tmp_path):
     (tmp_path / "tier").mkdir()
     (tmp_path / "tier" / "tier-9.safetensors").write_text("{}")
@@ -303,6 +316,8 @@ def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stac
     b = s.add_backend("b0", None, "--cache-bytes", "0.5MB", "--cache-layout", layout,
                       "--disk-cache-dir", str(tmp_path / "tier"), "--disk-cache-bytes", "64MB")
     s.wait()
+    # An empty tier is a tier: its budget shows before anything was spilled (it read 0, helper-53).
+    assert get_json(b.url + "/health")["disk_budget_bytes"] == 64 << 20
     first = [_chat(b.url, words(300, seed=80 + k)) for k in range(3)]
     health = get_json(b.url + "/health")
     assert health["disk_spills"] >= 1 and health["disk_entries"] >= 1, {k: v for k, v in health.items() if "cache" in k or "disk" in k or "kv" in k}

@@ -193,6 +193,8 @@ def test_an_empty_cache_never_replaces_a_save_and_saves_are_private(tmp_path):
     # The saves hold the prompts (tokens.npz decodes to the text): the owner's only.
     for d in (tmp_path / "kv", tmp_path / "kv" / "snapshot"):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    files = list((tmp_path / "kv" / "snapshot").iterdir())  # whatever the umask (helper-53: 0644)
+    assert len(files) == 7 and {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}
     lock.release()
 
 
