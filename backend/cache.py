@@ -472,7 +472,16 @@ class PromptCache:
         )
         self._add(entry)
         if self.disk is not None and trimmable:  # rule 8: memory now serves those, faster
-            for d in self.disk.drop_covered(t):
+            gone = self.disk.drop_covered(t)
+            # Rule 3 for the disk entry the request reused: replaced on a good hit, as in memory
+            # (its generated tail is rarely what the next prompt re-renders: helper-53 saw each
+            # turn leave one more copy on disk).
+            d = self.disk.get(reused_from) if reused_from is not None else None
+            if (d is not None and d.cache_type != "system" and common_prefix(d.tokens, t) >= d.prompt_tokens
+                    and self.is_good_hit(reused, prompt_len, system_tokens)):
+                self.disk.drop(d)
+                gone.append(d)
+            for d in gone:
                 self._tell_evicted(d)
         self.trim_to(max_entries=self.max_entries, max_bytes=self.max_bytes, keep=entry)
         return entry if entry.id in self._entries else None

@@ -49,6 +49,7 @@ only the pending copies, under a lock.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import logging
@@ -110,6 +111,7 @@ class DiskTier:
         self._pending: dict[int, object] = {}  # entry id -> host copy not yet written
         self.pending_bytes = 0
         self._lost: list[int] = []  # entries whose write failed, for `reap`
+        self._full: Optional[Exception] = None  # a background write found the disk full, for `reap`
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._writer: Optional[threading.Thread] = None
         self._reads: queue.SimpleQueue = queue.SimpleQueue()  # `DiskRead` jobs for the reader thread
@@ -123,6 +125,14 @@ class DiskTier:
         self.write_waits = 0  # evictions that waited for the writer (max_pending_bytes reached)
         self._sums: dict[int, str] = {}  # entry id -> its file's xxh3-128
         self._adopted: set[int] = set()  # entries of an earlier run: checked when read back
+        # Across restarts (`checkpoint`, `_adopt`).
+        self._synced: set[int] = set()  # entries whose file was flushed for a manifest
+        self._version = 0  # bumped by every change of the entries on disk
+        self._checkpointed = 0  # `_version` the manifest on disk describes
+        self._tokens_file = ""  # the token file the manifest on disk names
+        self._foreign: Optional[str] = None  # why a tier an earlier run kept is not used (it stays till a write)
+        self._stale: list[Path] = []  # files of that tier, or of entries this run's budget left out
+        self._left: list[dict] = []  # manifest records of those left-out entries (still named by ours)
         self.adopted = self._adopt()  # (entries, tokens, bytes, what was left and why) or None
 
     def __len__(self) -> int:
@@ -130,6 +140,13 @@ class DiskTier:
 
     def entries(self) -> list[CacheEntry]:
         return list(self._entries.values())
+
+    def get(self, entry_id: int) -> Optional[CacheEntry]:
+        return self._entries.get(entry_id)
+
+    def drop(self, entry: CacheEntry) -> None:
+        """Remove ``entry`` (its file deleted); the caller tells the listener."""
+        self._drop(entry)
 
     def best_match(self, prompt: np.ndarray) -> tuple[Optional[CacheEntry], int]:
         """The entry holding the longest prefix of ``prompt`` (int32 array) and its length in
@@ -154,6 +171,7 @@ class DiskTier:
         nbytes = self.ops.nbytes(kv)
         if nbytes > self.max_bytes:
             return None, []
+        self._clear_stale()
         evicted = []
         while self._entries and self.nbytes + nbytes > self.max_bytes:
             victim = min(self._entries.values(), key=lambda e: e.last_used)
@@ -169,6 +187,8 @@ class DiskTier:
             except Exception as e:  # OSError (disk full), or mlx's RuntimeError for a failed write
                 _unlink(path)
                 self.failures += 1
+                if getattr(e, "errno", None) == errno.ENOSPC:
+                    self._disk_full(e)
                 log.warning("disk tier: could not write %s (%d tokens, %.1f MiB): %s; the entry is dropped",
                             path, len(entry), nbytes / 2**20, e)
                 return None, evicted
@@ -181,6 +201,7 @@ class DiskTier:
         self._paths[d.id] = path
         self.nbytes += nbytes
         self.spills += 1
+        self._version += 1
         if host is not None:
             self._write_behind(d.id, path, host)
         return d, evicted
@@ -275,9 +296,12 @@ class DiskTier:
         """Remove the entries whose background write failed; returns them for the listener."""
         with self._cond:
             ids, self._lost = self._lost, []
+            full, self._full = self._full, None
         out = [self._entries[i] for i in ids if i in self._entries]
         for e in out:
             self._drop(e)
+        if full is not None:  # after the drops: the budget comes down to what is really on disk
+            self._disk_full(full)
         return out
 
     def drop_covered(self, tokens: np.ndarray) -> list[CacheEntry]:
@@ -302,26 +326,27 @@ class DiskTier:
             return self._cond.wait_for(lambda: not self._pending, timeout)
 
     def close(self, timeout: float = 600.0) -> None:
-        """At the backend's stop (the gateways stopped routing here): with ``settings``, wait
-        up to ``timeout`` s for the writer, then keep the tier for the next start (`_keep`);
-        without, remove its files. No listener: the backend withdrew from Redis."""
-        keep = self.settings is not None and self.flush(timeout)
-        if self._reader is not None:
-            self._reads.put(None)
-            self._reader.join(timeout=60)
+        """At the backend's stop (the gateways stopped routing here): stop the reader and the
+        writer (waiting up to ``timeout`` s for its queue), then with ``settings`` keep the tier
+        for the next start (`checkpoint`); without, remove its files. No listener: the backend
+        withdrew from Redis."""
+        flushed = self.flush(timeout)
+        for q, t in ((self._reads, self._reader), (self._queue, self._writer)):
+            if t is not None:
+                q.put(None)
         if self._writer is not None:
             with self._cond:
-                self._pending.clear()  # not kept: nothing left is worth writing
+                self._pending.clear()  # after a timed-out flush: not written, not kept
                 self.pending_bytes = 0
-            self._queue.put(None)
-            self._writer.join(timeout=60)
-        if keep and self._entries:
-            try:
-                self._keep()
-                return
-            except OSError as e:
-                log.warning("disk tier: could not keep its %d entries in %s for the next start: %s",
-                            len(self._entries), self.directory, e)
+        for t in (self._reader, self._writer):
+            if t is not None:
+                t.join(timeout=60)
+        if self.settings is not None:
+            if not flushed:
+                log.warning("disk tier: its writer did not finish in %.0f s: the entries it had not written "
+                            "are not kept", timeout)
+            self._keep_at_stop()
+            return
         n = len(self._entries)
         for e in list(self._entries.values()):
             self._drop(e)
@@ -329,107 +354,186 @@ class DiskTier:
             log.info("disk tier: %d entries removed from %s at stop", n, self.directory)
 
     # -- across restarts -------------------------------------------------------
-    def _keep(self) -> None:
-        """Write the manifest and token file beside the tier's files (each flushed, the manifest
-        last and renamed into place, so a stop cut short leaves no manifest)."""
+    def checkpoint(self) -> bool:
+        """Write the manifest of the entries on disk now (the engine calls it at quiet moments
+        and `close` at the stop), so the next start adopts them even after a kill. Nothing when
+        the tier did not change since the last one, when it has no settings, or while a tier
+        an earlier run kept under other settings is still there untouched (it stays until this
+        run writes its own entries). Returns True when a manifest was written. Raises OSError
+        (a full disk: `close` makes room and tries again)."""
+        if self.settings is None or self._foreign is not None or self._version == self._checkpointed:
+            return False
+        self._write_manifest()
+        self._checkpointed = self._version
+        return True
+
+    def _keep_at_stop(self) -> None:
+        """`checkpoint` at the stop; on a full disk, drop the least recently used entries (a
+        tenth at a time) until the manifest fits rather than lose every one (helper-53)."""
+        for _ in range(6):
+            try:
+                if self.checkpoint() or self._foreign is not None or self._version == self._checkpointed:
+                    if self._entries:
+                        log.info("disk tier: %d entries (%.1f MiB of KV) kept in %s for the next start",
+                                 len(self._entries), self.nbytes / 2**20, self.directory)
+                    return
+            except OSError as e:
+                order = sorted(self._entries.values(), key=lambda x: x.last_used)
+                if not order:
+                    break
+                for x in order[:max(1, len(order) // 10)]:
+                    self._drop(x)
+                log.warning("disk tier: could not write its manifest in %s (%s): dropped its oldest entries to "
+                            "make room, %d left", self.directory, e, len(self._entries))
+        log.warning("disk tier: its %d entries in %s are not kept (no manifest could be written); the next "
+                    "start removes them", len(self._entries), self.directory)
+
+    def _write_manifest(self) -> None:
+        """The manifest and a token file beside the tier's files: files flushed first, the
+        token file under a new name, the manifest written aside and renamed into place last,
+        so a kill at any point leaves the previous manifest or this one, each whole."""
         from . import persist
 
-        # Entries whose background write failed (not reaped yet) have no file: not kept.
+        # Written entries only: one still queued (or whose write failed) has no whole file yet.
         with self._cond:
-            lost = set(self._lost)
-        order = sorted((e for e in self._entries.values() if e.id not in lost), key=lambda e: e.last_used)
+            skip = set(self._lost) | set(self._pending)
+        order = sorted((e for e in self._entries.values() if e.id not in skip), key=lambda e: e.last_used)
         for e in order:  # the manifest must not outlive its files
+            if e.id in self._synced:
+                continue
             if e.id in self._sums:  # written behind: its checksum was taken as it was written
                 _fsync(self._paths[e.id])
             else:  # written in the engine thread (mlx-lm's format): read it once now
                 self._sums[e.id] = persist._seal(self._paths[e.id])
-        np.savez(self.directory / TOKENS, **{self._paths[e.id].name: e.tokens for e in order})
+            self._synced.add(e.id)
+        records = [*self._left,  # an earlier run's entries this run's budget left out, still on disk
+                   *({"file": self._paths[e.id].name, "tokens": len(e), "nbytes": e.nbytes, "cache_type": e.cache_type,
+                      "prompt_tokens": e.prompt_tokens, "hits": e.hits, "used_at": e.used_at,
+                      "checksum": self._sums[e.id], "ids": e.tokens} for e in order)]
+        old = self._tokens_file
+        self._tokens_file = f"tokens-{next(self._files)}.npz"
+        np.savez(self.directory / self._tokens_file, **{r["file"]: r["ids"] for r in records})
         manifest = {
             "format": FORMAT, "fingerprint": persist.fingerprint(self.settings), "settings": self.settings,
-            "saved_at": time.time(), "tokens_checksum": persist._seal(self.directory / TOKENS),
-            "entries": [{"file": self._paths[e.id].name, "tokens": len(e), "nbytes": e.nbytes,
-                         "cache_type": e.cache_type, "prompt_tokens": e.prompt_tokens, "hits": e.hits,
-                         "used_at": e.used_at, "checksum": self._sums[e.id]} for e in order],
+            "saved_at": time.time(), "tokens_file": self._tokens_file,
+            "tokens_checksum": persist._seal(self.directory / self._tokens_file),
+            "entries": [{k: v for k, v in r.items() if k != "ids"} for r in records],
         }
         tmp = self.directory / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest))
         persist._seal(tmp)
         tmp.rename(self.directory / MANIFEST)
         persist._fsync_dir(self.directory)
-        log.info("disk tier: %d entries (%.1f MiB of KV) kept in %s for the next start", len(order),
-                 self.nbytes / 2**20, self.directory)
+        if old and old != self._tokens_file:
+            _unlink(self.directory / old)
 
     def _adopt(self) -> Optional[tuple]:
-        """Adopt the tier a clean stop left (`_keep`) when its settings equal this run's: the
-        newest entries that fit the budget, in least recently used order (ids below 0, apart
-        from the memory cache's). Everything else in the directory that is the tier's is
-        removed, the manifest first. Returns (entries, tokens, bytes, note) or None."""
+        """At start, what an earlier run left in the directory (`checkpoint`):
+
+        * a manifest under this run's settings: the newest entries that fit the budget are
+          adopted, in least recently used order (ids below 0, apart from the memory cache's);
+          those the budget leaves out stay on disk, and in the manifest, until this run writes
+          its first entry; files the manifest does not name (written after the last
+          checkpoint of a run that was killed) are removed;
+        * a manifest under other settings (or unreadable): nothing is adopted and nothing
+          removed until this run writes its first entry, as `backend.persist` keeps a save
+          under other settings until the run saves its own;
+        * tier files and no manifest: removed.
+
+        Returns (entries, tokens, bytes, note) or None when nothing was adopted."""
         from . import persist
 
         mpath = self.directory / MANIFEST
+        files = {f.name: f for f in self.directory.glob(f"{_PREFIX}*")}
+        self._files = itertools.count(1 + max((_number(n) for n in files), default=0))
         manifest, note = None, ""
         try:
             if mpath.exists():
                 manifest = json.loads(mpath.read_text())
+                tokens_file = self.directory / manifest.get("tokens_file", "tokens.npz")
                 if self.settings is None:
                     note, manifest = "this run keeps no tier (no KV settings)", None
                 elif manifest.get("format") != FORMAT:
                     note, manifest = f"format {manifest.get('format')}, not {FORMAT}", None
                 elif manifest.get("fingerprint") != persist.fingerprint(self.settings):
-                    note = "saved under other settings: " + persist._differences(manifest.get("settings") or {},
-                                                                                 self.settings)
+                    note = "kept under other settings: " + persist._differences(manifest.get("settings") or {},
+                                                                                self.settings)
                     manifest = None
-                elif persist._digest(self.directory / TOKENS) != manifest.get("tokens_checksum"):
-                    note, manifest = f"{TOKENS} is damaged", None
-        except (OSError, ValueError) as e:
+                elif persist._digest(tokens_file) != manifest.get("tokens_checksum"):
+                    note, manifest = f"{tokens_file.name} is damaged", None
+        except (OSError, ValueError, KeyError) as e:
             note, manifest = f"unreadable manifest: {e}", None
-        _unlink(mpath)  # adopted or not: a run killed from here on must not find it again
-        keep: dict[str, dict] = {}
-        if manifest is not None:
-            room = self.max_bytes
-            for m in reversed(manifest["entries"]):  # newest first
-                f = self.directory / m["file"]
-                if m["nbytes"] <= room and f.is_file():
-                    keep[m["file"]] = m
-                    room -= m["nbytes"]
-        tokens = {}
-        if keep:
-            try:
-                with np.load(self.directory / TOKENS) as z:
-                    tokens = {name: z[name] for name in keep}
-            except (OSError, ValueError, KeyError) as e:
-                note, keep = f"unreadable {TOKENS}: {e}", {}
-        _unlink(self.directory / TOKENS)
-        for f in self.directory.glob(f"{_PREFIX}*"):
-            if f.name not in keep:
-                _unlink(f)
         if manifest is None:
-            if note:
-                log.warning("disk tier: the entries left in %s are not used (%s)", self.directory, note)
+            if mpath.exists():  # kept by a clean stop, for other settings: left as it is for now
+                self._foreign = note
+                self._stale = [*files.values(), mpath, *self.directory.glob("tokens*.npz")]
+                log.warning("disk tier: the %d entries kept in %s are not used (%s); they stay until this run "
+                            "writes its own entries", len(files), self.directory, note)
+            else:
+                for f in [*files.values(), *self.directory.glob("tokens*.npz")]:
+                    _unlink(f)
+                if files:
+                    log.warning("disk tier: %d files without a manifest in %s removed (a run stopped before "
+                                "it kept them)", len(files), self.directory)
             return None
-        ids = itertools.count(-1, -1)
-        last = 0
+        self._tokens_file = tokens_file.name
+        room, keep, left = self.max_bytes, {}, []
+        for m in reversed(manifest["entries"]):  # newest first
+            if m["file"] not in files:
+                continue  # removed after that manifest was written
+            if m["nbytes"] <= room:
+                keep[m["file"]] = m
+                room -= m["nbytes"]
+            else:
+                left.append(m)
+        try:
+            with np.load(tokens_file) as z:
+                ids = {m["file"]: np.asarray(z[m["file"]], dtype=np.int32) for m in [*keep.values(), *left]}
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("disk tier: the entries kept in %s are not used (unreadable %s: %s); they stay until this "
+                        "run writes its own entries", self.directory, tokens_file.name, e)
+            self._foreign, self._stale = str(e), [*files.values(), mpath, tokens_file]
+            return None
+        for name, f in files.items():
+            if name not in keep and all(m["file"] != name for m in left):
+                _unlink(f)
+        self._left = [{**m, "ids": ids[m["file"]]} for m in reversed(left)]  # least recently used first
+        self._stale = [self.directory / m["file"] for m in left]
+        new_ids = itertools.count(-1, -1)
         for m in manifest["entries"]:  # least recently used first: the LRU order survives
             if m["file"] not in keep:
                 continue
-            t = np.asarray(tokens[m["file"]], dtype=np.int32)
-            e = CacheEntry(tokens=t, kv=None, nbytes=int(m["nbytes"]), cache_type=m["cache_type"], trimmable=True,
-                           id=next(ids), last_used=-len(keep) + len(self._entries), used_at=float(m["used_at"]),
-                           hits=int(m["hits"]), prompt_tokens=int(m["prompt_tokens"]), on_disk=True)
+            e = CacheEntry(tokens=ids[m["file"]], kv=None, nbytes=int(m["nbytes"]), cache_type=m["cache_type"],
+                           trimmable=True, id=next(new_ids), last_used=-len(keep) + len(self._entries),
+                           used_at=float(m["used_at"]), hits=int(m["hits"]), prompt_tokens=int(m["prompt_tokens"]),
+                           on_disk=True)
             self._entries[e.id] = e
             self._paths[e.id] = self.directory / m["file"]
             self._sums[e.id] = m["checksum"]
             self._adopted.add(e.id)
+            self._synced.add(e.id)
             self.nbytes += e.nbytes
-            last = max(last, int(m["file"][len(_PREFIX):-len(_SUFFIX)]))
-        self._files = itertools.count(last + 1)
-        left = len(manifest["entries"]) - len(self._entries)
+        self._checkpointed = self._version  # the manifest on disk names exactly these (and the left ones)
         out = (len(self._entries), sum(len(e) for e in self._entries.values()), self.nbytes,
-               f"{left} left out by this run's budget" if left else "")
-        log.info("disk tier: %d entries (%s tokens, %.1f MiB of KV) adopted from %s, kept at a stop %s ago%s",
+               f"{len(left)} left out by this run's budget (kept on disk until this run writes its own entries)"
+               if left else "")
+        log.info("disk tier: %d entries (%s tokens, %.1f MiB of KV) adopted from %s, kept %s ago%s",
                  out[0], f"{out[1]:,}", out[2] / 2**20, self.directory,
                  _age(time.time() - float(manifest.get("saved_at", 0))), f"; {out[3]}" if out[3] else "")
         return out
+
+    def _clear_stale(self) -> None:
+        """Before this run's first write: remove what an earlier run kept that this one does not
+        use (entries under other settings, or left out by this run's budget)."""
+        if not self._stale:
+            return
+        n = sum(1 for f in self._stale if f.name.startswith(_PREFIX) and f.exists())
+        for f in self._stale:
+            _unlink(f)
+        log.warning("disk tier: removed %d entries an earlier run kept in %s (%s) to make room for this run's",
+                    n, self.directory, self._foreign or "left out by this run's budget")
+        self._stale, self._left, self._foreign = [], [], None
+        self._version += 1  # the manifest must stop naming them
 
     # -- write-behind --------------------------------------------------------
     def _write_behind(self, entry_id: int, path: Path, host) -> None:
@@ -468,6 +572,7 @@ class DiskTier:
             try:
                 digest = self.ops.write_host(host, str(path)) or file_xxh3(path)
                 os.chmod(path, 0o600)  # `write_host` makes it so; other ops' writes follow the umask
+                _fsync(path)  # here, so a checkpoint in the engine thread need not wait for the disk
             except Exception as e:  # OSError: disk full, directory gone, ...
                 err = e
             with self._cond:
@@ -475,15 +580,31 @@ class DiskTier:
                     _unlink(path)  # taken or dropped while it was written
                 elif err is None:
                     self._sums[entry_id] = digest
+                    self._synced.add(entry_id)
+                    self._version += 1  # a whole file now: the next checkpoint names it
                 else:
                     _unlink(path)
                     self._lost.append(entry_id)
                     self.failures += 1
+                    if getattr(err, "errno", None) == errno.ENOSPC:
+                        self._full = err
                     log.warning("disk tier: could not write %s: %s; the entry is dropped", path, err)
+
+    def _disk_full(self, err: Exception) -> None:
+        """A write found the disk full: lower the budget to what the tier holds, so the next
+        entries replace its oldest ones instead of failing one after another (helper-53: every
+        write failed once the disk filled, the newest conversations dropped). For this run."""
+        if self.nbytes < self.max_bytes:
+            log.warning("disk tier: the disk of %s is full (%s): its budget lowered from %.1f to %.1f MiB for this "
+                        "run, so new entries replace its oldest", self.directory, err, self.max_bytes / 2**20,
+                        self.nbytes / 2**20)
+            self.max_bytes = self.nbytes
 
     def _drop(self, e: CacheEntry) -> None:
         self._entries.pop(e.id)
         self._adopted.discard(e.id)
+        self._synced.discard(e.id)
+        self._version += 1
         self.nbytes -= e.nbytes
         with self._cond:
             self._unqueue(e.id)  # a write under way finds it gone and removes its file
@@ -501,6 +622,12 @@ class DiskRead:
         self.entry, self.n, self.path, self.checksum = entry, n, path, checksum
         self.error = None
         self.done = threading.Event()
+
+
+def _number(name: str) -> int:
+    """n of a ``tier-<n>.safetensors`` file name (0 for another name)."""
+    core = name[len(_PREFIX):-len(_SUFFIX)] if name.endswith(_SUFFIX) else ""
+    return int(core) if core.isdigit() else 0
 
 
 def _fsync(path: Path) -> None:

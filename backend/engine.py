@@ -58,6 +58,9 @@ log = logging.getLogger("mlxgw.backend.engine")
 DISK_FIGURES = ("disk_entries", "disk_bytes", "disk_budget_bytes", "disk_spills", "disk_reads", "disk_read_tokens",
                 "disk_evictions", "disk_failures")
 
+#: Least seconds between two checkpoints of the disk tier's manifest at quiet moments.
+DISK_CHECKPOINT_SECONDS = 5.0
+
 #: Seconds `MLXEngine.stop` waits for the prompt cache to be written to --cache-dir.
 SAVE_SECONDS = 600.0
 #: Seconds without a new request before an idle save may start (helper-52: a save 46 ms after
@@ -268,6 +271,7 @@ class MLXEngine(Engine):
         self.cache_settings = cache_settings or {}
         self.cache_save_interval = cache_save_interval
         self._last_save = self._last_busy = time.monotonic()  # `_save_when_idle`
+        self._last_disk_checkpoint = 0.0  # `_checkpoint_disk_when_idle`
         self._saved_state: Optional[tuple] = None  # `_cache_state` at the last save or restore
         self._restored_state: Optional[tuple] = None
         self.restored: Optional[persist.Outcome] = None  # what the start restored (None: nothing)
@@ -458,6 +462,20 @@ class MLXEngine(Engine):
             return
         self._save_cache(when="idle")
 
+    def _checkpoint_disk_when_idle(self) -> None:
+        """Write the disk tier's manifest while nothing runs, at most every `DISK_CHECKPOINT_SECONDS`
+        (cheap: its files were flushed by its writer), so a backend killed later restarts with
+        the tier as of then (helper-53: a kill lost the whole tier)."""
+        d, now = self.cache.disk, time.monotonic()
+        if d is None or now - self._last_disk_checkpoint < DISK_CHECKPOINT_SECONDS or not self._incoming.empty():
+            return
+        self._last_disk_checkpoint = now
+        try:
+            d.checkpoint()
+        except OSError as e:
+            log.warning("disk tier: could not write its manifest in %s (%s); the next try is at the next quiet "
+                        "moment or at the stop", d.directory, e)
+
     def _nothing_to_save(self) -> str:
         """Why a save would write nothing new, for the log ("" when it would): an empty cache, or one that
         saved and evicted nothing since the last save or the restore (rewriting it would only
@@ -554,6 +572,7 @@ class MLXEngine(Engine):
             except queue.Empty:
                 if idle:
                     self._save_when_idle()
+                    self._checkpoint_disk_when_idle()
             self._drain_cancels()
             self._admit_waiting()
             if self._live:

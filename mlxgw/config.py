@@ -44,7 +44,7 @@ class ModelConfig:
     # With cache_dir: also save while idle, at most this often (s), when the cache changed; 0: only at stop.
     cache_save_interval: float = 600.0
     # Cache rule 8: entries the memory budget evicts go to disk (DIR/<name>-<i>/tier of cache_dir),
-    # up to this many bytes per backend; empty: no disk tier.
+    # up to this many bytes per backend (a size string or a number of bytes); empty: no disk tier.
     disk_cache_bytes: str = ""
 
 
@@ -147,7 +147,7 @@ def _type_errors(cls, values: dict, where: str) -> None:
     float too; fields without a default, or defaulting to None, are not checked)."""
     defaults = {f.name: f.default for f in fields(cls)}
     for k, v in values.items():
-        if k in ("cache_bytes", "max_body_bytes"):
+        if k in ("cache_bytes", "max_body_bytes", "disk_cache_bytes"):
             continue  # a size: a string or a number of bytes, checked by positive_bytes
         default = defaults.get(k)
         if v is None or not isinstance(default, (int, float, str, bool)):
@@ -239,7 +239,8 @@ def validate(cfg: ServeConfig) -> None:
             except ValueError as e:
                 raise ValueError(f"{where} disk_cache_bytes: {e}") from None
             if not m.cache_dir:
-                raise ValueError(f"{where}: disk_cache_bytes needs cache_dir (the disk tier's files go under it)")
+                raise ValueError(f"{where}: disk_cache_bytes (--disk-cache-bytes) needs cache_dir (--cache-dir): "
+                                 "the disk tier's files go under it")
     for where, lo, hi in ranges:
         if not (1 <= lo and hi <= 65535):
             raise ValueError(f"{where}: {lo}-{hi} is outside 1-65535")

@@ -355,7 +355,7 @@ def backend_cache_dir_flags(m: config_mod.ModelConfig, i: int) -> list[str]:
         return []
     return ["--cache-dir", str(Path(m.cache_dir).expanduser().resolve() / f"{m.name}-{i}"),
             "--cache-save-interval", f"{m.cache_save_interval:g}",
-            *(["--disk-cache-bytes", m.disk_cache_bytes] if m.disk_cache_bytes else [])]
+            *(["--disk-cache-bytes", str(m.disk_cache_bytes)] if m.disk_cache_bytes else [])]
 
 
 def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:

@@ -249,8 +249,13 @@ def test_serve_disk_cache_bytes_gives_each_backend_a_disk_tier_under_its_cache_d
     assert launcher.backend_cache_dir_flags(cfg.models[0], 1) == [
         "--cache-dir", str(tmp_path / "kv" / "demo-1"), "--cache-save-interval", "600", "--disk-cache-bytes", "100GB"]
     cfg = config.apply_flags(config.ServeConfig(), parser.parse_args(["--disk-cache-bytes", "100GB"]))
-    with pytest.raises(ValueError, match="disk_cache_bytes needs cache_dir"):
+    with pytest.raises(ValueError, match=r"disk_cache_bytes \(--disk-cache-bytes\) needs cache_dir \(--cache-dir\)"):
         config.validate(cfg)
+    p = tmp_path / "n.toml"  # a number of bytes, as cache_bytes takes (helper-53: refused)
+    p.write_text(f'[[models]]\nname = "m"\ncache_dir = "{tmp_path}"\ndisk_cache_bytes = 1073741824\n')
+    cfg = config.load(str(p))
+    config.validate(cfg)
+    assert launcher.backend_cache_dir_flags(cfg.models[0], 0)[-2:] == ["--disk-cache-bytes", "1073741824"]
     cfg = config.ServeConfig(models=[config.ModelConfig(name="a", cache_dir=str(tmp_path), disk_cache_bytes="lots")])
     with pytest.raises(ValueError, match="a disk_cache_bytes: "):
         config.validate(cfg)

@@ -1,5 +1,6 @@
 """The prompt cache's disk tier (cache rule 8, ``--disk-cache-bytes``, backend.disktier)."""
 
+import errno
 import json
 import subprocess
 import sys
@@ -239,14 +240,17 @@ def _kept(tmp_path, n=5, pending=10**9):
     return c
 
 
+def _names(tmp_path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "tier").iterdir())
+
+
 @pytest.mark.parametrize("pending", [10**9, None])
 def test_a_clean_stop_keeps_the_tier_and_the_next_start_adopts_it(tmp_path, pending):
     _kept(tmp_path, pending=pending)
-    names = sorted(p.name for p in (tmp_path / "tier").iterdir())
-    assert names == ["manifest.json", "tier-1.safetensors", "tier-2.safetensors", "tier-3.safetensors",
-                     "tokens.npz"]
+    assert _names(tmp_path) == ["manifest.json", "tier-1.safetensors", "tier-2.safetensors", "tier-3.safetensors",
+                                "tokens-4.npz"]
     c, disk, owners = _cache(tmp_path, "shared", pending=10**9, settings=SETTINGS)
-    assert disk.adopted == (3, 900, 900 * BPT, "") and not (tmp_path / "tier" / "manifest.json").exists()
+    assert disk.adopted == (3, 900, 900 * BPT, "")
     assert [e.tokens.tolist() for e in disk.entries()] == [_conv(0), _conv(1), _conv(2)]  # LRU order kept
     c.announce_disk()
     assert set(owners.held) == {tuple(_conv(k)) for k in range(3)}  # published like any save
@@ -254,38 +258,110 @@ def test_a_clean_stop_keeps_the_tier_and_the_next_start_adopts_it(tmp_path, pend
     assert hit.reused == 300 and disk.reads == 1  # read back, its checksum checked
     for k in (7, 8, 9):  # memory holds two: conv 7 goes to disk, in a file with a new name
         _save(c, _conv(k))
-    assert disk.flush(5) and len(disk) == 4 and sorted(p.name for p in (tmp_path / "tier").glob("tier-*")) == [
+    assert disk.flush(5) and len(disk) == 4 and [n for n in _names(tmp_path) if n.startswith("tier-")] == [
         "tier-1.safetensors", "tier-2.safetensors", "tier-3.safetensors", "tier-4.safetensors"]
 
 
-def test_a_kept_tier_under_other_settings_or_without_a_manifest_is_removed(tmp_path, caplog):
-    _kept(tmp_path)
-    c, disk, _ = _cache(tmp_path, "shared", settings={**SETTINGS, "layout": "whole"})
-    assert disk.adopted is None and len(disk) == 0 and list((tmp_path / "tier").iterdir()) == []
-    assert "not used (saved under other settings: the cache layout (saved shared, now whole))" in caplog.text
-    # A run killed before its stop leaves files and no manifest: the next start removes them.
-    c, disk, _ = _cache(tmp_path, "shared", settings=SETTINGS)
-    for k in range(3):
+def test_a_quiet_moments_checkpoint_survives_a_kill(tmp_path):
+    """The engine checkpoints the tier at quiet moments: a backend killed afterwards (no
+    `close`) comes back with the entries of that checkpoint; files written after it, which no
+    manifest names, are removed (helper-53: a killed backend lost its whole tier)."""
+    c, disk, _ = _cache(tmp_path, "shared", pending=10**9, settings=SETTINGS)
+    for k in range(4):
         _save(c, _conv(k))
-    assert len(list((tmp_path / "tier").iterdir())) == 1
+    assert disk.flush(5) and disk.checkpoint() and not disk.checkpoint()  # nothing new: not written again
+    _save(c, _conv(4))  # conversation 2 to disk after the checkpoint
+    assert disk.flush(5) and len(disk) == 3
+    c2, disk2, _ = _cache(tmp_path, "shared", settings=SETTINGS)  # the kill: the first tier never closed
+    assert [e.tokens.tolist() for e in disk2.entries()] == [_conv(0), _conv(1)]
+    assert [n for n in _names(tmp_path) if n.startswith("tier-")] == ["tier-1.safetensors", "tier-2.safetensors"]
+
+
+def test_a_tier_kept_under_other_settings_stays_until_this_run_writes(tmp_path, caplog):
+    """As a memory save under other settings stays until the run saves its own (helper-53: one
+    start with another setting deleted the whole tier)."""
+    _kept(tmp_path)
+    before = _names(tmp_path)
+    c, disk, _ = _cache(tmp_path, "shared", settings={**SETTINGS, "engine": "mlx"})
+    assert disk.adopted is None and len(disk) == 0
+    assert "not used (kept under other settings: the engine (saved sim, now mlx))" in caplog.text
+    disk.close()  # a run that wrote nothing: the earlier tier is untouched, manifest and all
+    assert _names(tmp_path) == before
+    c, disk, _ = _cache(tmp_path, "shared", settings={**SETTINGS, "engine": "mlx"})
+    for k in range(3):  # its first write removes the earlier tier first
+        _save(c, _conv(10 + k))
+    assert "removed 3 entries an earlier run kept" in caplog.text
+    assert [n for n in _names(tmp_path) if n.startswith("tier-")] == ["tier-4.safetensors"]
+    assert "manifest.json" not in _names(tmp_path)
+    # Tier files and no manifest (a run killed before any checkpoint): removed at start.
     c2, disk2, _ = _cache(tmp_path, "shared", settings=SETTINGS)
-    assert disk2.adopted is None and list((tmp_path / "tier").iterdir()) == []
+    assert disk2.adopted is None and _names(tmp_path) == []
 
 
-def test_a_smaller_budget_adopts_the_newest_and_a_damaged_file_costs_its_prefill(tmp_path, caplog):
+def test_a_smaller_budget_leaves_the_rest_on_disk_until_it_writes(tmp_path, caplog):
     _kept(tmp_path)
     c, disk, _ = _cache(tmp_path, "shared", disk_tokens=650, pending=10**9, settings=SETTINGS)
-    c.announce_disk()
-    assert disk.adopted == (2, 600, 600 * BPT, "1 left out by this run's budget")
+    assert disk.adopted == (2, 600, 600 * BPT, "1 left out by this run's budget (kept on disk until this run "
+                                               "writes its own entries)")
     assert [e.tokens.tolist() for e in disk.entries()] == [_conv(1), _conv(2)]
+    disk.close()  # wrote nothing: the next run with the whole budget has all three back
+    c, disk, _ = _cache(tmp_path, "shared", pending=10**9, settings=SETTINGS)
+    assert disk.adopted[0] == 3
+    disk.close()
+    c, disk, _ = _cache(tmp_path, "shared", disk_tokens=650, pending=10**9, settings=SETTINGS)
+    c.announce_disk()
+    for k in range(3):  # a write: the left-out entry goes first
+        _save(c, _conv(10 + k))
+    assert disk.flush(5) and "removed 1 entries an earlier run kept" in caplog.text
     assert not (tmp_path / "tier" / "tier-1.safetensors").exists()
+
+
+def test_a_damaged_kept_file_costs_its_prefill(tmp_path, caplog):
+    _kept(tmp_path)
+    c, disk, _ = _cache(tmp_path, "shared", pending=10**9, settings=SETTINGS)
+    c.announce_disk()
     for name in ("tier-2.safetensors", "tier-3.safetensors"):
         f = tmp_path / "tier" / name
         f.write_text(f.read_text().replace("300", "999"))  # same length, other bytes
-    assert c.fetch(_conv(1) + [1]).reused == 0 and disk.failures == 1 and len(disk) == 1  # read here
+    assert c.fetch(_conv(1) + [1]).reused == 0 and disk.failures == 1 and len(disk) == 2  # read here
     hit = c.fetch(_conv(2) + [1], defer=True)  # read by the reader thread
-    assert hit.read.done.wait(5) and c.finish_read(hit).reused == 0 and disk.failures == 2 and len(disk) == 0
+    assert hit.read.done.wait(5) and c.finish_read(hit).reused == 0 and disk.failures == 2 and len(disk) == 1
     assert "checksum differs" in caplog.text
+
+
+class FullDiskOps(sim.SimKVOps):
+    """Sim ops whose writes fail with ENOSPC while ``full`` (a disk filling up)."""
+
+    full = False
+
+    def save_parts(self, parts, path):
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        super().save_parts(parts, path)
+
+    save_kv = write_host = save_parts
+
+
+@pytest.mark.parametrize("pending", [10**9, None])
+def test_a_full_disk_makes_new_entries_replace_the_oldest(tmp_path, caplog, pending):
+    """helper-53: once the disk filled, every later write failed and the newest conversations
+    were the ones dropped; now the budget comes down to what the tier holds, so a new entry
+    replaces the oldest."""
+    ops = FullDiskOps(sim.SimTiming(kv_bytes_per_token=BPT))
+    disk = DiskTier(tmp_path / "tier", 10_000 * BPT, ops, max_pending_bytes=pending)
+    c = PromptCache(max_entries=10, max_bytes=700 * BPT, layout="shared", share_min_tokens=16, min_hit_tokens=32,
+                    ops=ops, disk=disk)
+    for k in range(4):
+        _save(c, _conv(k))
+    assert disk.flush(5) and len(disk) == 2
+    ops.full = True
+    _save(c, _conv(4))  # this write fails: the disk is full
+    assert disk.flush(5) and disk.failures == 1
+    c.fetch([1, 2, 3])  # the next lookup reaps a background failure
+    assert "disk tier: the disk of" in caplog.text and disk.max_bytes == 600 * BPT
+    ops.full = False
+    _save(c, _conv(5))  # evicts the oldest on disk to make room, and is written
+    assert disk.flush(5) and [e.tokens.tolist() for e in disk.entries()] == [_conv(1), _conv(3)]
 
 
 def test_sim_disk_reads_take_the_modelled_time(tmp_path):
@@ -412,3 +488,42 @@ def test_without_a_write_queue_reads_are_in_the_callers_thread_too(tmp_path):
         _save(c, t)
     hit = c.fetch(_conv(0) + [1], defer=True)
     assert hit.read is None and hit.reused == 300 and c.ops.nbytes(hit.kv) == 300 * BPT and disk.reads == 1
+
+
+def test_a_killed_backend_comes_back_with_its_tier_as_of_the_last_quiet_moment(make_stack, tmp_path):
+    """helper-53: a SIGKILLed backend lost its whole tier (a manifest was written only at a clean
+    stop); the engine now checkpoints it when idle."""
+    s = make_stack()
+    b = s.add_backend("b0", None, "--cache-bytes", "0.5MB", "--disk-cache-dir", str(tmp_path / "tier"),
+                      "--disk-cache-bytes", "64MB")
+    s.wait()
+    first = [_chat(b.url, words(300, seed=90 + k)) for k in range(3)]
+    assert get_json(b.url + "/health")["disk_entries"] == 2
+    deadline = time.time() + 15  # a quiet moment: the checkpoint comes within DISK_CHECKPOINT_SECONDS
+    while not (tmp_path / "tier" / "manifest.json").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    b.kill()
+    b.start(s.env())
+    b.wait_healthy()
+    assert get_json(b.url + "/health")["disk_entries"] == 2 and "adopted from" in b.log_path.read_text()
+    again = _chat(b.url, words(300, seed=90))
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first[0]["usage"]["prompt_tokens"] - 1
+    assert again["choices"][0]["message"]["content"] == first[0]["choices"][0]["message"]["content"]
+
+
+def test_a_good_hit_replaces_the_disk_entry_it_reused(tmp_path):
+    """Rule 3 on disk: a turn that reused a disk entry's whole prompt replaces it, even when its
+    prompt re-renders the generated tail differently (helper-53: copies piled up on disk)."""
+    c, disk, owners = _cache(tmp_path, "shared")
+    a = _conv(0)
+    c.insert(a + [1, 2, 3], sim.SimKV(303, c.ops.timing), "assistant", prompt_len=300)  # 3 generated tokens
+    for k in (1, 2):
+        _save(c, _conv(k))
+    (d,) = disk.entries()
+    assert d.tokens.tolist() == a + [1, 2, 3]
+    turn = a + [9, 9] + [5] * 40  # the template renders the answer as other tokens
+    hit = c.fetch(turn)
+    assert hit.reused == 300 and hit.entry_id == d.id
+    c.insert(turn, sim.SimKV(len(turn), c.ops.timing), "user", reused_from=hit.entry_id, reused=300,
+             prompt_len=len(turn))
+    assert d.id not in {e.id for e in disk.entries()} and tuple(a + [1, 2, 3]) not in owners.held
