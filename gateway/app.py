@@ -325,8 +325,10 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         raise
     finally:
         ended_well = outcome == "ok" and resp is not None and resp.status < 400
-        st.pending.release(claim, ended_well)
         tried = [a for a in attempts if a.tried]
+        # The claim names the first choice: kept for its grace only if that backend answered (a
+        # retry elsewhere left it crediting the failed one: helper-53 saw the next turn go there).
+        st.pending.release(claim, ended_well and bool(tried) and tried[-1].backend_id == ranked[0].cand.backend_id)
         if ended_well and tried:  # the backend that answered (after a retry, not the first choice)
             st.recent.add(tried[-1].backend_id, blocks)
         # Metrics and the request log line (a blocking write to stderr, ~0.25 ms) run once
@@ -373,6 +375,7 @@ async def handle_health(request: web.Request) -> web.Response:
         "events_dropped": st.index.events_dropped,
         "redis_data_losses": st.index.data_losses,  # Redis found empty (restart, flush): gateway.index
         "retries": st.proxy.retries,
+        "pending_claims": len(st.pending),  # routed prefixes in flight or in their grace (gateway.pending)
         "circuit_open": sorted(st.proxy.open),
         "token_rejected": sorted(st.proxy.token_rejected),
         # live backends left out: another block size or tokenizer (gateway.index.mismatch)
