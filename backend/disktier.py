@@ -410,21 +410,25 @@ class DiskTier:
                    *({"file": self._paths[e.id].name, "tokens": len(e), "nbytes": e.nbytes, "cache_type": e.cache_type,
                       "prompt_tokens": e.prompt_tokens, "hits": e.hits, "used_at": e.used_at,
                       "checksum": self._sums[e.id], "ids": e.tokens} for e in order)]
-        old = self._tokens_file
-        self._tokens_file = f"tokens-{next(self._files)}.npz"
-        np.savez(self.directory / self._tokens_file, **{r["file"]: r["ids"] for r in records})
-        manifest = {
-            "format": FORMAT, "fingerprint": persist.fingerprint(self.settings), "settings": self.settings,
-            "saved_at": time.time(), "tokens_file": self._tokens_file,
-            "tokens_checksum": persist._seal(self.directory / self._tokens_file),
-            "entries": [{k: v for k, v in r.items() if k != "ids"} for r in records],
-        }
+        name = f"tokens-{next(self._files)}.npz"
         tmp = self.directory / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest))
-        persist._seal(tmp)
-        tmp.rename(self.directory / MANIFEST)
+        try:
+            np.savez(self.directory / name, **{r["file"]: r["ids"] for r in records})
+            manifest = {
+                "format": FORMAT, "fingerprint": persist.fingerprint(self.settings), "settings": self.settings,
+                "saved_at": time.time(), "tokens_file": name, "tokens_checksum": persist._seal(self.directory / name),
+                "entries": [{k: v for k, v in r.items() if k != "ids"} for r in records],
+            }
+            tmp.write_text(json.dumps(manifest))
+            persist._seal(tmp)
+            tmp.rename(self.directory / MANIFEST)
+        except OSError:  # a full disk: no half-written file left beside the previous manifest
+            _unlink(self.directory / name)
+            _unlink(tmp)
+            raise
         persist._fsync_dir(self.directory)
-        if old and old != self._tokens_file:
+        old, self._tokens_file = self._tokens_file, name
+        if old:
             _unlink(self.directory / old)
 
     def _adopt(self) -> Optional[tuple]:
@@ -496,6 +500,9 @@ class DiskTier:
             return None
         for name, f in files.items():
             if name not in keep and all(m["file"] != name for m in left):
+                _unlink(f)
+        for f in self.directory.glob("tokens*.npz"):  # a checkpoint's, cut short before its rename
+            if f.name != tokens_file.name:
                 _unlink(f)
         self._left = [{**m, "ids": ids[m["file"]]} for m in reversed(left)]  # least recently used first
         self._stale = [self.directory / m["file"] for m in left]
