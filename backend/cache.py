@@ -626,11 +626,11 @@ class PromptCache:
         self._add(e)
         return e
 
-    def clear(self) -> None:
-        """Evict everything, the disk tier's entries too (each eviction reported)."""
+    def clear(self, disk: bool = True) -> None:
+        """Evict everything, with ``disk`` the disk tier's entries too (each eviction reported)."""
         for e in list(self._entries.values()):
             self._remove(e)
-        if self.disk is not None:
+        if disk and self.disk is not None:
             for d in self.disk.clear():
                 self._tell_evicted(d)
 

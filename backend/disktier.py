@@ -62,6 +62,8 @@ from typing import Optional
 
 import numpy as np
 
+from mlxgw.util import size_text
+
 from .cache import CacheEntry, common_prefix, file_xxh3
 
 log = logging.getLogger("mlxgw.backend")
@@ -112,6 +114,7 @@ class DiskTier:
         self.pending_bytes = 0
         self._lost: list[int] = []  # entries whose write failed, for `reap`
         self._full: Optional[Exception] = None  # a background write found the disk full, for `reap`
+        self._said_full = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._writer: Optional[threading.Thread] = None
         self._reads: queue.SimpleQueue = queue.SimpleQueue()  # `DiskRead` jobs for the reader thread
@@ -601,10 +604,15 @@ class DiskTier:
         """A write found the disk full: lower the budget to what the tier holds, so the next
         entries replace its oldest ones instead of failing one after another (helper-53: every
         write failed once the disk filled, the newest conversations dropped). For this run."""
-        if self.nbytes < self.max_bytes:
-            log.warning("disk tier: the disk of %s is full (%s): its budget lowered from %.1f to %.1f MiB for this "
-                        "run, so new entries replace its oldest", self.directory, err, self.max_bytes / 2**20,
-                        self.nbytes / 2**20)
+        if not self.nbytes:  # nothing to replace: the budget stays, writes are tried as space frees
+            if not self._said_full:
+                log.warning("disk tier: the disk of %s is full (%s) and the tier holds nothing yet: entries are "
+                            "dropped until space frees", self.directory, err)
+                self._said_full = True
+        elif self.nbytes < self.max_bytes:
+            log.warning("disk tier: the disk of %s is full (%s): its budget lowered from %s to %s for this "
+                        "run, so new entries replace its oldest", self.directory, err, size_text(self.max_bytes),
+                        size_text(self.nbytes))
             self.max_bytes = self.nbytes
 
     def _drop(self, e: CacheEntry) -> None:

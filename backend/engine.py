@@ -428,7 +428,7 @@ class MLXEngine(Engine):
         except Exception as e:  # other settings, or a damaged save: the message says which
             log.warning("prompt cache in %s not restored: %s; starting cold (that save stays until this run saves "
                         "its own cache, at a quiet moment or at its stop)", self.cache_dir, e)
-            self.cache.clear()
+            self.cache.clear(disk=False)  # the disk tier adopted at start is its own (helper-54: it was wiped)
             self.cache.nbytes = 0  # segments read before the failure had no entry yet
             return
         if self.restored is None:

@@ -19,7 +19,7 @@ from mlxgw.config import ModelConfig
 from mlxgw.prompt import tokenizer_fingerprint
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.stopping import Stopper
-from mlxgw.util import is_loopback, parse_bytes, positive_int, redact_url, size_arg
+from mlxgw.util import is_loopback, parse_bytes, positive_int, redact_url, size_arg, size_text
 
 from . import persist, sim
 from .cache import LAYOUTS, KVOps, PromptCache
@@ -232,9 +232,9 @@ def disk_tier(args: argparse.Namespace, cache_dir: Optional[Path], ops, settings
     tier = DiskTier(where, budget, ops or KVOps(), max_pending_bytes=pending, settings=settings)
     free = shutil.disk_usage(where).free
     if free < budget:
-        log.warning("the disk tier's budget (%.1f GiB) exceeds the free space in %s (%.1f GiB): writes past it "
-                    "fail, and each failed write drops its entry", budget / 2**30, where, free / 2**30)
-    log.info("disk tier: up to %.1f GiB of evicted prompt-cache entries in %s", budget / 2**30, where)
+        log.warning("the disk tier's budget (%s) exceeds the free space in %s (%s): once the disk is full, new "
+                    "entries replace the tier's oldest", size_text(budget), where, size_text(free))
+    log.info("disk tier: up to %s of evicted prompt-cache entries in %s", size_text(budget), where)
     return tier
 
 

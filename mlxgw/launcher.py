@@ -23,7 +23,7 @@ from typing import Optional
 
 from . import config as config_mod
 from .stopping import EMBEDDED_REDIS_ENV, PARENT_ENV, stop_signals
-from .util import positive_int, redact_url, serve_token_file, serve_url_file, size_arg
+from .util import parse_bytes, positive_int, redact_url, serve_token_file, serve_url_file, size_arg, size_text
 
 #: Seconds serve waits for a backend with a --cache-dir to stop: it writes its prompt cache
 #: first (at most `backend.engine.SAVE_SECONDS`), then exits.
@@ -496,11 +496,10 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
             lines.insert(-1, f"  kv kept    {m.name}: prompt caches saved at stop and when idle, restored at start, in {where}/"
                              f"{m.name}-<i>   (docs/cache-policy.md, 'Across restarts')")
         if m.disk_cache_bytes:
-            lines.insert(-1, f"  disk tier  {m.name}: up to {m.disk_cache_bytes} of evicted entries per backend in "
-                             f"{where}/{m.name}-<i>/tier, kept at stop   (docs/cache-policy.md, rule 8)")
+            lines.insert(-1, f"  disk tier  {m.name}: up to {size_text(parse_bytes(m.disk_cache_bytes))} of evicted "
+                             f"entries per backend in {where}/{m.name}-<i>/tier, kept at stop   "
+                             "(docs/cache-policy.md, rule 8)")
     from backend.main import budget_warnings
-
-    from .util import parse_bytes
 
     for m in cfg.models:  # each backend logged them above, among its start-up lines
         lines += [f"  warning    {m.name}: {w}" for w in budget_warnings(str(m.cache_bytes), parse_bytes(m.cache_bytes))]

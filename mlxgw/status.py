@@ -21,7 +21,7 @@ from .redis_client import connect as redis_connect
 from .util import redact_url, serve_url_file
 
 # Event data fields worth showing (block lists are long and meaningless to people).
-_EVENT_FIELDS = ("request", "matched", "prompt_tokens", "lookup", "tokens", "cache_type")
+_EVENT_FIELDS = ("request", "matched", "prompt_tokens", "lookup", "tokens", "cache_type", "tier")
 
 
 def collect(r: redis.Redis, namespace: str, events: int = 10) -> dict:
@@ -195,7 +195,7 @@ def event_line(event: dict) -> str:
 
     The details are the `collect` fields an event has: a routing decision's
     ``matched`` / ``prompt_tokens`` (tokens) and ``lookup`` outcome, a save's or
-    eviction's ``tokens`` and ``cache_type``.
+    eviction's ``tokens``, ``cache_type`` and ``tier`` (``disk`` for the disk tier's).
     """
     extra = " ".join(f"{k}={event[k]}" for k in _EVENT_FIELDS if k in event and k != "request")
     return f"  {event_time(event)} {event.get('type', ''):8} {event.get('backend', ''):10} {extra}".rstrip()

@@ -87,6 +87,15 @@ def positive_bytes(s: str | int) -> int:
     return n
 
 
+def size_text(n: int) -> str:
+    """Bytes as a short size for people, binary units: ``'512 B'``, ``'64.0 MiB'``, ``'1.5 GiB'``
+    (a 64 MB budget read "0.1 GiB" and 1.5 MB "0.0 GiB" in the disk tier's log, helper-54)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 def size_arg(s: str) -> str:
     """argparse type for a size flag: ``s`` unchanged once ``positive_bytes`` accepts it
     (the flag's text is passed on to child processes as given).

@@ -417,6 +417,7 @@ def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stac
             break
         time.sleep(0.3)
     assert "disk MiB / reads" in out.stdout and f"{health['disk_bytes'] / 2**20:.1f} / 1 " in row, out.stdout
+    assert "tier=disk" in out.stdout  # a spill's event says where the entry went (helper-54: left out)
     # A clean stop keeps the tier (memory held conversation 0; 1 and 2 are on disk); the
     # backend restarted, in the other cache layout (the tier's files are whole entries either
     # way), adopts it and serves both from it, with the right KV.
@@ -527,3 +528,45 @@ def test_a_good_hit_replaces_the_disk_entry_it_reused(tmp_path):
     c.insert(turn, sim.SimKV(len(turn), c.ops.timing), "user", reused_from=hit.entry_id, reused=300,
              prompt_len=len(turn))
     assert d.id not in {e.id for e in disk.entries()} and tuple(a + [1, 2, 3]) not in owners.held
+
+
+def test_an_unusable_memory_save_leaves_the_disk_tier(make_stack, tmp_path):
+    """helper-54: a restart whose memory save could not be restored (damaged, other layout)
+    cleared the disk tier it had just adopted."""
+    s = make_stack()
+    b = s.add_backend("b0", None, "--cache-bytes", "0.5MB", "--cache-dir", str(tmp_path / "kv"),
+                      "--disk-cache-bytes", "64MB")
+    s.wait()
+    first = [_chat(b.url, words(300, seed=95 + k)) for k in range(3)]
+    b.stop()
+    (tmp_path / "kv" / "snapshot" / "manifest.json").write_text("{garbage")
+    b.start(s.env())
+    b.wait_healthy()
+    log = b.log_path.read_text()
+    assert "not restored" in log and "adopted from" in log
+    assert get_json(b.url + "/health")["disk_entries"] == 2
+    again = _chat(b.url, words(300, seed=96))
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first[1]["usage"]["prompt_tokens"] - 1
+
+
+def test_a_full_disk_with_an_empty_tier_keeps_its_budget(tmp_path, caplog):
+    """helper-54: the first failed write on a full disk lowered an empty tier's budget to 0, and
+    the tier stayed off after space freed."""
+    ops = FullDiskOps(sim.SimTiming(kv_bytes_per_token=BPT))
+    ops.full = True
+    disk = DiskTier(tmp_path / "tier", 10_000 * BPT, ops)
+    c = PromptCache(max_entries=10, max_bytes=700 * BPT, layout="shared", share_min_tokens=16, min_hit_tokens=32,
+                    ops=ops, disk=disk)
+    for k in range(3):
+        _save(c, _conv(k))
+    assert disk.failures == 1 and disk.max_bytes == 10_000 * BPT and "holds nothing yet" in caplog.text
+    ops.full = False
+    _save(c, _conv(3))
+    assert [e.tokens.tolist() for e in disk.entries()] == [_conv(1)]
+
+
+def test_size_text_picks_a_unit_people_read():
+    from mlxgw.util import size_text
+
+    assert [size_text(n) for n in (512, 1536, 64 << 20, 3 * 2**29, 2**40)] == [
+        "512 B", "1.5 KiB", "64.0 MiB", "1.5 GiB", "1.0 TiB"]
