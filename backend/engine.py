@@ -502,7 +502,8 @@ class MLXEngine(Engine):
             out = persist.save(self.cache, self.cache_dir, self.cache_settings)
         except Exception as e:  # a full disk: the previous save stays
             try:  # mlx's own write errors do not say the disk is full (several backends may share it)
-                free = f" ({shutil.disk_usage(self.cache_dir).free / 2**20:.1f} MiB free on its disk now)"
+                free = "" if "free" in str(e) else \
+                    f" ({shutil.disk_usage(self.cache_dir).free / 2**20:.1f} MiB free on its disk now)"
             except OSError:
                 free = ""
             log.warning("prompt cache not saved to %s: %s%s; the previous save stays", self.cache_dir, e, free)

@@ -48,6 +48,8 @@ from typing import Optional
 import numpy as np
 import xxhash
 
+from mlxgw.util import size_text
+
 from .cache import CACHE_TYPES, PromptCache
 
 log = logging.getLogger("mlxgw.backend")
@@ -186,8 +188,8 @@ def save(cache: PromptCache, directory: Path, settings: dict) -> Optional[Outcom
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     free = shutil.disk_usage(directory).free
     if free < cache.nbytes + (1 << 20):
-        raise OSError(errno.ENOSPC, f"not enough free disk space for the save: {cache.nbytes / 2**20:.1f} MiB of KV, "
-                      f"{free / 2**20:.1f} MiB free (the previous save is kept until a new one is complete)")
+        raise OSError(errno.ENOSPC, f"not enough free disk space for the save: it needs {size_text(cache.nbytes + (1 << 20))} "
+                      f"({size_text(cache.nbytes)} of KV and 1 MiB for its other files), {size_text(free)} free")
     tmp.mkdir(mode=0o700, parents=True)
     try:
         _write(cache, tmp, settings)
