@@ -192,8 +192,8 @@ class DiskTier:
                 self.failures += 1
                 if getattr(e, "errno", None) == errno.ENOSPC:
                     self._disk_full(e)
-                log.warning("disk tier: could not write %s (%d tokens, %.1f MiB): %s; the entry is dropped",
-                            path, len(entry), nbytes / 2**20, e)
+                log.warning("disk tier: could not write %s (%d tokens, %s): %s; the entry is dropped",
+                            path, len(entry), size_text(nbytes), e)
                 return None, evicted
         d = CacheEntry(
             tokens=entry.tokens, kv=None, nbytes=nbytes, cache_type=entry.cache_type, trimmable=True,
@@ -303,6 +303,7 @@ class DiskTier:
         out = [self._entries[i] for i in ids if i in self._entries]
         for e in out:
             self._drop(e)
+        self.spills -= len(ids)  # counted when queued; never on disk (helper-55)
         if full is not None:  # after the drops: the budget comes down to what is really on disk
             self._disk_full(full)
         return out
@@ -377,8 +378,8 @@ class DiskTier:
             try:
                 if self.checkpoint() or self._foreign is not None or self._version == self._checkpointed:
                     if self._entries:
-                        log.info("disk tier: %d entries (%.1f MiB of KV) kept in %s for the next start",
-                                 len(self._entries), self.nbytes / 2**20, self.directory)
+                        log.info("disk tier: %d entries (%s of KV) kept in %s for the next start",
+                                 len(self._entries), size_text(self.nbytes), self.directory)
                     return
             except OSError as e:
                 order = sorted(self._entries.values(), key=lambda x: x.last_used)
@@ -527,8 +528,8 @@ class DiskTier:
         out = (len(self._entries), sum(len(e) for e in self._entries.values()), self.nbytes,
                f"{len(left)} left out by this run's budget (kept on disk until this run writes its own entries)"
                if left else "")
-        log.info("disk tier: %d entries (%s tokens, %.1f MiB of KV) adopted from %s, kept %s ago%s",
-                 out[0], f"{out[1]:,}", out[2] / 2**20, self.directory,
+        log.info("disk tier: %d entries (%s tokens, %s of KV) adopted from %s, kept %s ago%s",
+                 out[0], f"{out[1]:,}", size_text(out[2]), self.directory,
                  _age(time.time() - float(manifest.get("saved_at", 0))), f"; {out[3]}" if out[3] else "")
         return out
 

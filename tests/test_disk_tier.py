@@ -224,6 +224,7 @@ def test_a_failed_background_write_drops_the_entry_at_the_next_lookup(tmp_path, 
     assert disk.flush(5) and disk.failures == 1 and len(disk) == 1  # not reaped yet
     assert c.fetch(_conv(0) + [1]).reused == 0  # its prefix is gone: prefilled
     assert len(disk) == 0 and tuple(_conv(0)) not in owners.held
+    assert disk.spills == 0  # never on disk: not a spill (helper-55 saw failed writes counted)
     assert "could not write" in caplog.text
 
 
