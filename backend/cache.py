@@ -886,8 +886,9 @@ class KVOps:
         mx.eval([c.state for c in kv])
         return kv
 
-    # The disk tier's write-behind (backend.disktier): the engine thread takes a host copy
-    # (numpy), a writer thread writes it with no MLX call (MLX stays on the engine thread).
+    # The disk tier's write-behind (backend.disktier): the engine thread hands numpy views of
+    # the KV's buffers to a writer thread, which writes them with no MLX call (MLX stays on
+    # the engine thread).
     def to_host(self, kv):
         """Plain ``KVCache`` layers as host (numpy) arrays for the writer thread: ``[(keys,
         values)]`` of shape ``(batch, kv_heads, tokens, head_dim)`` (bfloat16 as its uint16

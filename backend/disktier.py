@@ -15,36 +15,37 @@ Dynamo's KV block manager (G1 device, G2 host, G3 disk), at this cache's
 entry granularity.
 
 The tier holds whole entries (a rule 7 chain is materialised into one file:
-a shared prefix is written once per entry on disk, never shared there),
-in mlx-lm's ``save_prompt_cache`` format (`KVOps.save_kv`), one file each,
-with its own byte budget and least-recently-used eviction. Its entries keep
-their blocks owned in Redis (the backend can still serve them, a disk read
-instead of a prefill), so the `PromptCache` tells the listener of every
-entry that enters or leaves the tier, as of the memory entries.
+a shared prefix is written once per entry on disk, never shared there), one
+file each (a safetensors file of per-layer keys and values that mlx ``load``
+reads, `KVOps.write_host`; mlx-lm's ``save_prompt_cache`` format for layer
+types that path does not cover), with its own byte budget and
+least-recently-used eviction. Its entries keep their blocks owned in Redis
+(the backend can still serve them, a disk read instead of a prefill), so the
+`PromptCache` tells the listener of every entry that enters or leaves the
+tier, as of the memory entries.
 
-Writes are behind the eviction (write-behind): the engine thread takes a host
-(numpy) copy of the entry's KV, a memory copy far faster than the disk, and a
-writer thread writes it (`KVOps.write_host`, no MLX call off the engine
-thread), so running decodes do not pause for the disk. A read before the
-write ended takes the host copy instead of the file. Host copies waiting for
-the disk are held outside the memory budget, at most ``max_pending_bytes``
-(more waits for the writer). Reads are beside the batch as well: the engine
-pins a request to a disk hit on arrival (`read_async`), a reader thread
-reads the file from the disk through the page cache (`KVOps.prefetch`), and
-the engine thread loads it from memory at admission (`finish`). Layer types the host copy does not cover
-(rotating windows, quantized KV) are written in the engine thread with
-mlx-lm's ``save_prompt_cache``.
+I/O beside the batch. Writes are behind the eviction: the engine thread hands
+the writer thread views of the evicted arrays' own buffers (`KVOps.to_host`:
+no copy, and no MLX call off the engine thread), so running decodes do not
+pause for the disk; a read before the write ended takes those arrays instead
+of the file. Entries waiting for the writer are held outside the memory
+budget, at most ``max_pending_bytes`` (more waits for the writer; None: all
+I/O in the caller's thread). Reads: the engine pins a request to a disk hit on
+arrival (`read_async`), a reader thread reads the file through the page cache
+(`KVOps.prefetch`), and the engine thread loads it from memory at admission
+(`finish`).
 
-Across restarts: at a clean stop the tier waits for its writer, then writes
-``manifest.json`` (each entry's file, metadata and xxh3-128 checksum, least
-recently used first, and the KV settings of `backend.persist.kv_settings`)
-and ``tokens.npz`` beside its files. The next start adopts them when its KV
-settings are equal (the newest entries that fit its budget; a file is checked
-against its checksum when it is read back), and removes the manifest at once,
-so a run killed later leaves files the next start removes (tier files without
-a manifest are removed at start). ``--cache-dir`` keeps the memory tier. The engine thread
-calls every method (as it owns the `PromptCache`); the writer thread shares
-only the pending copies, under a lock.
+Across restarts (`checkpoint`, `_adopt`): the manifest (each entry's file,
+metadata and xxh3-128 checksum, least recently used first, and the KV
+settings of `backend.persist.kv_settings`; token ids in ``tokens-N.npz``) is
+written at quiet moments and at a clean stop, so a killed backend comes back
+with its tier as of its last quiet moment. The next start adopts the newest
+entries that fit its budget under equal settings (a file is checked against
+its checksum when read back); nothing an earlier run kept is deleted before
+this run writes its own first entry. ``--cache-dir`` keeps the memory tier.
+The engine thread calls every method (as it owns the `PromptCache`); the
+writer and reader threads share only the queued entries and reads, under a
+lock.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ from .cache import CacheEntry, common_prefix, file_xxh3
 
 log = logging.getLogger("mlxgw.backend")
 
-#: Tier files: ``tier-<n>.safetensors`` (mlx-lm's prompt-cache format; the sim writes JSON).
+#: Tier files: ``tier-<n>.safetensors`` (`KVOps.write_host` or mlx-lm's format; the sim writes JSON).
 _PREFIX, _SUFFIX = "tier-", ".safetensors"
-MANIFEST, TOKENS = "manifest.json", "tokens.npz"
+MANIFEST = "manifest.json"
 FORMAT = 1
 
 
@@ -83,7 +84,7 @@ class DiskTier:
         max_bytes: byte budget of the files' KV (the entries' ``nbytes``), > 0.
         ops: the cache's `KVOps` (``to_host`` / ``write_host`` / ``from_host`` / ``save_kv`` /
             ``load_kv`` / ``nbytes``).
-        max_pending_bytes: host copies waiting for the writer beyond which an eviction waits
+        max_pending_bytes: entries' KV waiting for the writer beyond which an eviction waits
             for it, bytes (None: no I/O beside the caller: every write and read in its thread).
         settings: the run's KV settings (`backend.persist.kv_settings`): a tier a clean stop
             left under equal settings is adopted, and `close` keeps this one; None: neither.
@@ -110,7 +111,7 @@ class DiskTier:
         self._files = itertools.count(1)
         # Write-behind state, shared with the writer thread under _cond's lock.
         self._cond = threading.Condition()
-        self._pending: dict[int, object] = {}  # entry id -> host copy not yet written
+        self._pending: dict[int, object] = {}  # entry id -> its KV (`KVOps.to_host`) not yet written
         self.pending_bytes = 0
         self._lost: list[int] = []  # entries whose write failed, for `reap`
         self._full: Optional[Exception] = None  # a background write found the disk full, for `reap`
