@@ -46,11 +46,10 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import xxhash
 
 from mlxgw.util import size_text
 
-from .cache import CACHE_TYPES, PromptCache
+from .cache import CACHE_TYPES, PromptCache, file_xxh3
 
 log = logging.getLogger("mlxgw.backend")
 
@@ -245,14 +244,14 @@ def _digest(path: Path, flush: bool = False) -> str:
     """xxh3-128 of the file's bytes; with ``flush``, make it owner-only (it holds prompts'
     token ids or KV, whatever the umask made it) and ``fsync`` it first (then read back from
     the page cache)."""
-    h = xxhash.xxh3_128()
-    with open(path, "rb+" if flush else "rb") as f:
-        if flush:
-            os.fchmod(f.fileno(), 0o600)
-            os.fsync(f.fileno())
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    if flush:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.fchmod(fd, 0o600)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return file_xxh3(path)
 
 
 def _seal(path: Path) -> str:
