@@ -307,11 +307,12 @@ class PromptCache:
                 job = self.disk.read_async(d, nd, next(self._clock)) if defer else None
                 if job is not None:
                     return CacheHit(None, nd, d.id, len(d), read=job)
-                kv = self.disk.read(d, nd, next(self._clock))
+                kv, gone = self.disk.read(d, nd, next(self._clock))
                 if kv is not None:
                     self.ops.trim(kv, len(d) - nd)
                     return CacheHit(kv, nd, d.id, len(d))
-                self._tell_evicted(d)  # unreadable: dropped, its prefix no longer here
+                if gone is not None:  # unreadable: dropped, its prefix no longer here
+                    self._tell_evicted(gone)
         if e is None or n == 0:
             return CacheHit(None, 0, None)
         if e.seg is not None:

@@ -210,42 +210,28 @@ class DiskTier:
             self._write_behind(d.id, path, host)
         return d, evicted
 
-    def read(self, entry: CacheEntry, n: int, clock: int):
-        """A private copy of ``entry``'s KV for a prompt reusing its first ``n`` tokens (from
-        its host copy when its write has not ended; an entry adopted from an earlier run is
-        checked against its checksum first). The entry stays, its recency set to ``clock``
-        (the memory cache's clock). Returns the KV, or None when the read failed (logged; the
-        entry is removed: the caller tells the listener)."""
-        with self._cond:
-            host = self._pending.get(entry.id)
-        try:
-            if host is not None:
-                kv = self.ops.from_host(host)
-            else:
-                path = self._paths[entry.id]
-                if entry.id in self._adopted and file_xxh3(path) != self._sums.get(entry.id):
-                    raise ValueError("damaged: its checksum differs from the one saved at the last stop")
-                kv = self.ops.load_kv(str(path))
-                self._adopted.discard(entry.id)  # checked once
-        except Exception as e:
-            self.failures += 1
-            log.warning("disk tier: could not read %s (%d tokens): %s; the prompt is prefilled instead",
-                        self._paths[entry.id], len(entry), e)
-            self._drop(entry)
-            return None
+    def read(self, entry: CacheEntry, n: int, clock: int) -> tuple[object, Optional[CacheEntry]]:
+        """Read ``entry``'s KV now, in the caller's thread, for a prompt reusing its first ``n``
+        tokens: from its queued arrays when its write has not ended, else from its file (an
+        entry adopted from an earlier run is checked against its checksum first). The entry
+        stays, its recency set to ``clock`` (the memory cache's clock). Returns what `finish`
+        does."""
         entry.last_used, entry.used_at = clock, time.time()
-        entry.hits += 1
-        self.reads += 1
-        self.read_tokens += n
-        return kv
+        job = self._job(entry, n)
+        with self._cond:
+            job.host = self._pending.get(entry.id)
+        if job.host is None and job.checksum is not None:
+            self._prefetch(job)
+        job.done.set()
+        return self.finish(job, prefetched=job.checksum is not None)
 
     def read_async(self, entry: CacheEntry, n: int, clock: int) -> Optional["DiskRead"]:
         """Start reading ``entry`` for a prompt reusing its first ``n`` tokens: the reader
         thread reads its file from the disk into the page cache (`KVOps.prefetch`, no MLX
         call there; an adopted entry's checksum checked) and `finish` loads it in the engine
-        thread from memory. None when its host copy is still queued for the writer (`read` takes that at
-        once), and without ``max_pending_bytes`` (all I/O in the caller's thread). The entry's
-        recency is set to ``clock`` now."""
+        thread from memory. None when its arrays are still queued for the writer (`read`
+        takes them at once), and without ``max_pending_bytes`` (all I/O in the caller's
+        thread). The entry's recency is set to ``clock`` now."""
         with self._cond:
             if entry.id in self._pending or self.max_pending_bytes is None:
                 return None
@@ -253,20 +239,22 @@ class DiskTier:
             self._reader = threading.Thread(target=self._read_loop, name="disk-tier-reader", daemon=True)
             self._reader.start()
         entry.last_used, entry.used_at = clock, time.time()
-        job = DiskRead(entry, n, self._paths[entry.id], self._sums.get(entry.id) if entry.id in self._adopted else None)
+        job = self._job(entry, n)
         self._reads.put(job)
         return job
 
-    def finish(self, job: "DiskRead") -> tuple[object, Optional[CacheEntry]]:
-        """``(KV, None)`` for a read `read_async` started (waits for it if need be), or ``(None,
-        the entry dropped)`` when it failed (logged; the caller tells the listener; None when
-        the entry had left the tier already). Engine thread."""
+    def finish(self, job: "DiskRead", prefetched: bool = True) -> tuple[object, Optional[CacheEntry]]:
+        """``(KV, None)`` for a read (`read`, or `read_async`'s, waited for if need be), or
+        ``(None, the entry dropped)`` when it failed (logged; the caller tells the listener;
+        None when the entry had left the tier already). Engine thread. ``prefetched``: the
+        file was just read through the page cache."""
         job.done.wait()
         e = job.entry
         kv, err = None, job.error
         if err is None:
-            try:  # from the page cache the reader filled (from the disk if the OS dropped it since)
-                kv = self.ops.load_kv(str(job.path), prefetched=True)
+            try:  # queued arrays, or the file (from the page cache the reader filled, if it did)
+                kv = self.ops.from_host(job.host) if job.host is not None else \
+                    self.ops.load_kv(str(job.path), prefetched=prefetched)
             except Exception as x:
                 err = x
         if err is None:
@@ -283,17 +271,25 @@ class DiskTier:
             return None, e
         return None, None
 
+    def _job(self, entry: CacheEntry, n: int) -> "DiskRead":
+        return DiskRead(entry, n, self._paths[entry.id], self._sums.get(entry.id) if entry.id in self._adopted else None)
+
+    def _prefetch(self, job: "DiskRead") -> None:
+        """Read ``job``'s file through the page cache and check an adopted entry's checksum
+        (the reader thread's step; `read` runs it inline). Errors go in ``job.error``."""
+        try:
+            digest = self.ops.prefetch(str(job.path))
+            if job.checksum is not None and digest != job.checksum:
+                raise ValueError("damaged: its checksum differs from the one saved at the last stop")
+        except Exception as e:  # OSError: removed meanwhile, unreadable
+            job.error = e
+
     def _read_loop(self) -> None:
         while True:
             job = self._reads.get()
             if job is None:
                 return
-            try:
-                digest = self.ops.prefetch(str(job.path))
-                if job.checksum is not None and digest != job.checksum:
-                    raise ValueError("damaged: its checksum differs from the one saved at the last stop")
-            except Exception as e:  # OSError: removed meanwhile, unreadable
-                job.error = e
+            self._prefetch(job)
             job.done.set()
 
     def reap(self) -> list[CacheEntry]:
@@ -630,14 +626,15 @@ class DiskTier:
 
 
 class DiskRead:
-    """A disk-tier read under way (`DiskTier.read_async`): ``done`` is set once the file was
-    read through the page cache, or ``error`` says why it could not be."""
+    """A disk-tier read (`DiskTier.read_async`, `DiskTier.read`): ``done`` is set once the file
+    was read through the page cache (or ``host`` holds the entry's queued arrays), or ``error``
+    says why it could not be."""
 
-    __slots__ = ("entry", "n", "path", "checksum", "error", "done")
+    __slots__ = ("entry", "n", "path", "checksum", "host", "error", "done")
 
     def __init__(self, entry: CacheEntry, n: int, path: Path, checksum: Optional[str]):
         self.entry, self.n, self.path, self.checksum = entry, n, path, checksum
-        self.error = None
+        self.host, self.error = None, None
         self.done = threading.Event()
 
 
