@@ -294,11 +294,13 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:  # not a directory, read-only, ...
             log.error("--cache-dir %s cannot be used: %s", cache_dir, e.strerror or e)
             return 2
+    # What decides the KV (model files sampled once, for the memory save and the disk tier).
+    settings = persist.kv_settings(model_path, **kv_settings(args, timing)) \
+        if cache_dir or args.disk_cache_bytes else {}
     try:
         # The tier holds whole entries in either cache layout: the layout does not decide its files.
-        tier_settings = {k: v for k, v in kv_settings(args, timing).items() if k != "layout"}
         disk = disk_tier(args, cache_dir, sim.SimKVOps(timing) if timing is not None else None,
-                         persist.kv_settings(model_path, **tier_settings) if args.disk_cache_bytes else {})
+                         {k: v for k, v in settings.items() if k != "layout"})
     except (ValueError, OSError, RuntimeError) as e:
         log.error("%s", e)
         return 2
@@ -321,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
               prefill_handoff=args.prefill_handoff, prefill_save_pin=args.prefill_save_pin,
               claims=reporter if args.inflight_claims else None, prefill_order=args.prefill_order,
               hit_tokens=args.block_size, cache_dir=cache_dir,
-              cache_settings=persist.kv_settings(model_path, **kv_settings(args, timing)) if cache_dir else None,
+              cache_settings=settings if cache_dir else None,
               cache_save_interval=args.cache_save_interval)
     if timing is not None:
         engine = sim.SimEngine(model_path, cache, budget, timing, **kw)
