@@ -168,7 +168,7 @@ class _EvictionCounters:
             ("mlxgw:prompt_cache_evicted_tokens", "cache_evicted_tokens", "Tokens of the entries evicted by the budget."),
             # Cache rule 8's disk tier (zeros without one).
             ("mlxgw:disk_cache_spills", "disk_spills", "Prompt-cache entries the memory budget moved to the disk tier."),
-            ("mlxgw:disk_cache_reads", "disk_reads", "Disk-tier entries read back into memory for a prompt."),
+            ("mlxgw:disk_cache_reads", "disk_reads", "Disk-tier entries read back for a prompt."),
             ("mlxgw:disk_cache_read_tokens", "disk_read_tokens", "Tokens of those entries: prefill the disk tier saved."),
             ("mlxgw:disk_cache_evictions", "disk_evictions", "Disk-tier entries its own budget evicted."),
             ("mlxgw:disk_cache_failures", "disk_failures", "Disk-tier writes or reads that failed (the entry dropped)."),
