@@ -55,8 +55,11 @@ trimmable one), with these rules on top (``docs/cache-policy.md``):
    prompt whose longest cached prefix is on disk, longer by at least
    ``share_min_tokens`` than the best in memory, reads that entry's KV back for
    the request (it stays on disk; the request's own save, extending it, then
-   takes its place in memory). A memory save drops the tier entries it extends. SGLang's HiCache and Dynamo's KV block
-   manager offload evicted KV to slower tiers in the same way.
+   takes its place in memory). Files hold chains of parts, as rule 7's segments
+   in memory: an entry that continues one on disk (the next turn of its
+   conversation, written when the budget evicts it in turn) writes only its new
+   tokens, and replaces the entry it continues. SGLang's HiCache and Dynamo's KV
+   block manager offload evicted KV to slower tiers in the same way.
 
 Every insert and every removal goes through `_add` / `_remove`, which call
 the listener, so Redis sees each one (nothing leaves silently).
@@ -308,8 +311,7 @@ class PromptCache:
                 if job is not None:
                     return CacheHit(None, nd, d.id, len(d), read=job)
                 kv, gone = self.disk.read(d, nd, next(self._clock))
-                if kv is not None:
-                    self.ops.trim(kv, len(d) - nd)
+                if kv is not None:  # holding the nd tokens
                     return CacheHit(kv, nd, d.id, len(d))
                 if gone is not None:  # unreadable: dropped, its prefix no longer here
                     self._tell_evicted(gone)
@@ -333,7 +335,6 @@ class PromptCache:
             self._tell_evicted(gone)
         if kv is None:
             return CacheHit(None, 0, None)
-        self.ops.trim(kv, hit.entry_len - hit.reused)
         return CacheHit(kv, hit.reused, hit.entry_id, hit.entry_len)
 
     def added_nbytes(self, tokens, kv) -> int:
@@ -471,19 +472,9 @@ class PromptCache:
             shared_used=shared_used,
             seg=seg,
         )
+        # Rule 8: disk entries this one extends stay there until it is written to disk in turn,
+        # as the start of its chain (only its new tokens are written; `DiskTier.put`).
         self._add(entry)
-        if self.disk is not None and trimmable:  # rule 8: memory now serves those, faster
-            gone = self.disk.drop_covered(t)
-            # Rule 3 for the disk entry the request reused: replaced on a good hit, as in memory
-            # (its generated tail is rarely what the next prompt re-renders: helper-53 saw each
-            # turn leave one more copy on disk).
-            d = self.disk.get(reused_from) if reused_from is not None else None
-            if (d is not None and d.cache_type != "system" and common_prefix(d.tokens, t) >= d.prompt_tokens
-                    and self.is_good_hit(reused, prompt_len, system_tokens)):
-                self.disk.drop(d)
-                gone.append(d)
-            for d in gone:
-                self._tell_evicted(d)
         self.trim_to(max_entries=self.max_entries, max_bytes=self.max_bytes, keep=entry)
         return entry if entry.id in self._entries else None
 
@@ -527,8 +518,6 @@ class PromptCache:
         t = np.asarray(tokens, dtype=np.int32)
         if self.disk is None or len(t) < self.share_min_tokens or not self.ops.trimmable(kv):
             return None
-        for d in self.disk.drop_covered(t):
-            self._tell_evicted(d)
         e = CacheEntry(tokens=t, kv=None, nbytes=self.ops.nbytes(kv), cache_type=cache_type, trimmable=True,
                        id=next(self._ids), last_used=next(self._clock), used_at=time.time(),
                        prompt_tokens=min(prompt_len, len(t)) if prompt_len else len(t))
@@ -541,14 +530,16 @@ class PromptCache:
             return
         kv = self._materialise(victim.seg, len(victim)) if victim.seg is not None else victim.kv
         if kv is not None:
-            self._to_disk(victim, kv)
+            # Parts cut where the memory chain's segments start (other prompts branched there).
+            self._to_disk(victim, kv, [x.start for x in victim.seg.chain()] if victim.seg is not None else [])
 
-    def _to_disk(self, entry: CacheEntry, kv) -> Optional[CacheEntry]:
-        d, evicted = self.disk.put(entry, kv)
-        for x in evicted + self.disk.reap():
-            self._tell_evicted(x)
-        if d is not None and self.listener is not None:
+    def _to_disk(self, entry: CacheEntry, kv, cuts=()) -> Optional[CacheEntry]:
+        # The prompt's end is a cut too: the next turn re-renders the generated tail its own way.
+        d, dropped = self.disk.put(entry, kv, [*cuts, entry.prompt_tokens], min_share=self.share_min_tokens)
+        if d is not None and self.listener is not None:  # before the drops: its prefixes never leave Redis
             self.listener.on_saved(d)
+        for x in dropped + self.disk.reap():
+            self._tell_evicted(x)
         return d
 
     def announce_disk(self) -> None:
@@ -919,6 +910,19 @@ class KVOps:
 
     def host_nbytes(self, host) -> int:
         return int(sum(k.nbytes + v.nbytes for k, v in host.layers))
+
+    def host_slice(self, host, start: int, end: int, copy: bool = False):
+        """Tokens ``[start, end)`` of a `to_host` copy: views (`write_host` makes each contiguous
+        as it writes it, in the writer thread), or with ``copy`` arrays of their own, so the
+        views' whole buffers need not stay alive until the write (the disk tier copies a slice
+        that is a small part of its entry: the next turn of a long conversation)."""
+        cut = (lambda a: np.ascontiguousarray(a[:, :, start:end, :])) if copy else (lambda a: a[:, :, start:end, :])
+        return HostKV([(cut(k), cut(v)) for k, v in host.layers], host.dtype)
+
+    def kv_parts(self, kv):
+        """Plain ``KVCache`` layers holding exactly their tokens (`load_kv`, `from_host`) as
+        ``[(keys, values)]``, the pieces `join` concatenates."""
+        return [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in kv]
 
     def write_host(self, host, path: str) -> str:
         """Write a `to_host` copy to ``path`` as a safetensors file mlx ``load`` reads (the

@@ -14,12 +14,15 @@ SGLang's HiCache (host memory and storage under the GPU's radix cache) and
 Dynamo's KV block manager (G1 device, G2 host, G3 disk), at this cache's
 entry granularity.
 
-The tier holds whole entries (a rule 7 chain is materialised into one file:
-a shared prefix is written once per entry on disk, never shared there), one
-file each (a safetensors file of per-layer keys and values that mlx ``load``
-reads, `KVOps.write_host`; mlx-lm's ``save_prompt_cache`` format for layer
-types that path does not cover), with its own byte budget and
-least-recently-used eviction. Its entries keep their blocks owned in Redis
+Entries are chains of parts, one file each (a safetensors file of per-layer
+keys and values that mlx ``load`` reads, `KVOps.write_host`; one whole file
+in mlx-lm's ``save_prompt_cache`` format for layer types that path does not
+cover), as rule 7 chains segments in memory: an entry that continues a chain
+already here writes only what follows it (an agent's conversation evicted
+turn after turn writes each turn once, not the whole conversation again),
+and a prefix several entries share is held once. Its own byte budget (a part
+counted once) and least-recently-used eviction of entries (deleting the parts
+no other chain uses). Its entries keep their blocks owned in Redis
 (the backend can still serve them, a disk read instead of a prefill), so the
 `PromptCache` tells the listener of every entry that enters or leaves the
 tier, as of the memory entries.
@@ -33,11 +36,12 @@ budget, at most ``max_pending_bytes`` (more waits for the writer; None: all
 I/O in the caller's thread). Reads: the engine pins a request to a disk hit on
 arrival (`read_async`), a reader thread reads the file through the page cache
 (`KVOps.prefetch`), and the engine thread loads it from memory at admission
-(`finish`).
+(`finish`); only the parts holding the prompt's prefix are read.
 
-Across restarts (`checkpoint`, `_adopt`): the manifest (each entry's file,
-metadata and xxh3-128 checksum, least recently used first, and the KV
-settings of `backend.persist.kv_settings`; token ids in ``tokens-N.npz``) is
+Across restarts (`checkpoint`, `_adopt`): the manifest (each part's file,
+token range, parent and xxh3-128 checksum; each entry's last part and
+metadata, least recently used first; the KV settings of
+`backend.persist.kv_settings`; token ids in ``tokens-N.npz``) is
 written at quiet moments and at a clean stop, so a killed backend comes back
 with its tier as of its last quiet moment. The next start adopts the newest
 entries that fit its budget under equal settings (a file is checked against
@@ -72,7 +76,34 @@ log = logging.getLogger("mlxgw.backend")
 #: Tier files: ``tier-<n>.safetensors`` (`KVOps.write_host` or mlx-lm's format; the sim writes JSON).
 _PREFIX, _SUFFIX = "tier-", ".safetensors"
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2  # 2: chains of parts (session 34); 1: one whole file per entry, still adopted
+#: Parts beyond which an entry's chain is not extended: a save continuing it writes a chain of
+#: its own (a read opens one file per part).
+MAX_CHAIN = 32
+
+
+class _Part:
+    """KV of tokens ``[start, end)`` of every tier entry whose chain passes through it, in one
+    file (``path``): a safetensors file of per-layer keys and values (`KVOps.write_host`), or
+    with ``whole`` a whole entry in mlx-lm's format (layer types the host path does not cover;
+    never extended). ``refs``: the entries ending here plus the child parts. ``origin``: the
+    entry whose save wrote it."""
+
+    __slots__ = ("id", "start", "end", "nbytes", "parent", "refs", "path", "whole", "origin")
+
+    def __init__(self, id: int, start: int, end: int, nbytes: int, parent: Optional["_Part"], path: Path,
+                 whole: bool, origin: int = 0):
+        self.id, self.start, self.end, self.nbytes, self.parent = id, start, end, nbytes, parent
+        self.path, self.whole, self.origin = path, whole, origin
+        self.refs = 0
+
+    def chain(self) -> list["_Part"]:
+        """This part and its ancestors, root first."""
+        out, p = [], self
+        while p is not None:
+            out.append(p)
+            p = p.parent
+        return out[::-1]
 
 
 class DiskTier:
@@ -81,23 +112,28 @@ class DiskTier:
     Args:
         directory: where the files go (made 0700: KV decodes to the prompts); files an
             earlier run left there are removed.
-        max_bytes: byte budget of the files' KV (the entries' ``nbytes``), > 0.
-        ops: the cache's `KVOps` (``to_host`` / ``write_host`` / ``from_host`` / ``save_kv`` /
-            ``load_kv`` / ``nbytes``).
-        max_pending_bytes: entries' KV waiting for the writer beyond which an eviction waits
-            for it, bytes (None: no I/O beside the caller: every write and read in its thread).
+        max_bytes: byte budget of the files' KV (each part counted once), > 0.
+        ops: the cache's `KVOps` (``to_host`` / ``host_slice`` / ``write_host`` / ``from_host`` /
+            ``save_kv`` / ``load_kv`` / ``kv_parts`` / ``join`` / ``nbytes``).
+        max_pending_bytes: KV waiting for the writer beyond which an eviction waits for it,
+            bytes (None: no I/O beside the caller: every write and read in its thread).
         settings: the run's KV settings (`backend.persist.kv_settings`): a tier a clean stop
             left under equal settings is adopted, and `close` keeps this one; None: neither.
+        max_chain: most parts of one entry's chain (``--disk-chain-parts``); 1: one whole
+            file per entry, written in full at each spill (session 33's tier; the A/B knob).
 
     Raises:
-        ValueError: ``max_bytes <= 0``.
+        ValueError: ``max_bytes <= 0`` or ``max_chain < 1``.
         OSError: the directory cannot be made or listed.
     """
 
     def __init__(self, directory: Path, max_bytes: int, ops, max_pending_bytes: Optional[int] = None,
-                 settings: Optional[dict] = None):
+                 settings: Optional[dict] = None, max_chain: int = MAX_CHAIN):
         if max_bytes <= 0:
             raise ValueError("the disk tier needs a byte budget > 0")
+        if max_chain < 1:
+            raise ValueError("an entry's chain needs at least one part")
+        self.max_chain = max_chain
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.directory, 0o700)  # the tier's own directory, owner-only even if the user made it
@@ -105,15 +141,17 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.ops = ops
         self.max_pending_bytes = max_pending_bytes
-        self.nbytes = 0
+        self.nbytes = 0  # bytes of all parts (a part several entries share counted once)
         self._entries: dict[int, CacheEntry] = {}
-        self._paths: dict[int, Path] = {}
+        self._tails: dict[int, _Part] = {}  # entry id -> the last part of its chain
+        self._parts: dict[int, _Part] = {}  # part id -> part, every part on disk (or being written)
+        self._part_ids = itertools.count(1)
         self._files = itertools.count(1)
         # Write-behind state, shared with the writer thread under _cond's lock.
         self._cond = threading.Condition()
-        self._pending: dict[int, object] = {}  # entry id -> its KV (`KVOps.to_host`) not yet written
+        self._pending: dict[int, object] = {}  # part id -> its KV (`KVOps.host_slice`) not yet written
         self.pending_bytes = 0
-        self._lost: list[int] = []  # entries whose write failed, for `reap`
+        self._lost: list[tuple[int, int]] = []  # (part id, origin entry id) whose write failed, for `reap`
         self._full: Optional[Exception] = None  # a background write found the disk full, for `reap`
         self._said_full = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -126,17 +164,18 @@ class DiskTier:
         self.read_tokens = 0  # prompt tokens those reads served
         self.evictions = 0  # entries dropped from here by its budget
         self.failures = 0  # writes or reads that failed (the entry was dropped)
+        self.write_bytes = 0  # KV bytes written to files (the SSD's wear; a failed write not counted)
         self.write_waits = 0  # evictions that waited for the writer (max_pending_bytes reached)
-        self._sums: dict[int, str] = {}  # entry id -> its file's xxh3-128
-        self._adopted: set[int] = set()  # entries of an earlier run: checked when read back
+        self._sums: dict[int, str] = {}  # part id -> its file's xxh3-128
+        self._adopted: set[int] = set()  # parts of an earlier run: checked when read back
         # Across restarts (`checkpoint`, `_adopt`).
-        self._synced: set[int] = set()  # entries whose file was flushed for a manifest
+        self._synced: set[int] = set()  # parts whose file was flushed for a manifest
         self._version = 0  # bumped by every change of the entries on disk
         self._checkpointed = 0  # `_version` the manifest on disk describes
         self._tokens_file = ""  # the token file the manifest on disk names
         self._foreign: Optional[str] = None  # why a tier an earlier run kept is not used (it stays till a write)
         self._stale: list[Path] = []  # files of that tier, or of entries this run's budget left out
-        self._left: list[dict] = []  # manifest records of those left-out entries (still named by ours)
+        self._left: dict = {"parts": [], "entries": []}  # manifest records of those left-out entries
         self.adopted = self._adopt()  # (entries, tokens, bytes, what was left and why) or None
 
     def __len__(self) -> int:
@@ -148,8 +187,12 @@ class DiskTier:
     def get(self, entry_id: int) -> Optional[CacheEntry]:
         return self._entries.get(entry_id)
 
+    def parts(self, entry: CacheEntry) -> list[tuple[int, int, str]]:
+        """``entry``'s chain as ``(start, end, file name)`` per part, root first."""
+        return [(p.start, p.end, p.path.name) for p in self._tails[entry.id].chain()]
+
     def drop(self, entry: CacheEntry) -> None:
-        """Remove ``entry`` (its file deleted); the caller tells the listener."""
+        """Remove ``entry`` (the parts no other entry uses deleted); the caller tells the listener."""
         self._drop(entry)
 
     def best_match(self, prompt: np.ndarray) -> tuple[Optional[CacheEntry], int]:
@@ -163,124 +206,211 @@ class DiskTier:
                 best, best_n = e, n
         return best, best_n
 
-    def put(self, entry: CacheEntry, kv) -> tuple[Optional[CacheEntry], list[CacheEntry]]:
+    def put(self, entry: CacheEntry, kv, cuts=(), min_share: int = 1) -> tuple[Optional[CacheEntry], list[CacheEntry]]:
         """Write ``kv`` (holding exactly ``entry.tokens``; a whole KV, not a segment chain) as a
-        new tier entry with ``entry``'s metadata and recency: queued for the writer thread
+        tier entry with ``entry``'s metadata and recency: queued for the writer thread
         (write-behind), or written now.
 
-        Returns ``(the tier entry or None, the tier entries evicted to make room)``; None when
+        Only what the tier does not hold is written: the entry's chain starts with the
+        longest chain of parts already here that its tokens continue (at least ``min_share``
+        tokens, ending at a part's end), and the rest goes into new parts cut at ``cuts``
+        (token positions: the memory chain's segment starts and the end of the prompt, where
+        other prompts may branch off). An agent's conversation evicted turn after turn so
+        writes each turn's new tokens, not the whole conversation again, and conversations
+        sharing a system prompt hold it once. Entries the new one continues (it starts with
+        their whole prompt: the same conversation; or it covers them) leave the tier; their
+        parts stay where the new chain uses them.
+
+        Returns ``(the tier entry or None, the tier entries dropped or evicted)``; None when
         the entry exceeds the whole budget or a write made now failed (logged; the entry is
-        then simply gone, as without a tier). The caller tells the listener of both.
+        then simply gone, as without a tier). The caller tells the listener of both, the new
+        entry first.
         """
         nbytes = self.ops.nbytes(kv)
         if nbytes > self.max_bytes:
             return None, []
         self._clear_stale()
-        evicted = []
-        while self._entries and self.nbytes + nbytes > self.max_bytes:
+        t, n = entry.tokens, len(entry)
+        common = {e.id: common_prefix(e.tokens, t) for e in self._entries.values()}
+        host = self.ops.to_host(kv)  # None: layers the host path does not cover, one whole file
+        base = self._reusable(common, min_share) if host is not None else None
+        if self.max_chain == 1:
+            cuts = ()
+        b = base.end if base is not None else 0
+        if base is not None:
+            base.refs += 1  # pinned: the drops and evictions below must not free it
+        gone = [e for e in self._entries.values()
+                if (common[e.id] == len(e) and len(e) <= n)
+                or (e.cache_type != "system" and common[e.id] >= e.prompt_tokens)]
+        for e in gone:
+            self._drop(e)
+        if host is None:
+            plan = [(0, n, None, nbytes)]
+        else:
+            bounds = [b, *sorted({int(c) for c in cuts if b < c < n}), n] if b < n else []
+            # Views would keep the whole entry's buffers alive until their write: a slice that is
+            # a small part of it (a long conversation's next turn) is copied, in a buffer its size.
+            small = 4 * (n - b) < n and self.max_pending_bytes is not None
+            plan = []
+            for s, e in zip(bounds, bounds[1:]):
+                piece = self.ops.host_slice(host, s, e, copy=small)
+                plan.append((s, e, piece, self.ops.host_nbytes(piece)))
+        need = sum(x[3] for x in plan)
+        while self._entries and self.nbytes + need > self.max_bytes:
             victim = min(self._entries.values(), key=lambda e: e.last_used)
             self._drop(victim)
             self.evictions += 1
-            evicted.append(victim)
-        path = self.directory / f"{_PREFIX}{next(self._files)}{_SUFFIX}"
-        host = self.ops.to_host(kv) if self.max_pending_bytes is not None else None
-        if host is None:
-            try:
-                self.ops.save_kv(kv, str(path))  # its checksum is taken if it is kept (`_keep`)
-                os.chmod(path, 0o600)
-            except Exception as e:  # OSError (disk full), or mlx's RuntimeError for a failed write
-                _unlink(path)
-                self.failures += 1
-                if getattr(e, "errno", None) == errno.ENOSPC:
-                    self._disk_full(e)
-                log.warning("disk tier: could not write %s (%d tokens, %s): %s; the entry is dropped",
-                            path, len(entry), size_text(nbytes), e)
-                return None, evicted
+            gone.append(victim)
+        if self.nbytes + need > self.max_bytes:  # only the pinned chain is left, and no room beside it
+            self._release(base)
+            return None, gone
+        tail, written = base, []
+        for s, e, piece, size in plan:
+            path = self.directory / f"{_PREFIX}{next(self._files)}{_SUFFIX}"
+            part = _Part(next(self._part_ids), s, e, size, tail, path, whole=host is None, origin=entry.id)
+            if tail is not None:
+                tail.refs += 1
+            self._parts[part.id] = part
+            self.nbytes += size
+            written.append((part, piece))
+            tail = part
+        if base is not None and tail is not base:
+            self._release(base)  # its new child holds it now
+        if tail is not base:
+            tail.refs += 1  # the entry's reference (a chain reused whole keeps the pin as that)
+        if self.max_pending_bytes is None or host is None:
+            for part, piece in written:
+                try:
+                    if piece is None:  # mlx-lm's format; its checksum is taken if it is kept (`_write_manifest`)
+                        self.ops.save_kv(kv, str(part.path))
+                    else:
+                        self._sums[part.id] = self.ops.write_host(piece, str(part.path))
+                    os.chmod(part.path, 0o600)
+                    self.write_bytes += part.nbytes
+                except Exception as err:  # OSError (disk full), or mlx's RuntimeError for a failed write
+                    self._release(tail)
+                    self.failures += 1
+                    if getattr(err, "errno", None) == errno.ENOSPC:
+                        self._disk_full(err)
+                    log.warning("disk tier: could not write %s (%d tokens, %s): %s; the entry is dropped",
+                                part.path, len(entry), size_text(part.nbytes), err)
+                    return None, gone
         d = CacheEntry(
-            tokens=entry.tokens, kv=None, nbytes=nbytes, cache_type=entry.cache_type, trimmable=True,
-            id=entry.id, last_used=entry.last_used, used_at=entry.used_at, hits=entry.hits,
+            tokens=t, kv=None, nbytes=sum(p.nbytes for p in tail.chain()), cache_type=entry.cache_type,
+            trimmable=True, id=entry.id, last_used=entry.last_used, used_at=entry.used_at, hits=entry.hits,
             prompt_tokens=entry.prompt_tokens, on_disk=True,
         )
         self._entries[d.id] = d
-        self._paths[d.id] = path
-        self.nbytes += nbytes
+        self._tails[d.id] = tail
         self.spills += 1
         self._version += 1
-        if host is not None:
-            self._write_behind(d.id, path, host)
-        return d, evicted
+        if self.max_pending_bytes is not None and host is not None:
+            for part, piece in written:
+                self._write_behind(part, piece)
+        return d, gone
+
+    def _reusable(self, common: dict[int, int], min_share: int) -> Optional[_Part]:
+        """The deepest part of a held chain that a new entry's tokens continue (``common``: entry
+        id -> common prefix with them): its end is at least ``min_share`` tokens; None if none.
+        Chains of ``max_chain`` parts are not extended (a read opens a file per part)."""
+        best = None
+        for e in self._entries.values():
+            c = common[e.id]
+            if c < min_share or (best is not None and c <= best.end):
+                continue
+            chain = self._tails[e.id].chain()
+            if len(chain) >= self.max_chain:
+                continue
+            for p in reversed(chain):
+                if p.end <= c:
+                    if not p.whole and p.end >= min_share and (best is None or p.end > best.end):
+                        best = p
+                    break
+        return best
 
     def read(self, entry: CacheEntry, n: int, clock: int) -> tuple[object, Optional[CacheEntry]]:
-        """Read ``entry``'s KV now, in the caller's thread, for a prompt reusing its first ``n``
-        tokens: from its queued arrays when its write has not ended, else from its file (an
-        entry adopted from an earlier run is checked against its checksum first). The entry
-        stays, its recency set to ``clock`` (the memory cache's clock). Returns what `finish`
-        does."""
+        """Read ``entry``'s first ``n`` tokens of KV now, in the caller's thread: each part from
+        its queued arrays when its write has not ended, else from its file (an entry adopted
+        from an earlier run is checked against its checksum first); only the parts holding
+        those tokens. The entry stays, its recency set to ``clock`` (the memory cache's clock).
+        Returns what `finish` does."""
         entry.last_used, entry.used_at = clock, time.time()
         job = self._job(entry, n)
-        with self._cond:
-            job.host = self._pending.get(entry.id)
-        if job.host is None and job.checksum is not None:
-            self._prefetch(job)
+        self._prefetch(job, checked_only=True)
         job.done.set()
-        return self.finish(job, prefetched=job.checksum is not None)
+        return self.finish(job)
 
     def read_async(self, entry: CacheEntry, n: int, clock: int) -> Optional["DiskRead"]:
-        """Start reading ``entry`` for a prompt reusing its first ``n`` tokens: the reader
-        thread reads its file from the disk into the page cache (`KVOps.prefetch`, no MLX
-        call there; an adopted entry's checksum checked) and `finish` loads it in the engine
-        thread from memory. None when its arrays are still queued for the writer (`read`
-        takes them at once), and without ``max_pending_bytes`` (all I/O in the caller's
+        """Start reading ``entry``'s first ``n`` tokens of KV: the reader thread reads the files
+        of the parts holding them from the disk into the page cache (`KVOps.prefetch`, no MLX
+        call there; an adopted part's checksum checked) and `finish` loads them in the engine
+        thread from memory. None when they are all still queued for the writer (`read` takes
+        those arrays at once), and without ``max_pending_bytes`` (all I/O in the caller's
         thread). The entry's recency is set to ``clock`` now."""
-        with self._cond:
-            if entry.id in self._pending or self.max_pending_bytes is None:
-                return None
+        if self.max_pending_bytes is None:
+            return None
+        job = self._job(entry, n)
+        if all(h is not None for h in job.hosts):
+            return None
         if self._reader is None:
             self._reader = threading.Thread(target=self._read_loop, name="disk-tier-reader", daemon=True)
             self._reader.start()
         entry.last_used, entry.used_at = clock, time.time()
-        job = self._job(entry, n)
         self._reads.put(job)
         return job
 
-    def finish(self, job: "DiskRead", prefetched: bool = True) -> tuple[object, Optional[CacheEntry]]:
-        """``(KV, None)`` for a read (`read`, or `read_async`'s, waited for if need be), or
-        ``(None, the entry dropped)`` when it failed (logged; the caller tells the listener;
-        None when the entry had left the tier already). Engine thread. ``prefetched``: the
-        file was just read through the page cache."""
+    def finish(self, job: "DiskRead") -> tuple[object, Optional[CacheEntry]]:
+        """``(KV holding the read's n tokens, None)`` for a read (`read`, or `read_async`'s,
+        waited for if need be), or ``(None, the entry dropped)`` when it failed (logged; the
+        caller tells the listener; None when the entry had left the tier already). Engine
+        thread."""
         job.done.wait()
         e = job.entry
         kv, err = None, job.error
         if err is None:
-            try:  # queued arrays, or the file (from the page cache the reader filled, if it did)
-                kv = self.ops.from_host(job.host) if job.host is not None else \
-                    self.ops.load_kv(str(job.path), prefetched=prefetched)
+            try:  # queued arrays, or the files (from the page cache the reader filled, if it did)
+                pieces = [self.ops.from_host(h) if h is not None else self.ops.load_kv(str(p.path), prefetched=f)
+                          for p, h, f in zip(job.parts, job.hosts, job.fetched)]
+                if len(pieces) == 1:
+                    kv = pieces[0]
+                    self.ops.trim(kv, job.parts[0].end - job.n)
+                else:  # one KV of the chain's tokens, as rule 7's segments are joined in memory
+                    kv = self.ops.join([(self.ops.kv_parts(x), min(p.end, job.n) - p.start)
+                                        for x, p in zip(pieces, job.parts)], job.n)
             except Exception as x:
                 err = x
         if err is None:
-            self._adopted.discard(e.id)  # checked once
+            self._adopted.difference_update(p.id for p in job.parts)  # checked once
             e.hits += 1
             self.reads += 1
             self.read_tokens += job.n
             return kv, None
         self.failures += 1
         log.warning("disk tier: could not read %s (%d tokens): %s; the prompt is prefilled instead",
-                    job.path, len(e), err)
+                    ", ".join(p.path.name for p in job.parts), len(e), err)
         if e.id in self._entries and self._entries[e.id] is e:
             self._drop(e)
             return None, e
         return None, None
 
     def _job(self, entry: CacheEntry, n: int) -> "DiskRead":
-        return DiskRead(entry, n, self._paths[entry.id], self._sums.get(entry.id) if entry.id in self._adopted else None)
+        parts = [p for p in self._tails[entry.id].chain() if p.start < n]
+        with self._cond:
+            hosts = [self._pending.get(p.id) for p in parts]
+        return DiskRead(entry, n, parts, hosts, [self._sums.get(p.id) if p.id in self._adopted else None for p in parts])
 
-    def _prefetch(self, job: "DiskRead") -> None:
-        """Read ``job``'s file through the page cache and check an adopted entry's checksum
-        (the reader thread's step; `read` runs it inline). Errors go in ``job.error``."""
+    def _prefetch(self, job: "DiskRead", checked_only: bool = False) -> None:
+        """Read ``job``'s files through the page cache (with ``checked_only``, only those with a
+        checksum to check) and check adopted parts' checksums (the reader thread's step; `read`
+        runs it inline). Errors go in ``job.error``."""
         try:
-            digest = self.ops.prefetch(str(job.path))
-            if job.checksum is not None and digest != job.checksum:
-                raise ValueError("damaged: its checksum differs from the one saved at the last stop")
+            for i, (p, host, checksum) in enumerate(zip(job.parts, job.hosts, job.checksums)):
+                if host is not None or (checked_only and checksum is None):
+                    continue
+                digest = self.ops.prefetch(str(p.path))
+                job.fetched[i] = True
+                if checksum is not None and digest != checksum:
+                    raise ValueError(f"{p.path.name} is damaged: its checksum differs from the one saved at the last stop")
         except Exception as e:  # OSError: removed meanwhile, unreadable
             job.error = e
 
@@ -293,25 +423,18 @@ class DiskTier:
             job.done.set()
 
     def reap(self) -> list[CacheEntry]:
-        """Remove the entries whose background write failed; returns them for the listener."""
+        """Remove the entries whose chain has a part whose background write failed; returns
+        them for the listener."""
         with self._cond:
-            ids, self._lost = self._lost, []
+            lost, self._lost = self._lost, []
             full, self._full = self._full, None
-        out = [self._entries[i] for i in ids if i in self._entries]
+        ids = {i for i, _ in lost}
+        out = [e for e in self._entries.values() if any(p.id in ids for p in self._tails[e.id].chain())]
         for e in out:
             self._drop(e)
-        self.spills -= len(ids)  # counted when queued; never on disk (helper-55)
+        self.spills -= len({origin for _, origin in lost})  # counted when queued; never on disk (helper-55)
         if full is not None:  # after the drops: the budget comes down to what is really on disk
             self._disk_full(full)
-        return out
-
-    def drop_covered(self, tokens: np.ndarray) -> list[CacheEntry]:
-        """Remove the tier entries whose tokens are a prefix of ``tokens`` (a memory entry just
-        saved serves them, faster); returns them for the listener."""
-        out = [e for e in self._entries.values()
-               if len(e) <= len(tokens) and common_prefix(e.tokens, tokens) == len(e)]
-        for e in out:
-            self._drop(e)
         return out
 
     def clear(self) -> list[CacheEntry]:
@@ -395,30 +518,42 @@ class DiskTier:
         so a kill at any point leaves the previous manifest or this one, each whole."""
         from . import persist
 
-        # Written entries only: one still queued (or whose write failed) has no whole file yet.
+        # Written parts only: one still queued (or whose write failed) has no whole file yet.
         with self._cond:
-            skip = set(self._lost) | set(self._pending)
-        order = sorted((e for e in self._entries.values() if e.id not in skip), key=lambda e: e.last_used)
-        for e in order:  # the manifest must not outlive its files
-            if e.id in self._synced:
+            skip = {i for i, _ in self._lost} | set(self._pending)
+        order, parts = [], {}
+        for e in sorted(self._entries.values(), key=lambda e: e.last_used):
+            chain = self._tails[e.id].chain()
+            if any(p.id in skip for p in chain):
                 continue
-            if e.id in self._sums:  # written behind: its checksum was taken as it was written
-                _fsync(self._paths[e.id])
-            else:  # written in the engine thread (mlx-lm's format): read it once now
-                self._sums[e.id] = persist._seal(self._paths[e.id])
-            self._synced.add(e.id)
-        records = [*self._left,  # an earlier run's entries this run's budget left out, still on disk
-                   *({"file": self._paths[e.id].name, "tokens": len(e), "nbytes": e.nbytes, "cache_type": e.cache_type,
-                      "prompt_tokens": e.prompt_tokens, "hits": e.hits, "used_at": e.used_at,
-                      "checksum": self._sums[e.id], "ids": e.tokens} for e in order)]
+            order.append(e)
+            for p in chain:  # parents before children
+                parts.setdefault(p.id, p)
+        for p in parts.values():  # the manifest must not outlive its files
+            if p.id in self._synced:
+                continue
+            if p.id in self._sums:  # written with `write_host`: its checksum was taken as it was written
+                _fsync(p.path)
+            else:  # written in mlx-lm's format: read it once now
+                self._sums[p.id] = persist._seal(p.path)
+            self._synced.add(p.id)
+        names = {p.path.name for p in parts.values()}
+        part_records = [*(r for r in self._left["parts"] if r["file"] not in names),  # left out by this run's budget
+                        *({"file": p.path.name, "start": p.start, "end": p.end, "nbytes": p.nbytes,
+                           "parent": p.parent.path.name if p.parent is not None else None, "whole": p.whole,
+                           "checksum": self._sums[p.id]} for p in parts.values())]
+        records = [*self._left["entries"],  # an earlier run's entries this run's budget left out, still on disk
+                   *({"part": self._tails[e.id].path.name, "tokens": len(e), "nbytes": e.nbytes,
+                      "cache_type": e.cache_type, "prompt_tokens": e.prompt_tokens, "hits": e.hits,
+                      "used_at": e.used_at, "ids": e.tokens} for e in order)]
         name = f"tokens-{next(self._files)}.npz"
         tmp = self.directory / (MANIFEST + ".tmp")
         try:
-            np.savez(self.directory / name, **{r["file"]: r["ids"] for r in records})
+            np.savez(self.directory / name, **{r["part"]: r["ids"] for r in records})
             manifest = {
                 "format": FORMAT, "fingerprint": persist.fingerprint(self.settings), "settings": self.settings,
                 "saved_at": time.time(), "tokens_file": name, "tokens_checksum": persist._seal(self.directory / name),
-                "entries": [{k: v for k, v in r.items() if k != "ids"} for r in records],
+                "parts": part_records, "entries": [{k: v for k, v in r.items() if k != "ids"} for r in records],
             }
             tmp.write_text(json.dumps(manifest))
             persist._seal(tmp)
@@ -435,11 +570,12 @@ class DiskTier:
     def _adopt(self) -> Optional[tuple]:
         """At start, what an earlier run left in the directory (`checkpoint`):
 
-        * a manifest under this run's settings: the newest entries that fit the budget are
-          adopted, in least recently used order (ids below 0, apart from the memory cache's);
-          those the budget leaves out stay on disk, and in the manifest, until this run writes
-          its first entry; files the manifest does not name (written after the last
-          checkpoint of a run that was killed) are removed;
+        * a manifest under this run's settings: the newest entries whose chains fit the budget
+          are adopted, in least recently used order (ids below 0, apart from the memory
+          cache's); those the budget leaves out stay on disk, and in the manifest, until this
+          run writes its first entry; files the manifest does not name (written after the
+          last checkpoint of a run that was killed) are removed. A format 1 manifest (one
+          whole file per entry, before parts) is read as chains of one part;
         * a manifest under other settings (or unreadable): nothing is adopted and nothing
           removed until this run writes its first entry, as `backend.persist` keeps a save
           under other settings until the run saves its own;
@@ -458,7 +594,7 @@ class DiskTier:
                 tokens_file = self.directory / manifest.get("tokens_file", "tokens.npz")
                 if self.settings is None:
                     note, manifest = "this run keeps no tier (no KV settings)", None
-                elif manifest.get("format") != FORMAT:
+                elif manifest.get("format") not in (1, FORMAT):
                     note, manifest = f"format {manifest.get('format')}, not {FORMAT}", None
                 elif manifest.get("fingerprint") != persist.fingerprint(self.settings):
                     note = "kept under other settings: " + persist._differences(manifest.get("settings") or {},
@@ -466,13 +602,15 @@ class DiskTier:
                     manifest = None
                 elif persist._digest(tokens_file) != manifest.get("tokens_checksum"):
                     note, manifest = f"{tokens_file.name} is damaged", None
-        except (OSError, ValueError, KeyError) as e:
+                else:
+                    part_recs, entry_recs = _records(manifest)
+        except (OSError, ValueError, KeyError, TypeError) as e:
             note, manifest = f"unreadable manifest: {e}", None
         if manifest is None:
             if mpath.exists():  # kept by a clean stop, for other settings: left as it is for now
                 self._foreign = note
                 self._stale = [*files.values(), mpath, *self.directory.glob("tokens*.npz")]
-                log.warning("disk tier: the %d entries kept in %s are not used (%s); they stay until this run "
+                log.warning("disk tier: the %d files kept in %s are not used (%s); they stay until this run "
                             "writes its own entries", len(files), self.directory, note)
             else:
                 for f in [*files.values(), *self.directory.glob("tokens*.npz")]:
@@ -482,51 +620,75 @@ class DiskTier:
                                 "it kept them)", len(files), self.directory)
             return None
         self._tokens_file = tokens_file.name
-        room, keep, left = self.max_bytes, {}, []
-        for m in reversed(manifest["entries"]):  # newest first
-            if m["file"] not in files:
+
+        def chain(name):  # a part's chain of records, root first; None if a file or record is missing
+            out = []
+            while name is not None:
+                r = part_recs.get(name)
+                if r is None or name not in files:
+                    return None
+                out.append(r)
+                name = r["parent"]
+            return out[::-1]
+
+        room, keep, kept_parts, left = self.max_bytes, [], {}, []
+        for m in reversed(entry_recs):  # newest first
+            ch = chain(m["part"])
+            if ch is None:
                 continue  # removed after that manifest was written
-            if m["nbytes"] <= room:
-                keep[m["file"]] = m
-                room -= m["nbytes"]
+            add = sum(r["nbytes"] for r in ch if r["file"] not in kept_parts)
+            if add <= room:
+                keep.append(m)
+                kept_parts.update((r["file"], r) for r in ch)
+                room -= add
             else:
-                left.append(m)
+                left.append((m, ch))
         try:
             with np.load(tokens_file) as z:
-                ids = {m["file"]: np.asarray(z[m["file"]], dtype=np.int32) for m in [*keep.values(), *left]}
+                ids = {m["part"]: np.asarray(z[m["part"]], dtype=np.int32) for m in [*keep, *(m for m, _ in left)]}
         except (OSError, ValueError, KeyError) as e:
             log.warning("disk tier: the entries kept in %s are not used (unreadable %s: %s); they stay until this "
                         "run writes its own entries", self.directory, tokens_file.name, e)
             self._foreign, self._stale = str(e), [*files.values(), mpath, tokens_file]
             return None
+        left_parts = {r["file"]: r for _, ch in left for r in ch}
         for name, f in files.items():
-            if name not in keep and all(m["file"] != name for m in left):
+            if name not in kept_parts and name not in left_parts:
                 _unlink(f)
         for f in self.directory.glob("tokens*.npz"):  # a checkpoint's, cut short before its rename
             if f.name != tokens_file.name:
                 _unlink(f)
-        self._left = [{**m, "ids": ids[m["file"]]} for m in reversed(left)]  # least recently used first
-        self._stale = [self.directory / m["file"] for m in left]
+        self._left = {"parts": list(left_parts.values()),
+                      "entries": [{**m, "ids": ids[m["part"]]} for m, _ in reversed(left)]}  # least recently used first
+        self._stale = [self.directory / n for n in left_parts if n not in kept_parts]
+        made: dict[str, _Part] = {}
+        for name, r in sorted(kept_parts.items(), key=lambda kv: kv[1]["start"]):  # parents first
+            parent = made[r["parent"]] if r["parent"] is not None else None
+            p = _Part(next(self._part_ids), int(r["start"]), int(r["end"]), int(r["nbytes"]), parent,
+                      self.directory / name, whole=bool(r["whole"]))
+            if parent is not None:
+                parent.refs += 1
+            made[name] = p
+            self._parts[p.id] = p
+            self._sums[p.id] = r["checksum"]
+            self._adopted.add(p.id)
+            self._synced.add(p.id)
+            self.nbytes += p.nbytes
         new_ids = itertools.count(-1, -1)
-        for m in manifest["entries"]:  # least recently used first: the LRU order survives
-            if m["file"] not in keep:
-                continue
-            e = CacheEntry(tokens=ids[m["file"]], kv=None, nbytes=int(m["nbytes"]), cache_type=m["cache_type"],
-                           trimmable=True, id=next(new_ids), last_used=-len(keep) + len(self._entries),
-                           used_at=float(m["used_at"]), hits=int(m["hits"]), prompt_tokens=int(m["prompt_tokens"]),
-                           on_disk=True)
+        for i, m in enumerate(reversed(keep)):  # least recently used first: the LRU order survives
+            tail = made[m["part"]]
+            e = CacheEntry(tokens=ids[m["part"]], kv=None, nbytes=int(m["nbytes"]), cache_type=m["cache_type"],
+                           trimmable=True, id=next(new_ids), last_used=-len(keep) + i, used_at=float(m["used_at"]),
+                           hits=int(m["hits"]), prompt_tokens=int(m["prompt_tokens"]), on_disk=True)
+            tail.refs += 1
             self._entries[e.id] = e
-            self._paths[e.id] = self.directory / m["file"]
-            self._sums[e.id] = m["checksum"]
-            self._adopted.add(e.id)
-            self._synced.add(e.id)
-            self.nbytes += e.nbytes
+            self._tails[e.id] = tail
         self._checkpointed = self._version  # the manifest on disk names exactly these (and the left ones)
         out = (len(self._entries), sum(len(e) for e in self._entries.values()), self.nbytes,
                f"{len(left)} left out by this run's budget (kept on disk until this run writes its own entries)"
                if left else "")
-        log.info("disk tier: %d entries (%s tokens, %s of KV) adopted from %s, kept %s ago%s",
-                 out[0], f"{out[1]:,}", size_text(out[2]), self.directory,
+        log.info("disk tier: %d entries (%s tokens, %s of KV in %d files) adopted from %s, kept %s ago%s",
+                 out[0], f"{out[1]:,}", size_text(out[2]), len(made), self.directory,
                  _age(time.time() - float(manifest.get("saved_at", 0))), f"; {out[3]}" if out[3] else "")
         return out
 
@@ -538,29 +700,29 @@ class DiskTier:
         n = sum(1 for f in self._stale if f.name.startswith(_PREFIX) and f.exists())
         for f in self._stale:
             _unlink(f)
-        log.warning("disk tier: removed %d entries an earlier run kept in %s (%s) to make room for this run's",
+        log.warning("disk tier: removed %d files an earlier run kept in %s (%s) to make room for this run's",
                     n, self.directory, self._foreign or "left out by this run's budget")
-        self._stale, self._left, self._foreign = [], [], None
+        self._stale, self._left, self._foreign = [], {"parts": [], "entries": []}, None
         self._version += 1  # the manifest must stop naming them
 
     # -- write-behind --------------------------------------------------------
-    def _write_behind(self, entry_id: int, path: Path, host) -> None:
-        """Queue ``host`` for the writer; wait while the copies queued exceed ``max_pending_bytes``
-        (one larger than that alone waits for its own write)."""
+    def _write_behind(self, part: _Part, host) -> None:
+        """Queue ``host`` (``part``'s KV) for the writer; wait while the copies queued exceed
+        ``max_pending_bytes`` (one larger than that alone waits for its own write)."""
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="disk-tier-writer", daemon=True)
             self._writer.start()
         with self._cond:
-            self._pending[entry_id] = host
+            self._pending[part.id] = host
             self.pending_bytes += self.ops.host_nbytes(host)
-            self._queue.put((entry_id, path))
+            self._queue.put((part.id, part.origin, part.path))
             if self.pending_bytes > self.max_pending_bytes:
                 self.write_waits += 1
                 self._cond.wait_for(lambda: self.pending_bytes <= self.max_pending_bytes or not self._pending)
 
-    def _unqueue(self, entry_id: int):
-        """Take ``entry_id``'s host copy out of the queue (caller holds the lock); None if written."""
-        host = self._pending.pop(entry_id, None)
+    def _unqueue(self, part_id: int):
+        """Take ``part_id``'s host copy out of the queue (caller holds the lock); None if written."""
+        host = self._pending.pop(part_id, None)
         if host is not None:
             self.pending_bytes -= self.ops.host_nbytes(host)
             self._cond.notify_all()
@@ -571,10 +733,10 @@ class DiskTier:
             item = self._queue.get()
             if item is None:
                 return
-            entry_id, path = item
+            part_id, origin, path = item
             with self._cond:
-                host = self._pending.get(entry_id)
-            if host is None:  # taken or dropped before its turn
+                host = self._pending.get(part_id)
+            if host is None:  # dropped before its turn
                 continue
             err = None
             try:
@@ -584,15 +746,16 @@ class DiskTier:
             except Exception as e:  # OSError: disk full, directory gone, ...
                 err = e
             with self._cond:
-                if self._unqueue(entry_id) is None:
-                    _unlink(path)  # taken or dropped while it was written
+                if self._unqueue(part_id) is None:
+                    _unlink(path)  # dropped while it was written
                 elif err is None:
-                    self._sums[entry_id] = digest
-                    self._synced.add(entry_id)
+                    self.write_bytes += self.ops.host_nbytes(host)
+                    self._sums[part_id] = digest
+                    self._synced.add(part_id)
                     self._version += 1  # a whole file now: the next checkpoint names it
                 else:
                     _unlink(path)
-                    self._lost.append(entry_id)
+                    self._lost.append((part_id, origin))
                     self.failures += 1
                     if getattr(err, "errno", None) == errno.ENOSPC:
                         self._full = err
@@ -615,27 +778,52 @@ class DiskTier:
 
     def _drop(self, e: CacheEntry) -> None:
         self._entries.pop(e.id)
-        self._adopted.discard(e.id)
-        self._synced.discard(e.id)
         self._version += 1
-        self.nbytes -= e.nbytes
-        with self._cond:
-            self._unqueue(e.id)  # a write under way finds it gone and removes its file
-            self._sums.pop(e.id, None)
-        _unlink(self._paths.pop(e.id))
+        self._release(self._tails.pop(e.id))
+
+    def _release(self, part: Optional[_Part]) -> None:
+        """Drop one reference to ``part``; delete it, and so on up its chain, when none is left."""
+        while part is not None:
+            part.refs -= 1
+            if part.refs > 0:
+                return
+            self._parts.pop(part.id, None)
+            self.nbytes -= part.nbytes
+            self._adopted.discard(part.id)
+            self._synced.discard(part.id)
+            self._version += 1
+            with self._cond:
+                self._unqueue(part.id)  # a write under way finds it gone and removes its file
+                self._sums.pop(part.id, None)
+            _unlink(part.path)
+            part = part.parent
 
 
 class DiskRead:
-    """A disk-tier read (`DiskTier.read_async`, `DiskTier.read`): ``done`` is set once the file
-    was read through the page cache (or ``host`` holds the entry's queued arrays), or ``error``
-    says why it could not be."""
+    """A disk-tier read (`DiskTier.read_async`, `DiskTier.read`) of an entry's first ``n``
+    tokens: ``parts`` holds them (root first), ``hosts`` the queued arrays of those whose write
+    had not ended (else None), ``checksums`` those to check (adopted parts), ``fetched`` those
+    read through the page cache already. ``done`` is set once the files were read, or
+    ``error`` says why they could not be."""
 
-    __slots__ = ("entry", "n", "path", "checksum", "host", "error", "done")
+    __slots__ = ("entry", "n", "parts", "hosts", "checksums", "fetched", "error", "done")
 
-    def __init__(self, entry: CacheEntry, n: int, path: Path, checksum: Optional[str]):
-        self.entry, self.n, self.path, self.checksum = entry, n, path, checksum
-        self.host, self.error = None, None
+    def __init__(self, entry: CacheEntry, n: int, parts: list, hosts: list, checksums: list):
+        self.entry, self.n, self.parts, self.hosts, self.checksums = entry, n, parts, hosts, checksums
+        self.fetched = [False] * len(parts)
+        self.error = None
         self.done = threading.Event()
+
+
+def _records(manifest: dict) -> tuple[dict, list]:
+    """A manifest's parts (file name -> record) and entries (least recently used first). A
+    format 1 manifest (session 33: one whole file per entry) gives one part per entry."""
+    if manifest.get("format") == 1:
+        parts = {m["file"]: {"file": m["file"], "start": 0, "end": int(m["tokens"]), "nbytes": int(m["nbytes"]),
+                             "parent": None, "whole": True, "checksum": m["checksum"]} for m in manifest["entries"]}
+        return parts, [{**{k: v for k, v in m.items() if k not in ("file", "checksum")}, "part": m["file"]}
+                       for m in manifest["entries"]]
+    return {r["file"]: r for r in manifest["parts"]}, list(manifest["entries"])
 
 
 def _number(name: str) -> int:

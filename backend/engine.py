@@ -56,7 +56,7 @@ log = logging.getLogger("mlxgw.backend.engine")
 
 #: The disk tier's figures in stats, the registry record and /metrics (docs/redis-schema.md).
 DISK_FIGURES = ("disk_entries", "disk_bytes", "disk_budget_bytes", "disk_spills", "disk_reads", "disk_read_tokens",
-                "disk_evictions", "disk_failures")
+                "disk_evictions", "disk_failures", "disk_write_bytes")
 
 #: Least seconds between two checkpoints of the disk tier's manifest at quiet moments.
 DISK_CHECKPOINT_SECONDS = 5.0
@@ -362,7 +362,7 @@ class MLXEngine(Engine):
             return dict.fromkeys(DISK_FIGURES, 0)
         return {"disk_entries": len(d), "disk_bytes": d.nbytes, "disk_budget_bytes": d.max_bytes,
                 "disk_spills": d.spills, "disk_reads": d.reads, "disk_read_tokens": d.read_tokens,
-                "disk_evictions": d.evictions, "disk_failures": d.failures}
+                "disk_evictions": d.evictions, "disk_failures": d.failures, "disk_write_bytes": d.write_bytes}
 
     def stats(self) -> dict:
         return {

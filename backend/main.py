@@ -23,7 +23,7 @@ from mlxgw.util import is_loopback, parse_bytes, positive_int, redact_url, size_
 
 from . import persist, sim
 from .cache import LAYOUTS, KVOps, PromptCache
-from .disktier import DiskTier
+from .disktier import MAX_CHAIN, DiskTier
 from .engine import DEFAULT_PREFILL_ORDER, PREFILL_ORDERS
 from .metrics import BackendMetrics
 from .report import Reporter
@@ -77,6 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --disk-cache-bytes: KV copies waiting for the disk writer, held outside the memory "
                         "budget, before an eviction waits for it (default: a quarter of --cache-bytes; 0: no disk "
                         "I/O beside the batch: writes and reads in the engine thread, pausing decodes)")
+    p.add_argument("--disk-chain-parts", type=positive_int, default=MAX_CHAIN,
+                   help="with --disk-cache-bytes: most files (parts) one entry's chain on disk may have; an "
+                        "entry that continues a chain on disk writes only its new tokens, up to this many parts "
+                        "(default %(default)s; 1: one whole file per entry, each eviction writing all of it)")
     p.add_argument("--disk-cache-dir", help="with --disk-cache-bytes: where its files go (default: "
                                              "<--cache-dir>/tier); kept at a clean stop for the next start "
                                              "with the same model and settings")
@@ -229,7 +233,8 @@ def disk_tier(args: argparse.Namespace, cache_dir: Optional[Path], ops, settings
             raise ValueError(f"--disk-write-queue-bytes: {e}") from None
         if pending is not None and pending < 0:
             raise ValueError("--disk-write-queue-bytes must be >= 0")
-    tier = DiskTier(where, budget, ops or KVOps(), max_pending_bytes=pending, settings=settings)
+    tier = DiskTier(where, budget, ops or KVOps(), max_pending_bytes=pending, settings=settings,
+                    max_chain=args.disk_chain_parts)
     free = shutil.disk_usage(where).free
     if free < budget:
         log.warning("the disk tier's budget (%s) exceeds the free space in %s (%s): once the disk is full, new "
@@ -298,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     settings = persist.kv_settings(model_path, **kv_settings(args, timing)) \
         if cache_dir or args.disk_cache_bytes else {}
     try:
-        # The tier holds whole entries in either cache layout: the layout does not decide its files.
+        # The tier's chains are the same in either cache layout: the layout does not decide its files.
         disk = disk_tier(args, cache_dir, sim.SimKVOps(timing) if timing is not None else None,
                          {k: v for k, v in settings.items() if k != "layout"})
     except (ValueError, OSError, RuntimeError) as e:

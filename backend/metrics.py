@@ -172,6 +172,7 @@ class _EvictionCounters:
             ("mlxgw:disk_cache_read_tokens", "disk_read_tokens", "Tokens of those entries: prefill the disk tier saved."),
             ("mlxgw:disk_cache_evictions", "disk_evictions", "Disk-tier entries its own budget evicted."),
             ("mlxgw:disk_cache_failures", "disk_failures", "Disk-tier writes or reads that failed (the entry dropped)."),
+            ("mlxgw:disk_cache_write_bytes", "disk_write_bytes", "KV bytes the disk tier wrote to its files."),
         ):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], s.get(key, 0))

@@ -177,6 +177,12 @@ class SimKVOps(KVOps):
     def host_nbytes(self, host) -> int:
         return host.nbytes
 
+    def host_slice(self, host, start: int, end: int, copy: bool = False):
+        return SimKV(end - start, host.timing)
+
+    def kv_parts(self, kv):
+        return kv
+
     write_host = save_parts
 
     def prefetch(self, path: str) -> str:

@@ -18,7 +18,8 @@ One invocation, for each cache budget, starts fresh simulated backends
   variant of the same suffix when it ran, ``mlxgw-disk`` with ``sglang-disk``), e.g. ``mlxgw-r6='--min-shared-tokens 16'``; in FLAGS,
   ``{backend}`` becomes a name of each backend's own in this run (a disk tier kept at a clean
   stop must not warm the next run's) and ``{ws_bytes}`` the trace's KV working set in
-  bytes (times the backends for the pooled one: all of their disk, as all of their memory), e.g. ``mlxgw-disk='--disk-cache-dir /tmp/tier/{backend} --disk-cache-bytes {ws_bytes}'``,
+  bytes (times the backends for the pooled one: all of their disk, as all of their memory;
+  ``{ws_bytes*0.25}`` a quarter of it), e.g. ``mlxgw-disk='--disk-cache-dir /tmp/tier/{backend} --disk-cache-bytes {ws_bytes}'``,
   cache rule 8's disk tier with room for the whole working set on each backend);
 * ``mlxgw-xG`` / ``sglang-xG``: G gateway (router) processes, the client
   spreading requests over them in turn (ours share one Redis; each sglang
@@ -57,6 +58,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import shlex
 import statistics
 import subprocess
@@ -335,6 +337,11 @@ def _cpu_seconds(proc) -> float:
         return 0.0
 
 
+def _ws_bytes(flag: str, ws_bytes: int) -> str:
+    """``{ws_bytes}`` (or ``{ws_bytes*F}``, F a number) in a backend flag: the working set's bytes (times F)."""
+    return re.sub(r"\{ws_bytes(?:\*([0-9.]+))?\}", lambda m: str(int(ws_bytes * float(m.group(1) or 1))), flag)
+
+
 def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes: int, items, mapper, scale: float,
             speed: float, ws_bytes: int = 0) -> dict:
     """Start backends (+ routers) for one configuration, replay, collect, stop."""
@@ -353,7 +360,7 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
     try:
         run = f"{base}-{time.time_ns()}"
         for i in range(n):
-            st.add_backend(f"b{i}", None, *[f.replace("{backend}", f"{run}-b{i}").replace("{ws_bytes}", str(ws_bytes * mult))
+            st.add_backend(f"b{i}", None, *[_ws_bytes(f.replace("{backend}", f"{run}-b{i}"), ws_bytes * mult)
                                             for f in sim_flags])
         if base.startswith("mlxgw"):
             variants = dict(v.split("=", 1) for v in args.variant)
@@ -416,6 +423,7 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
         # Cache rule 8's disk tier (0 without one): entries read back, and their tokens.
         "disk_reads": sum(h.get("disk_reads", 0) for h in health),
         "disk_read_tokens": sum(h.get("disk_read_tokens", 0) for h in health),
+        "disk_write_bytes": sum(h.get("disk_write_bytes", 0) for h in health),
         # Our gateways' Redis lookups by status over the replay ({} for other routers).
         "lookups": lookups,
         "ttfts": sorted(r["ttft"] for r in ok),
@@ -425,7 +433,7 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
 
 _MEDIAN_KEYS = ("hit_ratio", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "throughput_rps", "wall_s",
                 "load_share_max_mean", "overhead_ms", "router_cpu_ms_per_request", "backend_cpu_s", "evictions",
-                "disk_reads")
+                "disk_reads", "disk_write_bytes")
 _RANGE_KEYS = ("hit_ratio", "ttft_p50", "ttft_p99")
 
 
@@ -617,18 +625,19 @@ def table(res: dict) -> str:
                      f"{b['per_backend_gb'] * res['config']['backends']:.2f} GB in all)\n")
         lines.append("| router | hit ratio | hit/oracle | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | req/s "
                      "| max/mean load | added latency p50 (ms) | router CPU ms/request | budget evictions | disk reads "
-                     "| errors |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+                     "| disk GB written | errors |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in b["runs"]:
             ov = "" if r["overhead_ms"] is None else f"{r['overhead_ms']:.2f}"
             cpu = "" if r.get("router_cpu_ms_per_request") is None else f"{r['router_cpu_ms_per_request']:.2f}"
             ev = "" if r.get("evictions") is None else f"{r['evictions']:.0f}"
             dr = f"{r['disk_reads']:.0f}" if r.get("disk_reads") else ""  # cache rule 8's tier
+            dw = f"{r['disk_write_bytes'] / 1e9:.1f}" if r.get("disk_write_bytes") else ""
             lines.append(
                 f"| {r['router']} | {_spread(r, 'hit_ratio', '{:.3f}')} | {r['hit_ratio'] / res['oracle_ratio']:.3f} | "
                 f"{_spread(r, 'ttft_p50', '{:.0f}', 1000)} / {_spread(r, 'ttft_p99', '{:.0f}', 1000)} | "
                 f"{r['e2e_p50'] * 1000:.0f} / {r['e2e_p99'] * 1000:.0f} | {r['throughput_rps']:.2f} | "
-                f"{r['load_share_max_mean']:.2f} | {ov} | {cpu} | {ev} | {dr} | {r['errors']} |")
+                f"{r['load_share_max_mean']:.2f} | {ov} | {cpu} | {ev} | {dr} | {dw} | {r['errors']} |")
         notes = []
         for name, d in b.get("paired", {}).items():
             sg, pooled = d.get("peers", ["sglang", "pooled"])
@@ -779,7 +788,8 @@ def main(argv=None) -> int:
                           f"router cpu {r['router_cpu_ms_per_request'] or 0:.2f} ms/req "
                           f"backend cpu {r['backend_cpu_s']:.0f} s ({time.time() - t:.0f} s)"
                           + (f" lookups {r['lookups']}" if r["lookups"] else "")
-                          + (f" disk reads {r['disk_reads']}" if r["disk_reads"] else ""), flush=True)
+                          + (f" disk reads {r['disk_reads']} written {r['disk_write_bytes'] / 1e9:.1f} GB"
+                             if r["disk_reads"] or r["disk_write_bytes"] else ""), flush=True)
                     runs.append(r)
                 rounds.append(runs)
             res["budgets"].append({"fraction": frac, "per_backend_gb": per_backend / 2**30,

@@ -7,12 +7,13 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from backend import sim
 from backend.cache import PromptCache
-from backend.disktier import DiskTier
+from backend.disktier import MAX_CHAIN, DiskTier
 from mlxgw.httpget import get_json, post
 from texts import words
 
@@ -45,9 +46,11 @@ class Owners:
 BPT = 10  # sim KV bytes per token
 
 
-def _cache(tmp_path, layout, memory_tokens=700, disk_tokens=10_000, pending=None, timing=None, settings=None, **kw):
+def _cache(tmp_path, layout, memory_tokens=700, disk_tokens=10_000, pending=None, timing=None, settings=None,
+           max_chain=MAX_CHAIN, **kw):
     ops = sim.SimKVOps(timing or sim.SimTiming(kv_bytes_per_token=BPT))
-    disk = DiskTier(tmp_path / "tier", disk_tokens * BPT, ops, max_pending_bytes=pending, settings=settings)
+    disk = DiskTier(tmp_path / "tier", disk_tokens * BPT, ops, max_pending_bytes=pending, settings=settings,
+                    max_chain=max_chain)
     owners = Owners()
     c = PromptCache(max_entries=10, max_bytes=memory_tokens * BPT, layout=layout, share_min_tokens=16,
                     min_hit_tokens=32, listener=owners, ops=ops, disk=disk, **kw)
@@ -84,14 +87,26 @@ def test_an_evicted_entry_goes_to_disk_and_comes_back_on_its_next_turn(tmp_path,
     hit = c.fetch(turn)  # a's next turn: read back from disk, not prefilled
     assert hit.reused == 300 and c.ops.nbytes(hit.kv) == 300 * BPT and c.get(hit.entry_id) is None
     assert (disk.reads, disk.read_tokens, len(c), len(disk)) == (1, 300, 2, 1)  # nothing moved
-    # The turn's own save extends a: it takes a's place, in memory; b (now the least recently
-    # used) goes to disk for its room.
+    # The turn's own save extends a, in memory; a stays on disk (the start of the turn's chain
+    # there later); b (now the least recently used) goes to disk for the turn's room.
     _save(c, turn)
     assert disk.flush(5)
     assert _keys(c.entries()) == sorted([tuple(turn), tuple(d)])
-    assert _keys(disk.entries()) == [tuple(b)] and len(list((tmp_path / "tier").iterdir())) == 1
-    assert set(owners.held) == {tuple(turn), tuple(b), tuple(d)} and owners.gaps == 0
-    assert c.nbytes == 640 * BPT and disk.nbytes == 300 * BPT
+    assert _keys(disk.entries()) == sorted([tuple(a), tuple(b)]) and len(list((tmp_path / "tier").iterdir())) == 2
+    assert set(owners.held) == {tuple(a), tuple(turn), tuple(b), tuple(d)} and owners.gaps == 0
+    assert c.nbytes == 640 * BPT and disk.nbytes == 600 * BPT and disk.write_bytes == 600 * BPT
+    # The turn evicted in turn: only its 40 new tokens are written, in a part after a's; it
+    # replaces a (its tokens start with a's whole prompt).
+    _save(c, _conv(3))
+    _save(c, _conv(4))
+    assert disk.flush(5) and tuple(turn) in _keys(disk.entries()) and tuple(a) not in _keys(disk.entries())
+    (t,) = [e for e in disk.entries() if len(e) == 340]
+    assert [(s, e) for s, e, _ in disk.parts(t)] == [(0, 300), (300, 340)]
+    assert disk.write_bytes == (600 + 40 + 300) * BPT  # a, b, the turn's 40 tokens, d
+    assert set(owners.held) >= {tuple(turn), tuple(b), tuple(d)} and tuple(a) not in owners.held
+    assert owners.gaps == 0
+    hit = c.fetch(turn + [1])  # read back from its two files, all 340 tokens
+    assert hit.reused == 340 and c.ops.nbytes(hit.kv) == 340 * BPT
 
 
 def test_a_prompt_served_as_well_from_memory_reads_nothing(tmp_path):
@@ -110,7 +125,7 @@ def test_a_prompt_served_as_well_from_memory_reads_nothing(tmp_path):
     assert hit.reused == 200 and disk.reads == 0
 
 
-def test_a_save_that_extends_a_disk_entry_replaces_it(tmp_path):
+def test_a_save_that_extends_a_disk_entry_replaces_it_on_disk_writing_only_its_new_tokens(tmp_path):
     c, disk, owners = _cache(tmp_path, "shared")
     a = _conv(0)
     for t in (a, _conv(1), _conv(2)):
@@ -118,9 +133,14 @@ def test_a_save_that_extends_a_disk_entry_replaces_it(tmp_path):
     assert _keys(disk.entries()) == [tuple(a)]
     # a's conversation went on elsewhere (computed again, say); its longer save covers the disk entry.
     _save(c, a + [5] * 100)  # 400 tokens: b, now the least recently used, goes to disk for room
-    assert _keys(disk.entries()) == [tuple(_conv(1))]
-    assert [p.name for p in (tmp_path / "tier").iterdir()] == ["tier-2.safetensors"]
-    assert tuple(a) not in owners.held and tuple(a + [5] * 100) in owners.held
+    assert _keys(disk.entries()) == sorted([tuple(a), tuple(_conv(1))])
+    for k in (3, 4):  # the longer one evicted too: it continues a on disk
+        _save(c, _conv(k))
+    assert _keys(disk.entries()) == sorted([tuple(a + [5] * 100), tuple(_conv(1)), tuple(_conv(2))])
+    long = next(e for e in disk.entries() if len(e) == 400)
+    assert [(s, e, f) for s, e, f in disk.parts(long)] == [(0, 300, "tier-1.safetensors"), (300, 400, "tier-4.safetensors")]
+    assert disk.nbytes == (400 + 300 + 300) * BPT == disk.write_bytes
+    assert tuple(a) not in owners.held and tuple(a + [5] * 100) in owners.held and owners.gaps == 0
 
 
 def test_the_disk_budget_evicts_its_least_recently_used_entry(tmp_path):
@@ -197,12 +217,20 @@ def test_writes_go_behind_the_eviction_and_a_prompt_back_early_takes_the_host_co
     assert time.monotonic() - t0 < 0.08 and disk.pending_bytes == 300 * BPT  # queued, not written
     hit = c.fetch(a + [1])
     assert hit.reused == 300 and disk.reads == 1 and disk.failures == 0 and disk.pending_bytes == 300 * BPT
-    _save(c, a + [1])  # the turn's save covers a: dropped from disk, its write under way or not
+    _save(c, a + [1])  # the turn's save covers a, which stays on disk: b goes there for its room
     assert disk.flush(5) and disk.pending_bytes == 0
-    # b went to disk for the turn's room; a's own file, written or not, is gone.
-    assert _keys(disk.entries()) == [tuple(_conv(1))]
-    assert [p.name for p in (tmp_path / "tier").iterdir()] == ["tier-2.safetensors"]
-    assert set(owners.held) == {tuple(a + [1]), tuple(_conv(1)), tuple(_conv(2))} and owners.gaps == 0
+    assert _keys(disk.entries()) == sorted([tuple(a), tuple(_conv(1))])
+    assert [p.name for p in sorted((tmp_path / "tier").iterdir())] == ["tier-1.safetensors", "tier-2.safetensors"]
+    assert set(owners.held) == {tuple(a), tuple(a + [1]), tuple(_conv(1)), tuple(_conv(2))} and owners.gaps == 0
+    # A part dropped while its write is under way: the writer removes the file it wrote.
+    slow = sim.SimTiming(kv_bytes_per_token=BPT, disk_write_rate=1000 * BPT)  # 300 tokens: 0.3 s
+    c2, disk2, _ = _cache(tmp_path / "2", "whole", memory_tokens=300, pending=10**9, timing=slow)
+    _save(c2, _conv(5))
+    _save(c2, _conv(6))  # conversation 5 to disk, written behind
+    time.sleep(0.05)  # the writer is inside the write
+    (e5,) = disk2.entries()
+    disk2.drop(e5)
+    assert disk2.flush(5) and list((tmp_path / "2" / "tier").iterdir()) == [] and disk2.nbytes == 0
 
 
 def test_an_eviction_waits_for_the_writer_past_max_pending_bytes(tmp_path):
@@ -291,7 +319,7 @@ def test_a_tier_kept_under_other_settings_stays_until_this_run_writes(tmp_path, 
     c, disk, _ = _cache(tmp_path, "shared", settings={**SETTINGS, "engine": "mlx"})
     for k in range(3):  # its first write removes the earlier tier first
         _save(c, _conv(10 + k))
-    assert "removed 3 entries an earlier run kept" in caplog.text
+    assert "removed 3 files an earlier run kept" in caplog.text
     assert [n for n in _names(tmp_path) if n.startswith("tier-")] == ["tier-4.safetensors"]
     assert "manifest.json" not in _names(tmp_path)
     # Tier files and no manifest (a run killed before any checkpoint): removed at start.
@@ -313,7 +341,7 @@ def test_a_smaller_budget_leaves_the_rest_on_disk_until_it_writes(tmp_path, capl
     c.announce_disk()
     for k in range(3):  # a write: the left-out entry goes first
         _save(c, _conv(10 + k))
-    assert disk.flush(5) and "removed 1 entries an earlier run kept" in caplog.text
+    assert disk.flush(5) and "removed 1 files an earlier run kept" in caplog.text
     assert not (tmp_path / "tier" / "tier-1.safetensors").exists()
 
 
@@ -420,8 +448,8 @@ def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stac
     assert "disk MiB / reads" in out.stdout and f"{health['disk_bytes'] / 2**20:.1f} / 1 " in row, out.stdout
     assert "tier=disk" in out.stdout  # a spill's event says where the entry went (helper-54: left out)
     # A clean stop keeps the tier (memory held conversation 0; 1 and 2 are on disk); the
-    # backend restarted, in the other cache layout (the tier's files are whole entries either
-    # way), adopts it and serves both from it, with the right KV.
+    # backend restarted, in the other cache layout (the tier's chains do not depend on it),
+    # adopts it and serves both from it, with the right KV.
     b.stop()
     assert "entries (" in b.log_path.read_text() and "kept in " in b.log_path.read_text()
     assert (tmp_path / "tier" / "manifest.json").exists()
@@ -437,6 +465,60 @@ def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stac
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first[k]["usage"]["prompt_tokens"] - 1
         assert again["choices"][0]["message"]["content"] == first[k]["choices"][0]["message"]["content"]
     assert get_json(b.url + "/health")["disk_reads"] == 2
+
+
+def _turns(url: str, texts: list, answers: list) -> dict:
+    """One chat turn: ``texts`` are the user messages so far, ``answers`` the assistant's."""
+    msgs = []
+    for i, t in enumerate(texts):
+        msgs.append({"role": "user", "content": t})
+        if i < len(answers):
+            msgs.append({"role": "assistant", "content": answers[i]})
+    status, _, raw = post(url + "/v1/chat/completions", {"model": "demo-tiny", "messages": msgs, "max_tokens": 8,
+                                                         "temperature": 0})
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def test_a_real_backend_extends_a_chain_on_disk_turn_after_turn_with_the_right_kv(make_stack, tmp_path):
+    """A real mlx-lm backend with memory for about one conversation: one conversation's turns,
+    each pushed to disk by two others before the next comes, are read back from a chain of
+    files that grows by each turn's new tokens (mlx arrays written by the host path, cut at
+    token positions, joined on the read). Every turn's cached tokens and greedy answer equal a
+    reference backend's that kept everything in memory."""
+    s = make_stack()
+    b = s.add_backend("b0", None, "--cache-bytes", "0.5MB", "--cache-layout", "whole",
+                      "--disk-cache-dir", str(tmp_path / "tier"), "--disk-cache-bytes", "64MB")
+    ref = s.add_backend("ref", None, "--cache-bytes", "256MB")
+    s.wait()
+    texts, answers, other = [], [], 0
+    for turn in range(4):
+        texts.append(words(300 if turn == 0 else 60, seed=200 + turn))
+        got, want = _turns(b.url, texts, answers), _turns(ref.url, texts, answers)
+        assert got["usage"] == want["usage"], turn  # the same tokens reused from disk as from memory
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], turn
+        answers.append(got["choices"][0]["message"]["content"])
+        for _ in range(2):  # two other conversations push this one to disk
+            other += 1
+            _chat(b.url, words(300, seed=900 + other))
+    health = get_json(b.url + "/health")
+    assert health["disk_reads"] >= 3 and health["disk_failures"] == 0, health
+    tier = get_json(b.url + "/internal/cache")["disk"]
+    assert max(len(e["parts"]) for e in tier) >= 4, tier  # this conversation's chain
+    b.stop()
+    m = json.loads((tmp_path / "tier" / "manifest.json").read_text())
+    parent = {p["file"]: p["parent"] for p in m["parts"]}
+
+    def depth(f):
+        return 0 if f is None else 1 + depth(parent[f])
+
+    assert max(depth(e["part"]) for e in m["entries"]) >= 4, m  # prompt parts and answer parts, turn by turn
+    held = sum(p["nbytes"] for p in m["parts"])
+    per_token = held / sum(p["end"] - p["start"] for p in m["parts"])
+    assert held == health["disk_bytes"]
+    # Written beyond what is held: only the answers' tails the next turns re-rendered otherwise
+    # (whole files rewrote the conversation every turn: over 1,000 tokens more here).
+    assert health["disk_write_bytes"] - held <= 100 * per_token, (health, per_token)
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -513,22 +595,30 @@ def test_a_killed_backend_comes_back_with_its_tier_as_of_the_last_quiet_moment(m
     assert again["choices"][0]["message"]["content"] == first[0]["choices"][0]["message"]["content"]
 
 
-def test_a_good_hit_replaces_the_disk_entry_it_reused(tmp_path):
-    """Rule 3 on disk: a turn that reused a disk entry's whole prompt replaces it, even when its
-    prompt re-renders the generated tail differently (helper-53: copies piled up on disk)."""
+def test_a_turn_that_continues_a_disk_entrys_prompt_replaces_it(tmp_path):
+    """Rule 3 on disk: a turn that reused a disk entry's whole prompt replaces it when it is
+    written there in turn, even when its prompt re-renders the generated tail differently
+    (helper-53: copies piled up on disk); the entry's prompt part is the start of its chain, the
+    generated tail's part is deleted."""
     c, disk, owners = _cache(tmp_path, "shared")
     a = _conv(0)
     c.insert(a + [1, 2, 3], sim.SimKV(303, c.ops.timing), "assistant", prompt_len=300)  # 3 generated tokens
     for k in (1, 2):
         _save(c, _conv(k))
     (d,) = disk.entries()
-    assert d.tokens.tolist() == a + [1, 2, 3]
+    assert d.tokens.tolist() == a + [1, 2, 3] and [(s, e) for s, e, _ in disk.parts(d)] == [(0, 300), (300, 303)]
     turn = a + [9, 9] + [5] * 40  # the template renders the answer as other tokens
     hit = c.fetch(turn)
     assert hit.reused == 300 and hit.entry_id == d.id
-    c.insert(turn, sim.SimKV(len(turn), c.ops.timing), "user", reused_from=hit.entry_id, reused=300,
+    c.insert(turn, sim.SimKV(len(turn), c.ops.timing), "assistant", reused_from=hit.entry_id, reused=300,
              prompt_len=len(turn))
+    assert d.id in {e.id for e in disk.entries()}  # until the turn goes to disk itself
+    for k in (3, 4):
+        _save(c, _conv(k))
     assert d.id not in {e.id for e in disk.entries()} and tuple(a + [1, 2, 3]) not in owners.held
+    (t,) = [e for e in disk.entries() if len(e) == len(turn)]
+    assert [s_e[:2] for s_e in disk.parts(t)] == [(0, 300), (300, 342)] and owners.gaps == 0
+    assert disk.nbytes == sum(len(e) for e in disk.entries()) * BPT  # the 3 generated tokens' part is gone
 
 
 def test_an_unusable_memory_save_leaves_the_disk_tier(make_stack, tmp_path):
@@ -571,3 +661,155 @@ def test_size_text_picks_a_unit_people_read():
 
     assert [size_text(n) for n in (512, 1536, 64 << 20, 3 * 2**29, 2**40)] == [
         "512 B", "1.5 KiB", "64.0 MiB", "1.5 GiB", "1.0 TiB"]
+
+
+# -- chains of parts (session 34): only what the tier does not hold is written ---------------
+
+@pytest.mark.parametrize("max_chain", [MAX_CHAIN, 4, 1])
+def test_an_agent_conversation_evicted_every_turn_writes_each_turn_once(tmp_path, max_chain):
+    """The agent's loop at a tight memory budget: each turn reads the conversation back from
+    disk, grows it, and is evicted again. Whole-entry files (``max_chain`` 1, session 33) wrote
+    the whole conversation every turn (O(turns^2) bytes on the SSD); a chain writes each turn's
+    new tokens once, and the conversation stays one entry; a chain at ``max_chain`` parts
+    starts over with a whole file."""
+    c, disk, owners = _cache(tmp_path, "whole", memory_tokens=800, disk_tokens=100_000, max_chain=max_chain)
+    conv, other = _conv(0, 200), 0
+    _save(c, conv)
+    for turn in range(8):
+        for _ in range(2):  # two other conversations push this one out of memory
+            other += 1
+            _save(c, _conv(100 + other, 400))
+        assert all(e.tokens[0] != conv[0] for e in c.entries())
+        nxt = conv + [turn] * 50
+        hit = c.fetch(nxt)
+        assert hit.reused == len(conv) and c.get(hit.entry_id) is None  # from disk, all of it
+        conv = nxt
+        _save(c, conv)
+    mine = [e for e in disk.entries() if e.tokens[0] == conv[0]]
+    assert len(mine) == 1 and len(mine[0]) == 550  # the turn before the last, on disk; one entry
+    others = sum(len(e) for e in disk.entries()) - 550
+    if max_chain == MAX_CHAIN:
+        assert [(s, e) for s, e, _ in disk.parts(mine[0])] == [(0, 200)] + [(200 + 50 * k, 250 + 50 * k) for k in range(7)]
+        assert disk.write_bytes == (550 + others) * BPT  # each token written once
+    elif max_chain == 4:  # 4 parts (turns 0-3), then a whole file of 400 and three parts more
+        assert [(s, e) for s, e, _ in disk.parts(mine[0])] == [(0, 400), (400, 450), (450, 500), (500, 550)]
+        assert disk.write_bytes == (350 + 400 + 150 + others) * BPT
+    else:  # every turn wrote the conversation again: 200 + 250 + ... + 550 tokens
+        assert [(s, e) for s, e, _ in disk.parts(mine[0])] == [(0, 550)]
+        assert disk.write_bytes == (sum(range(200, 551, 50)) + others) * BPT
+    assert owners.gaps == 0 and tuple(conv[:550]) in owners.held and tuple(conv[:500]) not in owners.held
+
+
+def test_conversations_on_one_system_prompt_hold_it_once_on_disk(tmp_path):
+    """Rule 7's memory chain is cut where conversations branched: each piece becomes a part, so
+    the second conversation on a system prompt writes only its own tokens; the disk budget
+    counts the system prompt once, and dropping one conversation frees only its own part."""
+    c, disk, owners = _cache(tmp_path, "shared", memory_tokens=450, disk_tokens=450)
+    system = list(range(50, 250))
+    a, b = system + _conv(0, 100), system + _conv(1, 100)
+    for t in (a, b, system + _conv(2, 100)):  # memory holds the system prompt once and two tails
+        _save(c, t)
+    (da,) = disk.entries()
+    assert [p[:2] for p in disk.parts(da)] == [(0, 200), (200, 300)] and disk.write_bytes == 300 * BPT
+    _save(c, system + _conv(3, 100))  # b to disk: its system prompt is there already
+    db = next(e for e in disk.entries() if e.tokens.tolist() == b)
+    assert [p[:2] for p in disk.parts(db)] == [(0, 200), (200, 300)] and disk.parts(db)[0] == disk.parts(da)[0]
+    assert disk.nbytes == 400 * BPT and disk.write_bytes == 400 * BPT and da.nbytes == db.nbytes == 300 * BPT
+    _save(c, system + _conv(4, 100))  # c to disk: 450 tokens' budget, a (least recently used) makes room
+    assert _keys(disk.entries()) == sorted([tuple(b), tuple(system + _conv(2, 100))])
+    assert disk.nbytes == 400 * BPT and disk.evictions == 1 and tuple(a) not in owners.held
+    assert sorted(p.name for p in (tmp_path / "tier").iterdir()) == ["tier-1.safetensors", "tier-3.safetensors",
+                                                                      "tier-4.safetensors"]
+    # A prompt on b's conversation that memory does not serve past the system prompt: from disk.
+    hit = c.fetch(b[:250] + [7])
+    assert hit.reused == 250 and disk.read_tokens == 250 and owners.gaps == 0
+
+
+def test_a_deferred_read_reads_only_the_parts_holding_the_prompts_prefix(tmp_path):
+    c, disk, _ = _cache(tmp_path, "whole", memory_tokens=400, pending=10**9)
+    a = _conv(0)
+    c.insert(a + [1] * 60, sim.SimKV(360, c.ops.timing), "assistant", prompt_len=300)  # parts [0, 300), [300, 360)
+    _save(c, _conv(1))
+    assert disk.flush(5) and [p[:2] for p in disk.parts(disk.entries()[0])] == [(0, 300), (300, 360)]
+    hit = c.fetch(a + [2] * 10, defer=True)  # re-rendered tail: only the prompt's part is read
+    assert hit.read is not None and [(p.start, p.end) for p in hit.read.parts] == [(0, 300)]
+    hit = c.finish_read(hit)
+    assert hit.reused == 300 and c.ops.nbytes(hit.kv) == 300 * BPT
+    hit = c.fetch(a + [1] * 60 + [3], defer=True)  # the whole entry: both parts, joined
+    assert [(p.start, p.end) for p in hit.read.parts] == [(0, 300), (300, 360)]
+    assert c.ops.nbytes(c.finish_read(hit).kv) == 360 * BPT
+
+
+class FailingFileOps(sim.SimKVOps):
+    """Sim ops whose (slow) writes of the files named in ``fail`` end in an I/O error."""
+
+    fail: set = set()
+
+    def save_parts(self, parts, path):
+        super().save_parts(parts, path)
+        if Path(path).name in self.fail:
+            raise OSError(errno.EIO, "Input/output error", path)
+
+    write_host = save_parts
+
+
+def test_a_failed_write_of_a_part_drops_every_entry_built_on_it(tmp_path, caplog):
+    """A part still being written is already the start of later chains (the next turn, read back
+    from its queued arrays, extends it): when its write fails, they all go, at the next lookup."""
+    ops = FailingFileOps(sim.SimTiming(kv_bytes_per_token=BPT, disk_write_rate=1000 * BPT))  # 300 tokens: 0.3 s
+    ops.fail = {"tier-1.safetensors"}
+    disk = DiskTier(tmp_path / "tier", 10_000 * BPT, ops, max_pending_bytes=10**9)
+    owners = Owners()
+    c = PromptCache(max_entries=10, max_bytes=300 * BPT, layout="whole", share_min_tokens=16, min_hit_tokens=32,
+                    listener=owners, ops=ops, disk=disk)
+    a, turn = _conv(0), _conv(0) + [1] * 20
+    _save(c, a)
+    _save(c, _conv(1))  # a to disk: tier-1, written behind (and failing)
+    hit = c.fetch(turn)
+    assert hit.reused == 300 and disk.reads == 1 and disk.pending_bytes == 300 * BPT  # from the queued arrays
+    c.insert(turn, sim.SimKV(320, ops.timing), "assistant", prompt_len=320)  # over memory: straight to disk
+    (t,) = disk.entries()  # it replaced a on disk, its chain starting with a's part
+    assert [p[:2] for p in disk.parts(t)] == [(0, 300), (300, 320)] and disk.spills == 2
+    assert disk.flush(5) and disk.failures == 1 and len(disk) == 1  # not reaped yet
+    assert c.fetch(turn + [2]).reused == 0 and len(disk) == 0 and disk.nbytes == 0
+    assert tuple(turn) not in owners.held and tuple(a) not in owners.held and owners.gaps == 0
+    assert disk.spills == 1  # a's never reached the disk: not a spill; the turn's part did
+    assert sorted(p.name for p in (tmp_path / "tier").iterdir()) == []
+    assert "could not write" in caplog.text
+
+
+@pytest.mark.parametrize("pending", [10**9, None])
+def test_chains_are_kept_and_adopted_across_a_restart(tmp_path, pending):
+    c, disk, _ = _cache(tmp_path, "shared", memory_tokens=450, pending=pending, settings=SETTINGS)
+    system = list(range(50, 250))
+    convs = [system + _conv(k, 100) for k in range(4)]
+    for t in convs:
+        _save(c, t)
+    assert disk.flush(5) and len(disk) == 2 and disk.nbytes == 400 * BPT
+    disk.close()
+    c, disk, owners = _cache(tmp_path, "shared", memory_tokens=450, pending=10**9, settings=SETTINGS)
+    assert disk.adopted == (2, 600, 400 * BPT, "")  # 600 tokens in 400 tokens' bytes: the system prompt once
+    c.announce_disk()
+    assert set(owners.held) == {tuple(convs[0]), tuple(convs[1])}
+    hit = c.fetch(convs[1] + [1])
+    assert hit.reused == 300 and disk.reads == 1  # both parts read back, their checksums checked
+    # A smaller budget: the newest entry and its parts adopted, the rest left on disk until a write.
+    disk.close()
+    c, disk, _ = _cache(tmp_path, "shared", memory_tokens=450, disk_tokens=350, settings=SETTINGS)
+    assert disk.adopted[:3] == (1, 300, 300 * BPT) and disk.entries()[0].tokens.tolist() == convs[1]
+    assert len([n for n in _names(tmp_path) if n.startswith("tier-")]) == 3
+
+
+def test_a_tier_kept_by_the_format_before_chains_is_adopted(tmp_path):
+    """Session 33's manifest (format 1: one whole file per entry) is read as chains of one part."""
+    _kept(tmp_path)
+    m = json.loads((tmp_path / "tier" / "manifest.json").read_text())
+    parts = {p["file"]: p for p in m["parts"]}
+    old = {**m, "format": 1, "entries": [
+        {"file": e["part"], "checksum": parts[e["part"]]["checksum"], **{k: v for k, v in e.items() if k != "part"}}
+        for e in m["entries"]]}
+    del old["parts"]
+    (tmp_path / "tier" / "manifest.json").write_text(json.dumps(old))
+    c, disk, _ = _cache(tmp_path, "shared", pending=10**9, settings=SETTINGS)
+    assert disk.adopted == (3, 900, 900 * BPT, "")
+    assert c.fetch(_conv(1) + [1]).reused == 300 and disk.reads == 1
