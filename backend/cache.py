@@ -102,11 +102,17 @@ class Segment:
 
     def chain(self) -> list["Segment"]:
         """This segment and its ancestors, root first."""
-        out, seg = [], self
-        while seg is not None:
-            out.append(seg)
-            seg = seg.parent
-        return out[::-1]
+        return root_first(self)
+
+
+def root_first(node) -> list:
+    """``node`` and its ancestors (``parent`` links), root first: a rule 7 segment's chain, or
+    a disk tier part's (`backend.disktier`)."""
+    out = []
+    while node is not None:
+        out.append(node)
+        node = node.parent
+    return out[::-1]
 
 
 class CacheListener(Protocol):

@@ -69,7 +69,7 @@ import numpy as np
 
 from mlxgw.util import size_text
 
-from .cache import CacheEntry, common_prefix, file_xxh3
+from .cache import CacheEntry, common_prefix, file_xxh3, root_first
 
 log = logging.getLogger("mlxgw.backend")
 
@@ -99,11 +99,7 @@ class _Part:
 
     def chain(self) -> list["_Part"]:
         """This part and its ancestors, root first."""
-        out, p = [], self
-        while p is not None:
-            out.append(p)
-            p = p.parent
-        return out[::-1]
+        return root_first(self)
 
 
 class DiskTier:

@@ -447,7 +447,7 @@ def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stac
         time.sleep(0.3)
     assert "disk MiB / reads" in out.stdout and f"{health['disk_bytes'] / 2**20:.1f} / 1 " in row, out.stdout
     assert "tier=disk" in out.stdout  # a spill's event says where the entry went (helper-54: left out)
-    # A clean stop keeps the tier (memory held conversation 0; 1 and 2 are on disk); the
+    # A clean stop keeps the tier (memory held conversation 0's repeat; 1 and 2 are on disk); the
     # backend restarted, in the other cache layout (the tier's chains do not depend on it),
     # adopts it and serves both from it, with the right KV.
     b.stop()
@@ -459,7 +459,9 @@ def test_a_real_backend_reads_an_evicted_prompt_back_with_the_right_kv(make_stac
     b.wait_healthy()
     log = b.log_path.read_text()
     assert "adopted from" in log and f"{other} layout" in log.split("adopted from")[1], log[-3000:]
-    assert get_json(b.url + "/health")["disk_entries"] == 2
+    # 1 and 2, and 0: the repeat of 0 read it from disk, and it stays there while the repeat's own
+    # save is in memory (the start of that one's chain on disk, had it been evicted).
+    assert get_json(b.url + "/health")["disk_entries"] == 3
     for k in (1, 2):
         again = _chat(b.url, words(300, seed=80 + k))
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first[k]["usage"]["prompt_tokens"] - 1
