@@ -41,8 +41,14 @@ def test_table_gives_the_median_budget_evictions():
     res = {"budgets": [{"fraction": 1.0, "per_backend_gb": 2.0, "runs": combine_rounds(rounds)}],
            "config": {"backends": 4}, "oracle_ratio": 0.2}
     row = [ln for ln in table(res).splitlines() if ln.startswith("| mlxgw |")][0]
-    # budget evictions (median of 5, 9, 7), disk reads (none: no disk tier), errors
-    assert row.split(" | ")[-3:] == ["7", "", "0 |"]
+    # budget evictions (median of 5, 9, 7), disk reads and GB written (none: no disk tier), errors
+    assert row.split(" | ")[-4:] == ["7", "", "", "0 |"]
+    # With a disk tier: the median reads and GB written.
+    rounds = [[{**_run("mlxgw-disk", 0.1, 1.0, 2.0), "disk_reads": r, "disk_write_bytes": w}]
+              for r, w in ((3, 2.0e9), (5, 7.5e9), (4, 4.25e9))]
+    res["budgets"][0]["runs"] = combine_rounds(rounds)
+    row = [ln for ln in table(res).splitlines() if ln.startswith("| mlxgw-disk |")][0]
+    assert row.split(" | ")[-3:] == ["4", "4.2", "0 |"]
 
 
 def test_paired_ratios_are_per_round():
