@@ -8,9 +8,11 @@ token ids each send their first turn one after another (each computed and cached
 oldest evicted once memory is full), then ``--turns`` more rounds of turns, every
 conversation in turn adding ``--turn-tokens`` ids: with more conversations than fit, each
 turn finds its conversation evicted from memory (``none``: computed again) or on disk
-(``disk``: read back). Variants are interleaved per round. Reports per variant: the later
-turns' hit ratio (cached prompt tokens / prompt tokens, from ``usage``) and request time
-p50 / mean (one output token: about the TTFT), and the backend's disk figures.
+(``disk``: read back; ``disk-whole``: the same with one whole file per entry, each eviction
+writing the whole conversation again, ``--disk-chain-parts 1``). Variants are interleaved per
+round. Reports per variant: the later turns' hit ratio (cached prompt tokens / prompt tokens,
+from ``usage``) and request time p50 / mean (one output token: about the TTFT), and the
+backend's disk figures (with the KV bytes it wrote).
 
 Then a probe: one entry of ``--probe-tokens`` tokens of KV shaped like the sim's reference
 model (Qwen3-4B, bf16, 144 KiB a token) written and read back through the tier's own path
@@ -42,6 +44,10 @@ from mlxgw.harness import RedisServer, Stack, free_port  # noqa: E402
 from mlxgw.httpget import get_json  # noqa: E402
 
 
+#: ``none``: no tier; ``disk``: the tier (chains of parts); ``disk-whole``: ``--disk-chain-parts 1``.
+VARIANTS = ("none", "disk", "disk-whole")
+
+
 def one(args, model_path: str, variant: str, round_no: int, tier_dir: Path, kv_per_token: int) -> dict:
     rng = np.random.default_rng(round_no)
     convs = [rng.integers(1000, 3000, args.prompt_tokens).tolist() for _ in range(args.conversations)]
@@ -49,8 +55,10 @@ def one(args, model_path: str, variant: str, round_no: int, tier_dir: Path, kv_p
     final = args.prompt_tokens + args.turns * args.turn_tokens + 2 * (args.turns + 1)
     budget = int(kv_per_token * final * (args.fits + 1))
     flags = ["--cache-bytes", str(budget), "--prefill-step-size", "512"]
-    if variant == "disk":
+    if variant.startswith("disk"):
         flags += ["--disk-cache-dir", str(tier_dir / f"{variant}-{round_no}"), "--disk-cache-bytes", "8GB"]
+    if variant == "disk-whole":  # session 33's tier: one whole file per entry, rewritten at each eviction
+        flags += ["--disk-chain-parts", "1"]
     redis = RedisServer().start()
     s = Stack(redis.url, model_path)
     try:
@@ -70,7 +78,8 @@ def one(args, model_path: str, variant: str, round_no: int, tier_dir: Path, kv_p
     return {"variant": variant, "round": round_no, "budget_bytes": budget,
             "first_s": [x[0] for x in first], "later_s": [x[0] for x in later],
             "later_hit": sum(x[1] for x in later) / sum(x[2] for x in later),
-            **{k: health.get(k, 0) for k in ("cache_evictions", "disk_spills", "disk_reads", "disk_read_tokens")}}
+            **{k: health.get(k, 0) for k in ("cache_evictions", "disk_spills", "disk_reads", "disk_read_tokens",
+                                             "disk_write_bytes")}}
 
 
 def probe(tokens: int, tier_dir: Path) -> dict:
@@ -112,7 +121,7 @@ def probe(tokens: int, tier_dir: Path) -> dict:
 
 def table(rows: list[dict]) -> str:
     out = ["| variant | later turns' hit ratio | later turn p50 / mean (ms) | first turn p50 (ms) | budget evictions "
-           "| disk writes / reads |", "|---|---|---|---|---|---|"]
+           "| disk writes / reads | disk MB written |", "|---|---|---|---|---|---|---|"]
     for v in dict.fromkeys(r["variant"] for r in rows):
         rs = [r for r in rows if r["variant"] == v]
         later = [x for r in rs for x in r["later_s"]]
@@ -121,7 +130,8 @@ def table(rows: list[dict]) -> str:
                    f"{statistics.median(later) * 1e3:.1f} / {statistics.mean(later) * 1e3:.1f} | "
                    f"{statistics.median(x for r in rs for x in r['first_s']) * 1e3:.1f} | "
                    f"{statistics.median(r['cache_evictions'] for r in rs):.0f} | "
-                   f"{statistics.median(r['disk_spills'] for r in rs):.0f} / {statistics.median(r['disk_reads'] for r in rs):.0f} |")
+                   f"{statistics.median(r['disk_spills'] for r in rs):.0f} / {statistics.median(r['disk_reads'] for r in rs):.0f} | "
+                   f"{statistics.median(r.get('disk_write_bytes', 0) for r in rs) / 1e6:.1f} |")
     return "\n".join(out)
 
 
@@ -151,7 +161,7 @@ def main(argv=None) -> int:
             probes.append(probe(args.probe_tokens, tier_dir))
             print(json.dumps(probes[-1]), flush=True)
         for r in range(args.rounds):
-            for v in (("none", "disk") if r % 2 == 0 else ("disk", "none")):
+            for v in VARIANTS[r % 3:] + VARIANTS[:r % 3]:  # interleaved, each first in turn
                 rows.append(one(args, model_path, v, r, tier_dir, kv_per_token))
                 print(json.dumps({k: rows[-1][k] for k in ("variant", "round", "later_hit", "disk_reads")}), flush=True)
     finally:
