@@ -69,7 +69,8 @@ import numpy as np
 
 from mlxgw.util import size_text
 
-from .cache import CacheEntry, common_prefix, file_xxh3, root_first
+from .cache import CacheEntry, file_xxh3, root_first
+from .prefixindex import PrefixIndex
 
 log = logging.getLogger("mlxgw.backend")
 
@@ -139,6 +140,7 @@ class DiskTier:
         self.max_pending_bytes = max_pending_bytes
         self.nbytes = 0  # bytes of all parts (a part several entries share counted once)
         self._entries: dict[int, CacheEntry] = {}
+        self._index = PrefixIndex()  # the entries' tokens, sorted: lookups in O(log n), not a scan
         self._tails: dict[int, _Part] = {}  # entry id -> the last part of its chain
         self._parts: dict[int, _Part] = {}  # part id -> part, every part on disk (or being written)
         self._part_ids = itertools.count(1)
@@ -194,13 +196,9 @@ class DiskTier:
     def best_match(self, prompt: np.ndarray) -> tuple[Optional[CacheEntry], int]:
         """The entry holding the longest prefix of ``prompt`` (int32 array) and its length in
         tokens, capped at ``len(prompt) - 1`` (rule 1). Entries here are all trimmable."""
-        cap = len(prompt) - 1
-        best, best_n = None, 0
-        for e in self._entries.values():
-            n = min(common_prefix(e.tokens, prompt), cap)
-            if n > best_n:
-                best, best_n = e, n
-        return best, best_n
+        ident, c = self._index.longest(prompt)
+        n = min(c, len(prompt) - 1)
+        return (self._entries[ident], n) if ident is not None and n > 0 else (None, 0)
 
     def put(self, entry: CacheEntry, kv, cuts=(), min_share: int = 1) -> tuple[Optional[CacheEntry], list[CacheEntry]]:
         """Write ``kv`` (holding exactly ``entry.tokens``; a whole KV, not a segment chain) as a
@@ -227,7 +225,7 @@ class DiskTier:
             return None, []
         self._clear_stale()
         t, n = entry.tokens, len(entry)
-        common = {e.id: common_prefix(e.tokens, t) for e in self._entries.values()}
+        common = self._index.sharing(t)  # entry id -> common prefix, of those sharing any (the rest: 0)
         host = self.ops.to_host(kv)  # None: layers the host path does not cover, one whole file
         base = self._reusable(common, min_share) if host is not None else None
         if self.max_chain == 1:
@@ -235,7 +233,7 @@ class DiskTier:
         b = base.end if base is not None else 0
         if base is not None:
             base.refs += 1  # pinned: the drops and evictions below must not free it
-        gone = [e for e in self._entries.values()
+        gone = [e for e in (self._entries[i] for i in common)
                 if (common[e.id] == len(e) and len(e) <= n)
                 or (e.cache_type != "system" and common[e.id] >= e.prompt_tokens)]
         for e in gone:
@@ -297,6 +295,7 @@ class DiskTier:
             prompt_tokens=entry.prompt_tokens, on_disk=True,
         )
         self._entries[d.id] = d
+        self._index.add(d.id, d.tokens)
         self._tails[d.id] = tail
         self.spills += 1
         self._version += 1
@@ -310,11 +309,10 @@ class DiskTier:
         id -> common prefix with them): its end is at least ``min_share`` tokens; None if none.
         Chains of ``max_chain`` parts are not extended (a read opens a file per part)."""
         best = None
-        for e in self._entries.values():
-            c = common[e.id]
+        for ident, c in common.items():
             if c < min_share or (best is not None and c <= best.end):
                 continue
-            chain = self._tails[e.id].chain()
+            chain = self._tails[ident].chain()
             if len(chain) >= self.max_chain:
                 continue
             for p in reversed(chain):
@@ -678,6 +676,7 @@ class DiskTier:
                            hits=int(m["hits"]), prompt_tokens=int(m["prompt_tokens"]), on_disk=True)
             tail.refs += 1
             self._entries[e.id] = e
+            self._index.add(e.id, e.tokens)
             self._tails[e.id] = tail
         self._checkpointed = self._version  # the manifest on disk names exactly these (and the left ones)
         out = (len(self._entries), sum(len(e) for e in self._entries.values()), self.nbytes,
@@ -774,6 +773,7 @@ class DiskTier:
 
     def _drop(self, e: CacheEntry) -> None:
         self._entries.pop(e.id)
+        self._index.remove(e.id, e.tokens)
         self._version += 1
         self._release(self._tails.pop(e.id))
 
