@@ -181,9 +181,9 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the common prefix of two int arrays, in tokens.
 
     Compared in windows growing 8x from 256 tokens, so two prompts that differ early cost
-    a few hundred comparisons, not their whole length: the caches compare each prompt with
-    every entry (a disk tier of 1,000 entries of 30k tokens took 43 ms per lookup comparing
-    whole lengths, tests/test_cache.py)."""
+    a few hundred comparisons, not their whole length (the memory cache compares each prompt
+    with every entry; 1,000 entries of 30k tokens that differ after their first 10k took
+    44 ms comparing whole lengths, 31 ms in windows, on the test VM in session 34)."""
     n = min(a.shape[0], b.shape[0])
     start, width = 0, 256
     while start < n:
