@@ -328,8 +328,8 @@ class PromptCache:
                 kv, gone = self.disk.read(d, nd, next(self._clock))
                 if kv is not None:  # holding the nd tokens
                     return CacheHit(kv, nd, d.id, len(d))
-                if gone is not None:  # unreadable: dropped, its prefix no longer here
-                    self._tell_evicted(gone)
+                for x in gone:  # unreadable: dropped, their prefixes no longer here
+                    self._tell_evicted(x)
         if e is None or n == 0:
             return CacheHit(None, 0, None)
         if e.seg is not None:
@@ -346,8 +346,8 @@ class PromptCache:
         to ``hit.reused``, or a miss when the read failed (the entry is then dropped and the
         listener told; the caller may `fetch` again for what memory holds). Engine thread."""
         kv, gone = self.disk.finish(hit.read)
-        if gone is not None:
-            self._tell_evicted(gone)
+        for x in gone:
+            self._tell_evicted(x)
         if kv is None:
             return CacheHit(None, 0, None)
         return CacheHit(kv, hit.reused, hit.entry_id, hit.entry_len)

@@ -353,18 +353,23 @@ class DiskTier:
         self._reads.put(job)
         return job
 
-    def finish(self, job: "DiskRead") -> tuple[object, Optional[CacheEntry]]:
-        """``(KV holding the read's n tokens, None)`` for a read (`read`, or `read_async`'s,
-        waited for if need be), or ``(None, the entry dropped)`` when it failed (logged; the
-        caller tells the listener; None when the entry had left the tier already). Engine
-        thread."""
+    def finish(self, job: "DiskRead") -> tuple[object, list[CacheEntry]]:
+        """``(KV holding the read's n tokens, [])`` for a read (`read`, or `read_async`'s,
+        waited for if need be), or ``(None, the entries dropped)`` when it failed (logged; the
+        caller tells the listener): every entry whose chain passes through the part that could
+        not be read (a damaged file shared by several conversations fails them all), else the
+        entry read, if it is still here. Engine thread."""
         job.done.wait()
         e = job.entry
         kv, err = None, job.error
         if err is None:
             try:  # queued arrays, or the files (from the page cache the reader filled, if it did)
-                pieces = [self.ops.from_host(h) if h is not None else self.ops.load_kv(str(p.path), prefetched=f)
-                          for p, h, f in zip(job.parts, job.hosts, job.fetched)]
+                pieces = []
+                for p, h, f in zip(job.parts, job.hosts, job.fetched):
+                    job.bad = p
+                    pieces.append(self.ops.from_host(h) if h is not None else
+                                  self.ops.load_kv(str(p.path), prefetched=f))
+                job.bad = None
                 if len(pieces) == 1:
                     kv = pieces[0]
                     self.ops.trim(kv, job.parts[0].end - job.n)
@@ -378,14 +383,17 @@ class DiskTier:
             e.hits += 1
             self.reads += 1
             self.read_tokens += job.n
-            return kv, None
+            return kv, []
         self.failures += 1
-        log.warning("disk tier: could not read %s (%d tokens): %s; the prompt is prefilled instead",
-                    ", ".join(p.path.name for p in job.parts), len(e), err)
-        if e.id in self._entries and self._entries[e.id] is e:
-            self._drop(e)
-            return None, e
-        return None, None
+        bad = job.bad if job.bad is not None and self._parts.get(job.bad.id) is job.bad else None
+        gone = [x for x in self._entries.values() if bad in self._tails[x.id].chain()] if bad is not None else \
+            [e] if self._entries.get(e.id) is e else []
+        for x in gone:
+            self._drop(x)
+        log.warning("disk tier: could not read %s (%d tokens): %s; the prompt is prefilled instead%s",
+                    bad.path.name if bad is not None else ", ".join(p.path.name for p in job.parts), len(e), err,
+                    f"; {len(gone)} entries using that file dropped" if len(gone) > 1 else "")
+        return None, gone
 
     def _job(self, entry: CacheEntry, n: int) -> "DiskRead":
         parts = [p for p in self._tails[entry.id].chain() if p.start < n]
@@ -401,10 +409,12 @@ class DiskTier:
             for i, (p, host, checksum) in enumerate(zip(job.parts, job.hosts, job.checksums)):
                 if host is not None or (checked_only and checksum is None):
                     continue
+                job.bad = p
                 digest = self.ops.prefetch(str(p.path))
                 job.fetched[i] = True
                 if checksum is not None and digest != checksum:
                     raise ValueError(f"{p.path.name} is damaged: its checksum differs from the one saved at the last stop")
+            job.bad = None
         except Exception as e:  # OSError: removed meanwhile, unreadable
             job.error = e
 
@@ -802,12 +812,13 @@ class DiskRead:
     read through the page cache already. ``done`` is set once the files were read, or
     ``error`` says why they could not be."""
 
-    __slots__ = ("entry", "n", "parts", "hosts", "checksums", "fetched", "error", "done")
+    __slots__ = ("entry", "n", "parts", "hosts", "checksums", "fetched", "error", "done", "bad")
 
     def __init__(self, entry: CacheEntry, n: int, parts: list, hosts: list, checksums: list):
         self.entry, self.n, self.parts, self.hosts, self.checksums = entry, n, parts, hosts, checksums
         self.fetched = [False] * len(parts)
         self.error = None
+        self.bad = None  # the part a failed read stopped at
         self.done = threading.Event()
 
 

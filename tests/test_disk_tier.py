@@ -815,3 +815,28 @@ def test_a_tier_kept_by_the_format_before_chains_is_adopted(tmp_path):
     c, disk, _ = _cache(tmp_path, "shared", pending=10**9, settings=SETTINGS)
     assert disk.adopted == (3, 900, 900 * BPT, "")
     assert c.fetch(_conv(1) + [1]).reused == 300 and disk.reads == 1
+
+
+def test_an_unreadable_part_drops_every_entry_whose_chain_uses_it(tmp_path, caplog):
+    """One damaged file under several conversations: the first read that fails on it drops them
+    all (each would cost its own failed read later), and no entry on other files."""
+    c, disk, owners = _cache(tmp_path, "shared", memory_tokens=450)
+    system = list(range(50, 250))
+    convs = [system + _conv(k, 100) for k in range(5)]
+    for t in convs:  # 0, 1 and 2 go to disk, sharing the system prompt's part (tier-1)
+        _save(c, t)
+    solo = _conv(9, 300)
+    c2 = c.insert(solo, sim.SimKV(300, c.ops.timing), "assistant", prompt_len=300)
+    assert c2 is not None
+    for k in (5, 6):  # solo to disk too, in files of its own
+        _save(c, system + _conv(k, 100))
+    assert len(disk) >= 4 and all(disk.parts(e)[0][2] == "tier-1.safetensors"
+                                  for e in disk.entries() if e.tokens[0] == 50)
+    (tmp_path / "tier" / "tier-1.safetensors").unlink()
+    hit = c.fetch(convs[1] + [1])
+    assert hit.reused < 300 and disk.failures == 1
+    assert all(e.tokens[0] != 50 for e in disk.entries())  # every chain through tier-1: gone
+    assert [e.tokens.tolist() for e in disk.entries()] == [solo]
+    assert all(tuple(t) not in owners.held for t in convs[:3]) and tuple(solo) in owners.held
+    assert "entries using that file dropped" in caplog.text
+    assert c.fetch(solo + [1]).reused == 300  # the other files still serve
