@@ -44,8 +44,8 @@ metadata, least recently used first; the KV settings of
 `backend.persist.kv_settings`; token ids in ``tokens-N.npz``) is
 written at quiet moments and at a clean stop, so a killed backend comes back
 with its tier as of its last quiet moment. The next start adopts the newest
-entries that fit its budget under equal settings (a file is checked against
-its checksum when read back); nothing an earlier run kept is deleted before
+entries that fit its budget under equal settings (every read checks each
+file against its checksum); nothing an earlier run kept is deleted before
 this run writes its own first entry. ``--cache-dir`` keeps the memory tier.
 The engine thread calls every method (as it owns the `PromptCache`); the
 writer and reader threads share only the queued entries and reads, under a
@@ -165,7 +165,6 @@ class DiskTier:
         self.write_bytes = 0  # KV bytes written to files (the SSD's wear; a failed write not counted)
         self.write_waits = 0  # evictions that waited for the writer (max_pending_bytes reached)
         self._sums: dict[int, str] = {}  # part id -> its file's xxh3-128
-        self._adopted: set[int] = set()  # parts of an earlier run: checked when read back
         # Across restarts (`checkpoint`, `_adopt`).
         self._synced: set[int] = set()  # parts whose file was flushed for a manifest
         self._version = 0  # bumped by every change of the entries on disk
@@ -174,6 +173,11 @@ class DiskTier:
         self._foreign: Optional[str] = None  # why a tier an earlier run kept is not used (it stays till a write)
         self._stale: list[Path] = []  # files of that tier, or of entries this run's budget left out
         self._left: dict = {"parts": [], "entries": []}  # manifest records of those left-out entries
+        # Files the manifest on disk names are deleted only once a newer manifest stops naming
+        # them (helper-56: a kill soon after a turn continued a chain left a manifest naming a
+        # file already deleted, and the next start lost every entry built on it).
+        self._named: set[str] = set()
+        self._doomed: dict[Path, int] = {}  # released parts' files (-> bytes) the manifest on disk still names
         self.adopted = self._adopt()  # (entries, tokens, bytes, what was left and why) or None
 
     def __len__(self) -> int:
@@ -302,6 +306,7 @@ class DiskTier:
         if self.max_pending_bytes is not None and host is not None:
             for part, piece in written:
                 self._write_behind(part, piece)
+        self._make_room()
         return d, gone
 
     def _reusable(self, common: dict[int, int], min_share: int) -> Optional[_Part]:
@@ -324,8 +329,8 @@ class DiskTier:
 
     def read(self, entry: CacheEntry, n: int, clock: int) -> tuple[object, Optional[CacheEntry]]:
         """Read ``entry``'s first ``n`` tokens of KV now, in the caller's thread: each part from
-        its queued arrays when its write has not ended, else from its file (an entry adopted
-        from an earlier run is checked against its checksum first); only the parts holding
+        its queued arrays when its write has not ended, else from its file (checked against
+        its checksum first, when it has one); only the parts holding
         those tokens. The entry stays, its recency set to ``clock`` (the memory cache's clock).
         Returns what `finish` does."""
         entry.last_used, entry.used_at = clock, time.time()
@@ -337,7 +342,7 @@ class DiskTier:
     def read_async(self, entry: CacheEntry, n: int, clock: int) -> Optional["DiskRead"]:
         """Start reading ``entry``'s first ``n`` tokens of KV: the reader thread reads the files
         of the parts holding them from the disk into the page cache (`KVOps.prefetch`, no MLX
-        call there; an adopted part's checksum checked) and `finish` loads them in the engine
+        call there; each file's checksum checked) and `finish` loads them in the engine
         thread from memory. None when they are all still queued for the writer (`read` takes
         those arrays at once), and without ``max_pending_bytes`` (all I/O in the caller's
         thread). The entry's recency is set to ``clock`` now."""
@@ -379,7 +384,6 @@ class DiskTier:
             except Exception as x:
                 err = x
         if err is None:
-            self._adopted.difference_update(p.id for p in job.parts)  # checked once
             e.hits += 1
             self.reads += 1
             self.read_tokens += job.n
@@ -399,11 +403,14 @@ class DiskTier:
         parts = [p for p in self._tails[entry.id].chain() if p.start < n]
         with self._cond:
             hosts = [self._pending.get(p.id) for p in parts]
-        return DiskRead(entry, n, parts, hosts, [self._sums.get(p.id) if p.id in self._adopted else None for p in parts])
+        # Every read checks each file against the checksum taken as it was written (or kept at
+        # the last stop): a file damaged while the backend runs must cost a prefill, not serve
+        # wrong KV that the next saves would extend (helper-56: answers of garbage, no warning).
+        return DiskRead(entry, n, parts, hosts, [self._sums.get(p.id) for p in parts])
 
     def _prefetch(self, job: "DiskRead", checked_only: bool = False) -> None:
         """Read ``job``'s files through the page cache (with ``checked_only``, only those with a
-        checksum to check) and check adopted parts' checksums (the reader thread's step; `read`
+        checksum to check) and check their checksums (the reader thread's step; `read`
         runs it inline). Errors go in ``job.error``."""
         try:
             for i, (p, host, checksum) in enumerate(zip(job.parts, job.hosts, job.checksums)):
@@ -413,7 +420,7 @@ class DiskTier:
                 digest = self.ops.prefetch(str(p.path))
                 job.fetched[i] = True
                 if checksum is not None and digest != checksum:
-                    raise ValueError(f"{p.path.name} is damaged: its checksum differs from the one saved at the last stop")
+                    raise ValueError(f"{p.path.name} is damaged: its checksum differs from the one taken when it was written")
             job.bad = None
         except Exception as e:  # OSError: removed meanwhile, unreadable
             job.error = e
@@ -511,6 +518,8 @@ class DiskTier:
                     break
                 for x in order[:max(1, len(order) // 10)]:
                     self._drop(x)
+                self._named = set()  # their files go now: the space is what the manifest needs
+                self._delete_doomed()
                 log.warning("disk tier: could not write its manifest in %s (%s): dropped its oldest entries to "
                             "make room, %d left", self.directory, e, len(self._entries))
         log.warning("disk tier: its %d entries in %s are not kept (no manifest could be written); the next "
@@ -570,6 +579,32 @@ class DiskTier:
         old, self._tokens_file = self._tokens_file, name
         if old:
             _unlink(self.directory / old)
+        self._named = {r["file"] for r in part_records}
+        self._delete_doomed()
+
+    def _delete_doomed(self) -> None:
+        """Delete the released parts' files that no manifest on disk names any more."""
+        for f in [f for f in self._doomed if f.name not in self._named]:
+            _unlink(f)
+            del self._doomed[f]
+
+    @property
+    def doomed_bytes(self) -> int:
+        """Bytes of released parts' files kept until the next checkpoint."""
+        return sum(self._doomed.values())
+
+    def _make_room(self) -> None:
+        """Released files wait for the next checkpoint (quiet moments); past a tenth of the
+        budget a checkpoint is written now, so a busy backend's disk stays near its budget."""
+        if self.doomed_bytes <= self.max_bytes // 10:
+            return
+        try:
+            self.checkpoint()
+        except OSError as e:  # a full disk: space first; a kill before the next checkpoint then loses more
+            log.warning("disk tier: could not write its manifest in %s (%s): files it names are deleted anyway",
+                        self.directory, e)
+            self._named = set()
+            self._delete_doomed()
 
     def _adopt(self) -> Optional[tuple]:
         """At start, what an earlier run left in the directory (`checkpoint`):
@@ -656,9 +691,14 @@ class DiskTier:
             self._foreign, self._stale = str(e), [*files.values(), mpath, tokens_file]
             return None
         left_parts = {r["file"]: r for _, ch in left for r in ch}
-        for name, f in files.items():
-            if name not in kept_parts and name not in left_parts:
-                _unlink(f)
+        unused = [f for name, f in files.items() if name not in kept_parts and name not in left_parts]
+        for f in unused:
+            _unlink(f)
+        if unused:
+            log.info("disk tier: removed %d files of %s that no usable entry of its manifest needs (written after "
+                     "the last checkpoint of a run that did not stop cleanly, or under an entry missing a file)",
+                     len(unused), self.directory)
+        self._named = set(kept_parts) | set(left_parts)
         for f in self.directory.glob("tokens*.npz"):  # a checkpoint's, cut short before its rename
             if f.name != tokens_file.name:
                 _unlink(f)
@@ -675,7 +715,6 @@ class DiskTier:
             made[name] = p
             self._parts[p.id] = p
             self._sums[p.id] = r["checksum"]
-            self._adopted.add(p.id)
             self._synced.add(p.id)
             self.nbytes += p.nbytes
         new_ids = itertools.count(-1, -1)
@@ -795,20 +834,22 @@ class DiskTier:
                 return
             self._parts.pop(part.id, None)
             self.nbytes -= part.nbytes
-            self._adopted.discard(part.id)
+            if part.path.name in self._named:  # deleted at the next checkpoint (`_write_manifest`)
+                self._doomed[part.path] = part.nbytes
             self._synced.discard(part.id)
             self._version += 1
             with self._cond:
                 self._unqueue(part.id)  # a write under way finds it gone and removes its file
                 self._sums.pop(part.id, None)
-            _unlink(part.path)
+            if part.path.name not in self._named:
+                _unlink(part.path)
             part = part.parent
 
 
 class DiskRead:
     """A disk-tier read (`DiskTier.read_async`, `DiskTier.read`) of an entry's first ``n``
     tokens: ``parts`` holds them (root first), ``hosts`` the queued arrays of those whose write
-    had not ended (else None), ``checksums`` those to check (adopted parts), ``fetched`` those
+    had not ended (else None), ``checksums`` the files' (None: not known yet), ``fetched`` those
     read through the page cache already. ``done`` is set once the files were read, or
     ``error`` says why they could not be."""
 

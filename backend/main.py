@@ -80,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-chain-parts", type=positive_int, default=MAX_CHAIN,
                    help="with --disk-cache-bytes: most files (parts) one entry's chain on disk may have; an "
                         "entry that continues a chain on disk writes only its new tokens, up to this many parts "
-                        "(default %(default)s; 1: one whole file per entry, each eviction writing all of it)")
+                        "(default %(default)s; 1: one whole file per entry, each eviction writing all of it; a turn "
+                        "adds a part for its prompt and one for its answer, so below 4 chains barely grow)")
     p.add_argument("--disk-cache-dir", help="with --disk-cache-bytes: where its files go (default: "
                                              "<--cache-dir>/tier); kept at a clean stop for the next start "
                                              "with the same model and settings")
@@ -216,13 +217,24 @@ def disk_tier(args: argparse.Namespace, cache_dir: Optional[Path], ops, settings
         where = Path(args.disk_cache_dir).expanduser().resolve()
         if cache_dir is not None and where == cache_dir:
             raise ValueError("--disk-cache-dir must differ from --cache-dir (leave it out to use <--cache-dir>/tier)")
-        lock = persist.CacheDirLock(where, flag="--disk-cache-dir")
-        atexit.register(lock.release)
+        flag = "--disk-cache-dir"
     elif cache_dir is not None:
-        where = cache_dir / "tier"
+        where, flag = cache_dir / "tier", "--cache-dir's disk tier"
     else:
         raise ValueError("--disk-cache-bytes needs a directory: --disk-cache-dir, or --cache-dir (then <dir>/tier)")
+    # Locked whichever way it was named (helper-56: a backend given another's <--cache-dir>/tier
+    # as its --disk-cache-dir ran beside it, both writing the same files).
+    try:
+        lock = persist.CacheDirLock(where, flag=flag)
+    except OSError as e:
+        raise OSError(f"{flag} {where}: {e.strerror or e}") from None
+    atexit.register(lock.release)
     budget = parse_bytes(args.disk_cache_bytes)
+    if budget < SMALL_BUDGET_BYTES:  # helper-56: "--disk-cache-bytes 10" made a tier that held nothing
+        text = str(args.disk_cache_bytes).strip()
+        log.warning("--disk-cache-bytes %s is %d bytes: too small to hold a prompt, so nothing will go to disk%s", text,
+                    budget, f" (a size without a unit counts bytes; did you mean {text}GB?)"
+                    if text.replace(".", "", 1).isdigit() else "")
     # Host copies waiting for the writer sit outside the memory budget: at most a quarter of it.
     if args.disk_write_queue_bytes is None:
         pending: Optional[int] = parse_bytes(args.cache_bytes) // 4

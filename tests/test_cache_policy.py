@@ -493,7 +493,9 @@ def test_a_waiting_request_keeps_the_prompt_saved_for_it_when_the_entry_is_evict
             time.sleep(0.05)
             sc = _open_stream(backend.port, c, "/v1/chat/completions")
             try:
-                time.sleep(0.05)
+                deadline = time.monotonic() + 10  # C's chat is rendered and tokenized first (slow on a busy CI box)
+                while get_json(backend.url + "/health")["active"] < 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 assert get_json(backend.url + "/health")["active"] == 2  # C waits behind A's prefill
                 st, _, body = post(backend.url + "/v1/completions", {"prompt": b, "max_tokens": 1, "temperature": 0})
                 assert st == 200, body

@@ -2,6 +2,7 @@
 
 import errno
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -840,3 +841,59 @@ def test_an_unreadable_part_drops_every_entry_whose_chain_uses_it(tmp_path, capl
     assert all(tuple(t) not in owners.held for t in convs[:3]) and tuple(solo) in owners.held
     assert "entries using that file dropped" in caplog.text
     assert c.fetch(solo + [1]).reused == 300  # the other files still serve
+
+
+def test_a_kill_after_a_turn_continued_a_chain_keeps_the_tier_of_the_last_checkpoint(tmp_path):
+    """helper-56: a chain continued after the last checkpoint released the old entry's answer
+    part, whose file was deleted at once; a kill then left a manifest naming a missing file and
+    the next start lost that entry and every part under it. Files the manifest on disk names
+    now stay until the next checkpoint stops naming them."""
+    c, disk, _ = _cache(tmp_path, "whole", memory_tokens=300, settings=SETTINGS)
+    a = _conv(0)
+    c.insert(a, sim.SimKV(300, c.ops.timing), "assistant", prompt_len=280)  # parts [0, 280), [280, 300)
+    _save(c, _conv(1))  # a to disk
+    assert disk.checkpoint()
+    turn = a[:280] + [7] * 70  # the next turn: the answer re-rendered, then the new message
+    hit = c.fetch(turn)
+    assert hit.reused == 280
+    c.insert(turn, sim.SimKV(350, c.ops.timing), "assistant", prompt_len=350)  # over memory: to disk
+    (t,) = disk.entries()
+    assert [p[:2] for p in disk.parts(t)] == [(0, 280), (280, 350)]  # a replaced, its prompt part reused
+    assert (tmp_path / "tier" / "tier-2.safetensors").exists() and disk.doomed_bytes == 20 * BPT
+    shutil.copytree(tmp_path / "tier", tmp_path / "killed" / "tier")  # the directory as a kill leaves it
+    c2, disk2, _ = _cache(tmp_path / "killed", "whole", memory_tokens=300, settings=SETTINGS)
+    assert [e.tokens.tolist() for e in disk2.entries()] == [a]  # the tier as of the checkpoint, whole
+    assert c2.fetch(a + [1]).reused == 300
+    assert disk.checkpoint() and not (tmp_path / "tier" / "tier-2.safetensors").exists()  # named no more
+    assert disk.doomed_bytes == 0
+
+
+def test_a_file_damaged_while_the_backend_runs_costs_a_prefill_not_wrong_kv(tmp_path, caplog):
+    """helper-56: only files adopted at start were checked, once; one damaged under a running
+    backend served garbage KV (and the next saves extended it). Every read checks now."""
+    c, disk, owners = _cache(tmp_path, "shared", pending=10**9)
+    a = _conv(0)
+    for t in (a, _conv(1), _conv(2)):
+        _save(c, t)
+    assert disk.flush(5) and c.fetch(a + [1]).reused == 300  # read once: fine
+    f = tmp_path / "tier" / "tier-1.safetensors"
+    f.write_text(f.read_text().replace("300", "301"))  # the sim's file: its token count changed
+    hit = c.fetch(a + [1], defer=True)
+    hit = c.finish_read(hit)
+    assert hit.reused == 0 and disk.failures == 1 and len(disk) == 0 and tuple(a) not in owners.held
+    assert "is damaged: its checksum differs" in caplog.text
+
+
+def test_a_tier_directory_is_locked_however_it_was_named(tmp_path):
+    """helper-56: a backend given another's <--cache-dir>/tier as its --disk-cache-dir ran beside
+    it (only an explicit --disk-cache-dir was locked) and both wrote the same files."""
+    from backend import persist
+
+    held = persist.CacheDirLock(tmp_path / "cd" / "tier", flag="--disk-cache-dir")
+    try:
+        r = subprocess.run([sys.executable, "-m", "mlxgw", "backend", "--cache-dir", str(tmp_path / "cd"),
+                            "--disk-cache-bytes", "1GB"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "--cache-dir's disk tier" in r.stderr and "in use by another backend" in r.stderr, \
+            r.stderr[-2000:]
+    finally:
+        held.release()
