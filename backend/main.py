@@ -405,13 +405,30 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
                     "past the gateways' routing, keys and limits (mlxgw serve sets one; docs/security.md)",
                     cfg.backend_id, reporter.url)
     stopper = Stopper(f"backend {cfg.backend_id}")
+    watch = asyncio.get_running_loop().create_task(_stop_if_engine_dies(engine, stopper, cfg.backend_id))
     await stopper.wait()
     stopper.close()
+    watch.cancel()
     log.info("backend %s stopping: draining, then withdrawing from Redis", cfg.backend_id)
     reporter.state = "draining"
     await runner.cleanup()
     await reporter.stop()
     engine.stop()
     log.info("backend %s stopped", cfg.backend_id)
-    return 0
+    return ENGINE_DIED if engine.failed else 0
+
+
+#: Exit code of a backend whose engine thread died (`mlxgw serve` restarts it, as any crash).
+ENGINE_DIED = 5
+
+
+async def _stop_if_engine_dies(engine, stopper, backend_id: str) -> None:
+    """A backend whose engine thread died answers every request with an error: withdraw it from
+    Redis and exit (`ENGINE_DIED`), so the gateways stop routing to it and `mlxgw serve`
+    restarts it (helper-56: it stayed registered, each request routed there cost a retry)."""
+    while not engine.failed:
+        await asyncio.sleep(0.2)
+    log.error("backend %s: its engine thread died (the traceback above says why); withdrawing from Redis and "
+              "exiting with code %d", backend_id, ENGINE_DIED)
+    stopper.stop.set()
 

@@ -106,6 +106,7 @@ class SimTiming:
     speed: float = 1.0
     disk_read_rate: float = DEFAULT_DISK_READ_RATE
     disk_write_rate: float = DEFAULT_DISK_WRITE_RATE
+    fail_after: int = 0  # --sim-fail-after: the engine thread dies past this many requests (0: never)
 
     @property
     def t_weights(self) -> float:
@@ -344,6 +345,8 @@ class SimBatchGenerator:
         nothing to prefill runs, at once, the real decode steps until the next
         sequence is due.
         """
+        if self.timing.fail_after and self._uid > self.timing.fail_after:
+            raise RuntimeError(f"simulated engine failure after {self.timing.fail_after} requests (--sim-fail-after)")
         began = self.clock()
         gen_resps: list[GenResponse] = []
         prompt_resps: list[PromptResponse] = []
@@ -525,6 +528,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes/s reading KV files (the disk tier, --cache-dir)")
     g.add_argument("--sim-disk-write-rate", type=float, default=DEFAULT_DISK_WRITE_RATE,
                    help="bytes/s writing KV files")
+    g.add_argument("--sim-fail-after", type=int, default=0,
+                   help="a fault to test supervision with: the engine thread raises once more than this many "
+                        "requests arrived (0, the default: never)")
 
 
 def timing_from_args(args) -> SimTiming:
@@ -552,4 +558,5 @@ def timing_from_args(args) -> SimTiming:
         speed=args.sim_speed,
         disk_read_rate=args.sim_disk_read_rate,
         disk_write_rate=args.sim_disk_write_rate,
+        fail_after=max(0, args.sim_fail_after),
     )

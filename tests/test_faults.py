@@ -543,3 +543,28 @@ def test_frozen_redis_does_not_hold_answers_and_the_gateway_says_so(demo_model):
     finally:
         s.stop()
         r.cleanup()
+
+
+def test_a_backend_whose_engine_thread_died_withdraws_and_exits(make_stack):
+    """helper-56: a backend whose engine thread died stayed registered, answering every request
+    with an error, so each one routed there cost the gateway a retry. It now withdraws from
+    Redis and exits (code 5), for `mlxgw serve` to restart it; the gateway routes elsewhere."""
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim", "--sim-fail-after", "1")
+    s.add_backend("b1", None, "--engine", "sim")
+    s.add_gateway()
+    s.wait()
+    status, _, body = post(b0.url + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2}, timeout=10)
+    assert status == 200, body  # b0's first request is served; the next one kills its engine thread
+    status, _, body = post(b0.url + "/v1/completions", {"prompt": [5, 6, 8], "max_tokens": 2}, timeout=10)
+    assert status >= 500 and b"Traceback" not in body, body
+    assert b0.proc.wait(20) == 5
+    log = b0.log_path.read_text()
+    assert "engine thread died" in log and "withdrawing from Redis and exiting with code 5" in log, log[-2000:]
+    deadline = time.time() + 10
+    while get_json(s.gateway.url + "/health")["backends"].get("demo-tiny") != ["b1"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert get_json(s.gateway.url + "/health")["backends"]["demo-tiny"] == ["b1"]
+    for i in range(3):
+        status, h, body = _ask(s.gateway.url, words(50, seed=70 + i))
+        assert status == 200 and h["X-Mlxgw-Backend"] == "b1", body
