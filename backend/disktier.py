@@ -593,10 +593,11 @@ class DiskTier:
         """Bytes of released parts' files kept until the next checkpoint."""
         return sum(self._doomed.values())
 
-    def _make_room(self) -> None:
+    def _make_room(self, now: bool = False) -> None:
         """Released files wait for the next checkpoint (quiet moments); past a tenth of the
-        budget a checkpoint is written now, so a busy backend's disk stays near its budget."""
-        if self.doomed_bytes <= self.max_bytes // 10:
+        budget (or ``now``: the disk is full) a checkpoint is written now, so a busy backend's
+        disk stays near its budget."""
+        if not self._doomed or (not now and self.doomed_bytes <= self.max_bytes // 10):
             return
         try:
             self.checkpoint()
@@ -809,6 +810,7 @@ class DiskTier:
         """A write found the disk full: lower the budget to what the tier holds, so the next
         entries replace its oldest ones instead of failing one after another (helper-53: every
         write failed once the disk filled, the newest conversations dropped). For this run."""
+        self._make_room(now=True)  # released files the last manifest still names go first
         if not self.nbytes:  # nothing to replace: the budget stays, writes are tried as space frees
             if not self._said_full:
                 log.warning("disk tier: the disk of %s is full (%s) and the tier holds nothing yet: entries are "
