@@ -897,3 +897,19 @@ def test_a_tier_directory_is_locked_however_it_was_named(tmp_path):
             r.stderr[-2000:]
     finally:
         held.release()
+
+
+def test_a_full_disk_deletes_the_files_kept_for_the_last_manifest_first(tmp_path):
+    ops = FullDiskOps(sim.SimTiming(kv_bytes_per_token=BPT))
+    disk = DiskTier(tmp_path / "tier", 10_000 * BPT, ops, max_pending_bytes=None, settings=SETTINGS)
+    c = PromptCache(max_entries=10, max_bytes=300 * BPT, layout="whole", share_min_tokens=16, min_hit_tokens=32,
+                    ops=ops, disk=disk)
+    a = _conv(0)
+    c.insert(a, sim.SimKV(300, ops.timing), "assistant", prompt_len=280)
+    _save(c, _conv(1))  # a to disk: tier-1 [0, 280), tier-2 [280, 300)
+    assert disk.checkpoint()
+    c.insert(a[:280] + [7] * 70, sim.SimKV(350, ops.timing), "assistant", prompt_len=350)  # continues a
+    assert disk.doomed_bytes == 20 * BPT and (tmp_path / "tier" / "tier-2.safetensors").exists()
+    ops.full = True
+    _save(c, _conv(2))  # conv 1 to disk: no space
+    assert disk.failures == 1 and disk.doomed_bytes == 0 and not (tmp_path / "tier" / "tier-2.safetensors").exists()
