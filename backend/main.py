@@ -232,9 +232,9 @@ def disk_tier(args: argparse.Namespace, cache_dir: Optional[Path], ops, settings
     budget = parse_bytes(args.disk_cache_bytes)
     if budget < SMALL_BUDGET_BYTES:  # helper-56: "--disk-cache-bytes 10" made a tier that held nothing
         text = str(args.disk_cache_bytes).strip()
+        bare = text.replace(".", "", 1).isdigit() and float(text) < 10_000  # "500": 500GB meant, likely
         log.warning("--disk-cache-bytes %s is %d bytes: too small to hold a prompt, so nothing will go to disk%s", text,
-                    budget, f" (a size without a unit counts bytes; did you mean {text}GB?)"
-                    if text.replace(".", "", 1).isdigit() else "")
+                    budget, f" (a size without a unit counts bytes; did you mean {text}GB?)" if bare else "")
     # Host copies waiting for the writer sit outside the memory budget: at most a quarter of it.
     if args.disk_write_queue_bytes is None:
         pending: Optional[int] = parse_bytes(args.cache_bytes) // 4
