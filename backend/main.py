@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import json
 import logging
 import os
 import shutil
@@ -166,13 +167,40 @@ def looks_local(model: str) -> bool:
 SMALL_BUDGET_BYTES = 1 << 20
 
 
-def budget_warnings(text: str, budget: int, total_memory: Optional[int] = None) -> list[str]:
+#: With the model's KV size known, a budget below this many tokens of it is pointed out.
+SMALL_BUDGET_TOKENS = 256
+
+
+def model_kv_bytes_per_token(model_path) -> Optional[int]:
+    """KV bytes per token of the model in ``model_path`` from its ``config.json`` (2 bytes a value,
+    4 for a float32 model); None when it cannot be read (a hub name, another layout)."""
+    from . import sim
+
+    try:
+        cfg = json.loads((Path(model_path).expanduser() / "config.json").read_text())
+        layers, heads, dim = sim.kv_config_from_file(Path(model_path).expanduser() / "config.json")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return sim.kv_bytes_per_token(layers, heads, dim, 4 if cfg.get("torch_dtype") == "float32" else 2)
+
+
+def budget_warnings(text: str, budget: int, total_memory: Optional[int] = None,
+                    kv_per_token: Optional[int] = None) -> list[str]:
     """What to tell the operator about a prompt-cache budget of ``budget`` bytes (given as
     ``text``): a size without a unit is bytes, so ``--cache-bytes 512`` meant 512MB most likely
     and caches nothing, silently (helper-46); a budget above the machine's memory never binds.
-    ``total_memory`` in bytes (default: this machine's)."""
+    ``total_memory`` in bytes (default: this machine's); ``kv_per_token`` the model's KV bytes
+    per token when known: the budget is then small below `SMALL_BUDGET_TOKENS` tokens of it
+    (helper-56/57: a tiny model's 512 KB held 1,000 tokens and was called too small), else
+    below `SMALL_BUDGET_BYTES`."""
     out = []
-    if budget < SMALL_BUDGET_BYTES:
+    if kv_per_token:
+        if budget < kv_per_token * SMALL_BUDGET_TOKENS:
+            bare = text.strip().replace(".", "", 1).isdigit()
+            out.append(f"--cache-bytes {text} is {budget} bytes: less than {SMALL_BUDGET_TOKENS} tokens of this "
+                       f"model's KV ({kv_per_token} bytes a token), so next to nothing will be cached" +
+                       (f" (a size without a unit counts bytes; did you mean {text.strip()}MB?)" if bare else ""))
+    elif budget < SMALL_BUDGET_BYTES:
         bare = text.strip().replace(".", "", 1).isdigit()
         out.append(f"--cache-bytes {text} is {budget} bytes: too small to hold a prompt, so nothing will be cached" +
                    (f" (a size without a unit counts bytes; did you mean {text.strip()}MB?)" if bare else ""))
@@ -276,7 +304,8 @@ def run(args: argparse.Namespace) -> int:
     raise_open_files_limit()
     url = args.url or f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     budget = parse_bytes(args.cache_bytes)  # size_arg checked it
-    for line in budget_warnings(args.cache_bytes, budget):
+    for line in budget_warnings(args.cache_bytes, budget, kv_per_token=None if args.engine == "sim"
+                                else model_kv_bytes_per_token(model_path)):
         log.warning("%s", line)
 
     reporter = Reporter(

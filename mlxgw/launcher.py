@@ -499,8 +499,10 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
             lines.insert(-1, f"  disk tier  {m.name}: up to {size_text(parse_bytes(m.disk_cache_bytes))} of evicted "
                              f"entries per backend in {where}/{m.name}-<i>/tier, kept at stop   "
                              "(docs/cache-policy.md, rule 8)")
-    from backend.main import budget_warnings
+    from backend.main import budget_warnings, model_kv_bytes_per_token
 
     for m in cfg.models:  # each backend logged them above, among its start-up lines
-        lines += [f"  warning    {m.name}: {w}" for w in budget_warnings(str(m.cache_bytes), parse_bytes(m.cache_bytes))]
+        kv = model_kv_bytes_per_token(m.model) if m.model else None
+        lines += [f"  warning    {m.name}: {w}" for w in budget_warnings(str(m.cache_bytes), parse_bytes(m.cache_bytes),
+                                                                           kv_per_token=kv)]
     print("\n".join(lines + [""]), file=sys.stderr, flush=True)

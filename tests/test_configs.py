@@ -1,6 +1,7 @@
 """Every shipped config loads, and flags override it."""
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -310,3 +311,22 @@ def test_a_cache_budget_that_cannot_bind_is_pointed_out():
         "--cache-bytes 2TB is more than this machine's memory (24.0 GiB): memory, not the budget, will bound the "
         "prompt cache"]
     assert budget_warnings("2GB", 2 << 30, total_memory=24 * 2**30) == []
+    # With the model's KV size known, the threshold is 256 of its tokens (helper-56/57: the demo
+    # model's 512 KB holds 1,000 tokens and was called too small).
+    assert budget_warnings("0.5MB", 500_000, total_memory=2**34, kv_per_token=512) == []
+    assert budget_warnings("100KB", 100_000, total_memory=2**34, kv_per_token=512) == [
+        "--cache-bytes 100KB is 100000 bytes: less than 256 tokens of this model's KV (512 bytes a token), so next "
+        "to nothing will be cached"]
+    assert budget_warnings("64", 64, total_memory=2**34, kv_per_token=147456)[0].endswith("did you mean 64MB?)")
+
+
+def test_the_kv_size_comes_from_the_models_config():
+    from backend.main import model_kv_bytes_per_token
+    from mlxgw.demo_model import ensure_demo_model
+
+    cfg = json.loads((ensure_demo_model("tiny") / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    width = 4 if cfg.get("torch_dtype") == "float32" else 2
+    assert model_kv_bytes_per_token(ensure_demo_model("tiny")) == 2 * cfg["num_hidden_layers"] * heads * dim * width
+    assert model_kv_bytes_per_token("/no/such/model") is None
