@@ -502,7 +502,7 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
     from backend.main import budget_warnings, model_kv_bytes_per_token
 
     for m in cfg.models:  # each backend logged them above, among its start-up lines
-        kv = model_kv_bytes_per_token(m.model) if m.model else None
+        kv = model_kv_bytes_per_token(m.path) if m.path else None
         lines += [f"  warning    {m.name}: {w}" for w in budget_warnings(str(m.cache_bytes), parse_bytes(m.cache_bytes),
                                                                            kv_per_token=kv)]
     print("\n".join(lines + [""]), file=sys.stderr, flush=True)

@@ -153,7 +153,7 @@ def test_serve_gone_by_sighup_or_sigkill_leaves_nothing_running(demo_model, tmp_
         # SIGHUP as a terminal session has it, however this test run was started (nohup ignores it).
         # (and a budget too small to cache anything: the ready summary repeats the backends' warning)
         p = subprocess.Popen(MLXGW + ["serve", "--backends", "1", "--port", str(port), "--backend-port", str(bport),
-                                      "--cache-bytes", "512K"],
+                                      "--cache-bytes", "64K"],
                              stdout=open(logf, "wb"), stderr=subprocess.STDOUT,
                              preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
         try:
@@ -204,8 +204,9 @@ def test_serve_gone_by_sighup_or_sigkill_leaves_nothing_running(demo_model, tmp_
             if p.poll() is None:
                 p.kill()
         out = logf.read_text()
-        assert ("mlxgw is ready" in out and "  warning    demo-tiny: --cache-bytes 512K is 524288 bytes: too small to "
-                "hold a prompt, so nothing will be cached" in out.split("mlxgw is ready", 1)[1]), out[-3000:]
+        assert ("mlxgw is ready" in out and "  warning    demo-tiny: --cache-bytes 64K is 65536 bytes: less than 256 "
+                "tokens of this model's KV (512 bytes a token), so next to nothing will be cached"
+                in out.split("mlxgw is ready", 1)[1]), out[-3000:]
         if sig == signal.SIGHUP:
             assert rc == 0 and "mlxgw stopped." in out, out[-2000:]
         else:
