@@ -186,9 +186,6 @@ class DiskTier:
     def entries(self) -> list[CacheEntry]:
         return list(self._entries.values())
 
-    def get(self, entry_id: int) -> Optional[CacheEntry]:
-        return self._entries.get(entry_id)
-
     def parts(self, entry: CacheEntry) -> list[tuple[int, int, str]]:
         """``entry``'s chain as ``(start, end, file name)`` per part, root first."""
         return [(p.start, p.end, p.path.name) for p in self._tails[entry.id].chain()]

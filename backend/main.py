@@ -174,12 +174,10 @@ SMALL_BUDGET_TOKENS = 256
 def model_kv_bytes_per_token(model_path) -> Optional[int]:
     """KV bytes per token of the model in ``model_path`` from its ``config.json`` (2 bytes a value,
     4 for a float32 model); None when it cannot be read (a hub name, another layout)."""
-    from . import sim
-
     try:
         cfg = json.loads((Path(model_path).expanduser() / "config.json").read_text())
-        layers, heads, dim = sim.kv_config_from_file(Path(model_path).expanduser() / "config.json")
-    except (OSError, ValueError, KeyError, TypeError):
+        layers, heads, dim = sim.kv_config(cfg)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return sim.kv_bytes_per_token(layers, heads, dim, 4 if cfg.get("torch_dtype") == "float32" else 2)
 
@@ -194,15 +192,12 @@ def budget_warnings(text: str, budget: int, total_memory: Optional[int] = None,
     (helper-56/57: a tiny model's 512 KB held 1,000 tokens and was called too small), else
     below `SMALL_BUDGET_BYTES`."""
     out = []
-    if kv_per_token:
-        if budget < kv_per_token * SMALL_BUDGET_TOKENS:
-            bare = text.strip().replace(".", "", 1).isdigit()
-            out.append(f"--cache-bytes {text} is {budget} bytes: less than {SMALL_BUDGET_TOKENS} tokens of this "
-                       f"model's KV ({kv_per_token} bytes a token), so next to nothing will be cached" +
-                       (f" (a size without a unit counts bytes; did you mean {text.strip()}MB?)" if bare else ""))
-    elif budget < SMALL_BUDGET_BYTES:
+    small = budget < kv_per_token * SMALL_BUDGET_TOKENS if kv_per_token else budget < SMALL_BUDGET_BYTES
+    if small:
+        why = (f"less than {SMALL_BUDGET_TOKENS} tokens of this model's KV ({kv_per_token} bytes a token), so next "
+               "to nothing will be cached") if kv_per_token else "too small to hold a prompt, so nothing will be cached"
         bare = text.strip().replace(".", "", 1).isdigit()
-        out.append(f"--cache-bytes {text} is {budget} bytes: too small to hold a prompt, so nothing will be cached" +
+        out.append(f"--cache-bytes {text} is {budget} bytes: {why}" +
                    (f" (a size without a unit counts bytes; did you mean {text.strip()}MB?)" if bare else ""))
     if total_memory is None:
         import psutil

@@ -85,7 +85,15 @@ def kv_config_from_file(path: str | Path) -> tuple[int, int, int]:
     Raises:
         OSError / ValueError / KeyError: unreadable file or missing fields.
     """
-    cfg = json.loads(Path(path).read_text())
+    return kv_config(json.loads(Path(path).read_text()))
+
+
+def kv_config(cfg: dict) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) from a parsed Hugging Face ``config.json``.
+
+    Raises:
+        KeyError / ValueError / TypeError: missing or odd fields.
+    """
     cfg = cfg.get("text_config", cfg)
     layers = int(cfg["num_hidden_layers"])
     kv_heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])

@@ -38,6 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend import sim  # noqa: E402
+from backend.main import model_kv_bytes_per_token  # noqa: E402
 from bench.restart import _ask, _drop_page_cache  # noqa: E402
 from mlxgw.demo_model import ensure_demo_model  # noqa: E402
 from mlxgw.harness import RedisServer, Stack, free_port  # noqa: E402
@@ -149,11 +150,7 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
     model_path = args.model or str(ensure_demo_model("bench"))
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    kv_per_token = sim.kv_bytes_per_token(cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or
-                                          cfg["num_attention_heads"], cfg.get("head_dim") or
-                                          cfg["hidden_size"] // cfg["num_attention_heads"], 4 if cfg.get(
-                                              "torch_dtype") == "float32" else 2)
+    kv_per_token = model_kv_bytes_per_token(model_path)
     tier_dir = Path(tempfile.mkdtemp(prefix="mlxgw-disk-tier-", dir=args.tier_dir))
     rows, probes = [], []
     try:
