@@ -413,8 +413,6 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
         engine.stop()
         await runner.cleanup()
         return 4
-    reporter.state = "ready"
-    await reporter.heartbeat()
     mib = engine.cache.max_bytes / 2**20
     log.info("backend %s registered at %s (model %s, epoch %d; prompt cache %s MiB, %d entries, %s layout; "
              "%d decode slots)", cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch,
@@ -428,6 +426,10 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
         log.warning("backend %s has no internal token: anything that reaches %s can send it requests directly, "
                     "past the gateways' routing, keys and limits (mlxgw serve sets one; docs/security.md)",
                     cfg.backend_id, reporter.url)
+    # Ready (and /health 200) only after the lines above: whoever waits on /health then reads a
+    # complete start log (a test read it between the two and missed the layout, CI at cd6f088).
+    reporter.state = "ready"
+    await reporter.heartbeat()
     stopper = Stopper(f"backend {cfg.backend_id}")
     watch = asyncio.get_running_loop().create_task(_stop_if_engine_dies(engine, stopper, cfg.backend_id))
     await stopper.wait()
