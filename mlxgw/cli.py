@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 
 from .rlimit import guard_mlx_lm_import
@@ -83,9 +84,25 @@ def _chosen(argv: list[str]) -> str | None:
     return None
 
 
+_NEGATIVE = re.compile(r"-[\d.]")
+
+
+def _negative_values(argv: list[str]) -> list[str]:
+    """``--flag -5MB`` as ``--flag=-5MB``: argparse takes a value starting with ``-`` that is
+    not a plain number for an option and says only "expected one argument" (helper-56); joined,
+    the flag's own check says what is wrong with the value."""
+    out: list[str] = []
+    for a in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE.match(a):
+            out[-1] += "=" + a
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _negative_values(sys.argv[1:] if argv is None else argv)
     # Before anything imports mlx-lm (a backend; the demo model build in `serve` or a
     # gateway with no model, whose children inherit the limit): its import would cap
     # the open-files limit. This does not import mlx-lm itself.

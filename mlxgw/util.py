@@ -60,14 +60,19 @@ def parse_bytes(s: str | int) -> int:
     ``'4k'``, ``'1000000'``, ``'100B'`` (case does not matter; ``1G = 2**30``).
 
     Raises:
-        ValueError: unparseable size (the sign is kept: see ``positive_bytes``).
+        ValueError: unparseable size, or a fraction of a byte (``'1.5'`` meant 1.5 of some
+            unit: it read as 1 byte, helper-57); the sign is kept: see ``positive_bytes``.
     """
     if isinstance(s, int) and not isinstance(s, bool):
         return s
     m = _SIZE.fullmatch(s) if isinstance(s, str) else None
     if not m:
         raise ValueError(f"{s!r} is not a size")
-    return int(float(m.group(1)) * _UNIT[m.group(2) and m.group(2).upper()])
+    unit = _UNIT[m.group(2) and m.group(2).upper()]
+    n = float(m.group(1)) * unit
+    if unit == 1 and n != int(n):
+        raise ValueError(f"{s!r} is a fraction of a byte (a unit is missing)")
+    return int(n)
 
 
 def positive_bytes(s: str | int) -> int:
@@ -80,8 +85,9 @@ def positive_bytes(s: str | int) -> int:
     """
     try:
         n = parse_bytes(s)
-    except ValueError:
-        raise ValueError(f"{s!r} is not a size (e.g. 2GB, 512MB)") from None
+    except ValueError as e:
+        raise ValueError(f"{e} (e.g. 2GB, 512MB)" if "fraction" in str(e) else
+                         f"{s!r} is not a size (e.g. 2GB, 512MB)") from None
     if n <= 0:
         raise ValueError(f"{s!r} must be more than 0 bytes (e.g. 2GB, 512MB)")
     return n

@@ -297,6 +297,18 @@ def test_sizes_that_are_not_sizes_are_refused(text):
         parse_bytes(text)
 
 
+@pytest.mark.parametrize("text", ["1.5", "0.5B", "2.25 b"])
+def test_a_fraction_of_a_byte_is_refused_not_rounded(text):
+    """``--disk-cache-bytes 1.5`` meant 1.5 of some unit; it read as 1 byte (helper-57)."""
+    from mlxgw.util import parse_bytes, positive_bytes
+
+    with pytest.raises(ValueError, match="is a fraction of a byte"):
+        parse_bytes(text)
+    with pytest.raises(ValueError, match=r"fraction of a byte \(a unit is missing\) \(e\.g\. 2GB"):
+        positive_bytes(text)
+    assert parse_bytes("1.5K") == 1536 and parse_bytes("3.0") == 3
+
+
 def test_a_cache_budget_that_cannot_bind_is_pointed_out():
     """``--cache-bytes 512`` is 512 bytes (a bare number counts bytes): it caches nothing,
     silently (helper-46); a budget above the machine's memory never binds."""
