@@ -84,11 +84,12 @@ MAX_CHAIN = 32
 
 
 class _Part:
-    """KV of tokens ``[start, end)`` of every tier entry whose chain passes through it, in one
-    file (``path``): a safetensors file of per-layer keys and values (`KVOps.write_host`), or
-    with ``whole`` a whole entry in mlx-lm's format (layer types the host path does not cover;
-    never extended). ``refs``: the entries ending here plus the child parts. ``origin``: the
-    entry whose save wrote it."""
+    """KV of tokens ``[start, end)``, in one file (``path``): a safetensors file of per-layer
+    keys and values (`KVOps.write_host`), or with ``whole`` a whole entry in mlx-lm's format
+    (layer types the host path does not cover; never extended). A chain passing through it
+    uses its tokens from ``start`` up to where its next part starts: at ``end``, or inside it
+    where a conversation branched off one written before (`_spans`). ``refs``: the entries
+    ending here plus the child parts. ``origin``: the entry whose save wrote it."""
 
     __slots__ = ("id", "start", "end", "nbytes", "parent", "refs", "path", "whole", "origin")
 
@@ -187,8 +188,9 @@ class DiskTier:
         return list(self._entries.values())
 
     def parts(self, entry: CacheEntry) -> list[tuple[int, int, str]]:
-        """``entry``'s chain as ``(start, end, file name)`` per part, root first."""
-        return [(p.start, p.end, p.path.name) for p in self._tails[entry.id].chain()]
+        """``entry``'s chain as ``(start, end, file name)`` per part, root first: the tokens
+        ``[start, end)`` it uses of each file (a file may hold more, `_Part`)."""
+        return [(a, b, p.path.name) for p, a, b in _spans(self._tails[entry.id].chain(), len(entry))]
 
     def drop(self, entry: CacheEntry) -> None:
         """Remove ``entry`` (the parts no other entry uses deleted); the caller tells the listener."""
@@ -208,7 +210,8 @@ class DiskTier:
 
         Only what the tier does not hold is written: the entry's chain starts with the
         longest chain of parts already here that its tokens continue (at least ``min_share``
-        tokens, ending at a part's end), and the rest goes into new parts cut at ``cuts``
+        tokens, ending at a part's end or inside one, `_reusable`), and the rest goes into new
+        parts cut at ``cuts``
         (token positions: the memory chain's segment starts and the end of the prompt, where
         other prompts may branch off). An agent's conversation evicted turn after turn so
         writes each turn's new tokens, not the whole conversation again, and conversations
@@ -228,10 +231,9 @@ class DiskTier:
         t, n = entry.tokens, len(entry)
         common = self._index.sharing(t)  # entry id -> common prefix, of those sharing any (the rest: 0)
         host = self.ops.to_host(kv)  # None: layers the host path does not cover, one whole file
-        base = self._reusable(common, min_share) if host is not None else None
+        base, b = self._reusable(common, min_share) if host is not None else (None, 0)
         if self.max_chain == 1:
             cuts = ()
-        b = base.end if base is not None else 0
         if base is not None:
             base.refs += 1  # pinned: the drops and evictions below must not free it
         gone = [e for e in (self._entries[i] for i in common)
@@ -306,23 +308,35 @@ class DiskTier:
         self._make_room()
         return d, gone
 
-    def _reusable(self, common: dict[int, int], min_share: int) -> Optional[_Part]:
-        """The deepest part of a held chain that a new entry's tokens continue (``common``: entry
-        id -> common prefix with them): its end is at least ``min_share`` tokens; None if none.
-        Chains of ``max_chain`` parts are not extended (a read opens a file per part)."""
-        best = None
+    def _reusable(self, common: dict[int, int], min_share: int) -> tuple[Optional[_Part], int]:
+        """Where a new entry's chain branches off the held ones (``common``: entry id -> common
+        prefix with its tokens): ``(part, at)``, the new parts starting at token ``at`` under
+        ``part``, for the largest ``at`` of at least ``min_share`` tokens; ``(None, 0)`` if none.
+
+        ``at`` is a part's end, or inside the part where the tokens diverge when at least half
+        of that part's own tokens are shared: a conversation that branched off one written
+        before (the traces' shared prefixes end inside parts, measured in session 34) then
+        holds the prefix once, and the part's unshared tail, kept as long as the new chain
+        lives, never weighs more than the write it saved. Chains of ``max_chain`` parts are not
+        extended (a read opens a file per part)."""
+        best, at = None, 0
         for ident, c in common.items():
-            if c < min_share or (best is not None and c <= best.end):
+            if c < min_share or c <= at:
                 continue
-            chain = self._tails[ident].chain()
-            if len(chain) >= self.max_chain:
+            spans = _spans(self._tails[ident].chain(), len(self._entries[ident]))
+            i = next(i for i, (_, _, end) in enumerate(spans) if c < end or i == len(spans) - 1)
+            p, a, end = spans[i]
+            depth = i + 1
+            if c >= end:  # the whole entry: branch at its end
+                cand = end
+            elif c - a >= p.end - c:  # inside p: at least half of what p holds is shared
+                cand = c
+            else:  # back to p's parent, at p's start
+                p, cand, depth = (spans[i - 1][0], a, i) if i > 0 else (None, 0, 0)
+            if p is None or p.whole or depth > self.max_chain - 1 or cand < min_share or cand <= at:
                 continue
-            for p in reversed(chain):
-                if p.end <= c:
-                    if not p.whole and p.end >= min_share and (best is None or p.end > best.end):
-                        best = p
-                    break
-        return best
+            best, at = p, cand
+        return best, at
 
     def read(self, entry: CacheEntry, n: int, clock: int) -> tuple[object, Optional[CacheEntry]]:
         """Read ``entry``'s first ``n`` tokens of KV now, in the caller's thread: each part from
@@ -376,8 +390,8 @@ class DiskTier:
                     kv = pieces[0]
                     self.ops.trim(kv, job.parts[0].end - job.n)
                 else:  # one KV of the chain's tokens, as rule 7's segments are joined in memory
-                    kv = self.ops.join([(self.ops.kv_parts(x), min(p.end, job.n) - p.start)
-                                        for x, p in zip(pieces, job.parts)], job.n)
+                    kv = self.ops.join([(self.ops.kv_parts(x), b - a)
+                                        for x, (_, a, b) in zip(pieces, _spans(job.parts, job.n))], job.n)
             except Exception as x:
                 err = x
         if err is None:
@@ -860,6 +874,14 @@ class DiskRead:
         self.error = None
         self.bad = None  # the part a failed read stopped at
         self.done = threading.Event()
+
+
+def _spans(chain: list[_Part], n: int) -> list[tuple[_Part, int, int]]:
+    """``(part, start, end)`` per part of ``chain`` (root first): the tokens ``[start, end)``
+    a chain of ``n`` tokens uses of each, up to where the next part starts (a chain may
+    branch off inside a part, `DiskTier._reusable`) and at most ``n``."""
+    ends = [p.start for p in chain[1:]] + [n]
+    return [(p, p.start, min(e, p.end, n)) for p, e in zip(chain, ends) if p.start < n]
 
 
 def _records(manifest: dict) -> tuple[dict, list]:

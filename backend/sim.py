@@ -235,6 +235,9 @@ class SimKVOps(KVOps):
         return SimKV(at, parts.timing), SimKV(parts.n - at, parts.timing)
 
     def join(self, pieces, n: int):
+        # As the real join's concatenation: the pieces' counts make the n tokens, each within its piece.
+        if sum(m for _, m in pieces) != n or any(not 0 < m <= kv.n for kv, m in pieces):
+            raise ValueError(f"pieces of {[(kv.n, m) for kv, m in pieces]} tokens do not join into {n}")
         return SimKV(n, pieces[0][0].timing)
 
 

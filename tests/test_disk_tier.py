@@ -531,6 +531,10 @@ def test_a_real_backend_extends_a_chain_on_disk_turn_after_turn_with_the_right_k
      "--disk-cache-dir must differ from --cache-dir"),
     (["--disk-cache-dir", "{tmp}/t", "--disk-cache-bytes", "1GB", "--disk-write-queue-bytes", "lots"],
      "--disk-write-queue-bytes: 'lots' is not a size"),
+    (["--disk-cache-dir", "{tmp}/t", "--disk-cache-bytes", "1.5"],
+     "--disk-cache-bytes: '1.5' is a fraction of a byte (a unit is missing)"),
+    (["--disk-cache-dir", "{tmp}/t", "--disk-cache-bytes", "-5MB"],  # argparse said "expected one argument"
+     "--disk-cache-bytes: '-5MB' must be more than 0 bytes"),
 ])
 def test_disk_tier_flags_that_cannot_work_stop_the_backend_with_the_reason(tmp_path, flags, says):
     r = subprocess.run([sys.executable, "-m", "mlxgw", "backend", *[f.format(tmp=tmp_path) for f in flags]],
@@ -726,6 +730,46 @@ def test_conversations_on_one_system_prompt_hold_it_once_on_disk(tmp_path):
     # A prompt on b's conversation that memory does not serve past the system prompt: from disk.
     hit = c.fetch(b[:250] + [7])
     assert hit.reused == 250 and disk.read_tokens == 250 and owners.gaps == 0
+
+
+@pytest.mark.parametrize("pending", [None, 10**9])
+def test_a_conversation_branching_inside_a_part_on_disk_shares_that_part(tmp_path, pending):
+    """The whole layout cuts no segments, so a conversation goes to disk as one part. A second
+    conversation on its 200-token system prompt branches off inside that part: it writes only
+    its own 100 tokens and reads the first 200 of the other's file (the read joins 200 + 100
+    tokens); the file outlives its first entry while the second uses it, and across a restart.
+    A conversation sharing less than half of a part writes its own copy (the part's unshared
+    tail, kept for it, would weigh more than the write saved)."""
+    c, disk, owners = _cache(tmp_path, "whole", memory_tokens=350, pending=pending, settings=SETTINGS)
+    system = list(range(50, 250))
+    a, b = system + _conv(0, 100), system + _conv(1, 100)
+    for t in (a, b, _conv(2)):  # memory holds one: a, then b, go to disk
+        _save(c, t)
+    assert disk.flush(5)
+    da, db = (next(e for e in disk.entries() if e.tokens.tolist() == t) for t in (a, b))
+    assert [p[:2] for p in disk.parts(da)] == [(0, 300)]
+    assert [p[:2] for p in disk.parts(db)] == [(0, 200), (200, 300)] and disk.parts(db)[0][2] == disk.parts(da)[0][2]
+    assert disk.write_bytes == disk.nbytes == 400 * BPT and db.nbytes == 400 * BPT  # b's chain: both files
+    hit = c.fetch(b + [1], defer=True)
+    if pending:  # the reader thread reads both files (the first whole); without a queue, all inline
+        assert [(p.start, p.end) for p in hit.read.parts] == [(0, 300), (200, 300)]
+        hit = c.finish_read(hit)  # the sim's join checks the pieces: 200 tokens of the first file, 100 of the second
+    assert hit.reused == 300 and c.ops.nbytes(hit.kv) == 300 * BPT and disk.read_tokens == 300
+    disk.drop(da)  # a leaves the tier: its file stays under b
+    assert len(_names(tmp_path)) == 2 and disk.nbytes == 400 * BPT
+    assert c.fetch(b + [2]).reused == 300
+    # Shares 100 tokens of b's 200-token first part, 100 of a's: too little of either to use.
+    d = system[:100] + _conv(3, 200)
+    _save(c, d)
+    _save(c, _conv(4))
+    dd = next(e for e in disk.entries() if e.tokens.tolist() == d)
+    assert [p[:2] for p in disk.parts(dd)] == [(0, 300)] and disk.parts(dd)[0][2] not in {x[2] for x in disk.parts(db)}
+    disk.close()
+    c, disk, owners = _cache(tmp_path, "whole", memory_tokens=350, pending=10**9, settings=SETTINGS)
+    assert disk.adopted[:3] == (len(disk), sum(len(e) for e in disk.entries()), disk.nbytes)
+    db = next(e for e in disk.entries() if e.tokens.tolist() == b)
+    assert [p[:2] for p in disk.parts(db)] == [(0, 200), (200, 300)]
+    assert c.fetch(b + [3]).reused == 300 and disk.failures == 0
 
 
 def test_a_deferred_read_reads_only_the_parts_holding_the_prompts_prefix(tmp_path):
