@@ -524,6 +524,41 @@ def test_a_real_backend_extends_a_chain_on_disk_turn_after_turn_with_the_right_k
     assert health["disk_write_bytes"] - held <= 100 * per_token, (health, per_token)
 
 
+def test_a_real_backend_shares_a_part_on_disk_with_a_conversation_branching_inside_it(make_stack, tmp_path):
+    """A real mlx-lm backend, whole layout (no segment cuts), memory for about one conversation:
+    two conversations opening with the same 300 words go to disk; the second's chain branches
+    off inside the first's prompt part (the shared words held once, in the first's file), and
+    each next turn, read back through that file, has the cached tokens and greedy answer of a
+    reference backend that kept everything in memory."""
+    s = make_stack()
+    b = s.add_backend("b0", None, "--cache-bytes", "0.5MB", "--cache-layout", "whole",
+                      "--disk-cache-dir", str(tmp_path / "tier"), "--disk-cache-bytes", "64MB")
+    ref = s.add_backend("ref", None, "--cache-bytes", "256MB")
+    s.wait()
+    opening = words(300, seed=300)
+    texts = [[opening + " " + words(40, seed=310 + k)] for k in range(2)]
+    answers: list = [[], []]
+    for k in range(2):
+        got, want = _turns(b.url, texts[k], answers[k]), _turns(ref.url, texts[k], answers[k])
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], k
+        answers[k].append(got["choices"][0]["message"]["content"])
+    _chat(b.url, words(300, seed=950))  # pushes the second conversation to disk too
+    cache = get_json(b.url + "/internal/cache")
+    first, second = sorted(cache["disk"], key=lambda e: e["parts"][0][1], reverse=True)
+    # The first: its prompt part, then its answer's; the second uses the first file's opening.
+    assert len(first["parts"]) == 2 and first["parts"][0][0] == 0 and len(second["parts"]) == 3, cache["disk"]
+    branch = second["parts"][0][1]
+    assert 300 < branch < first["parts"][0][1] and second["parts"][1][0] == branch, cache["disk"]
+    assert cache["disk_nbytes"] < first["nbytes"] + second["nbytes"], cache  # that file counted once
+    for k in (1, 0):
+        texts[k].append(words(20, seed=320 + k))
+        got, want = _turns(b.url, texts[k], answers[k]), _turns(ref.url, texts[k], answers[k])
+        assert got["usage"] == want["usage"], k  # the same tokens reused from disk as from memory
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], k
+    health = get_json(b.url + "/health")
+    assert health["disk_reads"] == 2 and health["disk_failures"] == 0, health
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--disk-cache-bytes", "1GB"], "--disk-cache-bytes needs a directory: --disk-cache-dir, or --cache-dir"),
     (["--disk-cache-dir", "{tmp}/t"], "--disk-cache-dir needs --disk-cache-bytes"),
