@@ -81,6 +81,9 @@ FORMAT = 2  # 2: chains of parts (session 34); 1: one whole file per entry, stil
 #: Parts beyond which an entry's chain is not extended: a save continuing it writes a chain of
 #: its own (a read opens one file per part).
 MAX_CHAIN = 32
+#: Shared fraction of a part from which a chain branches off inside it (`DiskTier._reusable`):
+#: at a half, the part's tail kept for the new chain never weighs more than the write it saved.
+BRANCH_SHARE = 0.5
 
 
 class _Part:
@@ -119,19 +122,24 @@ class DiskTier:
             left under equal settings is adopted, and `close` keeps this one; None: neither.
         max_chain: most parts of one entry's chain (``--disk-chain-parts``); 1: one whole
             file per entry, written in full at each spill (session 33's tier; the A/B knob).
+        branch_share: a chain branches off inside a part when at least this fraction of the
+            part's tokens is shared (``--disk-branch-share``, `_reusable`); 1: only at a
+            part's end (session 34's tier; the A/B knob).
 
     Raises:
-        ValueError: ``max_bytes <= 0`` or ``max_chain < 1``.
+        ValueError: ``max_bytes <= 0``, ``max_chain < 1`` or ``branch_share`` not in (0, 1].
         OSError: the directory cannot be made or listed.
     """
 
     def __init__(self, directory: Path, max_bytes: int, ops, max_pending_bytes: Optional[int] = None,
-                 settings: Optional[dict] = None, max_chain: int = MAX_CHAIN):
+                 settings: Optional[dict] = None, max_chain: int = MAX_CHAIN, branch_share: float = BRANCH_SHARE):
         if max_bytes <= 0:
             raise ValueError("the disk tier needs a byte budget > 0")
         if max_chain < 1:
             raise ValueError("an entry's chain needs at least one part")
-        self.max_chain = max_chain
+        if not 0 < branch_share <= 1:
+            raise ValueError("branch_share is a fraction of a part: in (0, 1]")
+        self.max_chain, self.branch_share = max_chain, branch_share
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.directory, 0o700)  # the tier's own directory, owner-only even if the user made it
@@ -313,8 +321,8 @@ class DiskTier:
         prefix with its tokens): ``(part, at)``, the new parts starting at token ``at`` under
         ``part``, for the largest ``at`` of at least ``min_share`` tokens; ``(None, 0)`` if none.
 
-        ``at`` is a part's end, or inside the part where the tokens diverge when at least half
-        of that part's own tokens are shared: a conversation that branched off one written
+        ``at`` is a part's end, or inside the part where the tokens diverge when at least
+        ``branch_share`` (a half) of that part's own tokens are shared: a conversation that branched off one written
         before (the traces' shared prefixes end inside parts, measured in session 34) then
         holds the prefix once, and the part's unshared tail, kept as long as the new chain
         lives, never weighs more than the write it saved. Chains of ``max_chain`` parts are not
@@ -329,7 +337,7 @@ class DiskTier:
             depth = i + 1
             if c >= end:  # the whole entry: branch at its end
                 cand = end
-            elif c - a >= p.end - c:  # inside p: at least half of what p holds is shared
+            elif c - a >= self.branch_share * (p.end - a):  # inside p: enough of what p holds is shared
                 cand = c
             else:  # back to p's parent, at p's start
                 p, cand, depth = (spans[i - 1][0], a, i) if i > 0 else (None, 0, 0)

@@ -20,11 +20,11 @@ from mlxgw.config import ModelConfig
 from mlxgw.prompt import tokenizer_fingerprint
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.stopping import Stopper
-from mlxgw.util import is_loopback, parse_bytes, positive_int, redact_url, size_arg, size_text
+from mlxgw.util import is_loopback, parse_bytes, positive_int, redact_url, share_arg, size_arg, size_text
 
 from . import persist, sim
 from .cache import LAYOUTS, KVOps, PromptCache
-from .disktier import MAX_CHAIN, DiskTier
+from .disktier import BRANCH_SHARE, MAX_CHAIN, DiskTier
 from .engine import DEFAULT_PREFILL_ORDER, PREFILL_ORDERS
 from .metrics import BackendMetrics
 from .report import Reporter
@@ -83,6 +83,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "entry that continues a chain on disk writes only its new tokens, up to this many parts "
                         "(default %(default)s; 1: one whole file per entry, each eviction writing all of it; a turn "
                         "adds a part for its prompt and one for its answer, so below 4 chains barely grow)")
+    p.add_argument("--disk-branch-share", type=share_arg, default=BRANCH_SHARE,
+                   help="with --disk-cache-bytes: an entry whose tokens leave a chain on disk inside one of its "
+                        "parts uses that part's first tokens (reading its whole file) when they are at least this "
+                        "fraction of it, and writes only the rest (default %(default)g; 1: only where a part "
+                        "ends, each such entry writing its own copy from that part's start)")
     p.add_argument("--disk-cache-dir", help="with --disk-cache-bytes: where its files go (default: "
                                              "<--cache-dir>/tier); kept at a clean stop for the next start "
                                              "with the same model and settings")
@@ -269,7 +274,7 @@ def disk_tier(args: argparse.Namespace, cache_dir: Optional[Path], ops, settings
         if pending is not None and pending < 0:
             raise ValueError("--disk-write-queue-bytes must be >= 0")
     tier = DiskTier(where, budget, ops or KVOps(), max_pending_bytes=pending, settings=settings,
-                    max_chain=args.disk_chain_parts)
+                    max_chain=args.disk_chain_parts, branch_share=args.disk_branch_share)
     free = shutil.disk_usage(where).free
     if free < budget:
         log.warning("the disk tier's budget (%s) exceeds the free space in %s (%s): once the disk is full, new "

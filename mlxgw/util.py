@@ -51,6 +51,19 @@ def positive_int(s: str) -> int:
     return v
 
 
+def share_arg(s: str) -> float:
+    """argparse type: a fraction in (0, 1]. Raises argparse.ArgumentTypeError otherwise."""
+    import argparse
+
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 1, not {s}")
+    return v
+
+
 _SIZE = re.compile(r"\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:E[+-]?\d+)?)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
 _UNIT = {None: 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 

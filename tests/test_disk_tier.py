@@ -14,7 +14,7 @@ import pytest
 
 from backend import sim
 from backend.cache import PromptCache
-from backend.disktier import MAX_CHAIN, DiskTier
+from backend.disktier import BRANCH_SHARE, MAX_CHAIN, DiskTier
 from mlxgw.httpget import get_json, post
 from texts import words
 
@@ -48,10 +48,10 @@ BPT = 10  # sim KV bytes per token
 
 
 def _cache(tmp_path, layout, memory_tokens=700, disk_tokens=10_000, pending=None, timing=None, settings=None,
-           max_chain=MAX_CHAIN, **kw):
+           max_chain=MAX_CHAIN, branch_share=BRANCH_SHARE, **kw):
     ops = sim.SimKVOps(timing or sim.SimTiming(kv_bytes_per_token=BPT))
     disk = DiskTier(tmp_path / "tier", disk_tokens * BPT, ops, max_pending_bytes=pending, settings=settings,
-                    max_chain=max_chain)
+                    max_chain=max_chain, branch_share=branch_share)
     owners = Owners()
     c = PromptCache(max_entries=10, max_bytes=memory_tokens * BPT, layout=layout, share_min_tokens=16,
                     min_hit_tokens=32, listener=owners, ops=ops, disk=disk, **kw)
@@ -570,6 +570,8 @@ def test_a_real_backend_shares_a_part_on_disk_with_a_conversation_branching_insi
      "--disk-cache-bytes: '1.5' is a fraction of a byte (a unit is missing)"),
     (["--disk-cache-dir", "{tmp}/t", "--disk-cache-bytes", "-5MB"],  # argparse said "expected one argument"
      "--disk-cache-bytes: '-5MB' must be more than 0 bytes"),
+    (["--disk-cache-dir", "{tmp}/t", "--disk-cache-bytes", "1GB", "--disk-branch-share", "0"],
+     "--disk-branch-share: must be more than 0 and at most 1, not 0"),
 ])
 def test_disk_tier_flags_that_cannot_work_stop_the_backend_with_the_reason(tmp_path, flags, says):
     r = subprocess.run([sys.executable, "-m", "mlxgw", "backend", *[f.format(tmp=tmp_path) for f in flags]],
@@ -805,6 +807,20 @@ def test_a_conversation_branching_inside_a_part_on_disk_shares_that_part(tmp_pat
     db = next(e for e in disk.entries() if e.tokens.tolist() == b)
     assert [p[:2] for p in disk.parts(db)] == [(0, 200), (200, 300)]
     assert c.fetch(b + [3]).reused == 300 and disk.failures == 0
+
+
+def test_branching_inside_a_part_follows_the_shared_fraction_asked(tmp_path):
+    """``--disk-branch-share``: 1 branches only at a part's end (each conversation its own copy
+    here), 0.3 inside a part a third of which is shared."""
+    system = list(range(50, 150))
+    for share, b_parts, written in ((1.0, [(0, 300)], 600), (0.3, [(0, 100), (100, 300)], 500)):
+        c, disk, _ = _cache(tmp_path / str(share), "whole", memory_tokens=350, branch_share=share)
+        a, b = system + _conv(0, 200), system + _conv(1, 200)
+        for t in (a, b, _conv(2)):
+            _save(c, t)
+        db = next(e for e in disk.entries() if e.tokens.tolist() == b)
+        assert [p[:2] for p in disk.parts(db)] == b_parts and disk.write_bytes == written * BPT, share
+        assert c.fetch(b + [1]).reused == 300
 
 
 def test_a_deferred_read_reads_only_the_parts_holding_the_prompts_prefix(tmp_path):
