@@ -176,6 +176,7 @@ class DiskTier:
         self._sums: dict[int, str] = {}  # part id -> its file's xxh3-128
         # Across restarts (`checkpoint`, `_adopt`).
         self._synced: set[int] = set()  # parts whose file was flushed for a manifest
+        self._sizes: dict[int, int] = {}  # part id -> its file's bytes, as the manifest records them
         self._version = 0  # bumped by every change of the entries on disk
         self._checkpointed = 0  # `_version` the manifest on disk describes
         self._tokens_file = ""  # the token file the manifest on disk names
@@ -573,7 +574,7 @@ class DiskTier:
         part_records = [*(r for r in self._left["parts"] if r["file"] not in names),  # left out by this run's budget
                         *({"file": p.path.name, "start": p.start, "end": p.end, "nbytes": p.nbytes,
                            "parent": p.parent.path.name if p.parent is not None else None, "whole": p.whole,
-                           "checksum": self._sums[p.id]} for p in parts.values())]
+                           "checksum": self._sums[p.id], "size": self._file_size(p)} for p in parts.values())]
         records = [*self._left["entries"],  # an earlier run's entries this run's budget left out, still on disk
                    *({"part": self._tails[e.id].path.name, "tokens": len(e), "nbytes": e.nbytes,
                       "cache_type": e.cache_type, "prompt_tokens": e.prompt_tokens, "hits": e.hits,
@@ -600,6 +601,14 @@ class DiskTier:
             _unlink(self.directory / old)
         self._named = {r["file"] for r in part_records}
         self._delete_doomed()
+
+    def _file_size(self, p: _Part) -> int:
+        """``p``'s file's bytes (flushed: final), for the manifest: a file cut short is then
+        found at the next start by its size, before any read (helper-58)."""
+        size = self._sizes.get(p.id)
+        if size is None:
+            size = self._sizes[p.id] = p.path.stat().st_size
+        return size
 
     def _delete_doomed(self) -> None:
         """Delete the released parts' files that no manifest on disk names any more."""
@@ -680,21 +689,33 @@ class DiskTier:
             return None
         self._tokens_file = tokens_file.name
 
+        unusable: dict[str, str] = {}  # file -> why, for the files the manifest names that cannot serve
+
+        def usable(name):
+            if name not in unusable:
+                r = part_recs.get(name)
+                why = ("not in the manifest" if r is None else "missing" if name not in files else
+                       f"{files[name].stat().st_size:,} bytes where {int(r['size']):,} were written"
+                       if "size" in r and files[name].stat().st_size != r["size"] else "")
+                unusable[name] = why
+            return not unusable[name]
+
         def chain(name):  # a part's chain of records, root first; None if a file or record is missing
             out = []
             while name is not None:
-                r = part_recs.get(name)
-                if r is None or name not in files:
+                if not usable(name):
                     return None
+                r = part_recs[name]
                 out.append(r)
                 name = r["parent"]
             return out[::-1]
 
-        room, keep, kept_parts, left = self.max_bytes, [], {}, []
+        room, keep, kept_parts, left, lost = self.max_bytes, [], {}, [], 0
         for m in reversed(entry_recs):  # newest first
             ch = chain(m["part"])
-            if ch is None:
-                continue  # removed after that manifest was written
+            if ch is None:  # a file removed or cut short after that manifest was written
+                lost += 1
+                continue
             add = sum(r["nbytes"] for r in ch if r["file"] not in kept_parts)
             if add <= room:
                 keep.append(m)
@@ -735,6 +756,8 @@ class DiskTier:
             made[name] = p
             self._parts[p.id] = p
             self._sums[p.id] = r["checksum"]
+            if "size" in r:
+                self._sizes[p.id] = int(r["size"])
             self._synced.add(p.id)
             self.nbytes += p.nbytes
         new_ids = itertools.count(-1, -1)
@@ -748,6 +771,11 @@ class DiskTier:
             self._index.add(e.id, e.tokens)
             self._tails[e.id] = tail
         self._checkpointed = self._version  # the manifest on disk names exactly these (and the left ones)
+        if lost:
+            bad = sorted((n, why) for n, why in unusable.items() if why)
+            log.warning("disk tier: %d entries kept in %s not adopted: %s%s; their prompts are prefilled when "
+                        "they come back", lost, self.directory, "; ".join(f"{n} {why}" for n, why in bad[:3]),
+                        f" (and {len(bad) - 3} more files)" if len(bad) > 3 else "")
         out = (len(self._entries), sum(len(e) for e in self._entries.values()), self.nbytes,
                f"{len(left)} left out by this run's budget (kept on disk until this run writes its own entries)"
                if left else "")
@@ -858,6 +886,7 @@ class DiskTier:
             if part.path.name in self._named:  # deleted at the next checkpoint (`_write_manifest`)
                 self._doomed[part.path] = part.nbytes
             self._synced.discard(part.id)
+            self._sizes.pop(part.id, None)
             self._version += 1
             with self._cond:
                 self._unqueue(part.id)  # a write under way finds it gone and removes its file

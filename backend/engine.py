@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import queue
 import shutil
 import threading
@@ -270,7 +271,10 @@ class MLXEngine(Engine):
         self.cache_dir = cache_dir
         self.cache_settings = cache_settings or {}
         self.cache_save_interval = cache_save_interval
-        self._last_save = self._last_busy = time.monotonic()  # `_save_when_idle`
+        # `_save_when_idle`: the interval spaces saves; the first waits only for a quiet moment
+        # (it waited the interval from start: a backend killed in its first 10 minutes lost
+        # everything, helper-58).
+        self._last_save, self._last_busy = -math.inf, time.monotonic()
         self._last_disk_checkpoint = 0.0  # `_checkpoint_disk_when_idle`
         self._saved_state: Optional[tuple] = None  # `_cache_state` at the last save or restore
         self._restored_state: Optional[tuple] = None
@@ -452,7 +456,8 @@ class MLXEngine(Engine):
         """The idle save (``cache_save_interval``): when nothing has run or waited for
         `IDLE_SAVE_QUIET_SECONDS` (the gap between an agent's turns is not idle: a
         turn arriving during a save waits for it, since the engine thread writes), the cache
-        changed since the last save or restore, and the interval has passed since the last one.
+        changed since the last save or restore, and the interval has passed since the last one
+        (the first, only the quiet).
         A crash then loses the changes since the last quiet moment, not everything since the
         last clean stop. Traffic that never pauses is saved only at the stop."""
         now = time.monotonic()

@@ -376,7 +376,7 @@ async def handle_cache(request: web.Request) -> web.Response:
     # The disk tier's entries (cache rule 8), each with its chain of parts: [start, end) tokens per file.
     disk = engine.cache.disk
     tier = [{"id": e.id, "tokens": len(e), "cache_type": e.cache_type, "nbytes": e.nbytes,
-             "parts": [[a, b] for a, b, _ in disk.parts(e)]} for e in disk.entries()] if disk is not None else []
+             "parts": [[a, b, name] for a, b, name in disk.parts(e)]} for e in disk.entries()] if disk is not None else []
     # ``nbytes``: what the cache holds; with the shared layout (cache rule 7) less than the
     # entries' own ``nbytes`` summed, since each counts its whole chain.
     return web.json_response({"entries": entries, "owned": sorted(reporter.owned_blocks()), "epoch": reporter.epoch,

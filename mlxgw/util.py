@@ -78,6 +78,8 @@ def parse_bytes(s: str | int) -> int:
     """
     if isinstance(s, int) and not isinstance(s, bool):
         return s
+    if isinstance(s, float) and s == s:  # a config's number: 1.5 bytes is the same mistake as '1.5'
+        s = repr(s)
     m = _SIZE.fullmatch(s) if isinstance(s, str) else None
     if not m:
         raise ValueError(f"{s!r} is not a size")

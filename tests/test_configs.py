@@ -289,7 +289,7 @@ def test_sizes_take_single_letter_binary_units(text, n):
     assert parse_bytes(text) == n
 
 
-@pytest.mark.parametrize("text", ["lots", "", "GB", "1X", "1 iB", "1.2.3M", "1MBB", 1.5, True, None])
+@pytest.mark.parametrize("text", ["lots", "", "GB", "1X", "1 iB", "1.2.3M", "1MBB", float("nan"), True, None])
 def test_sizes_that_are_not_sizes_are_refused(text):
     from mlxgw.util import parse_bytes
 
@@ -297,7 +297,7 @@ def test_sizes_that_are_not_sizes_are_refused(text):
         parse_bytes(text)
 
 
-@pytest.mark.parametrize("text", ["1.5", "0.5B", "2.25 b"])
+@pytest.mark.parametrize("text", ["1.5", "0.5B", "2.25 b", 1.5])
 def test_a_fraction_of_a_byte_is_refused_not_rounded(text):
     """``--disk-cache-bytes 1.5`` meant 1.5 of some unit; it read as 1 byte (helper-57)."""
     from mlxgw.util import parse_bytes, positive_bytes
@@ -306,7 +306,7 @@ def test_a_fraction_of_a_byte_is_refused_not_rounded(text):
         parse_bytes(text)
     with pytest.raises(ValueError, match=r"fraction of a byte \(a unit is missing\) \(e\.g\. 2GB"):
         positive_bytes(text)
-    assert parse_bytes("1.5K") == 1536 and parse_bytes("3.0") == 3
+    assert parse_bytes("1.5K") == 1536 and parse_bytes("3.0") == 3 and parse_bytes(3.0) == 3
 
 
 def test_a_cache_budget_that_cannot_bind_is_pointed_out():

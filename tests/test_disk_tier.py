@@ -2,6 +2,7 @@
 
 import errno
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -359,6 +360,25 @@ def test_a_damaged_kept_file_costs_its_prefill(tmp_path, caplog):
     assert "checksum differs" in caplog.text
 
 
+@pytest.mark.parametrize("pending", [10**9, None])
+def test_a_kept_file_removed_or_cut_short_is_named_at_the_start(tmp_path, caplog, pending):
+    """A file of the tier deleted or truncated while the backend was down: the start leaves out
+    the entries using it and says which file and why (helper-58: a deleted file was dropped
+    with an INFO line, and a truncated one was adopted to fail at its first read as "damaged")."""
+    _kept(tmp_path, pending=pending)
+    (tmp_path / "tier" / "tier-1.safetensors").unlink()
+    with open(tmp_path / "tier" / "tier-2.safetensors", "r+b") as f:
+        size = f.seek(0, 2)
+        f.truncate(10)
+    caplog.set_level(logging.INFO)
+    c, disk, _ = _cache(tmp_path, "shared", pending=10**9, settings=SETTINGS)
+    assert disk.adopted == (1, 300, 300 * BPT, "") and disk.entries()[0].tokens.tolist() == _conv(2)
+    warning = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert warning.startswith("disk tier: 2 entries kept in ") and "not adopted: tier-1.safetensors missing; " \
+        f"tier-2.safetensors 10 bytes where {size:,} were written; their prompts are prefilled" in warning, warning
+    assert c.fetch(_conv(2) + [1]).reused == 300 and disk.failures == 0
+
+
 class FullDiskOps(sim.SimKVOps):
     """Sim ops whose writes fail with ENOSPC while ``full`` (a disk filling up)."""
 
@@ -549,6 +569,7 @@ def test_a_real_backend_shares_a_part_on_disk_with_a_conversation_branching_insi
     assert len(first["parts"]) == 2 and first["parts"][0][0] == 0 and len(second["parts"]) == 3, cache["disk"]
     branch = second["parts"][0][1]
     assert 300 < branch < first["parts"][0][1] and second["parts"][1][0] == branch, cache["disk"]
+    assert second["parts"][0][2] == first["parts"][0][2] != second["parts"][1][2]  # one file, named under both
     assert cache["disk_nbytes"] < first["nbytes"] + second["nbytes"], cache  # that file counted once
     for k in (1, 0):
         texts[k].append(words(20, seed=320 + k))

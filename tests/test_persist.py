@@ -316,3 +316,25 @@ def test_an_idle_backend_saves_so_a_crash_keeps_the_cache(make_stack, tmp_path):
     b.wait_healthy()
     assert "restored the prompt cache from " in b.log_path.read_text()
     assert get_json(b.url + "/health")["restored_entries"] == 2
+
+
+def test_the_first_idle_save_waits_for_the_quiet_not_the_interval(tmp_path, demo_model):
+    """``--cache-save-interval`` spaces idle saves; a run's first one waits only for the quiet
+    (it waited the interval from the start: a backend SIGKILLed in its first 10 minutes, idle
+    for a minute, had saved nothing, helper-58)."""
+    from backend import engine as engine_mod
+
+    timing = sim.SimTiming()
+    cache = PromptCache(max_entries=8, max_bytes=10**9, ops=sim.SimKVOps(timing))
+    eng = sim.SimEngine(demo_model, cache, 10**9, timing, cache_dir=tmp_path, cache_settings=FP,
+                        cache_save_interval=600)
+    cache.insert(list(range(100, 400)), sim.SimKV(300, timing), "user", prompt_len=300)
+    eng._save_when_idle()  # not quiet yet: nothing saved
+    assert persist.restore(PromptCache(max_entries=8, max_bytes=10**9, ops=sim.SimKVOps(timing)), tmp_path, FP) is None
+    eng._last_busy -= engine_mod.IDLE_SAVE_QUIET_SECONDS + 1
+    eng._save_when_idle()
+    restored = PromptCache(max_entries=8, max_bytes=10**9, ops=sim.SimKVOps(timing))
+    assert persist.restore(restored, tmp_path, FP).entries == 1 and len(restored) == 1
+    cache.insert(list(range(500, 800)), sim.SimKV(300, timing), "user", prompt_len=300)
+    eng._save_when_idle()  # changed, quiet, but within the interval of that save: not saved again
+    assert eng._saved_state != eng._cache_state()
