@@ -9,8 +9,10 @@ oldest evicted once memory is full), then ``--turns`` more rounds of turns, ever
 conversation in turn adding ``--turn-tokens`` ids: with more conversations than fit, each
 turn finds its conversation evicted from memory (``none``: computed again) or on disk
 (``disk``: read back; ``disk-whole``: the same with one whole file per entry, each eviction
-writing the whole conversation again, ``--disk-chain-parts 1``). Variants are interleaved per
-round. Reports per variant: the later turns' hit ratio (cached prompt tokens / prompt tokens,
+writing the whole conversation again, ``--disk-chain-parts 1``; ``disk-nobranch``: chains that
+branch off only at a part's end, ``--disk-branch-share 1``). ``--opening-tokens`` makes every
+conversation start with the same ids (an agent's system prompt and tools), ``--cache-layout``
+sets the backend's. Variants (``--variants``) are interleaved per round. Reports per variant: the later turns' hit ratio (cached prompt tokens / prompt tokens,
 from ``usage``) and request time p50 / mean (one output token: about the TTFT), and the
 backend's disk figures (with the KV bytes it wrote).
 
@@ -45,21 +47,28 @@ from mlxgw.harness import RedisServer, Stack, free_port  # noqa: E402
 from mlxgw.httpget import get_json  # noqa: E402
 
 
-#: ``none``: no tier; ``disk``: the tier (chains of parts); ``disk-whole``: ``--disk-chain-parts 1``.
-VARIANTS = ("none", "disk", "disk-whole")
+#: ``none``: no tier; ``disk``: the tier (chains of parts); ``disk-whole``: ``--disk-chain-parts 1``;
+#: ``disk-nobranch``: ``--disk-branch-share 1``.
+VARIANTS = ("none", "disk", "disk-whole", "disk-nobranch")
 
 
 def one(args, model_path: str, variant: str, round_no: int, tier_dir: Path, kv_per_token: int) -> dict:
     rng = np.random.default_rng(round_no)
-    convs = [rng.integers(1000, 3000, args.prompt_tokens).tolist() for _ in range(args.conversations)]
+    opening = rng.integers(1000, 3000, args.opening_tokens).tolist()
+    convs = [opening + rng.integers(1000, 3000, args.prompt_tokens - len(opening)).tolist()
+             for _ in range(args.conversations)]
     # Room for `fits` conversations at their final length, plus one in flight.
     final = args.prompt_tokens + args.turns * args.turn_tokens + 2 * (args.turns + 1)
     budget = int(kv_per_token * final * (args.fits + 1))
     flags = ["--cache-bytes", str(budget), "--prefill-step-size", "512"]
+    if args.cache_layout:
+        flags += ["--cache-layout", args.cache_layout]
     if variant.startswith("disk"):
         flags += ["--disk-cache-dir", str(tier_dir / f"{variant}-{round_no}"), "--disk-cache-bytes", "8GB"]
     if variant == "disk-whole":  # session 33's tier: one whole file per entry, rewritten at each eviction
         flags += ["--disk-chain-parts", "1"]
+    if variant == "disk-nobranch":  # session 34's chains: shared only where a part ends
+        flags += ["--disk-branch-share", "1"]
     redis = RedisServer().start()
     s = Stack(redis.url, model_path)
     try:
@@ -142,6 +151,10 @@ def main(argv=None) -> int:
     p.add_argument("--conversations", type=int, default=6)
     p.add_argument("--fits", type=int, default=2, help="conversations the memory budget holds")
     p.add_argument("--prompt-tokens", type=int, default=3000)
+    p.add_argument("--opening-tokens", type=int, default=0,
+                   help="first tokens every conversation shares (of --prompt-tokens)")
+    p.add_argument("--cache-layout", choices=("shared", "whole"), help="the backend's (default: its default)")
+    p.add_argument("--variants", default="none,disk,disk-whole", help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--turn-tokens", type=int, default=50)
     p.add_argument("--turns", type=int, default=2, help="turns after the first, per conversation")
     p.add_argument("--rounds", type=int, default=3)
@@ -149,6 +162,9 @@ def main(argv=None) -> int:
     p.add_argument("--probe-tokens", type=int, default=16384, help="0: no probe")
     p.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
+    variants = args.variants.split(",")
+    if not set(variants) <= set(VARIANTS) or not 0 <= args.opening_tokens < args.prompt_tokens:
+        p.error(f"--variants are of {', '.join(VARIANTS)}; --opening-tokens below --prompt-tokens")
     model_path = args.model or str(ensure_demo_model("bench"))
     kv_per_token = model_kv_bytes_per_token(model_path)
     tier_dir = Path(tempfile.mkdtemp(prefix="mlxgw-disk-tier-", dir=args.tier_dir))
@@ -158,14 +174,16 @@ def main(argv=None) -> int:
             probes.append(probe(args.probe_tokens, tier_dir))
             print(json.dumps(probes[-1]), flush=True)
         for r in range(args.rounds):
-            for v in VARIANTS[r % 3:] + VARIANTS[:r % 3]:  # interleaved, each first in turn
+            k = r % len(variants)
+            for v in variants[k:] + variants[:k]:  # interleaved, each first in turn
                 rows.append(one(args, model_path, v, r, tier_dir, kv_per_token))
                 print(json.dumps({k: rows[-1][k] for k in ("variant", "round", "later_hit", "disk_reads")}), flush=True)
     finally:
         shutil.rmtree(tier_dir, ignore_errors=True)
     cmd = "python bench/disk_tier.py " + " ".join(sys.argv[1:] if argv is None else argv)
     md = (f"# Conversations back after eviction, with and without the disk tier\n\n`{cmd}`\n\nmodel {model_path}; "
-          f"{args.conversations} conversations of {args.prompt_tokens} tokens, memory for about {args.fits}; "
+          f"{args.conversations} conversations of {args.prompt_tokens} tokens (the first {args.opening_tokens} "
+          f"shared), layout {args.cache_layout or 'default'}, memory for about {args.fits}; "
           f"{args.turns} later turns each (+{args.turn_tokens} tokens, one output token); {args.rounds} rounds "
           f"(median, range over rounds)\n\n{table(rows)}\n")
     if probes:
