@@ -20,7 +20,9 @@ in mlx-lm's ``save_prompt_cache`` format for layer types that path does not
 cover), as rule 7 chains segments in memory: an entry that continues a chain
 already here writes only what follows it (an agent's conversation evicted
 turn after turn writes each turn once, not the whole conversation again),
-and a prefix several entries share is held once. Its own byte budget (a part
+and a prefix several entries share is held once, also when an entry branches
+off inside a part written before (it uses that part's first tokens when they
+are at least ``branch_share`` of it). Its own byte budget (a part
 counted once) and least-recently-used eviction of entries (deleting the parts
 no other chain uses). Its entries keep their blocks owned in Redis
 (the backend can still serve them, a disk read instead of a prefill), so the
@@ -39,7 +41,7 @@ arrival (`read_async`), a reader thread reads the file through the page cache
 (`finish`); only the parts holding the prompt's prefix are read.
 
 Across restarts (`checkpoint`, `_adopt`): the manifest (each part's file,
-token range, parent and xxh3-128 checksum; each entry's last part and
+token range, parent, size and xxh3-128 checksum; each entry's last part and
 metadata, least recently used first; the KV settings of
 `backend.persist.kv_settings`; token ids in ``tokens-N.npz``) is
 written at quiet moments and at a clean stop, so a killed backend comes back

@@ -78,15 +78,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --disk-cache-bytes: KV copies waiting for the disk writer, held outside the memory "
                         "budget, before an eviction waits for it (default: a quarter of --cache-bytes; 0: no disk "
                         "I/O beside the batch: writes and reads in the engine thread, pausing decodes)")
-    p.add_argument("--disk-chain-parts", type=positive_int, default=MAX_CHAIN,
+    p.add_argument("--disk-chain-parts", type=positive_int, default=None,
                    help="with --disk-cache-bytes: most files (parts) one entry's chain on disk may have; an "
                         "entry that continues a chain on disk writes only its new tokens, up to this many parts "
-                        "(default %(default)s; 1: one whole file per entry, each eviction writing all of it; a turn "
+                        f"(default {MAX_CHAIN}; 1: one whole file per entry, each eviction writing all of it; a turn "
                         "adds a part for its prompt and one for its answer, so below 4 chains barely grow)")
-    p.add_argument("--disk-branch-share", type=share_arg, default=BRANCH_SHARE,
+    p.add_argument("--disk-branch-share", type=share_arg, default=None,
                    help="with --disk-cache-bytes: an entry whose tokens leave a chain on disk inside one of its "
                         "parts uses that part's first tokens (reading its whole file) when they are at least this "
-                        "fraction of it, and writes only the rest (default %(default)g; 1: only where a part "
+                        f"fraction of it, and writes only the rest (default {BRANCH_SHARE:g}; 1: only where a part "
                         "ends, each such entry writing its own copy from that part's start)")
     p.add_argument("--disk-cache-dir", help="with --disk-cache-bytes: where its files go (default: "
                                              "<--cache-dir>/tier); kept at a clean stop for the next start "
@@ -238,8 +238,9 @@ def disk_tier(args: argparse.Namespace, cache_dir: Optional[Path], ops, settings
     RuntimeError (locked by another backend) or OSError (unusable); the caller exits 2.
     """
     if not args.disk_cache_bytes:
-        if args.disk_cache_dir:
-            raise ValueError("--disk-cache-dir needs --disk-cache-bytes (the disk tier's budget)")
+        for flag in ("disk_cache_dir", "disk_chain_parts", "disk_branch_share", "disk_write_queue_bytes"):
+            if getattr(args, flag) is not None:  # a tier's setting without a tier is a mistake, not a no-op
+                raise ValueError(f"--{flag.replace('_', '-')} needs --disk-cache-bytes (the disk tier's budget)")
         return None
     if args.disk_cache_dir:
         where = Path(args.disk_cache_dir).expanduser().resolve()
@@ -274,7 +275,8 @@ def disk_tier(args: argparse.Namespace, cache_dir: Optional[Path], ops, settings
         if pending is not None and pending < 0:
             raise ValueError("--disk-write-queue-bytes must be >= 0")
     tier = DiskTier(where, budget, ops or KVOps(), max_pending_bytes=pending, settings=settings,
-                    max_chain=args.disk_chain_parts, branch_share=args.disk_branch_share)
+                    max_chain=args.disk_chain_parts or MAX_CHAIN,
+                    branch_share=args.disk_branch_share or BRANCH_SHARE)
     free = shutil.disk_usage(where).free
     if free < budget:
         log.warning("the disk tier's budget (%s) exceeds the free space in %s (%s): once the disk is full, new "

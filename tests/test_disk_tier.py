@@ -583,6 +583,8 @@ def test_a_real_backend_shares_a_part_on_disk_with_a_conversation_branching_insi
 @pytest.mark.parametrize("flags, says", [
     (["--disk-cache-bytes", "1GB"], "--disk-cache-bytes needs a directory: --disk-cache-dir, or --cache-dir"),
     (["--disk-cache-dir", "{tmp}/t"], "--disk-cache-dir needs --disk-cache-bytes"),
+    (["--disk-branch-share", "0.3"], "--disk-branch-share needs --disk-cache-bytes"),
+    (["--disk-chain-parts", "4"], "--disk-chain-parts needs --disk-cache-bytes"),
     (["--disk-cache-dir", "{tmp}/kv", "--cache-dir", "{tmp}/kv", "--disk-cache-bytes", "1GB"],
      "--disk-cache-dir must differ from --cache-dir"),
     (["--disk-cache-dir", "{tmp}/t", "--disk-cache-bytes", "1GB", "--disk-write-queue-bytes", "lots"],
