@@ -4,7 +4,10 @@ A dead backend's claims are already ignored by every lookup (its registry
 record expired, and claims count only for a live record's epoch), so this is
 housekeeping, never correctness: it deletes the block fields and ``owned``
 sets of backends whose last heartbeat is older than ``grace`` seconds, then
-forgets them in the ``backends`` sorted set. One gateway at a time does it
+forgets them in the ``backends`` sorted set; a model that has had no registered
+backend and no event for ``grace`` seconds leaves the ``models`` set (each
+gateway's registry refresh looks up every model listed there; a backend puts
+its model back with its next heartbeat). One gateway at a time does it
 (a ``janitor`` lock key with a TTL), in chunks (`schema.CLEANUP_LUA`), so
 Redis is never blocked for long.
 """
@@ -67,10 +70,32 @@ class Janitor:
                     await r.zrem(k.backends, bid)
                     removed.append(bid)
                     log.info("janitor: removed backend %s (no heartbeat for %.0f s)", bid, self.grace)
+                await self._forget_model_if_unserved(schema.as_str(m))
         finally:
             await r.delete(lock)
         self.removed += len(removed)
         return removed
+
+    async def _forget_model_if_unserved(self, model: str) -> bool:
+        """Remove ``model`` from the models set when no backend is registered for it and its
+        event stream has nothing newer than ``grace`` seconds (a model an operator stopped
+        serving; before, it stayed listed, and looked up by every gateway's refresh, forever).
+        Not atomic across the two keys (they are in different cluster slots): a backend that
+        registers meanwhile is put back at once, or by its own next heartbeat. True if removed."""
+        r, k = self.index.redis, self.index.keys(model)
+        models = schema.models_key(self.index.namespace)
+        pipe = r.pipeline(transaction=False)
+        pipe.zcard(k.backends)
+        pipe.xrevrange(k.events, count=1)
+        registered, last = await pipe.execute()
+        if registered or (last and int(schema.as_str(last[0][0]).split("-")[0]) > (time.time() - self.grace) * 1000):
+            return False
+        await r.srem(models, model)
+        if await r.zcard(k.backends):  # registered between the two reads and the removal
+            await r.sadd(models, model)
+            return False
+        log.info("janitor: model %s left the models set (no backend for %.0f s)", model, self.grace)
+        return True
 
     async def _loop(self) -> None:
         while True:

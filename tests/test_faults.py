@@ -467,6 +467,33 @@ def test_janitor_removes_a_dead_backends_claims(make_stack, redis_server):
     assert leftovers == []
 
 
+def test_janitor_forgets_a_model_no_backend_serves_and_a_backend_brings_it_back(make_stack, redis_server):
+    """A model whose backends all died leaves the models set once nothing happened for the
+    grace (it stayed listed, and looked up by every gateway refresh, forever); the model's
+    next backend lists it again."""
+    from mlxgw import schema
+
+    s = make_stack()
+    b0 = s.add_backend("b0")
+    s.add_gateway("--janitor-grace", "2")
+    s.wait()
+    r = redis_server.client()
+    models = schema.models_key(s.namespace)
+    _ask(b0.url, words(50, seed=57))
+    assert r.sismember(models, s.model_name)
+    b0.kill()
+    t0 = time.time()
+    while r.sismember(models, s.model_name) and time.time() < t0 + 20:
+        time.sleep(0.2)
+    assert not r.sismember(models, s.model_name) and time.time() - t0 >= 2  # not before the grace
+    assert "janitor: model demo-tiny left the models set" in s.gateway.log_path.read_text()
+    b0.start(s.env())
+    b0.wait_healthy()
+    assert r.sismember(models, s.model_name)
+    status, _, body = _ask(s.gateway.url, words(50, seed=58))
+    assert status == 200, body
+
+
 def test_redis_client_policy_retries_a_closed_connection_but_not_a_timeout():
     """`mlxgw.redis_client`: a pooled connection that a restarted Redis closed is retried once on
     a new one (not an outage), and a Redis that does not answer fails after one socket timeout
