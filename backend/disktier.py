@@ -325,10 +325,10 @@ class DiskTier:
         ``part``, for the largest ``at`` of at least ``min_share`` tokens; ``(None, 0)`` if none.
 
         ``at`` is a part's end, or inside the part where the tokens diverge when at least
-        ``branch_share`` (a half) of that part's own tokens are shared: a conversation that branched off one written
-        before (the traces' shared prefixes end inside parts, measured in session 34) then
-        holds the prefix once, and the part's unshared tail, kept as long as the new chain
-        lives, never weighs more than the write it saved. Chains of ``max_chain`` parts are not
+        ``branch_share`` (a half) of that part's own tokens are shared: a conversation that
+        branched off one written before (the traces' shared prefixes end inside parts,
+        measured in session 34) then holds the prefix once, and the part's unshared tail,
+        kept as long as the new chain lives, never weighs more than the write it saved. Chains of ``max_chain`` parts are not
         extended (a read opens a file per part)."""
         best, at = None, 0
         for ident, c in common.items():
@@ -576,7 +576,7 @@ class DiskTier:
         part_records = [*(r for r in self._left["parts"] if r["file"] not in names),  # left out by this run's budget
                         *({"file": p.path.name, "start": p.start, "end": p.end, "nbytes": p.nbytes,
                            "parent": p.parent.path.name if p.parent is not None else None, "whole": p.whole,
-                           "checksum": self._sums[p.id], "size": self._file_size(p)} for p in parts.values())]
+                           "checksum": self._sums[p.id], **self._file_size(p)} for p in parts.values())]
         records = [*self._left["entries"],  # an earlier run's entries this run's budget left out, still on disk
                    *({"part": self._tails[e.id].path.name, "tokens": len(e), "nbytes": e.nbytes,
                       "cache_type": e.cache_type, "prompt_tokens": e.prompt_tokens, "hits": e.hits,
@@ -604,13 +604,18 @@ class DiskTier:
         self._named = {r["file"] for r in part_records}
         self._delete_doomed()
 
-    def _file_size(self, p: _Part) -> int:
-        """``p``'s file's bytes (flushed: final), for the manifest: a file cut short is then
-        found at the next start by its size, before any read (helper-58)."""
+    def _file_size(self, p: _Part) -> dict:
+        """``{"size": bytes of p's file}`` (flushed: final) for its manifest record: a file cut
+        short is then found at the next start by its size, before any read (helper-58). Empty
+        when the file cannot be read now (removed under the running backend: its first read
+        drops the entries using it; the manifest must still be written)."""
         size = self._sizes.get(p.id)
         if size is None:
-            size = self._sizes[p.id] = p.path.stat().st_size
-        return size
+            try:
+                size = self._sizes[p.id] = p.path.stat().st_size
+            except OSError:
+                return {}
+        return {"size": size}
 
     def _delete_doomed(self) -> None:
         """Delete the released parts' files that no manifest on disk names any more."""

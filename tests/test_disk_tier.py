@@ -379,6 +379,21 @@ def test_a_kept_file_removed_or_cut_short_is_named_at_the_start(tmp_path, caplog
     assert c.fetch(_conv(2) + [1]).reused == 300 and disk.failures == 0
 
 
+def test_a_checkpoint_is_written_when_a_file_was_removed_under_the_running_tier(tmp_path):
+    """The manifest records each file's size; one removed while the backend runs (before the
+    checkpoint that would take its size) is recorded without one, and the checkpoint is still
+    written (a failing stat would fail every checkpoint after it)."""
+    c, disk, _ = _cache(tmp_path, "shared", pending=10**9, settings=SETTINGS)
+    for k in range(4):
+        _save(c, _conv(k))
+    assert disk.flush(5)
+    (tmp_path / "tier" / "tier-1.safetensors").unlink()
+    assert disk.checkpoint()
+    parts = {p["file"]: p for p in json.loads((tmp_path / "tier" / "manifest.json").read_text())["parts"]}
+    assert "size" not in parts["tier-1.safetensors"]
+    assert parts["tier-2.safetensors"]["size"] == (tmp_path / "tier" / "tier-2.safetensors").stat().st_size > 0
+
+
 class FullDiskOps(sim.SimKVOps):
     """Sim ops whose writes fail with ENOSPC while ``full`` (a disk filling up)."""
 
