@@ -9,6 +9,7 @@ three, so every view computes a hit ratio the same way.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -34,9 +35,10 @@ def collect(r: redis.Redis, namespace: str, events: int = 10) -> dict:
 
     Returns:
         ``{model: {"backends": [registry record (str -> str)], "gateways": {gateway id:
-        settings}, "recent_events": [{"type", "backend", "epoch", "ts", <data fields>}]}}``,
-        models sorted, backends in heartbeat order, events newest first; a model with
-        neither a live backend nor a live gateway is left out. ``gateways`` are
+        settings}, "recent_events": [{"type", "backend", "epoch", "ts", <data fields>}],
+        "silent": [backend ids still listed whose record expired: dead, until a janitor
+        sweeps them]}}``, models sorted, backends in heartbeat order, events newest first; a
+        model with no live backend, no live gateway and no silent backend is left out. ``gateways`` are
         the live gateways' published settings (`schema.fresh_gateway_settings`); each
         record gains ``left_out_by``: gateway id -> why that gateway does not route to it
         (`schema.incompatibility`, the gateways' own rule).
@@ -79,8 +81,14 @@ def collect(r: redis.Redis, namespace: str, events: int = 10) -> dict:
             data = e.pop("data", {}) or {}
             e.update({kk: data[kk] for kk in _EVENT_FIELDS if kk in data})
             evs.append(e)
-        if backends or gateways:  # a name nothing serves now (a backend's mistaken --served-name, gone) stays out
-            out[m] = {"backends": backends, "gateways": gateways, "recent_events": evs}
+        # Backends still listed whose record expired: dead (SIGKILL, a lost host) until a gateway's
+        # janitor sweeps them after its --janitor-grace. Shown, so a model whose every backend died
+        # is not reported as never registered (helper-59); a name nothing serves and nothing lists
+        # (a mistaken --served-name, swept) stays out.
+        live = {b.get("id") for b in backends}
+        silent = sorted(schema.as_str(x) for x in listed[3 * i] if schema.as_str(x) not in live)
+        if backends or gateways or silent:
+            out[m] = {"backends": backends, "gateways": gateways, "recent_events": evs, "silent": silent}
     return out
 
 
@@ -270,10 +278,12 @@ REPLY_TIMEOUT = 3.0  # s per reply (one retry): `status` on a frozen Redis gives
 def connect(args) -> redis.Redis:
     """The Redis client of ``status``/``top``: ``--redis-url``, else the last ``mlxgw serve``'s.
 
-    Sets ``args.url_source`` to ``flag``, ``serve`` (the file `mlxgw serve` leaves) or ``default``.
+    Sets ``args.url_source`` to ``flag``, ``env`` (``MLXGW_REDIS_URL``, the flag's default),
+    ``serve`` (the file `mlxgw serve` leaves) or ``default``.
     """
     if args.redis_url:
-        args.url_source = "flag"
+        # The flag's default is the variable (helper-59: "from --redis-url" when it came from there).
+        args.url_source = "env" if args.redis_url == os.environ.get("MLXGW_REDIS_URL") else "flag"
     else:
         f = serve_url_file()
         args.url_source = "serve" if f.exists() else "default"
@@ -399,7 +409,8 @@ def run(args) -> int:
     from rich.table import Table
 
     con = console()
-    source = {"flag": "--redis-url", "serve": str(serve_url_file()), "default": "default"}[args.url_source]
+    source = {"flag": "--redis-url", "env": "MLXGW_REDIS_URL", "serve": str(serve_url_file()),
+              "default": "default"}[args.url_source]
     con.print(f"Redis {redact_url(args.redis_url)} (from {source})", markup=False, highlight=False, soft_wrap=True)
     if not data:
         con.print(f"no models registered under namespace '{args.namespace}'")
@@ -418,6 +429,9 @@ def run(args) -> int:
             t.add_section()
             t.add_row(*total_row(d["backends"]))
         con.print(t)
+        if d.get("silent"):
+            con.print(f"no heartbeat past their TTL (dead; a gateway's janitor removes them after its --janitor-grace): "
+                      f"{', '.join(d['silent'])}", markup=False, highlight=False, soft_wrap=True)
         for line in disagreement(d["backends"]) + left_out_lines(d["backends"]) + open_lines(d["backends"]):
             con.print(line, markup=False, highlight=False, soft_wrap=True)
         for e in d["recent_events"]:

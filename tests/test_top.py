@@ -6,6 +6,7 @@ import sys
 import time
 
 from mlxgw.httpget import post
+from mlxgw.redis_client import connect
 from mlxgw.status import History, collect
 from mlxgw.top import render, sparkline
 from rich.console import Console
@@ -141,3 +142,25 @@ def test_a_backend_without_the_token_among_ones_with_it_is_named():
                                 "reaches http://h:2 can skip the gateways' keys and limits (start it with "
                                 "MLXGW_INTERNAL_TOKEN; docs/security.md)"]
     assert open_backends([{**r, "auth": "none"} for r in recs]) == []
+
+
+def test_status_shows_a_model_whose_only_backend_died_with_that_backend_named(make_stack, redis_server):
+    """The only backend killed and no gateway to sweep it: its record expires but the registry
+    still lists it. Status said "no models registered" (the model looked as if it never
+    existed, helper-59); it shows the model and names the dead backend."""
+    s = make_stack()
+    b0 = s.add_backend("b0")
+    b0.wait_healthy()
+    post(b0.url + "/v1/chat/completions", {"model": s.model_name, "max_tokens": 1,
+                                           "messages": [{"role": "user", "content": words(30, seed=59)}]})
+    b0.kill()
+    r = redis_server.client()
+    deadline = time.time() + 15
+    while r.exists(f"{s.namespace}:{{{s.model_name}}}:backend:b0") and time.time() < deadline:
+        time.sleep(0.2)
+    assert collect(connect(redis_server.url, 5), s.namespace)[s.model_name]["silent"] == ["b0"]
+    out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", redis_server.url,
+                          "--namespace", s.namespace], capture_output=True, text=True, timeout=60).stdout
+    assert "no models registered" not in out and f"model {s.model_name}" in out, out
+    assert "no heartbeat past their TTL (dead; a gateway's janitor removes them after its --janitor-grace): b0" in out
+    assert "saved" in out  # its recent events still shown
