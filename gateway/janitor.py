@@ -5,7 +5,8 @@ record expired, and claims count only for a live record's epoch), so this is
 housekeeping, never correctness: it deletes the block fields and ``owned``
 sets of backends whose last heartbeat is older than ``grace`` seconds, then
 forgets them in the ``backends`` sorted set; a model that has had no registered
-backend and no event for ``grace`` seconds leaves the ``models`` set (each
+backend and no event for ``grace`` seconds, and that no live gateway serves, leaves the
+``models`` set (each
 gateway's registry refresh looks up every model listed there; a backend puts
 its model back with its next heartbeat). One gateway at a time does it
 (a ``janitor`` lock key with a TTL), in chunks (`schema.CLEANUP_LUA`), so
@@ -77,9 +78,11 @@ class Janitor:
         return removed
 
     async def _forget_model_if_unserved(self, model: str) -> bool:
-        """Remove ``model`` from the models set when no backend is registered for it and its
-        event stream has nothing newer than ``grace`` seconds (a model an operator stopped
-        serving; before, it stayed listed, and looked up by every gateway's refresh, forever).
+        """Remove ``model`` from the models set when no backend is registered for it, its event
+        stream has nothing newer than ``grace`` seconds and no live gateway serves it (a model an
+        operator retired, or a backend's mistaken ``--served-name``; before, it stayed listed, and
+        looked up by every gateway's refresh, forever). A model a gateway still serves stays, so
+        `mlxgw status` shows it without backends (helper-59: it said "no models registered").
         Not atomic across the two keys (they are in different cluster slots): a backend that
         registers meanwhile is put back at once, or by its own next heartbeat. True if removed."""
         r, k = self.index.redis, self.index.keys(model)
@@ -87,8 +90,11 @@ class Janitor:
         pipe = r.pipeline(transaction=False)
         pipe.zcard(k.backends)
         pipe.xrevrange(k.events, count=1)
-        registered, last = await pipe.execute()
-        if registered or (last and int(schema.as_str(last[0][0]).split("-")[0]) > (time.time() - self.grace) * 1000):
+        pipe.hgetall(k.gateway_settings)
+        registered, last, gateways = await pipe.execute()
+        now = time.time()
+        if registered or schema.fresh_gateway_settings(gateways, now) or (
+                last and int(schema.as_str(last[0][0]).split("-")[0]) > (now - self.grace) * 1000):
             return False
         await r.srem(models, model)
         if await r.zcard(k.backends):  # registered between the two reads and the removal

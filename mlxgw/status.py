@@ -25,20 +25,24 @@ from .util import redact_url, serve_url_file
 _EVENT_FIELDS = ("request", "matched", "prompt_tokens", "lookup", "tokens", "cache_type", "tier")
 
 
-def collect(r: redis.Redis, namespace: str, events: int = 10) -> dict:
+def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dict] = None) -> dict:
     """One snapshot of the cluster from Redis.
 
     Args:
         r: a client (``decode_responses`` either way).
         namespace: key namespace.
         events: how many recent events per model.
+        dead: filled (if given) with ``{model: [backend ids]}`` for the models left out whose
+            registry still lists backends with expired records (every backend died, no gateway
+            serves it; `mlxgw status` names them instead of "no models registered").
 
     Returns:
         ``{model: {"backends": [registry record (str -> str)], "gateways": {gateway id:
         settings}, "recent_events": [{"type", "backend", "epoch", "ts", <data fields>}],
         "silent": [backend ids still listed whose record expired: dead, until a janitor
         sweeps them]}}``, models sorted, backends in heartbeat order, events newest first; a
-        model with no live backend, no live gateway and no silent backend is left out. ``gateways`` are
+        model with neither a live backend nor a live gateway is left out (a backend's
+        mistaken ``--served-name``, gone, drops out of status, top and the dashboard). ``gateways`` are
         the live gateways' published settings (`schema.fresh_gateway_settings`); each
         record gains ``left_out_by``: gateway id -> why that gateway does not route to it
         (`schema.incompatibility`, the gateways' own rule).
@@ -82,13 +86,14 @@ def collect(r: redis.Redis, namespace: str, events: int = 10) -> dict:
             e.update({kk: data[kk] for kk in _EVENT_FIELDS if kk in data})
             evs.append(e)
         # Backends still listed whose record expired: dead (SIGKILL, a lost host) until a gateway's
-        # janitor sweeps them after its --janitor-grace. Shown, so a model whose every backend died
-        # is not reported as never registered (helper-59); a name nothing serves and nothing lists
-        # (a mistaken --served-name, swept) stays out.
+        # janitor sweeps them after its --janitor-grace (helper-59: a model whose every backend
+        # died read as "no models registered").
         live = {b.get("id") for b in backends}
         silent = sorted(schema.as_str(x) for x in listed[3 * i] if schema.as_str(x) not in live)
-        if backends or gateways or silent:
+        if backends or gateways:
             out[m] = {"backends": backends, "gateways": gateways, "recent_events": evs, "silent": silent}
+        elif silent and dead is not None:
+            dead[m] = silent
     return out
 
 
@@ -391,9 +396,15 @@ def left_out_lines(records: list[dict]) -> list[str]:
     return out
 
 
+def _silent_text(ids: list) -> str:
+    return ("no heartbeat past their TTL (dead; a gateway's janitor removes them after its --janitor-grace): "
+            + ", ".join(ids))
+
+
 def run(args) -> int:
+    dead: dict = {}
     try:
-        data = collect(connect(args), args.namespace)
+        data = collect(connect(args), args.namespace, dead=dead)
     except redis.RedisError as e:
         return unreachable(args, e)
     if args.json:
@@ -412,8 +423,11 @@ def run(args) -> int:
     source = {"flag": "--redis-url", "env": "MLXGW_REDIS_URL", "serve": str(serve_url_file()),
               "default": "default"}[args.url_source]
     con.print(f"Redis {redact_url(args.redis_url)} (from {source})", markup=False, highlight=False, soft_wrap=True)
-    if not data:
+    if not data and not dead:
         con.print(f"no models registered under namespace '{args.namespace}'")
+    for m, ids in dead.items():
+        con.print(f"model {m}: no live backend or gateway; {_silent_text(ids)}", markup=False, highlight=False,
+                  soft_wrap=True)
     now = time.time()
     for m, d in data.items():
         t = Table(title=f"model {m}{layouts_note(d['backends'])}")
@@ -430,8 +444,7 @@ def run(args) -> int:
             t.add_row(*total_row(d["backends"]))
         con.print(t)
         if d.get("silent"):
-            con.print(f"no heartbeat past their TTL (dead; a gateway's janitor removes them after its --janitor-grace): "
-                      f"{', '.join(d['silent'])}", markup=False, highlight=False, soft_wrap=True)
+            con.print(_silent_text(d["silent"]), markup=False, highlight=False, soft_wrap=True)
         for line in disagreement(d["backends"]) + left_out_lines(d["backends"]) + open_lines(d["backends"]):
             con.print(line, markup=False, highlight=False, soft_wrap=True)
         for e in d["recent_events"]:

@@ -468,30 +468,38 @@ def test_janitor_removes_a_dead_backends_claims(make_stack, redis_server):
 
 
 def test_janitor_forgets_a_model_no_backend_serves_and_a_backend_brings_it_back(make_stack, redis_server):
-    """A model whose backends all died leaves the models set once nothing happened for the
-    grace (it stayed listed, and looked up by every gateway refresh, forever); the model's
-    next backend lists it again."""
+    """A model whose backends all died and that no gateway serves (here a backend's mistaken
+    --served-name) leaves the models set once nothing happened for the grace (it stayed
+    listed, and looked up by every gateway refresh, forever); its next backend lists it again.
+    A model a live gateway serves stays listed without backends, so status still shows it."""
     from mlxgw import schema
 
     s = make_stack()
-    b0 = s.add_backend("b0")
+    b1 = s.add_backend("b1")
     s.add_gateway("--janitor-grace", "2")
     s.wait()
+    b0 = s.add_backend("b0", None, "--served-name", "retired")
+    b0.wait_healthy()
     r = redis_server.client()
     models = schema.models_key(s.namespace)
-    _ask(b0.url, words(50, seed=57))
-    assert r.sismember(models, s.model_name)
+    status, _, body = post(b0.url + "/v1/chat/completions", {"model": "retired", "max_tokens": 1,
+                                                             "messages": [{"role": "user", "content": words(50, seed=57)}]})
+    assert status == 200, body
+    assert r.smembers(models) == {"retired", s.model_name}
     b0.kill()
+    b1.kill()
     t0 = time.time()
-    while r.sismember(models, s.model_name) and time.time() < t0 + 20:
+    while r.sismember(models, "retired") and time.time() < t0 + 20:
         time.sleep(0.2)
-    assert not r.sismember(models, s.model_name) and time.time() - t0 >= 2  # not before the grace
-    assert "janitor: model demo-tiny left the models set" in s.gateway.log_path.read_text()
+    assert not r.sismember(models, "retired") and time.time() - t0 >= 2  # not before the grace
+    while "janitor: model retired left the models set" not in s.gateway.log_path.read_text() and time.time() < t0 + 25:
+        time.sleep(0.1)  # logged just after the removal
+    assert "janitor: model retired left the models set" in s.gateway.log_path.read_text()
+    time.sleep(3)  # sweeps every second: the gateway's own model stays, its backend dead too
+    assert r.sismember(models, s.model_name) and r.zcard(schema.Keys(s.namespace, s.model_name).backends) == 0
     b0.start(s.env())
     b0.wait_healthy()
-    assert r.sismember(models, s.model_name)
-    status, _, body = _ask(s.gateway.url, words(50, seed=58))
-    assert status == 200, body
+    assert r.sismember(models, "retired")
 
 
 def test_redis_client_policy_retries_a_closed_connection_but_not_a_timeout():
