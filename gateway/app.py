@@ -375,7 +375,7 @@ async def handle_health(request: web.Request) -> web.Response:
         "events_dropped": st.index.events_dropped,
         "redis_data_losses": st.index.data_losses,  # Redis found empty (restart, flush): gateway.index
         "retries": st.proxy.retries,
-        "pending_claims": len(st.pending),  # routed prefixes in flight or in their grace (gateway.pending)
+        "pending_claims": st.pending.live(),  # routed prefixes in flight or in their grace (gateway.pending)
         "circuit_open": sorted(st.proxy.open),
         "token_rejected": sorted(st.proxy.token_rejected),
         # live backends left out: another block size or tokenizer (gateway.index.mismatch)

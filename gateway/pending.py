@@ -131,7 +131,14 @@ class PendingClaims:
         return self._held.depths(keys)
 
     def __len__(self) -> int:
-        """Live claims (in flight or within their grace)."""
+        """Claims in flight or within their grace as of the last `depths` / `release` (see `live`)."""
+        return self._n
+
+    def live(self, now: Optional[float] = None) -> int:
+        """Claims in flight or within their grace at ``now`` (monotonic seconds), those past
+        their grace dropped first: `len` counted them until the next routing (helper-59: 3
+        claims in `/health` 50 s after the last request, a 1 s grace)."""
+        self._expire(time.monotonic() if now is None else now)
         return self._n
 
     def _expire(self, now: float) -> None:

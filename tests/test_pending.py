@@ -184,3 +184,14 @@ def test_many_claims_under_one_shared_prefix_keep_exact_depths_and_leave_nothing
     for h in handles:
         p.release(h, ok=False, now=2.0)
     assert p.depths(probe, now=2.0) == {} and len(p) == 0 and p._held._by_backend == {}
+
+
+def test_pending_claims_counts_only_claims_within_their_grace():
+    """`/health` `pending_claims` (`live`): a claim past its grace is not counted, whether or not
+    a request was routed since (helper-59: 3 claims 50 s after the last request, grace 1 s)."""
+    p = PendingClaims(grace=1.0)
+    ended, live = p.add("b0", ["k1", "k2"]), p.add("b1", ["k3"])
+    p.release(ended, True, now=time.monotonic() - 2)  # ended 2 s ago: its grace ran out 1 s ago
+    assert len(p) == 2 and p.live() == 1 and len(p) == 1 and p.depths(["k1", "k2"]) == {}
+    p.release(live, True)
+    assert p.live() == 1  # within its grace
