@@ -701,9 +701,10 @@ class DiskTier:
         def usable(name):
             if name not in unusable:
                 r = part_recs.get(name)
+                size = files[name].stat().st_size if r is not None and "size" in r and name in files else None
                 why = ("not in the manifest" if r is None else "missing" if name not in files else
-                       f"{files[name].stat().st_size:,} bytes where {int(r['size']):,} were written"
-                       if "size" in r and files[name].stat().st_size != r["size"] else "")
+                       f"{size:,} bytes where {int(r['size']):,} were written"
+                       if size is not None and size != r["size"] else "")
                 unusable[name] = why
             return not unusable[name]
 

@@ -29,7 +29,8 @@ def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dic
     """One snapshot of the cluster from Redis.
 
     Args:
-        r: a client (``decode_responses`` either way).
+        r: a client returning bytes (an event's msgpack data need not decode as text: a
+            ``decode_responses`` client can raise UnicodeDecodeError, as it did in a test).
         namespace: key namespace.
         events: how many recent events per model.
         dead: filled (if given) with ``{model: [backend ids]}`` for the models left out whose
