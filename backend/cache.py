@@ -167,7 +167,10 @@ class CacheHit:
     ``kv`` is a private copy already trimmed to ``reused`` tokens (None on a
     miss); ``entry_id`` names the entry it came from. ``read``: a disk-tier read
     still under way (``fetch(defer=True)``, rule 8): ``kv`` is None until
-    `PromptCache.finish_read` (``read.done`` tells when).
+    `PromptCache.finish_read` (``read.done`` tells when). ``seg``: a hit pinned by
+    reference (``fetch(by_reference=True)``, rule 7's layout): ``kv`` is None and the
+    segment whose chain holds the ``reused`` tokens keeps a reference until
+    `PromptCache.materialise` copies them out or `PromptCache.drop` lets it go.
     """
 
     kv: Any
@@ -175,6 +178,7 @@ class CacheHit:
     entry_id: Optional[int]
     entry_len: int = 0
     read: Any = None
+    seg: Optional["Segment"] = None
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -306,7 +310,7 @@ class PromptCache:
                 best, best_n = e, n
         return best, best_n
 
-    def fetch(self, prompt, defer: bool = False) -> CacheHit:
+    def fetch(self, prompt, defer: bool = False, by_reference: bool = False) -> CacheHit:
         """Find the best entry for ``prompt`` and return a trimmed private copy.
 
         Returns a `CacheHit` with ``reused`` tokens (0 and ``kv=None`` on a
@@ -314,6 +318,13 @@ class PromptCache:
         entry there serving at least ``share_min_tokens`` more of the prompt than
         memory does is read instead: in this thread, or with ``defer`` by the
         tier's reader thread (the hit's ``read``; `finish_read` completes it).
+
+        ``by_reference``: for an entry held as a chain of segments (rule 7), take a
+        reference to the segment holding the ``reused`` tokens' end instead of a copy
+        (the hit's ``seg``; no bytes added: they stay counted in the cache, and an
+        eviction frees them only once the reference is gone). A waiting request pins
+        its hit this way, as SGLang locks the radix nodes of a request's prefix; it
+        must end with `materialise` or `drop`. Entries of the ``whole`` layout are copied.
         """
         e, n = self.best_match(prompt)
         if self.disk is not None:
@@ -332,6 +343,14 @@ class PromptCache:
                     self._tell_evicted(x)
         if e is None or n == 0:
             return CacheHit(None, 0, None)
+        if e.seg is not None and by_reference:
+            seg = e.seg
+            while seg.start >= n:  # the segment holding token n - 1; no split needed
+                seg = seg.parent
+            seg.refs += 1
+            self._touch(e)
+            e.hits += 1
+            return CacheHit(None, n, e.id, len(e), seg=seg)
         if e.seg is not None:
             kv = self._materialise(e.seg, n)
         else:
@@ -351,6 +370,23 @@ class PromptCache:
         if kv is None:
             return CacheHit(None, 0, None)
         return CacheHit(kv, hit.reused, hit.entry_id, hit.entry_len)
+
+    def materialise(self, hit: CacheHit) -> CacheHit:
+        """The hit with its KV: a hit pinned by reference (``hit.seg``) gets a private copy of
+        its ``reused`` tokens and lets go of its reference (the segments are freed then if no
+        entry holds them any more); any other hit is returned as it is. Engine thread."""
+        if hit.seg is None:
+            return hit
+        kv = self._materialise(hit.seg, hit.reused)
+        self.drop(hit)
+        return CacheHit(kv, hit.reused, hit.entry_id, hit.entry_len)
+
+    def drop(self, hit: Optional[CacheHit]) -> None:
+        """Let go of a hit pinned by reference without using it (a request cancelled while it
+        waited, or given a longer hit); nothing for other hits or None. Engine thread."""
+        if hit is not None and hit.seg is not None:
+            seg, hit.seg = hit.seg, None
+            self._release(seg)
 
     def added_nbytes(self, tokens, kv) -> int:
         """Bytes that saving ``kv`` (holding ``tokens``) would add to the cache: all of its

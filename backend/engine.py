@@ -226,6 +226,10 @@ class MLXEngine(Engine):
         prefill_save_pin: when that save fits, the waiting requests take their
             hit from the saved entry at once, as pinned hits (`_pin_saved`),
             rather than at their admission, when the entry may be gone.
+        pin_by_reference: a waiting request pins its hit as a reference to the
+            cache's segments (`PromptCache.fetch`, rule 7's layout) and copies it
+            out at admission; off: a private copy on arrival, KV in flight while
+            it waits (one per waiting request, beside the entry it copies).
         claims: the reporter; each request's prompt blocks are claimed
             (`Reporter.claim`) from arrival to end. None: no claims.
         prefill_order: ``"fifo"``, ``"shorter-beside"`` or ``"step-beside"``
@@ -257,6 +261,7 @@ class MLXEngine(Engine):
         prefill_save_evicts: bool = False,
         prefill_handoff: bool = True,
         prefill_save_pin: bool = True,
+        pin_by_reference: bool = True,
         claims: Any = None,
         prefill_order: str = DEFAULT_PREFILL_ORDER,
         hit_tokens: int = 1,
@@ -285,6 +290,7 @@ class MLXEngine(Engine):
         self.prefill_save_evicts = prefill_save_evicts
         self.prefill_handoff = prefill_handoff
         self.prefill_save_pin = prefill_save_pin
+        self.pin_by_reference = pin_by_reference
         self.claims = claims
         self.trimmable = False  # set at load: may a prompt's blocks be claimed (as `servable_blocks`)?
         self.prefill_saves = 0
@@ -553,6 +559,7 @@ class MLXEngine(Engine):
             live.req.emit(GenEvent("end", finish_reason="error", error=msg))
         for r in getattr(self, "_waiting", ()):
             self._release(r)
+            self.cache.drop(r.hit)
             r.emit(GenEvent("end", finish_reason="error", error=msg))
         while True:
             try:
@@ -570,7 +577,7 @@ class MLXEngine(Engine):
                 req = self._incoming.get(timeout=0.05) if idle else self._incoming.get_nowait()
                 # A hit on the disk tier is read by its reader thread (cache rule 8) while the
                 # batch runs on; the request is held until it is in (`_held`).
-                self._pin(req, self.cache.fetch(req.prompt, defer=True))
+                self._pin(req, self.cache.fetch(req.prompt, defer=True, by_reference=self.pin_by_reference))
                 if self.claims is not None and self.trimmable:
                     req.claim = self.claims.claim(req.prompt)
                 self._waiting.append(req)
@@ -685,6 +692,7 @@ class MLXEngine(Engine):
     def _drop_waiting(self, req: GenRequest) -> None:
         """End a request cancelled before it was admitted (nothing computed, nothing to save)."""
         self._abandoned.discard(req.rid)
+        self.cache.drop(req.hit)
         req.hit = None
         self.active -= 1
         self.queued_prefill_tokens -= len(req.prompt) - req.queued_reuse
@@ -704,7 +712,8 @@ class MLXEngine(Engine):
         return self.cache.added_nbytes(tokens, kv) <= free and len(self.cache) < self.cache.max_entries
 
     def _inflight_nbytes(self) -> int:
-        """KV bytes held outside the cache: the batch's, and the hits waiting requests pinned."""
+        """KV bytes held outside the cache: the batch's, and the hits waiting requests pinned as
+        copies (a hit pinned by reference holds segments the cache counts already)."""
         pinned = sum(self.cache.ops.nbytes(r.hit.kv) for r in self._waiting if r.hit is not None and r.hit.kv)
         return self._bg.prompt_cache_nbytes + pinned
 
@@ -761,7 +770,9 @@ class MLXEngine(Engine):
             if hit.kv is None:  # the read failed (entry dropped): what memory holds, if anything
                 hit = self.cache.fetch(prompt)
         if self.cache.version != req.cache_version and self.cache.best_match(prompt)[1] > hit.reused:
+            self.cache.drop(hit)
             hit = self.cache.fetch(prompt)  # saved while it waited, and longer than its pinned hit
+        hit = self.cache.materialise(hit)  # a hit pinned by reference: copied out now
         req.cached = hit.reused
         self.requests_total += 1
         self.prompt_tokens_total += len(prompt)
@@ -901,12 +912,14 @@ class MLXEngine(Engine):
         reused = hit.reused if hit is not None else 0
         self.queued_prefill_tokens -= reused - req.queued_reuse
         req.queued_reuse = reused
+        if req.hit is not hit:
+            self.cache.drop(req.hit)  # a hit pinned by reference it no longer needs
         req.hit, req.cache_version = hit, self.cache.version if version is None else version
 
     def _pin_saved(self, waiters: list[GenRequest]) -> None:
         """Give each request in ``waiters`` its hit from the prompt `_save_prompt` just saved
-        (a private copy, counted in flight like any pinned hit) when it reuses more than the
-        hit it holds.
+        (pinned like any waiting request's hit: by reference, or a private copy counted in
+        flight) when it reuses more than the hit it holds.
 
         Why now rather than at admission: a waiter may still wait behind others, and when
         every save evicts (a budget below the KV of the requests in flight), the entry was
@@ -918,7 +931,7 @@ class MLXEngine(Engine):
         for w in waiters:
             held = w.hit.reused if w.hit is not None else 0
             if self.cache.best_match(w.prompt)[1] > held:
-                self._pin(w, self.cache.fetch(w.prompt))
+                self._pin(w, self.cache.fetch(w.prompt, by_reference=self.pin_by_reference))
 
     def _save_prompt(self, live: _Live, tokens: list[int], kv) -> bool:
         """Save a running request's prompt KV (``tokens``, the request keeps running) for

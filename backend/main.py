@@ -127,6 +127,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-save-pin", action=argparse.BooleanOptionalAction, default=True,
                    help="when that save fits, the waiting requests take their hit from it at once (pinned, KV in "
                         "flight) rather than at admission, when a full cache may have evicted it; off: at admission")
+    p.add_argument("--pin-by-reference", action=argparse.BooleanOptionalAction, default=True,
+                   help="a waiting request holds its cache hit as a reference to the cache's segments and copies "
+                        "it out when admitted (shared layout); off: a private copy from its arrival, KV in flight "
+                        "that counts against --cache-bytes while it waits (docs/cache-policy.md)")
     p.add_argument("--inflight-claims", action=argparse.BooleanOptionalAction, default=True,
                    help="report a request's prompt blocks as owned from its arrival until it ends, so every "
                         "gateway sends its siblings here (docs/redis-schema.md); off: only saved entries")
@@ -369,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
               prefill_step_size=args.prefill_step_size, finish_prefill_on_cancel=not args.cancel_prefill,
               metrics=metrics, save_at_prefill_end=args.prefill_save, prefill_save_evicts=args.prefill_save_evicts,
               prefill_handoff=args.prefill_handoff, prefill_save_pin=args.prefill_save_pin,
+              pin_by_reference=args.pin_by_reference,
               claims=reporter if args.inflight_claims else None, prefill_order=args.prefill_order,
               hit_tokens=args.block_size, cache_dir=cache_dir,
               cache_settings=settings if cache_dir else None,

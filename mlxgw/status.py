@@ -416,7 +416,10 @@ def run(args) -> int:
             d["total"] = model_total(d["backends"])
             d["disagreements"] = disagreement(d["backends"])
             d["open_backends"] = sorted(str(r.get("id")) for r in open_backends(d["backends"]))
-        print(json.dumps(data, indent=2))
+        for m, ids in dead.items():  # as the text output names them: listed, every backend dead
+            data[m] = {"backends": [], "gateways": {}, "recent_events": [], "silent": ids,
+                       "total": model_total([]), "disagreements": [], "open_backends": []}
+        print(json.dumps(dict(sorted(data.items())), indent=2))
         return 0
     from rich.table import Table
 

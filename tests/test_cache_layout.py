@@ -88,6 +88,46 @@ def test_a_conversation_going_on_extends_its_chain(model):
     assert _logits_match(model, c.fetch(turn2 + [5]), turn2 + [5])
 
 
+def test_a_hit_pinned_by_reference_adds_no_bytes_and_outlives_its_entry(model):
+    """A waiting request pins its hit as a reference to the segments (no copy: the bytes are
+    the cache's, counted once); an eviction meanwhile frees only what the pin does not hold,
+    the copy made at admission is the same KV a cold prefill computes, and letting go frees
+    the rest. Before, each waiting request held a private copy beside the entry."""
+    per, rec = _per_token(model), Recorder()
+    c = PromptCache(layout="shared", share_min_tokens=64, listener=rec)
+    c.insert(A, kv_for(model, A), prompt_len=len(A))
+    prompt = A[:350] + [2900, 2901]
+    pins = [c.fetch(prompt, by_reference=True) for _ in range(3)]
+    assert [(h.kv, h.reused, h.seg.end) for h in pins] == [(None, 350, 400)] * 3
+    assert c.nbytes == 400 * per  # three pins, no copy
+    c.clear()  # the entry evicted while they wait: its segment stays for the pins
+    assert rec.evicted == [400] and len(c) == 0 and c.nbytes == 400 * per
+    hit = c.materialise(pins[0])
+    assert hit.seg is None and pins[0].seg is None and hit.reused == 350 and hit.kv[0].offset == 350
+    assert _logits_match(model, hit, prompt)
+    c.drop(pins[1])
+    assert c.nbytes == 400 * per  # one pin left
+    c.drop(pins[2])
+    c.drop(pins[2])  # a second drop is nothing
+    assert c.nbytes == 0
+
+
+def test_a_pinned_segment_split_by_a_later_save_still_gives_its_tokens(model):
+    """A save sharing part of a pinned segment splits it in place; the pin's chain still
+    holds its tokens (the copy at admission is exact) and its release frees nothing shared."""
+    per = _per_token(model)
+    c = PromptCache(layout="shared", share_min_tokens=64)
+    c.insert(A, kv_for(model, A), prompt_len=len(A))
+    pin = c.fetch(A[:390] + [7], by_reference=True)
+    c.insert(B, kv_for(model, B), prompt_len=len(B))  # splits A's segment at 300
+    assert c.nbytes == (400 + 50) * per
+    assert [(s.start, s.end) for s in pin.seg.chain()] == [(0, 300), (300, 400)]
+    c.clear()
+    assert c.nbytes == 400 * per  # A's chain, both pieces, for the pin; B's own 50 freed
+    hit = c.materialise(pin)
+    assert hit.reused == 390 and _logits_match(model, hit, A[:390] + [7]) and c.nbytes == 0
+
+
 def test_rule_6_keeps_the_shared_prefix_as_its_chain(model):
     """Rule 6 with segments: the kept system entry is the evicted chain's shared part (no copy)."""
     per = _per_token(model)

@@ -588,6 +588,57 @@ def test_request_cancelled_while_waiting_is_dropped(make_stack, redis_server):
     assert all(r.hget(keys.block(k), "b0") for k in schema.block_keys(s.model_name, a, s.block_size))
 
 
+@pytest.mark.parametrize("pin", ["by-reference", "copy"])
+def test_waiting_requests_pin_their_hits_without_copies(make_stack, pin):
+    """Eight requests continuing X arrive while D decodes (one request at a time). Pinned by
+    reference (the default), their hits add no bytes, so D's save evicts nothing and Y is
+    still a hit afterwards; pinned as private copies (`--no-pin-by-reference`, the behaviour
+    before session 36), their eight 300-token copies count as KV in flight (1.2 MB) against
+    the 1 MB budget and D's save evicts Y (by reference: X, Y and D's entries, 538 KB, fit). Every waiter reuses X's 300 tokens either way."""
+    import threading
+
+    import numpy as np
+
+    s = make_stack()
+    flags = ["--decode-concurrency", "1", "--prefill-concurrency", "1", "--cache-bytes", "1MB"] + (["--no-pin-by-reference"] if pin == "copy" else [])
+    b = s.add_backend("b0", None, *flags)
+    s.wait()
+    rng = np.random.default_rng(36)
+    x, y, d = (rng.integers(16, 3000, n).tolist() for n in (300, 300, 50))
+    for p in (x, y):
+        st, _, body = post(b.url + "/v1/completions", {"prompt": p, "max_tokens": 1, "temperature": 0})
+        assert st == 200, body
+    sk = _open_stream(b.port, {"prompt": d, "max_tokens": 800, "temperature": 0, "ignore_eos": True})
+    cached: list = []
+
+    def turn(i: int) -> None:
+        st, _, body = post(b.url + "/v1/completions", {"prompt": x + [7 + i, 5], "max_tokens": 1, "temperature": 0})
+        cached.append(json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] if st == 200 else body)
+
+    threads = [threading.Thread(target=turn, args=(i,)) for i in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while get_json(b.url + "/health")["waiting"] < 8 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        h = get_json(b.url + "/health")
+        assert (h["active"], h["waiting"], h["cache_evictions"]) == (9, 8, 0), h  # all wait for D, pinned
+        assert b"[DONE]" in _read_all(sk)
+    finally:
+        sk.close()
+        for t in threads:
+            t.join(60)
+    assert cached == [300] * 8
+    st, _, body = post(b.url + "/v1/completions", {"prompt": y + [9], "max_tokens": 1, "temperature": 0})
+    got = json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    evictions = get_json(b.url + "/health")["cache_evictions"]
+    if pin == "by-reference":
+        assert (got, evictions) == (300, 0)
+    else:
+        assert got == 0 and evictions >= 2
+
+
 def test_waiting_request_keeps_the_hit_it_had_on_arrival(make_stack):
     """The entry a waiting request matched on arrival can be evicted before it is admitted;
     the hit was pinned on arrival, so it is still reused. Here B continues X; it waits behind A's

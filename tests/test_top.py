@@ -1,5 +1,6 @@
 """``mlxgw top``: live view from Redis alone, bounded by --iterations."""
 
+import json
 import re
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import time
 
 from mlxgw.httpget import post
 from mlxgw.redis_client import connect
-from mlxgw.status import History, collect
+from mlxgw.status import History, collect, model_total
 from mlxgw.top import render, sparkline
 from rich.console import Console
 from texts import words
@@ -165,3 +166,8 @@ def test_status_shows_a_model_whose_only_backend_died_with_that_backend_named(ma
     assert "no models registered" not in out, out
     assert (f"model {s.model_name}: no live backend or gateway; no heartbeat past their TTL (dead; a gateway's "
             "janitor removes them after its --janitor-grace): b0") in out, out
+    js = json.loads(subprocess.run([sys.executable, "-m", "mlxgw", "status", "--json", "--redis-url", redis_server.url,
+                                    "--namespace", s.namespace], capture_output=True, text=True, timeout=60).stdout)
+    assert js == {s.model_name: {"backends": [], "gateways": {}, "recent_events": [], "silent": ["b0"],
+                                 "total": model_total([]), "disagreements": [], "open_backends": []}}
+    assert js[s.model_name]["total"]["live"] == 0
