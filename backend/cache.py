@@ -483,31 +483,8 @@ class PromptCache:
             nbytes = seg.chain_nbytes()
             kv = None
 
-        # Rule 3: replace the reused entry only on a good hit.
-        if reused_from is not None and reused_from in self._entries:
-            old = self._entries[reused_from]
-            if (
-                old.cache_type != "system"
-                # The new tokens continue old's whole prompt. Not `reused >=
-                # old.prompt_tokens`: rule 1 caps an exact repeat's reuse one
-                # token short, so a retry or regeneration would never replace
-                # its entry and each one kept a full copy of the prompt.
-                and common[old.id] >= old.prompt_tokens
-                and self.is_good_hit(reused, prompt_len, system_tokens)
-            ):
-                self._remove(old)
-
-        # A trimmable entry serves every prefix of itself, so conversation
-        # entries it extends only take space (mlx-lm drops them too). System
-        # entries stay: they outlive any one conversation in the LRU.
-        if trimmable:
-            for e in list(self._entries.values()):
-                if (
-                    e.cache_type != "system"
-                    and len(e) < len(t)
-                    and common[e.id] == len(e)
-                ):
-                    self._remove(e)
+        for e in self._displaced(t, common, trimmable, reused_from, reused, prompt_len, system_tokens):
+            self._remove(e)
 
         entry = CacheEntry(
             tokens=t,
@@ -529,6 +506,48 @@ class PromptCache:
         self.trim_to(max_entries=self.max_entries, max_bytes=self.max_bytes, keep=entry)
         return entry if entry.id in self._entries else None
 
+    def _displaced(self, t: np.ndarray, common: dict[int, int], trimmable: bool, reused_from: Optional[int],
+                   reused: int, prompt_len: int, system_tokens: int) -> list[CacheEntry]:
+        """The entries saving ``t`` removes (``common``: entry id -> common prefix with ``t``;
+        the other arguments as `insert`'s): the reused entry it replaces (rule 3) and the
+        conversation entries it extends."""
+        out = []
+        # Rule 3: replace the reused entry only on a good hit.
+        if reused_from is not None and reused_from in self._entries:
+            old = self._entries[reused_from]
+            if (
+                old.cache_type != "system"
+                # The new tokens continue old's whole prompt. Not `reused >=
+                # old.prompt_tokens`: rule 1 caps an exact repeat's reuse one
+                # token short, so a retry or regeneration would never replace
+                # its entry and each one kept a full copy of the prompt.
+                and common[old.id] >= old.prompt_tokens
+                and self.is_good_hit(reused, prompt_len, system_tokens)
+            ):
+                out.append(old)
+        # A trimmable entry serves every prefix of itself, so conversation
+        # entries it extends only take space (mlx-lm drops them too). System
+        # entries stay: they outlive any one conversation in the LRU.
+        if trimmable:
+            out += [e for e in self._entries.values()
+                    if e.cache_type != "system" and len(e) < len(t) and common[e.id] == len(e) and e not in out]
+        return out
+
+    def fits_beside(self, tokens, kv, free_bytes: int, *, reused_from: Optional[int] = None, reused: int = 0,
+                    prompt_len: int = 0, system_tokens: int = 0) -> bool:
+        """True if saving ``kv`` (holding ``tokens``; the other arguments as `insert`'s) evicts
+        nothing: the entry count stays within ``max_entries`` and the bytes it adds within
+        ``free_bytes``, counting what the save itself removes (the entry it replaces, rule 3,
+        and the entries it extends). A conversation's next turn replacing its own entry in a
+        full cache fits (helper-60: an abandoned turn was not saved once 64 entries were held)."""
+        t = np.asarray(tokens, dtype=np.int32)
+        common = {e.id: common_prefix(e.tokens, t) for e in self._entries.values()}
+        if any(len(e) == len(t) and common[e.id] == len(t) for e in self._entries.values()):
+            return True  # already held: the save only refreshes it
+        gone = self._displaced(t, common, self.ops.trimmable(kv), reused_from, reused, prompt_len, system_tokens)
+        added = self.added_nbytes(t, kv) - sum(e.nbytes for e in gone if e.seg is None)
+        return added <= free_bytes and len(self._entries) - len(gone) < self.max_entries
+
     def trim_to(
         self,
         *,
@@ -544,13 +563,16 @@ class PromptCache:
 
         ``keep`` is evicted last (the entry just saved). The engine calls this
         with ``max_bytes = budget - in_flight_bytes`` so live requests' KV
-        counts against the budget.
+        counts against the budget. For the byte budget only entries whose removal
+        frees bytes are evicted (`_frees`): a chain whose last segment another
+        entry's chain or a waiting request's pinned hit also holds stays, since
+        evicting it would lose the entry and free nothing.
         """
         n = 0
         max_entries = self.max_entries if max_entries is None else max_entries
         max_bytes = self.max_bytes if max_bytes is None else max_bytes
         while self._entries and (len(self._entries) > max_entries or self.nbytes > max_bytes):
-            victim = self._pick_victim(keep)
+            victim = self._pick_victim(keep, frees_only=len(self._entries) <= max_entries)
             if victim is None:
                 break
             self._spill(victim)
@@ -697,8 +719,13 @@ class PromptCache:
         e.last_used = next(self._clock)
         e.used_at = time.time()
 
-    def _pick_victim(self, keep: Optional[CacheEntry]) -> Optional[CacheEntry]:
-        return _victim(self._entries.values(), keep)
+    def _pick_victim(self, keep: Optional[CacheEntry], frees_only: bool = False) -> Optional[CacheEntry]:
+        entries = self._entries.values()
+        if frees_only:
+            entries = [e for e in entries if _frees(e)]
+            if keep is not None and not _frees(keep):
+                keep = None
+        return _victim(entries, keep)
 
     def _add(self, e: CacheEntry) -> None:
         self._entries[e.id] = e
@@ -810,6 +837,13 @@ def _dtype_names() -> dict:
     import mlx.core as mx
 
     return {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32"}
+
+
+def _frees(e: CacheEntry) -> bool:
+    """True if removing ``e`` frees bytes: an entry of the ``whole`` layout always; a chain
+    (rule 7) when nothing else holds its last segment (a longer entry's chain passing
+    through it, or a waiting request's hit pinned by reference: `PromptCache.fetch`)."""
+    return e.seg is None or e.seg.refs <= 1
 
 
 def _victim(entries, keep: Optional[CacheEntry]) -> Optional[CacheEntry]:

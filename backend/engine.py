@@ -705,11 +705,16 @@ class MLXEngine(Engine):
             self.claims.release(req.claim)
             req.claim = None
 
-    def _fits_in_free_space(self, kv, tokens) -> bool:
-        """True if ``kv`` (holding ``tokens``) can be saved without evicting anything (bytes
-        and entry count)."""
+    def _fits_in_free_space(self, kv, tokens, live: Optional[_Live] = None) -> bool:
+        """True if ``kv`` (holding ``tokens``; ``live``: the request saving it) can be saved
+        without evicting anything (bytes and entry count, counting the entries the save
+        itself replaces: `PromptCache.fits_beside`)."""
         free = self.cache_bytes - self._inflight_nbytes() - self.cache.nbytes
-        return self.cache.added_nbytes(tokens, kv) <= free and len(self.cache) < self.cache.max_entries
+        if live is None:
+            return self.cache.fits_beside(tokens, kv, free)
+        req = live.req
+        return self.cache.fits_beside(tokens, kv, free, reused_from=live.reused_from, reused=req.cached,
+                                      prompt_len=len(req.prompt), system_tokens=req.system_tokens)
 
     def _inflight_nbytes(self) -> int:
         """KV bytes held outside the cache: the batch's, and the hits waiting requests pinned as
@@ -944,7 +949,7 @@ class MLXEngine(Engine):
         """
         req = live.req
         room = self.cache_bytes - self._inflight_nbytes()
-        if not self._fits_in_free_space(kv, tokens) and not (
+        if not self._fits_in_free_space(kv, tokens, live) and not (
                 self.prefill_save_evicts and self.cache.added_nbytes(tokens, kv) <= room):
             return False
         entry = self.cache.insert(tokens, kv, "user", reused_from=live.reused_from, reused=req.cached,
@@ -988,7 +993,7 @@ class MLXEngine(Engine):
             # An abandoned request (client gone, timeout) is kept only if it
             # fits beside everything else: under memory pressure the other
             # sessions' entries are worth more than a turn nobody waits for.
-            if not self._fits_in_free_space(kv, tokens):
+            if not self._fits_in_free_space(kv, tokens, live):
                 # With a disk tier (cache rule 8) it goes there: no memory taken from anyone.
                 if self.cache.save_to_disk(tokens, kv, kind, len(req.prompt)) is None:
                     self.saves_skipped += 1

@@ -214,7 +214,9 @@ async def receive_body(request: web.Request, max_bytes: int, timeout: float) -> 
 
     Raises:
         RequestError: 413 ``body_too_large`` over ``max_bytes``; 408 ``body_timeout`` when
-            it has not all arrived within ``timeout`` seconds.
+            it has not all arrived within ``timeout`` seconds; 400 ``invalid_body`` when aiohttp
+            cannot read it (a gzip or deflate ``Content-Encoding`` the body does not match: it
+            was a 500, helper-60).
     """
     if request.content_length is not None and request.content_length > max_bytes:
         raise body_too_large(max_bytes)
@@ -225,6 +227,10 @@ async def receive_body(request: web.Request, max_bytes: int, timeout: float) -> 
         raise body_too_large(max_bytes)
     except asyncio.TimeoutError:
         raise RequestError("request body not received in time", status=408, code="body_timeout")
+    except web.RequestPayloadError as e:
+        why = str(getattr(e.__cause__, "message", None) or getattr(e, "message", None) or e).strip()
+        raise RequestError(f"the request body could not be read ({why}); check its Content-Encoding header",
+                           status=400, code="invalid_body")
 
 
 def limits_middleware(cfg: LimitConfig, max_body_bytes: int):

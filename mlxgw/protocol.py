@@ -154,6 +154,8 @@ def loads_body(raw: bytes) -> dict:
     except RecursionError:
         raise RequestError(f"request body is nested too deeply (limit {MAX_JSON_DEPTH})")
     except ValueError as e:
+        if "integer string conversion" in str(e):  # Python's 4,300-digit guard: not the client's concern
+            raise RequestError("request body holds an integer of thousands of digits (integers must fit in 64 bits)")
         raise RequestError(f"invalid JSON in request body: {e}")
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")

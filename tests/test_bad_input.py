@@ -110,12 +110,38 @@ def test_any_content_type_is_read_as_json(stack1, ctype):
     assert status == 400 and err["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_body_its_content_encoding_does_not_match_is_a_400(stack1, path):
+    """A plain body sent with ``Content-Encoding: gzip`` (or deflate) got a 500 and a traceback in
+    the log (helper-60): aiohttp fails to decompress it as the handler reads it. Now a 400 in the
+    endpoint's own error shape; a body that is gzip is read."""
+    import gzip
+    import json
+
+    url = stack1.gateway.url + path
+    ok = {"model": "demo-tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    for enc in ("gzip", "deflate"):
+        status, _, body = post(url, json.dumps(ok).encode(), headers={"Content-Encoding": enc})
+        err = json.loads(body)["error"]
+        assert status == 400 and err["type"] == "invalid_request_error", body
+        assert err["message"].startswith(f"the request body could not be read (Can not decode content-encoding: {enc})")
+        if path == "/v1/messages":
+            assert json.loads(body)["type"] == "error"
+        else:
+            assert err["code"] == "invalid_body"
+    status, _, body = post(url, gzip.compress(json.dumps(ok).encode()), headers={"Content-Encoding": "gzip"})
+    assert status == 200, body
+
+
 def test_integers_beyond_64_bits_are_refused_by_name():
     from mlxgw.protocol import RequestError, loads_body
 
     with pytest.raises(RequestError) as e:
         loads_body(b'{"model": "m", "max_tokens": 100000000000000000000}')
     assert e.value.param == "max_tokens" and "outside 64 bits" in str(e.value)
+    with pytest.raises(RequestError, match=r"^request body holds an integer of thousands of digits \(integers must "
+                                           r"fit in 64 bits\)$"):  # Python's own message named sys.set_int_max_str_digits
+        loads_body(b'{"max_tokens": ' + b"9" * 5000 + b"}")
     with pytest.raises(RequestError, match=r"'prompt\[2\]' is an integer outside 64 bits"):
         loads_body(b'{"prompt": [1, 2, -99999999999999999999]}')
     # 19 digits inside a string, and the largest unsigned 64-bit integer, are fine.

@@ -128,6 +128,24 @@ def test_a_pinned_segment_split_by_a_later_save_still_gives_its_tokens(model):
     assert hit.reused == 390 and _logits_match(model, hit, A[:390] + [7]) and c.nbytes == 0
 
 
+def test_the_byte_budget_evicts_only_entries_that_free_bytes(model):
+    """An entry whose chain a waiting request's pin holds would free nothing if evicted: the
+    byte budget passes over it (and stops when nothing left frees bytes) rather than lose it
+    to no gain; the entry-count budget still evicts it."""
+    per, rec = _per_token(model), Recorder()
+    c = PromptCache(layout="shared", share_min_tokens=64, listener=rec)
+    for p in (A, B):
+        c.insert(p, kv_for(model, p), prompt_len=len(p))
+    c.fetch(B + [5])  # B is the most recent: A is the LRU victim
+    pin = c.fetch(A + [5], by_reference=True)  # ...and pinned: its eviction would free nothing
+    c.fetch(B + [6])
+    assert c.trim_to(max_bytes=10 * per) == 1 and rec.evicted == [350]  # B's own 50 tokens freed
+    assert [len(e) for e in c.entries()] == [400] and c.nbytes == 400 * per
+    assert c.trim_to(max_entries=0) == 1 and rec.evicted == [350, 400] and c.nbytes == 400 * per
+    c.drop(pin)
+    assert c.nbytes == 0
+
+
 def test_rule_6_keeps_the_shared_prefix_as_its_chain(model):
     """Rule 6 with segments: the kept system entry is the evicted chain's shared part (no copy)."""
     per = _per_token(model)

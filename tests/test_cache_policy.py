@@ -249,6 +249,41 @@ def _chat(url, msgs, **kw):
     return json.loads(body)
 
 
+def test_an_abandoned_turn_replaces_its_own_entry_in_a_full_cache(make_stack):
+    """The entry count full (3 of 3), a conversation's next turn whose client hangs up mid-decode
+    is still saved: it replaces that conversation's own previous entry (rule 3), so it evicts
+    nobody. It was skipped as if it needed a fourth entry, and the next turn recomputed all it
+    added (helper-60, with the default 64 entries filled by one-off requests)."""
+    s = make_stack()
+    b = s.add_backend("b0", None, "--cache-entries", "3", "--min-hit-tokens", "100")
+    b.wait_healthy()
+    turn0 = [{"role": "user", "content": words(300, seed=70)}]
+    r0 = _chat(b.url, turn0)
+    for seed in (71, 72):  # two other sessions fill the entry count
+        _chat(b.url, [{"role": "user", "content": words(40, seed=seed)}])
+    before = {e["id"]: e["tokens"] for e in get_json(b.url + "/internal/cache")["entries"]}
+    assert len(before) == 3
+    turn1 = turn0 + [{"role": "assistant", "content": r0["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": words(60, seed=73)}]
+    body = json.dumps({"messages": turn1, "max_tokens": 2000, "stream": True, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", b.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        buf = b""
+        while b"data: {" not in buf:
+            buf += sock.recv(4096)
+    deadline = time.time() + 10
+    while time.time() < deadline and get_json(b.url + "/health")["active"] != 0:
+        time.sleep(0.05)
+    h = get_json(b.url + "/health")
+    assert (h["abandoned_saves_skipped"], h["cache_evictions"]) == (0, 0), h
+    after = {e["id"]: e["tokens"] for e in get_json(b.url + "/internal/cache")["entries"]}
+    (turn0_id,) = [i for i, n in before.items() if n == max(before.values())]
+    assert len(after) == 3 and turn0_id not in after and set(before) - {turn0_id} < set(after)
+    r1 = _chat(b.url, turn1)  # the retry reuses the whole abandoned prompt (rule 1: all but one token)
+    assert r1["usage"]["prompt_tokens_details"]["cached_tokens"] == r1["usage"]["prompt_tokens"] - 1
+
+
 def test_shared_system_prompt_survives_ten_conversations(make_stack):
     s = make_stack()
     b = s.add_backend("b0")
