@@ -63,9 +63,13 @@ def render_chat(
     """
     kwargs = dict(template_kwargs or {})
     messages = template_roles(tokenizer, messages)
+    # ``continue_final_message`` (transformers; Anthropic's assistant prefill sets it): the reply
+    # continues the last assistant message, so no new assistant turn is opened.
+    kwargs.pop("add_generation_prompt", None)
+    opens_turn = not kwargs.get("continue_final_message")
     try:
         ids = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=encode is None, **kwargs
+            messages, tools=tools or None, add_generation_prompt=opens_turn, tokenize=encode is None, **kwargs
         )
     except Exception as e:  # jinja2 TemplateError, TypeError from bad content...
         if out_of_resources(e):  # jinja2 opens files on error paths: the server's trouble, not the client's
@@ -114,6 +118,7 @@ def system_prefix_tokens(tokenizer, messages, tools, kwargs, ids, encode=None) -
             break
     if n == 0 and not tools:
         return 0
+    kwargs = {k: v for k, v in kwargs.items() if k != "continue_final_message"}  # the probe ends in a user turn
     try:
         probe = tokenizer.apply_chat_template(
             messages[:n] + [{"role": "user", "content": ""}],

@@ -161,6 +161,28 @@ def test_count_tokens_is_the_real_prompt(stack, demo_model):
     assert n.input_tokens == len(want)
 
 
+def test_anthropic_prefill_is_continued(stack, demo_model):
+    """A trailing assistant message is Anthropic's prefill: the reply continues it, so the prompt
+    ends inside that turn (transformers' ``continue_final_message``). It was closed as a turn of
+    its own and a new assistant turn opened, so the prefill steered nothing (helper-60)."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(__import__("pathlib").Path(demo_model))
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    want = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(want).endswith("The answer is")
+    r = _ant(stack).messages.create(model="demo-tiny", max_tokens=2, messages=msgs)
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == len(want)  # input_tokens excludes cache reads
+    assert _ant(stack).messages.count_tokens(model="demo-tiny", messages=msgs).input_tokens == len(want)
+    # A final assistant turn of tool calls only is no prefill: a new turn opens after it.
+    calls = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}]}]
+    n = _ant(stack).messages.count_tokens(model="demo-tiny", messages=calls, tools=ANTHROPIC_TOOLS).input_tokens
+    oai = [calls[0], {"role": "assistant", "content": "", "tool_calls": [{"id": "toolu_1", "type": "function",
+           "function": {"name": "get_weather", "arguments": json.dumps({"city": "Oslo"})}}]}]
+    assert n == len(tok.apply_chat_template(oai, tools=CHAT_TOOLS, add_generation_prompt=True))
+
+
 def test_same_conversation_in_three_dialects_shares_one_prefix(stack):
     """Three turns (text, a tool call and its result) in each dialect: same tokens, backend and cache."""
     oai, ant = _oai(stack), _ant(stack)

@@ -168,6 +168,11 @@ def to_chat(body: dict, count_only: bool = False) -> dict:
     """
     out = chat_request(body, lambda: convert_messages(body.get("system"), body.get("messages")),
                        lambda: convert_tools(body.get("tools")), convert_tool_choice)
+    last = out["messages"][-1]
+    if last["role"] == "assistant" and last["content"] and not last.get("tool_calls"):
+        # Anthropic's prefill: the reply continues the final assistant message (helper-60: it
+        # was closed as a turn of its own and a new one opened, so the prefill steered nothing).
+        out["chat_template_kwargs"] = {**out.get("chat_template_kwargs", {}), "continue_final_message": True}
     if count_only:
         return out
     mt = body.get("max_tokens")
