@@ -62,6 +62,9 @@ def forced_tools(tools: Optional[list], tool_choice) -> Optional[list[dict]]:
         return fns
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name")
+        if not isinstance(name, str):  # it said "names 'None'" (helper-60)
+            raise RequestError("'tool_choice.function.name' must name a function in 'tools'",
+                               param="tool_choice.function.name")
         chosen = [f for f in fns if f.get("name") == name]
         if not chosen:
             raise RequestError(f"tool_choice names '{name}', which is not in 'tools'", param="tool_choice")

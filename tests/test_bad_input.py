@@ -66,6 +66,9 @@ CASES = [
     ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, "temperature", None),
     ({"model": "demo-tiny", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
      400, "messages[0].content[0].text", None),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}}], "tool_choice": {"type": "function"}},
+     400, "tool_choice.function.name", None),  # "tool_choice names 'None'" (helper-60)
 ]
 
 

@@ -389,6 +389,9 @@ MALFORMED = [  # (path, body, param): each once crashed the conversion (500) or 
     ("/v1/responses", {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c1"}]}, "input[0].output"),
     ("/v1/responses", {"input": "x", "store": "x"}, "store"),
+    # helper-60: named 'stop', 'None' ("block type 'None'", "tool_choice names 'None'").
+    ("/v1/messages", {"messages": [USER], "stop_sequences": ["x"] * 17}, "stop_sequences"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [{"text": "hi"}]}]}, "messages[0].content[0].type"),
 ]
 
 

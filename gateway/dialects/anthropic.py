@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from mlxgw.protocol import CALL_ID_PREFIX, RequestError, number_field, optional_field
+from mlxgw.protocol import CALL_ID_PREFIX, MAX_STOP, RequestError, number_field, optional_field
 
 from .base import (ChatTransform, chat_message, chat_request, function_tools, new_id, part_text, sse_event,
                    stop_string, text_of, with_stream)
@@ -56,6 +56,9 @@ def _blocks(content, p: str) -> list[dict]:
         return [{"type": "text", "text": content}]
     if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
         raise RequestError(f"'{p}' must be a string or an array of content blocks", param=p)
+    for j, b in enumerate(content):  # "block type 'None' is not supported" before (helper-60)
+        if not isinstance(b.get("type"), str):
+            raise RequestError(f"'{p}[{j}].type' is required (a string)", param=f"{p}[{j}].type")
     return content
 
 
@@ -189,6 +192,8 @@ def to_chat(body: dict, count_only: bool = False) -> dict:
     if stops is not None:
         if not (isinstance(stops, list) and all(isinstance(x, str) for x in stops)):
             raise RequestError("'stop_sequences' must be an array of strings", param="stop_sequences")
+        if len(stops) > MAX_STOP:  # checked here too, so the error names the client's field (helper-60)
+            raise RequestError(f"'stop_sequences' may hold at most {MAX_STOP} sequences", param="stop_sequences")
         out["stop"] = stops
     return with_stream(out, body)
 
