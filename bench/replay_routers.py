@@ -424,6 +424,8 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
         "disk_reads": sum(h.get("disk_reads", 0) for h in health),
         "disk_read_tokens": sum(h.get("disk_read_tokens", 0) for h in health),
         "disk_write_bytes": sum(h.get("disk_write_bytes", 0) for h in health),
+        # The engines' own counters over the backends (docs/cache-policy.md): why hits differ.
+        "engine_counters": {k: sum(h.get(k, 0) for h in health) for k in ENGINE_COUNTERS},
         # Our gateways' Redis lookups by status over the replay ({} for other routers).
         "lookups": lookups,
         "ttfts": sorted(r["ttft"] for r in ok),
@@ -505,6 +507,8 @@ def _candidates(header: str) -> dict[str, int]:
     return out
 
 
+ENGINE_COUNTERS = ("hits", "misses", "prefill_saves", "prefill_handoffs", "abandoned_saves_skipped",
+                   "shared_prefixes_kept", "cache_evicted_tokens")
 LOST_CAUSES = ("moved", "behind", "unowned", "no_lookup", "sub_block", "chance")  # see `lost_hits`
 
 
@@ -789,7 +793,8 @@ def main(argv=None) -> int:
                           f"backend cpu {r['backend_cpu_s']:.0f} s ({time.time() - t:.0f} s)"
                           + (f" lookups {r['lookups']}" if r["lookups"] else "")
                           + (f" disk reads {r['disk_reads']} written {r['disk_write_bytes'] / 1e9:.1f} GB"
-                             if r["disk_reads"] or r["disk_write_bytes"] else ""), flush=True)
+                             if r["disk_reads"] or r["disk_write_bytes"] else "")
+                          + " " + " ".join(f"{k} {v}" for k, v in r["engine_counters"].items()), flush=True)
                     runs.append(r)
                 rounds.append(runs)
             res["budgets"].append({"fraction": frac, "per_backend_gb": per_backend / 2**30,
