@@ -263,6 +263,12 @@ def _validate_messages(messages) -> list:
                     raise RequestError(f"'{q}.{field}' must be a string", param=f"{q}.{field}")
         for name in ("name", "tool_call_id"):
             optional_field(m, name, (str,), "a string", p)
+        fc = m.get("function_call")  # the deprecated form of one tool call (normalize_messages)
+        if fc is not None and not (isinstance(fc, dict) and isinstance(fc.get("name"), str)):
+            raise RequestError(f"'{p}.function_call' must be an object with a 'name'", param=f"{p}.function_call")
+        if fc is not None and fc.get("arguments") is not None and not isinstance(fc["arguments"], (str, dict)):
+            raise RequestError(f"'{p}.function_call.arguments' must be a JSON string",
+                               param=f"{p}.function_call.arguments")
         tcs = m.get("tool_calls")
         if tcs is not None and not isinstance(tcs, list):
             raise RequestError(f"'{p}.tool_calls' must be an array", param=f"{p}.tool_calls")
@@ -354,7 +360,8 @@ def optional_field(body: dict, name: str, types, what: str, where: str = ""):
 
 
 def normalize_messages(messages: list) -> list:
-    """Flatten text content parts into strings and decode tool-call argument JSON.
+    """Flatten text content parts into strings, decode tool-call argument JSON, and make an
+    assistant message's deprecated ``function_call`` its one tool call.
 
     Templates expect ``content`` as a string and (Qwen-style) tool-call
     ``arguments`` as an object; OpenAI clients send parts and JSON strings.
@@ -369,6 +376,12 @@ def normalize_messages(messages: list) -> list:
             )
         elif c is None:
             m["content"] = ""
+        fc = m.pop("function_call", None)
+        if fc is not None and not m.get("tool_calls"):
+            # The deprecated single call is one tool call (its result comes as a `function` message,
+            # rendered as `tool`: `prompt.template_roles`); it was dropped from the prompt (helper-60).
+            m["tool_calls"] = [{"id": f"call_{len(out)}", "type": "function",
+                                "function": {"name": fc["name"], "arguments": fc.get("arguments") or "{}"}}]
         if m.get("tool_calls"):
             tcs = []
             for tc in m["tool_calls"]:
@@ -467,6 +480,10 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         json_schema=json_schema,
     )
     if kind == "chat":
+        for k in ("functions", "function_call"):
+            if body.get(k) is not None:  # silently ignored before (helper-60): the model saw no functions
+                raise RequestError(f"'{k}' is OpenAI's deprecated form of 'tools' and 'tool_choice' and is not "
+                                   "supported: send 'tools'", param=k)
         req.messages = normalize_messages(_validate_messages(body.get("messages")))
         req.tools = _validate_tools(body.get("tools"))
         req.tool_choice = body.get("tool_choice")

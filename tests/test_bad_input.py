@@ -69,6 +69,14 @@ CASES = [
     ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object"}}}], "tool_choice": {"type": "function"}},
      400, "tool_choice.function.name", None),  # "tool_choice names 'None'" (helper-60)
+    # OpenAI's deprecated functions were dropped silently (helper-60).
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}],
+      "functions": [{"name": "f", "parameters": {"type": "object"}}]}, 400, "functions", None),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}], "function_call": "auto"},
+     400, "function_call", None),
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"},
+                                         {"role": "assistant", "content": None, "function_call": {"arguments": "{}"}}]},
+     400, "messages[1].function_call", None),
 ]
 
 
@@ -81,6 +89,27 @@ def test_bad_requests_get_openai_errors(stack1, body, status, param, code):
     assert err["code"] == code
     if param == "response_format":  # the compiler's reason, not its position and grammar dump
         assert err["message"].endswith("Invalid type: nonsense") and "<[" not in err["message"], err
+
+
+def test_a_deprecated_function_call_in_the_history_is_rendered_as_a_tool_call(stack1):
+    """An assistant message's ``function_call`` and the ``function`` message answering it render
+    as the tool call and tool result they stand for; the call was dropped from the prompt."""
+    import json
+
+    user = {"role": "user", "content": "weather in Oslo?"}
+    old = [user, {"role": "assistant", "content": None, "function_call": {"name": "w", "arguments": '{"c": 1}'}},
+           {"role": "function", "name": "w", "content": "sunny"}]
+    new = [user, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": '{"c": 1}'}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    bare = [user, {"role": "assistant", "content": None}, {"role": "function", "name": "w", "content": "sunny"}]
+    n = []
+    for msgs in (old, new, bare):
+        status, _, body = post(stack1.gateway.url + "/v1/chat/completions",
+                               {"model": "demo-tiny", "messages": msgs, "max_tokens": 1})
+        assert status == 200, body
+        n.append(json.loads(body)["usage"]["prompt_tokens"])
+    assert n[0] == n[1] > n[2]
 
 
 def test_prompt_longer_than_context(stack1):
