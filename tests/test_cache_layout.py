@@ -98,32 +98,32 @@ def test_a_hit_pinned_by_reference_adds_no_bytes_and_outlives_its_entry(model):
     c.insert(A, kv_for(model, A), prompt_len=len(A))
     prompt = A[:350] + [2900, 2901]
     pins = [c.fetch(prompt, by_reference=True) for _ in range(3)]
-    assert [(h.kv, h.reused, h.seg.end) for h in pins] == [(None, 350, 400)] * 3
+    assert [(h.kv, h.reused, h.seg.end) for h in pins] == [(None, 350, 350)] * 3  # the chain cut at 350
     assert c.nbytes == 400 * per  # three pins, no copy
-    c.clear()  # the entry evicted while they wait: its segment stays for the pins
-    assert rec.evicted == [400] and len(c) == 0 and c.nbytes == 400 * per
+    c.clear()  # the entry evicted while they wait: the 350 tokens they hold stay, the rest is freed
+    assert rec.evicted == [400] and len(c) == 0 and c.nbytes == 350 * per
     hit = c.materialise(pins[0])
     assert hit.seg is None and pins[0].seg is None and hit.reused == 350 and hit.kv[0].offset == 350
     assert _logits_match(model, hit, prompt)
     c.drop(pins[1])
-    assert c.nbytes == 400 * per  # one pin left
+    assert c.nbytes == 350 * per  # one pin left
     c.drop(pins[2])
     c.drop(pins[2])  # a second drop is nothing
     assert c.nbytes == 0
 
 
 def test_a_pinned_segment_split_by_a_later_save_still_gives_its_tokens(model):
-    """A save sharing part of a pinned segment splits it in place; the pin's chain still
-    holds its tokens (the copy at admission is exact) and its release frees nothing shared."""
+    """A save sharing part of a pinned chain splits its segment in place; the pin's chain
+    still holds its tokens (the copy at admission is exact) and its release frees them."""
     per = _per_token(model)
     c = PromptCache(layout="shared", share_min_tokens=64)
     c.insert(A, kv_for(model, A), prompt_len=len(A))
     pin = c.fetch(A[:390] + [7], by_reference=True)
-    c.insert(B, kv_for(model, B), prompt_len=len(B))  # splits A's segment at 300
+    c.insert(B, kv_for(model, B), prompt_len=len(B))  # splits A's first segment at 300
     assert c.nbytes == (400 + 50) * per
-    assert [(s.start, s.end) for s in pin.seg.chain()] == [(0, 300), (300, 400)]
+    assert [(s.start, s.end) for s in pin.seg.chain()] == [(0, 300), (300, 390)]
     c.clear()
-    assert c.nbytes == 400 * per  # A's chain, both pieces, for the pin; B's own 50 freed
+    assert c.nbytes == 390 * per  # what the pin holds of A's chain; the rest and B's own 50 freed
     hit = c.materialise(pin)
     assert hit.reused == 390 and _logits_match(model, hit, A[:390] + [7]) and c.nbytes == 0
 
