@@ -422,7 +422,16 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         raise RequestError("'n' must be 1: one choice per request is supported", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
         number_field(body, name, 0.0, lo=-2, hi=2)
-    optional_field(body, "logprobs", (bool,), "a boolean")
+    if kind == "text":  # the legacy API's logprobs is a count (0-5); echo, suffix, best_of are not done here
+        number_field(body, "logprobs", 0, lo=0, hi=5, integer=True)
+        if optional_field(body, "echo", (bool,), "a boolean"):
+            raise RequestError("'echo' is not supported: the answer never repeats the prompt", param="echo")
+        if optional_field(body, "suffix", (str,), "a string"):
+            raise RequestError("'suffix' (insertion) is not supported", param="suffix")
+        if number_field(body, "best_of", 1, lo=1, integer=True) != 1:
+            raise RequestError("'best_of' must be 1: one completion per request is supported", param="best_of")
+    else:
+        optional_field(body, "logprobs", (bool,), "a boolean")
     number_field(body, "top_logprobs", 0, lo=0, hi=20, integer=True)
     optional_field(body, "parallel_tool_calls", (bool,), "a boolean")
     json_schema = _response_format(body)

@@ -112,6 +112,24 @@ def test_a_deprecated_function_call_in_the_history_is_rendered_as_a_tool_call(st
     assert n[0] == n[1] > n[2]
 
 
+@pytest.mark.parametrize("extra,status,param", [
+    ({"logprobs": 2}, 200, None),  # the legacy API's count, accepted (a 400 "must be a boolean" before)
+    ({"logprobs": 6}, 400, "logprobs"),
+    ({"echo": True}, 400, "echo"),  # these three were ignored (helper-60)
+    ({"suffix": "end"}, 400, "suffix"),
+    ({"best_of": 3}, 400, "best_of"),
+    ({"echo": False, "suffix": None, "best_of": 1}, 200, None),
+])
+def test_legacy_completion_fields(stack1, extra, status, param):
+    import json
+
+    got, _, body = post(stack1.gateway.url + "/v1/completions",
+                        {"model": "demo-tiny", "prompt": "once upon", "max_tokens": 1, **extra})
+    assert got == status, body
+    if status != 200:
+        assert json.loads(body)["error"]["param"] == param
+
+
 def test_prompt_longer_than_context(stack1):
     text = words(9000, seed=3)  # the demo model's context is 8192 tokens
     status, err = _err(post(stack1.gateway.url + "/v1/chat/completions",
