@@ -310,6 +310,9 @@ def test_errors_in_each_dialect(stack):
         _oai(stack).responses.create(model="demo-tiny", input="x", max_output_tokens="x")
     assert e.value.body["param"] == "max_output_tokens"
     assert e.value.body["message"] == "'max_output_tokens' must be an integer"
+    with pytest.raises(openai.BadRequestError) as e:  # named `messages` before (helper-60)
+        _oai(stack).responses.create(model="demo-tiny", input=words(9000, seed=5))
+    assert (e.value.body["param"], e.value.body["code"]) == ("input", "context_length_exceeded")
     conn = http.client.HTTPConnection(urlsplit(stack.gateway.url).netloc, timeout=30)
     conn.request("POST", "/v1/messages", body=b"{not json", headers={"x-api-key": "k"})
     r = conn.getresponse()

@@ -279,5 +279,7 @@ class ResponsesTransform(ChatTransform):
                                                int(usage.get("completion_tokens", 0))))
 
     def convert_error(self, err: dict, status: int) -> dict:
+        # The whole prompt (e.g. context_length_exceeded) is the client's `input`, not our `messages`.
+        param = "input" if err.get("param") == "messages" else err.get("param")
         return {"error": {"message": err.get("message") or "error", "type": err.get("type") or "invalid_request_error",
-                          "param": err.get("param"), "code": err.get("code")}}
+                          "param": param, "code": err.get("code")}}
