@@ -319,3 +319,15 @@ def test_a_missing_trace_is_one_message_and_exit_2(script, tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("not found: get the Mooncake traces") == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_inflight_shares_of_each_backends_budget():
+    """bench/inflight.py: two backends of 16 ids each (half of a 64-id working set); A holds 16
+    ids from 0 to 2 s and 16 more from 1 to 2 s (above 90% for 2 of the 4 s, peak twice its
+    budget), B 16 ids from 0 to 0.5 s and from 3 to 4 s."""
+    from bench.inflight import inflight_shares
+
+    reqs = [TraceRequest(ms, 512, 1, [h]) for ms, h in ((0, 1), (1000, 2), (0, 3), (3000, 4))]
+    rows = {0: {"backend": "a", "prompt": 16, "e2e": 2.0}, 1: {"backend": "a", "prompt": 16, "e2e": 1.0},
+            2: {"backend": "b", "prompt": 16, "e2e": 0.5}, 3: {"backend": "b", "prompt": 16, "e2e": 1.0}}
+    assert inflight_shares(reqs, rows, budget=0.5, compress=1.0, above=0.9) == {"a": (0.5, 2.0), "b": (0.375, 1.0)}
