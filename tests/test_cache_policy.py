@@ -249,6 +249,22 @@ def _chat(url, msgs, **kw):
     return json.loads(body)
 
 
+def _hang_up_after_first_chunk(b, body: dict) -> dict:
+    """Stream ``body`` to backend ``b``'s chat endpoint, close the connection after the first
+    chunk, and return its /health once it has nothing active (the abandoned request saved)."""
+    raw = json.dumps({**body, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", b.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        buf = b""
+        while b"data: {" not in buf:
+            buf += sock.recv(4096)
+    deadline = time.time() + 10
+    while time.time() < deadline and get_json(b.url + "/health")["active"] != 0:
+        time.sleep(0.05)
+    return get_json(b.url + "/health")
+
+
 def test_an_abandoned_turn_replaces_its_own_entry_in_a_full_cache(make_stack):
     """The entry count full (3 of 3), a conversation's next turn whose client hangs up mid-decode
     is still saved: it replaces that conversation's own previous entry (rule 3), so it evicts
@@ -265,17 +281,7 @@ def test_an_abandoned_turn_replaces_its_own_entry_in_a_full_cache(make_stack):
     assert len(before) == 3
     turn1 = turn0 + [{"role": "assistant", "content": r0["choices"][0]["message"]["content"]},
                      {"role": "user", "content": words(60, seed=73)}]
-    body = json.dumps({"messages": turn1, "max_tokens": 2000, "stream": True, "ignore_eos": True}).encode()
-    with socket.create_connection(("127.0.0.1", b.port)) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        buf = b""
-        while b"data: {" not in buf:
-            buf += sock.recv(4096)
-    deadline = time.time() + 10
-    while time.time() < deadline and get_json(b.url + "/health")["active"] != 0:
-        time.sleep(0.05)
-    h = get_json(b.url + "/health")
+    h = _hang_up_after_first_chunk(b, {"messages": turn1, "max_tokens": 2000, "ignore_eos": True})
     assert (h["abandoned_saves_skipped"], h["cache_evictions"]) == (0, 0), h
     after = {e["id"]: e["tokens"] for e in get_json(b.url + "/internal/cache")["entries"]}
     (turn0_id,) = [i for i, n in before.items() if n == max(before.values())]
@@ -398,18 +404,8 @@ def test_abandoned_request_is_saved_only_into_free_space(make_stack):
     before = sorted(e["id"] for e in get_json(b.url + "/internal/cache")["entries"])
     assert len(before) == 2
     # A third session's client hangs up mid-decode: its KV does not fit beside the two.
-    body = json.dumps({"messages": [{"role": "user", "content": words(300, seed=64)}],
-                       "max_tokens": 2000, "stream": True}).encode()
-    with socket.create_connection(("127.0.0.1", b.port)) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        buf = b""
-        while b"data: {" not in buf:
-            buf += sock.recv(4096)
-    deadline = time.time() + 10
-    while time.time() < deadline and get_json(b.url + "/health")["active"] != 0:
-        time.sleep(0.05)
-    h = get_json(b.url + "/health")
+    h = _hang_up_after_first_chunk(b, {"messages": [{"role": "user", "content": words(300, seed=64)}],
+                                       "max_tokens": 2000})
     assert h["abandoned_saves_skipped"] == 1
     assert h["cache_evictions"] == 0  # nothing was evicted for it
     assert sorted(e["id"] for e in get_json(b.url + "/internal/cache")["entries"]) == before
