@@ -228,8 +228,10 @@ class MLXEngine(Engine):
             rather than at their admission, when the entry may be gone.
         pin_by_reference: a waiting request pins its hit as a reference to the
             cache's segments (`PromptCache.fetch`, rule 7's layout) and copies it
-            out at admission; off: a private copy on arrival, KV in flight while
-            it waits (one per waiting request, beside the entry it copies).
+            out at admission; off (the default): a private copy on arrival, KV in
+            flight while it waits (one per waiting request, beside the entry it
+            copies). Opt-in: measured on the trace replays it did not gain
+            (docs/cache-policy.md).
         claims: the reporter; each request's prompt blocks are claimed
             (`Reporter.claim`) from arrival to end. None: no claims.
         prefill_order: ``"fifo"``, ``"shorter-beside"`` or ``"step-beside"``
@@ -261,7 +263,7 @@ class MLXEngine(Engine):
         prefill_save_evicts: bool = False,
         prefill_handoff: bool = True,
         prefill_save_pin: bool = True,
-        pin_by_reference: bool = True,
+        pin_by_reference: bool = False,
         claims: Any = None,
         prefill_order: str = DEFAULT_PREFILL_ORDER,
         hit_tokens: int = 1,

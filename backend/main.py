@@ -127,10 +127,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-save-pin", action=argparse.BooleanOptionalAction, default=True,
                    help="when that save fits, the waiting requests take their hit from it at once (pinned, KV in "
                         "flight) rather than at admission, when a full cache may have evicted it; off: at admission")
-    p.add_argument("--pin-by-reference", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--pin-by-reference", action=argparse.BooleanOptionalAction, default=False,
                    help="a waiting request holds its cache hit as a reference to the cache's segments and copies "
-                        "it out when admitted (shared layout); off: a private copy from its arrival, KV in flight "
-                        "that counts against --cache-bytes while it waits (docs/cache-policy.md)")
+                        "it out when admitted (shared layout); off (default): a private copy from its arrival, KV "
+                        "in flight that counts against --cache-bytes while it waits (docs/cache-policy.md: opt-in, "
+                        "measured)")
     p.add_argument("--inflight-claims", action=argparse.BooleanOptionalAction, default=True,
                    help="report a request's prompt blocks as owned from its arrival until it ends, so every "
                         "gateway sends its siblings here (docs/redis-schema.md); off: only saved entries")

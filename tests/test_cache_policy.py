@@ -622,16 +622,16 @@ def test_request_cancelled_while_waiting_is_dropped(make_stack, redis_server):
 @pytest.mark.parametrize("pin", ["by-reference", "copy"])
 def test_waiting_requests_pin_their_hits_without_copies(make_stack, pin):
     """Eight requests continuing X arrive while D decodes (one request at a time). Pinned by
-    reference (the default), their hits add no bytes, so D's save evicts nothing and Y is
-    still a hit afterwards; pinned as private copies (`--no-pin-by-reference`, the behaviour
-    before session 36), their eight 300-token copies count as KV in flight (1.2 MB) against
-    the 1 MB budget and D's save evicts Y (by reference: X, Y and D's entries, 538 KB, fit). Every waiter reuses X's 300 tokens either way."""
+    reference (`--pin-by-reference`), their hits add no bytes, so D's save evicts nothing and Y is
+    still a hit afterwards; pinned as private copies (the default), their eight 300-token
+    copies count as KV in flight (1.2 MB) against the 1 MB budget and D's save evicts Y (by
+    reference: X, Y and D's entries, 538 KB, fit). Every waiter reuses X's 300 tokens either way."""
     import threading
 
     import numpy as np
 
     s = make_stack()
-    flags = ["--decode-concurrency", "1", "--prefill-concurrency", "1", "--cache-bytes", "1MB"] + (["--no-pin-by-reference"] if pin == "copy" else [])
+    flags = ["--decode-concurrency", "1", "--prefill-concurrency", "1", "--cache-bytes", "1MB"] + (["--pin-by-reference"] if pin == "by-reference" else [])
     b = s.add_backend("b0", None, *flags)
     s.wait()
     rng = np.random.default_rng(36)
