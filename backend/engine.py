@@ -132,6 +132,7 @@ class GenRequest:
     cache_version: int = -1  # `PromptCache.version` when it was pinned
     queued_reuse: int = 0  # tokens of its pinned hit left out of `queued_prefill_tokens` while it waits (`_pin`)
     claim: Optional[list] = field(default=None, repr=False)  # blocks claimed in Redis while it runs
+    memory_waited: bool = False  # put off at least once by `max_inflight_share` (counted once)
 
     @property
     def ids(self) -> np.ndarray:
@@ -232,6 +233,11 @@ class MLXEngine(Engine):
             flight while it waits (one per waiting request, beside the entry it
             copies). Opt-in: measured on the trace replays it did not gain
             (docs/cache-policy.md).
+        max_inflight_share: admit a request only while the KV in flight (the
+            batch's and the waiting requests' pinned copies) plus what its
+            prompt adds stays within this share of ``cache_bytes``, unless
+            nothing runs (vLLM admits a request only when its KV blocks are
+            free); the rest of the budget is the cache's. None: no such wait.
         claims: the reporter; each request's prompt blocks are claimed
             (`Reporter.claim`) from arrival to end. None: no claims.
         prefill_order: ``"fifo"``, ``"shorter-beside"`` or ``"step-beside"``
@@ -264,6 +270,7 @@ class MLXEngine(Engine):
         prefill_handoff: bool = True,
         prefill_save_pin: bool = True,
         pin_by_reference: bool = False,
+        max_inflight_share: Optional[float] = None,
         claims: Any = None,
         prefill_order: str = DEFAULT_PREFILL_ORDER,
         hit_tokens: int = 1,
@@ -293,6 +300,9 @@ class MLXEngine(Engine):
         self.prefill_handoff = prefill_handoff
         self.prefill_save_pin = prefill_save_pin
         self.pin_by_reference = pin_by_reference
+        self.max_inflight_share = max_inflight_share
+        self.memory_waits = 0  # requests whose admission max_inflight_share put off
+        self._kv_per_token = 0.0  # the cache's last known KV bytes per token (`_fits_in_flight`)
         self.claims = claims
         self.trimmable = False  # set at load: may a prompt's blocks be claimed (as `servable_blocks`)?
         self.prefill_saves = 0
@@ -390,6 +400,7 @@ class MLXEngine(Engine):
             "abandoned_saves_skipped": self.saves_skipped,
             "prefill_saves": self.prefill_saves,
             "prefill_handoffs": self.prefill_handoffs,
+            "memory_waits": self.memory_waits,
             "shared_prefixes_kept": self.cache.shared_kept,
             "prompt_tokens": self.prompt_tokens_total,
             "cached_tokens": self.cached_tokens_total,
@@ -635,6 +646,11 @@ class MLXEngine(Engine):
                 self._drop_waiting(req)
             elif self._held(req, prefilling):
                 held.append(req)
+            elif self._live and not self._fits_in_flight(req):
+                held.append(req)  # waits until running requests end (at its place: it was next)
+                self.memory_waits += not req.memory_waited
+                req.memory_waited = True
+                break
             else:
                 if self.save_at_prefill_end:
                     self._save_decoding_prompt_for(req)
@@ -717,6 +733,16 @@ class MLXEngine(Engine):
         req = live.req
         return self.cache.fits_beside(tokens, kv, free, reused_from=live.reused_from, reused=req.cached,
                                       prompt_len=len(req.prompt), system_tokens=req.system_tokens)
+
+    def _fits_in_flight(self, req: GenRequest) -> bool:
+        """True unless ``max_inflight_share`` is set and admitting ``req`` would take the KV in
+        flight past that share of the budget (its uncached prompt tokens at the cache's KV bytes
+        per token; unknown before anything was cached: then it fits)."""
+        if self.max_inflight_share is None:
+            return True
+        self._kv_per_token = self.cache.kv_bytes_per_token() or self._kv_per_token
+        todo = len(req.prompt) - (req.hit.reused if req.hit is not None else 0)
+        return self._inflight_nbytes() + todo * self._kv_per_token <= self.max_inflight_share * self.cache_bytes
 
     def _inflight_nbytes(self) -> int:
         """KV bytes held outside the cache: the batch's, and the hits waiting requests pinned as

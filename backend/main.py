@@ -132,6 +132,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "it out when admitted (shared layout); off (default): a private copy from its arrival, KV "
                         "in flight that counts against --cache-bytes while it waits (docs/cache-policy.md: opt-in, "
                         "measured)")
+    p.add_argument("--max-inflight-share", type=share_arg, default=None,
+                   help="admit a request only while the KV in flight plus its prompt's stays within this share of "
+                        "--cache-bytes (unless nothing runs), so the rest stays the prompt cache's; default: no such "
+                        "wait (docs/cache-policy.md, measured)")
     p.add_argument("--inflight-claims", action=argparse.BooleanOptionalAction, default=True,
                    help="report a request's prompt blocks as owned from its arrival until it ends, so every "
                         "gateway sends its siblings here (docs/redis-schema.md); off: only saved entries")
@@ -374,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
               prefill_step_size=args.prefill_step_size, finish_prefill_on_cancel=not args.cancel_prefill,
               metrics=metrics, save_at_prefill_end=args.prefill_save, prefill_save_evicts=args.prefill_save_evicts,
               prefill_handoff=args.prefill_handoff, prefill_save_pin=args.prefill_save_pin,
-              pin_by_reference=args.pin_by_reference,
+              pin_by_reference=args.pin_by_reference, max_inflight_share=args.max_inflight_share,
               claims=reporter if args.inflight_claims else None, prefill_order=args.prefill_order,
               hit_tokens=args.block_size, cache_dir=cache_dir,
               cache_settings=settings if cache_dir else None,
