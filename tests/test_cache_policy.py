@@ -670,6 +670,43 @@ def test_waiting_requests_pin_their_hits_without_copies(make_stack, pin):
         assert got == 0 and evictions >= 2
 
 
+@pytest.mark.parametrize("share", [None, "0.5"])
+def test_max_inflight_share_holds_a_request_whose_kv_would_not_fit(make_stack, share):
+    """With --max-inflight-share 0.5 of a 1 MB budget (1,024 tokens of the demo model's KV in
+    flight), a 1,100-token prompt arriving while D decodes waits until D ends, then runs; without
+    it, it is admitted beside D at once."""
+    import threading
+
+    import numpy as np
+
+    s = make_stack()
+    b = s.add_backend("b0", None, "--cache-bytes", "1MB", *(["--max-inflight-share", share] if share else []))
+    s.wait()
+    rng = np.random.default_rng(37)
+    x, d, q = (rng.integers(16, 3000, n).tolist() for n in (100, 50, 1100))
+    st, _, body = post(b.url + "/v1/completions", {"prompt": x, "max_tokens": 1, "temperature": 0})
+    assert st == 200, body  # the cache now knows its KV bytes per token
+    sk = _open_stream(b.port, {"prompt": d, "max_tokens": 800, "temperature": 0, "ignore_eos": True})
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(post(b.url + "/v1/completions", {"prompt": q, "max_tokens": 1})))
+    try:
+        deadline = time.monotonic() + 30
+        while get_json(b.url + "/health")["active"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        t.start()
+        while get_json(b.url + "/health")["active"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.2)  # D is still decoding (800 tokens)
+        h = get_json(b.url + "/health")
+        assert (h["active"], h["waiting"], h["memory_waits"]) == ((2, 1, 1) if share else (2, 0, 0)), h
+        assert b"[DONE]" in _read_all(sk)
+    finally:
+        sk.close()
+        t.join(60)
+    assert got and got[0][0] == 200, got
+    assert get_json(b.url + "/health")["memory_waits"] == (1 if share else 0)
+
+
 def test_waiting_request_keeps_the_hit_it_had_on_arrival(make_stack):
     """The entry a waiting request matched on arrival can be evicted before it is admitted;
     the hit was pinned on arrival, so it is still reused. Here B continues X; it waits behind A's
