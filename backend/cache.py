@@ -351,17 +351,16 @@ class PromptCache:
             # pinned a 20k-token segment (measured: fewer hits than copies, session 36).
             seg = self._node_at(e.seg, n)
             seg.refs += 1
-            self._touch(e)
-            e.hits += 1
-            return CacheHit(None, n, e.id, len(e), seg=seg)
-        if e.seg is not None:
-            kv = self._materialise(e.seg, n)
+            hit = CacheHit(None, n, e.id, len(e), seg=seg)
+        elif e.seg is not None:
+            hit = CacheHit(self._materialise(e.seg, n), n, e.id, len(e))
         else:
             kv = self.ops.copy(e.kv)
             self.ops.trim(kv, len(e) - n)
+            hit = CacheHit(kv, n, e.id, len(e))
         self._touch(e)
         e.hits += 1
-        return CacheHit(kv, n, e.id, len(e))
+        return hit
 
     def finish_read(self, hit: CacheHit) -> CacheHit:
         """Complete a deferred disk-tier read (``hit.read``, done): the hit with its KV, trimmed
@@ -391,15 +390,18 @@ class PromptCache:
             seg, hit.seg = hit.seg, None
             self._release(seg)
 
-    def added_nbytes(self, tokens, kv) -> int:
+    def added_nbytes(self, tokens, kv, common: Optional[dict[int, int]] = None) -> int:
         """Bytes that saving ``kv`` (holding ``tokens``) would add to the cache: all of its
         bytes, or with rule 7 those of the tokens after the longest prefix a held chain
-        shares (when at least ``share_min_tokens``). The engine's free-space checks use it."""
+        shares (when at least ``share_min_tokens``). The engine's free-space checks use it.
+        ``common``: entry id -> common prefix with ``tokens``, when the caller has it."""
         n = self.ops.nbytes(kv)
         if self.layout != "shared" or not self.ops.trimmable(kv) or not self.ops.sliceable(kv):
             return n
         t = np.asarray(tokens, dtype=np.int32)
-        c = self._sharing({e.id: common_prefix(e.tokens, t) for e in self._entries.values()})[1]
+        if common is None:
+            common = {e.id: common_prefix(e.tokens, t) for e in self._entries.values()}
+        c = self._sharing(common)[1]
         return n * (len(t) - c) // len(t) if len(t) else n
 
     def is_good_hit(self, reused: int, prompt_len: int, system_tokens: int) -> bool:
@@ -548,7 +550,7 @@ class PromptCache:
         if any(len(e) == len(t) and common[e.id] == len(t) for e in self._entries.values()):
             return True  # already held: the save only refreshes it
         gone = self._displaced(t, common, self.ops.trimmable(kv), reused_from, reused, prompt_len, system_tokens)
-        added = self.added_nbytes(t, kv) - sum(e.nbytes for e in gone if e.seg is None)
+        added = self.added_nbytes(t, kv, common) - sum(e.nbytes for e in gone if e.seg is None)
         return added <= free_bytes and len(self._entries) - len(gone) < self.max_entries
 
     def trim_to(

@@ -728,11 +728,9 @@ class MLXEngine(Engine):
         without evicting anything (bytes and entry count, counting the entries the save
         itself replaces: `PromptCache.fits_beside`)."""
         free = self.cache_bytes - self._inflight_nbytes() - self.cache.nbytes
-        if live is None:
-            return self.cache.fits_beside(tokens, kv, free)
-        req = live.req
-        return self.cache.fits_beside(tokens, kv, free, reused_from=live.reused_from, reused=req.cached,
-                                      prompt_len=len(req.prompt), system_tokens=req.system_tokens)
+        how = {} if live is None else dict(reused_from=live.reused_from, reused=live.req.cached,
+                                           prompt_len=len(live.req.prompt), system_tokens=live.req.system_tokens)
+        return self.cache.fits_beside(tokens, kv, free, **how)
 
     def _fits_in_flight(self, req: GenRequest) -> bool:
         """True unless ``max_inflight_share`` is set and admitting ``req`` would take the KV in

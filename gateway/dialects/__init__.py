@@ -29,8 +29,8 @@ def error_response(request: web.Request, err: RequestError) -> web.Response:
         body = anthropic.error_body(err.message, err.status)
     else:
         body = err.body()
-        if request.path.startswith("/v1/responses") and body["error"].get("param") == "messages":
-            body["error"]["param"] = "input"  # the whole prompt (context_length_exceeded) is its `input`
+        if request.path.startswith("/v1/responses"):
+            body["error"]["param"] = responses.client_param(body["error"].get("param"))
     return web.json_response(body, status=err.status, headers=err.headers)
 
 

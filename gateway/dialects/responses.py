@@ -169,6 +169,12 @@ def usage_of(prompt: int, cached: int, output: int) -> dict:
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + output}
 
 
+def client_param(param: Optional[str]) -> Optional[str]:
+    """An internal chat error's ``param`` as the Responses client named it: the whole prompt
+    (``messages``, e.g. context_length_exceeded) is its ``input``."""
+    return "input" if param == "messages" else param
+
+
 class ResponsesTransform(ChatTransform):
     """The backend's OpenAI chat answer -> a Response object or Responses events."""
 
@@ -279,7 +285,5 @@ class ResponsesTransform(ChatTransform):
                                                int(usage.get("completion_tokens", 0))))
 
     def convert_error(self, err: dict, status: int) -> dict:
-        # The whole prompt (e.g. context_length_exceeded) is the client's `input`, not our `messages`.
-        param = "input" if err.get("param") == "messages" else err.get("param")
         return {"error": {"message": err.get("message") or "error", "type": err.get("type") or "invalid_request_error",
-                          "param": param, "code": err.get("code")}}
+                          "param": client_param(err.get("param")), "code": err.get("code")}}
