@@ -38,6 +38,10 @@ class ModelConfig:
     prefill_concurrency: int = 2  # prompts prefilled side by side per backend
     decode_concurrency: int = 16  # decode slots per backend (8 until session 31; docs/cache-policy.md)
     prefill_order: str = "step-beside"  # which waiting request prefills next (backend.engine.DEFAULT_PREFILL_ORDER)
+    # Opt-in, measured in docs/cache-policy.md: admit a request only while the KV in flight stays within this
+    # share of cache_bytes ("Admission by memory"; 0: off), and pin waiting requests' hits by reference.
+    max_inflight_share: float = 0.0
+    pin_by_reference: bool = False
     # Keep the prompt caches across restarts: backend i saves to and restores from
     # <cache_dir>/<name>-<i> (backend.persist); empty: not kept.
     cache_dir: str = ""
@@ -233,6 +237,8 @@ def validate(cfg: ServeConfig) -> None:
         ranges.append((f"{where} backend ports", m.port, m.port + m.backends - 1))
         if m.cache_dir:
             _check_cache_dir(m.cache_dir, where)
+        if m.max_inflight_share > 1:
+            raise ValueError(f"{where}: max_inflight_share must be at most 1 (0: off), not {m.max_inflight_share!r}")
         if m.disk_cache_bytes:
             try:
                 positive_bytes(m.disk_cache_bytes)
@@ -269,7 +275,8 @@ def apply_flags(cfg: ServeConfig, args) -> ServeConfig:
     for flag, attr in (("backends", "backends"), ("backend_port", "port"), ("cache_bytes", "cache_bytes"),
                        ("cache_entries", "cache_entries"), ("cache_layout", "cache_layout"),
                        ("decode_concurrency", "decode_concurrency"), ("cache_dir", "cache_dir"),
-                       ("cache_save_interval", "cache_save_interval"), ("disk_cache_bytes", "disk_cache_bytes")):
+                       ("cache_save_interval", "cache_save_interval"), ("disk_cache_bytes", "disk_cache_bytes"),
+                       ("max_inflight_share", "max_inflight_share"), ("pin_by_reference", "pin_by_reference")):
         v = getattr(args, flag, None)
         if v is not None:
             setattr(m0, attr, v)

@@ -23,7 +23,7 @@ from typing import Optional
 
 from . import config as config_mod
 from .stopping import EMBEDDED_REDIS_ENV, PARENT_ENV, stop_signals
-from .util import parse_bytes, positive_int, redact_url, serve_token_file, serve_url_file, size_arg, size_text
+from .util import parse_bytes, positive_int, redact_url, serve_token_file, serve_url_file, share_arg, size_arg, size_text
 
 #: Seconds serve waits for a backend with a --cache-dir to stop: it writes its prompt cache
 #: first (at most `backend.engine.SAVE_SECONDS`), then exits.
@@ -64,6 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-concurrency", type=positive_int,
                    help="decode slots per backend: answers generated at once (default 16; "
                         "docs/cache-policy.md, 'Decode slots')")
+    p.add_argument("--max-inflight-share", type=share_arg,
+                   help="opt-in: each backend admits a request only while the KV in flight plus its prompt's stays "
+                        "within this share of --cache-bytes (docs/cache-policy.md, 'Admission by memory')")
+    p.add_argument("--pin-by-reference", action="store_true", default=None,
+                   help="opt-in: waiting requests hold their cache hits as references, not copies "
+                        "(docs/cache-policy.md, 'Pins by reference')")
     p.add_argument("--block-size", type=int, help="tokens per block (default 64; gateway and backends must match)")
     p.add_argument("--namespace", help="Redis key namespace (default mlxgw)")
     p.add_argument("--no-memory-check", action="store_true", help="skip the memory estimate")
@@ -320,7 +326,9 @@ def backend_model_flags(m: config_mod.ModelConfig) -> list[str]:
             "--prefill-save" if m.prefill_save else "--no-prefill-save",
             "--prefill-concurrency", str(m.prefill_concurrency), "--prefill-order", m.prefill_order,
             "--decode-concurrency", str(m.decode_concurrency),
-            "--cache-layout", m.cache_layout]
+            "--cache-layout", m.cache_layout,
+            "--pin-by-reference" if m.pin_by_reference else "--no-pin-by-reference",
+            *(["--max-inflight-share", str(m.max_inflight_share)] if m.max_inflight_share else [])]
 
 
 def check_cache_dirs(models: list[config_mod.ModelConfig]) -> Optional[str]:

@@ -64,9 +64,9 @@ def render_chat(
     kwargs = dict(template_kwargs or {})
     messages = template_roles(tokenizer, messages)
     # ``continue_final_message`` (transformers; Anthropic's assistant prefill sets it): the reply
-    # continues the last assistant message, so no new assistant turn is opened.
-    kwargs.pop("add_generation_prompt", None)
-    opens_turn = not kwargs.get("continue_final_message")
+    # continues the last assistant message, so no new assistant turn is opened. A client's own
+    # ``add_generation_prompt`` (validated by `mlxgw.protocol.template_kwargs`) is honoured.
+    opens_turn = kwargs.pop("add_generation_prompt", not kwargs.get("continue_final_message"))
     try:
         ids = tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=opens_turn, tokenize=encode is None, **kwargs

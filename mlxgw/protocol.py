@@ -359,6 +359,30 @@ def optional_field(body: dict, name: str, types, what: str, where: str = ""):
     return v
 
 
+TURN_FLAGS = ("add_generation_prompt", "continue_final_message")
+
+
+def template_kwargs(body: dict) -> dict:
+    """The request's extra chat-template arguments: ``chat_template_kwargs``, plus the
+    top-level ``add_generation_prompt`` / ``continue_final_message`` (vLLM's extensions of the
+    chat request; either spelling is honoured, the top-level one wins).
+
+    Raises:
+        RequestError: 400 when ``chat_template_kwargs`` is not an object, a turn flag is not a
+            boolean, or both turn flags are true (as vLLM: continuing the last assistant
+            message and opening a new assistant turn contradict each other).
+    """
+    tk = dict(optional_field(body, "chat_template_kwargs", (dict,), "an object") or {})
+    for name in TURN_FLAGS:
+        optional_field(tk, name, (bool,), "a boolean", where="chat_template_kwargs")
+        if optional_field(body, name, (bool,), "a boolean") is not None:
+            tk[name] = body[name]
+    if tk.get("add_generation_prompt") and tk.get("continue_final_message"):
+        raise RequestError("'add_generation_prompt' and 'continue_final_message' cannot both be true",
+                           param="continue_final_message")
+    return tk
+
+
 def normalize_messages(messages: list) -> list:
     """Flatten text content parts into strings, decode tool-call argument JSON, and make an
     assistant message's deprecated ``function_call`` its one tool call.
@@ -465,7 +489,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
             0 <= k < 2**32 and -100 <= v <= 100 for k, v in lb.items()
         ):
             raise RequestError("'logit_bias' must map token ids to numbers from -100 to 100", param="logit_bias")
-    tk = optional_field(body, "chat_template_kwargs", (dict,), "an object") or {}
+    tk = template_kwargs(body)
     seed = number_field(body, "seed", None, integer=True)
     user = optional_field(body, "user", (str,), "a string")
     pck = optional_field(body, "prompt_cache_key", (str,), "a string")

@@ -195,6 +195,33 @@ def test_serve_passes_prefill_settings_to_the_backends(tmp_path):
         config.load(str(tmp_path / "d.toml"))
 
 
+def test_serve_passes_the_opt_in_admission_and_pin_settings(tmp_path):
+    """``max_inflight_share`` / ``pin_by_reference`` per model, or serve's flags, reach each backend's
+    command line (only `mlxgw backend` had them: a serve user could not turn them on); off by default."""
+    from mlxgw import launcher
+
+    flags = launcher.backend_model_flags(config.ModelConfig())
+    assert "--max-inflight-share" not in flags and "--no-pin-by-reference" in flags
+    p = tmp_path / "c.toml"
+    p.write_text('[[models]]\nname = "m"\nmax_inflight_share = 0.8\npin_by_reference = true\n')
+    cfg = config.load(str(p))
+    config.validate(cfg)
+    flags = launcher.backend_model_flags(cfg.models[0])
+    assert flags[flags.index("--max-inflight-share") + 1] == "0.8" and "--pin-by-reference" in flags
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    cfg = config.apply_flags(config.ServeConfig(), parser.parse_args(["--max-inflight-share", "0.5",
+                                                                      "--pin-by-reference"]))
+    flags = launcher.backend_model_flags(cfg.models[0])
+    assert flags[flags.index("--max-inflight-share") + 1] == "0.5" and "--pin-by-reference" in flags
+    for bad, why in (("1.5", "at most 1"), ('"x"', "must be a number"), ("-0.1", "at least 0")):
+        p.write_text(f'[[models]]\nmax_inflight_share = {bad}\n')
+        with pytest.raises(ValueError, match=why):
+            config.validate(config.load(str(p)))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-inflight-share", "2"])
+
+
 def test_serve_cache_layout_flag_reaches_the_backends(tmp_path):
     """`mlxgw serve --cache-layout whole` (a trial found only `mlxgw backend` had the flag)."""
     from mlxgw import launcher

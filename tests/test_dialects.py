@@ -183,6 +183,27 @@ def test_anthropic_prefill_is_continued(stack, demo_model):
     assert n == len(tok.apply_chat_template(oai, tools=CHAT_TOOLS, add_generation_prompt=True))
 
 
+def test_client_turn_flags_are_honoured(stack, demo_model):
+    """``add_generation_prompt`` in ``chat_template_kwargs`` and vLLM's top-level
+    ``continue_final_message`` reach the template. The client's ``add_generation_prompt`` was
+    dropped (a new assistant turn was always opened), so a client rendering a raw continuation
+    got one more turn header than it asked for."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(__import__("pathlib").Path(demo_model))
+    msgs = [{"role": "user", "content": words(30, seed=91)}]
+    closed = tok.apply_chat_template(msgs, add_generation_prompt=False)
+    assert len(closed) < len(tok.apply_chat_template(msgs, add_generation_prompt=True))
+    r = _oai(stack).chat.completions.create(model="demo-tiny", messages=msgs, max_tokens=1,
+                                            extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert r.usage.prompt_tokens == len(closed)
+    prefill = msgs + [{"role": "assistant", "content": "The answer is"}]
+    want = tok.apply_chat_template(prefill, add_generation_prompt=False, continue_final_message=True)
+    r = _oai(stack).chat.completions.create(model="demo-tiny", messages=prefill, max_tokens=1,
+                                            extra_body={"continue_final_message": True})
+    assert r.usage.prompt_tokens == len(want)
+
+
 def test_same_conversation_in_three_dialects_shares_one_prefix(stack):
     """Three turns (text, a tool call and its result) in each dialect: same tokens, backend and cache."""
     oai, ant = _oai(stack), _ant(stack)
