@@ -87,6 +87,7 @@ class GenParams:
     repetition_penalty: float = 0.0
     seed: Optional[int] = None
     processors: list = field(default_factory=list)  # extra logits processors (e.g. backend.toolchoice)
+    ignore_eos: bool = False  # vLLM's extension: end-of-sequence tokens do not stop the answer
 
 
 @dataclass
@@ -789,7 +790,7 @@ class MLXEngine(Engine):
             self._finish(live, "cancelled")
 
     def _admit(self, req: GenRequest) -> _Live:
-        from mlx_lm.generate import make_stop_sequences
+        from mlx_lm.generate import StopSequences, make_stop_sequences
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
         p = req.params
@@ -825,7 +826,7 @@ class MLXEngine(Engine):
             save_system_at = req.system_tokens
         sampler = make_sampler(p.temperature, p.top_p, p.min_p, 1, p.top_k)
         processors = make_logits_processors(p.logit_bias, p.repetition_penalty or None) + list(p.processors)
-        stop = make_stop_sequences(self.tokenizer, [])
+        stop = StopSequences([]) if p.ignore_eos else make_stop_sequences(self.tokenizer, [])
         (uid,) = self._bg.insert_segments(
             segments=[segments],
             max_tokens=[p.max_tokens],

@@ -20,7 +20,8 @@ from mlxgw.config import ModelConfig
 from mlxgw.prompt import tokenizer_fingerprint
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.stopping import Stopper
-from mlxgw.util import is_loopback, parse_bytes, positive_int, redact_url, share_arg, size_arg, size_text
+from mlxgw.util import (is_loopback, parse_bytes, positive_int, redact_url, share_arg, share_or_off_arg, size_arg,
+                        size_text)
 
 from . import persist, sim
 from .cache import LAYOUTS, KVOps, PromptCache
@@ -132,10 +133,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "it out when admitted (shared layout); off (default): a private copy from its arrival, KV "
                         "in flight that counts against --cache-bytes while it waits (docs/cache-policy.md: opt-in, "
                         "measured)")
-    p.add_argument("--max-inflight-share", type=share_arg, default=None,
+    p.add_argument("--max-inflight-share", type=share_or_off_arg, default=0.0,
                    help="admit a request only while the KV in flight plus its prompt's stays within this share of "
-                        "--cache-bytes (unless nothing runs), so the rest stays the prompt cache's; default: no such "
-                        "wait (docs/cache-policy.md, measured)")
+                        "--cache-bytes (unless nothing runs), so the rest stays the prompt cache's; 0 (default): no "
+                        "such wait (docs/cache-policy.md, measured)")
     p.add_argument("--inflight-claims", action=argparse.BooleanOptionalAction, default=True,
                    help="report a request's prompt blocks as owned from its arrival until it ends, so every "
                         "gateway sends its siblings here (docs/redis-schema.md); off: only saved entries")
@@ -298,6 +299,9 @@ def run(args: argparse.Namespace) -> int:
     """Run one backend until SIGINT/SIGTERM; returns the process exit code."""
     from .engine import MLXEngine
 
+    if args.pin_by_reference and args.cache_layout != "shared":
+        log.error("--pin-by-reference needs --cache-layout shared (pins reference the shared layout's segments)")
+        return 2
     if not args.model:
         from mlxgw.demo_model import ensure_demo_model
 
@@ -330,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
         ttl=args.heartbeat_ttl,
         extra={"model_path": str(model_path), "cache_budget_bytes": budget, "engine": args.engine,
                "min_hit_tokens": args.min_hit_tokens, "cache_layout": args.cache_layout,
+               "max_inflight_share": args.max_inflight_share, "pin_by_reference": int(args.pin_by_reference),
                "heartbeat_interval": args.heartbeat_interval,
                "auth": "token" if args.internal_token else "none"},
     )
@@ -378,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
               prefill_step_size=args.prefill_step_size, finish_prefill_on_cancel=not args.cancel_prefill,
               metrics=metrics, save_at_prefill_end=args.prefill_save, prefill_save_evicts=args.prefill_save_evicts,
               prefill_handoff=args.prefill_handoff, prefill_save_pin=args.prefill_save_pin,
-              pin_by_reference=args.pin_by_reference, max_inflight_share=args.max_inflight_share,
+              pin_by_reference=args.pin_by_reference, max_inflight_share=args.max_inflight_share or None,
               claims=reporter if args.inflight_claims else None, prefill_order=args.prefill_order,
               hit_tokens=args.block_size, cache_dir=cache_dir,
               cache_settings=settings if cache_dir else None,
@@ -431,10 +436,12 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
         await runner.cleanup()
         return 4
     mib = engine.cache.max_bytes / 2**20
+    opt_in = "".join([f"; admits while the KV in flight stays within {args.max_inflight_share:g} of the budget"
+                      if args.max_inflight_share else "", "; pins hits by reference" if args.pin_by_reference else ""])
     log.info("backend %s registered at %s (model %s, epoch %d; prompt cache %s MiB, %d entries, %s layout; "
-             "%d decode slots)", cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch,
+             "%d decode slots%s)", cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch,
              f"{mib:.0f}" if mib >= 10 else f"{mib:.3g}", engine.cache.max_entries, engine.cache.layout,
-             engine.decode_concurrency)
+             engine.decode_concurrency, opt_in)
     if engine.restored is not None:
         log.info("backend %s: %d prompt-cache entries (%s tokens) restored from %s and published under epoch %d",
                  cfg.backend_id, engine.restored.entries, f"{engine.restored.tokens:,}", engine.cache_dir,

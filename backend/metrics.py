@@ -166,6 +166,8 @@ class _EvictionCounters:
         for name, key, doc in (
             ("mlxgw:prompt_cache_evictions", "cache_evictions", "Prompt-cache entries evicted to keep within the budget."),
             ("mlxgw:prompt_cache_evicted_tokens", "cache_evicted_tokens", "Tokens of the entries evicted by the budget."),
+            ("mlxgw:memory_waits", "memory_waits",
+             "Requests whose admission --max-inflight-share put off (their KV would not fit; 0 without it)."),
             # Cache rule 8's disk tier (zeros without one).
             ("mlxgw:disk_cache_spills", "disk_spills", "Prompt-cache entries the memory budget moved to the disk tier."),
             ("mlxgw:disk_cache_reads", "disk_reads", "Disk-tier entries read back for a prompt."),

@@ -199,6 +199,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
             logit_bias=pr.logit_bias,
             repetition_penalty=pr.repetition_penalty,
             seed=pr.seed,
+            ignore_eos=pr.ignore_eos,
             processors=constrained_processors(engine.tokenizer, pr.tools, pr.tool_choice, pr.json_schema),
         ),
         system_tokens=system_tokens,
@@ -343,6 +344,9 @@ async def handle_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [item]})
 
 
+HEALTH_SETTINGS = ("cache_budget_bytes", "cache_layout", "min_hit_tokens", "max_inflight_share", "pin_by_reference")
+
+
 async def handle_health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     reporter = request.app[REPORTER]
@@ -354,6 +358,8 @@ async def handle_health(request: web.Request) -> web.Response:
         "pid": os.getpid(),
         "redis": reporter.redis_ok,
         **engine.stats(),
+        # The cache settings of the registry record (`backend.main`), so an operator sees what is on.
+        **{k: reporter.extra[k] for k in HEALTH_SETTINGS if k in reporter.extra},
         # Gateways of this model that do not route here, and why (Reporter._check_gateways).
         "left_out_by": reporter.left_out_by,
     }

@@ -7,6 +7,7 @@ commented examples.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import sys
 from dataclasses import dataclass, field, fields
@@ -172,10 +173,12 @@ _AT_LEAST_ONE = ("block_size", "backends", "cache_entries", "prefill_concurrency
 
 
 def _range_errors(values: dict, where: str) -> None:
-    """Each number in ``values`` is at least 1 (``_AT_LEAST_ONE``) or at least 0."""
+    """Each number in ``values`` is finite and at least 1 (``_AT_LEAST_ONE``) or at least 0."""
     for k, v in values.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
+        if not math.isfinite(v):  # TOML has nan and inf; every comparison with NaN is false
+            raise ValueError(f"{where}: {k} must be a finite number, not {v!r}")
         lo = 1 if k in _AT_LEAST_ONE else 0
         if v < lo:
             raise ValueError(f"{where}: {k} must be at least {lo}, not {v!r}")
@@ -199,10 +202,11 @@ def validate(cfg: ServeConfig) -> None:
     """Check a config (file and flags merged) before anything starts.
 
     Raises:
-        ValueError: a value of the wrong type, a negative number (or below 1 where 0 makes
+        ValueError: a value of the wrong type, NaN or infinity, a negative number (or below 1 where 0 makes
             no sense: block size, backends, cache entries, prefill and decode concurrency), a size that
             does not parse, a port out of range, two models with one name or overlapping ports,
-            a ``cache_dir`` that cannot be made or written, ``disk_cache_bytes`` without one.
+            a ``cache_dir`` that cannot be made or written, ``disk_cache_bytes`` without one,
+            ``max_inflight_share`` above 1, ``pin_by_reference`` without the shared layout.
     """
     from gateway.route import RoutingConfig
 
@@ -239,6 +243,8 @@ def validate(cfg: ServeConfig) -> None:
             _check_cache_dir(m.cache_dir, where)
         if m.max_inflight_share > 1:
             raise ValueError(f"{where}: max_inflight_share must be at most 1 (0: off), not {m.max_inflight_share!r}")
+        if m.pin_by_reference and m.cache_layout != "shared":
+            raise ValueError(f"{where}: pin_by_reference needs cache_layout = \"shared\" (pins reference its segments)")
         if m.disk_cache_bytes:
             try:
                 positive_bytes(m.disk_cache_bytes)

@@ -23,7 +23,7 @@ from typing import Optional
 
 from . import config as config_mod
 from .stopping import EMBEDDED_REDIS_ENV, PARENT_ENV, stop_signals
-from .util import parse_bytes, positive_int, redact_url, serve_token_file, serve_url_file, share_arg, size_arg, size_text
+from .util import parse_bytes, positive_int, redact_url, serve_token_file, serve_url_file, share_or_off_arg, size_arg, size_text
 
 #: Seconds serve waits for a backend with a --cache-dir to stop: it writes its prompt cache
 #: first (at most `backend.engine.SAVE_SECONDS`), then exits.
@@ -33,6 +33,8 @@ log = logging.getLogger("mlxgw.serve")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = ("With a --config of several [[models]] tables, the model, cache and backend flags (--model ... "
+                "--pin-by-reference) set the first table's values; the others keep their own.")
     p.add_argument("--config", help="TOML config file (flags override it)")
     p.add_argument("--model", help="model path or repo id (default: the offline demo model)")
     p.add_argument("--served-name", help="model name clients use (default: the dir name)")
@@ -64,12 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-concurrency", type=positive_int,
                    help="decode slots per backend: answers generated at once (default 16; "
                         "docs/cache-policy.md, 'Decode slots')")
-    p.add_argument("--max-inflight-share", type=share_arg,
+    p.add_argument("--max-inflight-share", type=share_or_off_arg,
                    help="opt-in: each backend admits a request only while the KV in flight plus its prompt's stays "
-                        "within this share of --cache-bytes (docs/cache-policy.md, 'Admission by memory')")
-    p.add_argument("--pin-by-reference", action="store_true", default=None,
+                        "within this share of --cache-bytes (docs/cache-policy.md, 'Admission by memory'); 0: off")
+    p.add_argument("--pin-by-reference", action=argparse.BooleanOptionalAction, default=None,
                    help="opt-in: waiting requests hold their cache hits as references, not copies "
-                        "(docs/cache-policy.md, 'Pins by reference')")
+                        "(docs/cache-policy.md, 'Pins by reference'; shared layout only)")
     p.add_argument("--block-size", type=int, help="tokens per block (default 64; gateway and backends must match)")
     p.add_argument("--namespace", help="Redis key namespace (default mlxgw)")
     p.add_argument("--no-memory-check", action="store_true", help="skip the memory estimate")

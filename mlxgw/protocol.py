@@ -111,6 +111,7 @@ class ParsedRequest:
     user: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     json_schema: Optional[dict] = None  # from response_format: the answer must be JSON of this schema
+    ignore_eos: bool = False  # vLLM's extension: generate past end-of-sequence tokens, to max_tokens or a stop string
 
 
 # Deepest JSON nesting accepted. Real requests (tool schemas included) stay
@@ -493,6 +494,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
     seed = number_field(body, "seed", None, integer=True)
     user = optional_field(body, "user", (str,), "a string")
     pck = optional_field(body, "prompt_cache_key", (str,), "a string")
+    ignore_eos = bool(optional_field(body, "ignore_eos", (bool,), "a boolean"))
     req = ParsedRequest(
         kind=kind,
         model=model,
@@ -511,6 +513,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         user=user,
         prompt_cache_key=pck,
         json_schema=json_schema,
+        ignore_eos=ignore_eos,
     )
     if kind == "chat":
         for k in ("functions", "function_call"):

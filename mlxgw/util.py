@@ -64,6 +64,20 @@ def share_arg(s: str) -> float:
     return v
 
 
+def share_or_off_arg(s: str) -> float:
+    """argparse type: a fraction in [0, 1], 0 meaning off (so a flag can turn off what a config
+    file set). Raises argparse.ArgumentTypeError otherwise (NaN included)."""
+    import argparse
+
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"must be from 0 (off) to 1, not {s}")
+    return v
+
+
 _SIZE = re.compile(r"\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:E[+-]?\d+)?)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
 _UNIT = {None: 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 

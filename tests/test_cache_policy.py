@@ -709,7 +709,15 @@ def test_max_inflight_share_holds_a_request_whose_kv_would_not_fit(make_stack, s
         sk.close()
         t.join(60)
     assert got and got[0][0] == 200, got
-    assert get_json(b.url + "/health")["memory_waits"] == (1 if share else 0)
+    h = get_json(b.url + "/health")
+    assert h["memory_waits"] == (1 if share else 0)
+    # The setting shows in /health (and the registry record), the waits in /metrics (helper-61: only
+    # the counter told whether it was on).
+    assert (h["max_inflight_share"], h["cache_budget_bytes"]) == (float(share or 0), 2**20), h
+    import urllib.request
+
+    metrics = urllib.request.urlopen(b.url + "/metrics", timeout=10).read().decode()
+    assert re.search(r'^mlxgw:memory_waits_total\{model_name="[^"]+"\} %s\.0$' % (1 if share else 0), metrics, re.M)
 
 
 def test_waiting_request_keeps_the_hit_it_had_on_arrival(make_stack):

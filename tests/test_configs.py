@@ -119,6 +119,11 @@ def test_serve_exits_2_on_a_bad_value(tmp_path):
         (["serve", "--cache-bytes=-5GB"], "'-5GB' must be more than 0 bytes"),
         (["backend", "--cache-bytes=-1GB", "--redis-url", "redis://127.0.0.1:1/0"],
          "argument --cache-bytes: '-1GB' must be more than 0 bytes"),
+        # accepted and silently without effect before (helper-61)
+        (["backend", "--pin-by-reference", "--cache-layout", "whole", "--redis-url", "redis://127.0.0.1:1/0"],
+         "--pin-by-reference needs --cache-layout shared"),
+        (["serve", "--pin-by-reference", "--cache-layout", "whole"],
+         'pin_by_reference needs cache_layout = "shared"'),
     ]
     # Each size flag is refused by argparse under its own name (serve's used to be reported as
     # "[[models]] demo cache_bytes", a config-file section the user never wrote).
@@ -214,12 +219,28 @@ def test_serve_passes_the_opt_in_admission_and_pin_settings(tmp_path):
                                                                       "--pin-by-reference"]))
     flags = launcher.backend_model_flags(cfg.models[0])
     assert flags[flags.index("--max-inflight-share") + 1] == "0.5" and "--pin-by-reference" in flags
-    for bad, why in (("1.5", "at most 1"), ('"x"', "must be a number"), ("-0.1", "at least 0")):
+    for bad, why in (("1.5", "at most 1"), ('"x"', "must be a number"), ("-0.1", "at least 0"),
+                     ("nan", "finite"), ("inf", "finite")):  # NaN passed every comparison (helper-61)
         p.write_text(f'[[models]]\nmax_inflight_share = {bad}\n')
         with pytest.raises(ValueError, match=why):
             config.validate(config.load(str(p)))
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--max-inflight-share", "2"])
+    for bad in ("2", "nan", "-0.1"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-inflight-share", bad])
+    # Flags turn off what a config turned on: 0 is off, as in the config (it was refused), and --no-pin-by-reference.
+    p.write_text('[[models]]\nmax_inflight_share = 0.8\npin_by_reference = true\n')
+    cfg = config.apply_flags(config.load(str(p)), parser.parse_args(["--max-inflight-share", "0", "--no-pin-by-reference"]))
+    flags = launcher.backend_model_flags(cfg.models[0])
+    assert "--max-inflight-share" not in flags and "--no-pin-by-reference" in flags
+    from backend import main as backend_main
+
+    bp = argparse.ArgumentParser()
+    backend_main.add_arguments(bp)
+    assert bp.parse_args(["--max-inflight-share", "0"]).max_inflight_share == 0.0
+    # Pins by reference hold the shared layout's segments: with whole entries the setting is refused.
+    p.write_text('[[models]]\ncache_layout = "whole"\npin_by_reference = true\n')
+    with pytest.raises(ValueError, match="pin_by_reference needs cache_layout"):
+        config.validate(config.load(str(p)))
 
 
 def test_serve_cache_layout_flag_reaches_the_backends(tmp_path):

@@ -100,3 +100,26 @@ def test_library_warnings_name_the_request(stack2):
     log = next(b for b in stack2.backends if b.name == h["X-Mlxgw-Backend"]).log_path.read_text()
     lines = [ln for ln in log.splitlines() if "Failed to parse tool call" in ln]
     assert lines and lines[-1].endswith(f"(request {rid})"), lines
+
+
+def test_ignore_eos_generates_to_max_tokens(stack2):
+    """``ignore_eos`` (vLLM's extension) keeps generating past end-of-sequence tokens. It was
+    accepted and ignored (helper-61): answers stopped at the model's EOS, and tests that relied on
+    it to keep a request decoding were timing-dependent."""
+    client = openai.OpenAI(base_url=stack2.gateway.url + "/v1", api_key="unused", max_retries=0)
+    cap = 200
+    for seed in range(40):  # a prompt the demo model (temperature 0) ends with EOS before the cap
+        prompt = words(12, seed=900 + seed)
+        r = client.completions.create(model="demo-tiny", prompt=prompt, max_tokens=cap, temperature=0)
+        if r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < cap:
+            break
+    else:
+        raise AssertionError("no prompt of 40 ended with EOS before the cap")
+    forced = client.completions.create(model="demo-tiny", prompt=prompt, max_tokens=cap, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert forced.choices[0].finish_reason == "length"
+    assert forced.usage.completion_tokens == cap
+    assert forced.choices[0].text.startswith(r.choices[0].text)  # the same answer, continued past its EOS
+    status, _, raw = post(stack2.gateway.url + "/v1/completions",
+                          {"model": "demo-tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": "yes"})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "ignore_eos"
