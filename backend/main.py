@@ -20,8 +20,8 @@ from mlxgw.config import ModelConfig
 from mlxgw.prompt import tokenizer_fingerprint
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.stopping import Stopper
-from mlxgw.util import (is_loopback, parse_bytes, positive_int, redact_url, share_arg, share_or_off_arg, size_arg,
-                        size_text)
+from mlxgw.util import (is_loopback, non_negative_float, parse_bytes, positive_int, redact_url, share_arg,
+                        share_or_off_arg, size_arg, size_text)
 
 from . import persist, sim
 from .cache import LAYOUTS, KVOps, PromptCache
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default %(default)s)")
     p.add_argument("--min-hit-tokens", type=int, default=ModelConfig.min_hit_tokens,
                    help="floor of a good hit, tokens (exo PR 1817; default %(default)s)")
-    p.add_argument("--min-hit-ratio", type=float, default=0.5, help="reused/prompt ratio of a good hit")
+    p.add_argument("--min-hit-ratio", type=non_negative_float, default=0.5, help="reused/prompt ratio of a good hit")
     p.add_argument("--min-shared-tokens", type=int, default=0,
                    help="cache rule 6 (docs/cache-policy.md), off by default: keep a prefix two other prompts "
                         "branched from, at least this many tokens long, as its own entry when the last entry "
@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", help="keep the prompt cache across restarts: write it to this directory "
                                         "at a clean stop and read it back at start (one directory per backend; "
                                         "docs/cache-policy.md, 'Across restarts'); default: not kept")
-    p.add_argument("--cache-save-interval", type=float, default=ModelConfig.cache_save_interval,
+    p.add_argument("--cache-save-interval", type=non_negative_float, default=ModelConfig.cache_save_interval,
                    help="with --cache-dir, also save the prompt cache while the backend is idle, at most every "
                         "this many seconds and only when it changed, so a crash loses at most that much "
                         "(default %(default)g; 0: only at a clean stop)")
@@ -105,9 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(fifo), or the one with the fewest tokens to compute if fewer than the running one has "
                         "left (shorter-beside) and at most one prefill step (step-beside, the default); "
                         "docs/cache-policy.md")
-    p.add_argument("--heartbeat-interval", type=float, default=schema.DEFAULT_HEARTBEAT_INTERVAL)
-    p.add_argument("--heartbeat-ttl", type=float, default=schema.DEFAULT_HEARTBEAT_TTL)
-    p.add_argument("--request-timeout", type=float, default=600.0,
+    p.add_argument("--heartbeat-interval", type=non_negative_float, default=schema.DEFAULT_HEARTBEAT_INTERVAL)
+    p.add_argument("--heartbeat-ttl", type=non_negative_float, default=schema.DEFAULT_HEARTBEAT_TTL)
+    p.add_argument("--request-timeout", type=non_negative_float, default=600.0,
                    help="seconds a request may run (prefill + decode) before it is cancelled with a 504 / SSE error; "
                         "its prompt cache is still saved")
     p.add_argument("--cancel-prefill", action="store_true",

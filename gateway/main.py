@@ -16,7 +16,7 @@ from mlxgw import schema
 
 from mlxgw.rlimit import open_files_limit, raise_open_files_limit
 from mlxgw.stopping import EMBEDDED_REDIS_ENV, Stopper, shut_down_embedded_redis
-from mlxgw.util import count, parse_bytes, positive_int, redact_url, size_arg
+from mlxgw.util import count, non_negative_float, parse_bytes, positive_int, redact_url, size_arg
 
 from .app import ADMISSION, GatewayConfig, make_app
 from .connguard import GuardedRunner, auto_max_connections
@@ -36,23 +36,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--namespace", default=schema.DEFAULT_NAMESPACE)
     p.add_argument("--block-size", type=positive_int, default=schema.DEFAULT_BLOCK_SIZE)
-    p.add_argument("--lookup-deadline-ms", type=float, default=50.0,
+    p.add_argument("--lookup-deadline-ms", type=non_negative_float, default=50.0,
                    help="abandon the Redis lookup after this long and route on load (time in which Redis "
                         "answered other lookups or the gateway was too busy to read the answer does not "
                         "count; never past 1 s)")
     p.add_argument("--max-retries", type=int, default=2, help="other backends tried before the first byte")
     p.add_argument("--gateway-id", default=None,
                    help="name of this gateway in Redis (default: host:port); gateways publish in-flight load under it")
-    p.add_argument("--janitor-grace", type=float, default=300.0,
+    p.add_argument("--janitor-grace", type=non_negative_float, default=300.0,
                    help="seconds without a heartbeat before a dead backend's claims are deleted from Redis")
     p.add_argument("--routing-policy", choices=POLICIES, default=RoutingConfig.policy)
-    p.add_argument("--load-weight", type=float, default=RoutingConfig.load_weight,
+    p.add_argument("--load-weight", type=non_negative_float, default=RoutingConfig.load_weight,
                    help="cost per token of backend load (docs/routing.md)")
-    p.add_argument("--decode-weight", type=float, default=RoutingConfig.decode_weight,
+    p.add_argument("--decode-weight", type=non_negative_float, default=RoutingConfig.decode_weight,
                    help="tokens of load per running decode")
     p.add_argument("--balance-abs-tokens", type=int, default=RoutingConfig.balance_abs_tokens,
                    help="balance guard: load above the least-loaded backend's by more than this ...")
-    p.add_argument("--balance-rel", type=float, default=RoutingConfig.balance_rel,
+    p.add_argument("--balance-rel", type=non_negative_float, default=RoutingConfig.balance_rel,
                    help="... and more than this factor makes a backend overloaded")
     p.add_argument("--affinity-slack-tokens", type=int, default=RoutingConfig.affinity_slack_tokens,
                    help="a session's backend may cost this much more than the best and still be chosen")
@@ -64,24 +64,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--short-claims", action="store_true",
                    help="count a prefix a backend is only computing even when shorter than its min_hit_tokens "
                         "(the rule before session 12; docs/routing.md)")
-    p.add_argument("--pending-grace", type=float, default=RoutingConfig.pending_grace,
+    p.add_argument("--pending-grace", type=non_negative_float, default=RoutingConfig.pending_grace,
                    help="seconds a routed prefix still counts as owned after its request ended")
-    p.add_argument("--load-publish-ms", type=float, default=GatewayConfig.load_publish_interval * 1000,
+    p.add_argument("--load-publish-ms", type=non_negative_float, default=GatewayConfig.load_publish_interval * 1000,
                    help="how often this gateway's in-flight work is written to Redis for the other gateways, "
                         "when it changed (ms)")
     p.add_argument("--internal-token", default=os.environ.get("MLXGW_INTERNAL_TOKEN"))
-    p.add_argument("--read-timeout", type=float, default=300.0, help="seconds of backend silence before failing")
-    p.add_argument("--gone-after", type=float, default=3.0,
+    p.add_argument("--read-timeout", type=non_negative_float, default=300.0, help="seconds of backend silence before failing")
+    p.add_argument("--gone-after", type=non_negative_float, default=3.0,
                    help="seconds a backend may be out of the Redis registry (no heartbeat: hung or dead) before "
                         "the requests waiting on it go to another backend, or a stream it began ends with an "
                         "error event (0: wait for --read-timeout)")
-    p.add_argument("--keepalive", type=float, default=5.0,
+    p.add_argument("--keepalive", type=non_negative_float, default=5.0,
                    help="seconds of silence on a streamed answer before the gateway sends an SSE keep-alive (0: off)")
     p.add_argument("--strip-line", action="append", default=None, metavar="REGEX",
                    help="volatile system-prompt lines to remove before templating (repeatable; "
                         "default: Claude Code's x-anthropic-billing-header line)")
     p.add_argument("--no-strip", action="store_true", help="remove no system-prompt lines")
-    p.add_argument("--token-cache-mb", type=float, default=64.0,
+    p.add_argument("--token-cache-mb", type=non_negative_float, default=64.0,
                    help="per-model LRU of token ids per chat-template segment (gateway/segcache.py); 0 = off")
     add_security_arguments(p)
 
@@ -107,16 +107,16 @@ def add_security_arguments(p: argparse.ArgumentParser, defaults: bool = True) ->
                         "spare); 0: no cap")
     p.add_argument("--max-concurrent-per-key", type=int, default=dflt(d.max_concurrent_per_key),
                    help=f"requests in flight per API key (per address without keys; default {d.max_concurrent_per_key}); 0: no limit")
-    p.add_argument("--rate-limit-rpm", type=float, default=dflt(d.rate_per_minute),
+    p.add_argument("--rate-limit-rpm", type=non_negative_float, default=dflt(d.rate_per_minute),
                    help=f"requests per minute per API key (token bucket; default {d.rate_per_minute:g}); 0: no limit")
     p.add_argument("--rate-burst", type=int, default=dflt(d.rate_burst),
                    help="token-bucket size (default: 10 seconds of --rate-limit-rpm)")
     p.add_argument("--max-messages", type=int, default=dflt(d.max_messages), help=f"most messages per chat request (default {d.max_messages})")
     p.add_argument("--max-body-bytes", type=size_arg, default=dflt("32MiB"),
                    help="largest request body, e.g. 32MiB or 32M (binary units; default 32MiB)")
-    p.add_argument("--body-timeout", type=float, default=dflt(d.body_timeout),
+    p.add_argument("--body-timeout", type=non_negative_float, default=dflt(d.body_timeout),
                    help=f"seconds to receive a request body before answering 408 (default {d.body_timeout:g})")
-    p.add_argument("--write-timeout", type=float, default=dflt(d.write_timeout),
+    p.add_argument("--write-timeout", type=non_negative_float, default=dflt(d.write_timeout),
                    help=f"seconds a client may leave an answer unread before it is dropped (default {d.write_timeout:g})")
 
 

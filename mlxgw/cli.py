@@ -9,6 +9,7 @@ import re
 import sys
 
 from .rlimit import guard_mlx_lm_import
+from .util import positive_float, positive_int
 
 
 def _logging(level: str) -> None:
@@ -32,9 +33,9 @@ def _add_status(sp: argparse.ArgumentParser) -> None:
 
 def _add_top(sp: argparse.ArgumentParser) -> None:
     _status_arguments(sp)
-    sp.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    sp.add_argument("--interval", type=positive_float, default=1.0, help="seconds between refreshes")
     sp.add_argument("--iterations", type=int, default=0, help="stop after N frames (0: until Ctrl-C)")
-    sp.add_argument("--events", type=int, default=5, help="recent events shown per model")
+    sp.add_argument("--events", type=positive_int, default=5, help="recent events shown per model")
 
 
 def _add_demo_model(sp: argparse.ArgumentParser) -> None:

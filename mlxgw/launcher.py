@@ -23,7 +23,8 @@ from typing import Optional
 
 from . import config as config_mod
 from .stopping import EMBEDDED_REDIS_ENV, PARENT_ENV, stop_signals
-from .util import parse_bytes, positive_int, redact_url, serve_token_file, serve_url_file, share_or_off_arg, size_arg, size_text
+from .util import (non_negative_float, parse_bytes, positive_int, redact_url, serve_token_file, serve_url_file,
+                   share_or_off_arg, size_arg, size_text)
 
 #: Seconds serve waits for a backend with a --cache-dir to stop: it writes its prompt cache
 #: first (at most `backend.engine.SAVE_SECONDS`), then exits.
@@ -55,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", help="keep the prompt caches across restarts of serve: each backend saves its "
                                         "cache under DIR/<model>-<i> at stop and restores it at start "
                                         "(docs/cache-policy.md, 'Across restarts'); default: not kept")
-    p.add_argument("--cache-save-interval", type=float,
+    p.add_argument("--cache-save-interval", type=non_negative_float,
                    help="with --cache-dir: also save while idle (no request for 30 s), at most every this many "
                         "seconds (default 600; 0: only at stop)")
     p.add_argument("--disk-cache-bytes", type=size_arg,
@@ -79,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--routing-policy", choices=POLICIES,
                    help="default cache_aware; other routing settings: [routing] in the config (docs/routing.md)")
-    p.add_argument("--keepalive", type=float, help="seconds of stream silence before an SSE keep-alive (default 5)")
+    p.add_argument("--keepalive", type=non_negative_float, help="seconds of stream silence before an SSE keep-alive (default 5)")
     from gateway.main import add_security_arguments
 
     add_security_arguments(p, defaults=False)
@@ -130,6 +131,26 @@ def check_memory(models: list[config_mod.ModelConfig]) -> Optional[str]:
         return (f"not enough memory: the backends need about {need / 2**30:.1f} GiB of weights ({detail}) "
                 f"but {have / 2**30:.1f} GiB is available; use fewer --backends or a smaller model")
     return None
+
+
+def budget_warning(models: list[config_mod.ModelConfig], total_memory: Optional[int] = None) -> Optional[str]:
+    """A warning when every backend's weights (plus 20%) and full prompt-cache budget
+    (``cache_bytes``, which the KV in flight shares) exceed this machine's memory (bytes;
+    default: psutil's total): the budgets would then never bind, and the machine swaps or the
+    backends are killed first (helper-62: `--cache-bytes 1TB` started silently). A warning, not
+    an error, since a cache fills its budget only under enough traffic."""
+    if total_memory is None:
+        import psutil
+
+        total_memory = int(psutil.virtual_memory().total)
+    need = sum((int(weights_bytes(m.path) * 1.2) + parse_bytes(m.cache_bytes)) * m.backends for m in models)
+    if need <= total_memory:
+        return None
+    detail = ", ".join(f"{m.name or 'demo'}: {m.backends} x ({weights_bytes(m.path) / 2**30:.2f} GiB of weights + "
+                       f"{size_text(parse_bytes(m.cache_bytes))} cache)" for m in models)
+    return (f"the backends' weights and prompt-cache budgets add up to {need / 2**30:.1f} GiB ({detail}), more "
+            f"than this machine's {total_memory / 2**30:.1f} GiB: memory, not --cache-bytes, will bound the caches; "
+            "lower --cache-bytes or --backends")
 
 
 def _healthy(url: str) -> bool:
@@ -185,6 +206,9 @@ def run(args: argparse.Namespace) -> int:
         if err:
             log.error("%s", err)
             return 5
+        warning = budget_warning(cfg.models)
+        if warning:
+            log.warning("%s", warning)
     ports = [cfg.port] + [p for m in cfg.models for p in range(m.port, m.port + m.backends)]
     for p in ports:
         if not port_free(cfg.host if p == cfg.port else "127.0.0.1", p):

@@ -58,7 +58,8 @@ def render_chat(
 
     Raises:
         RequestError: 400, the template failed to render these messages (a
-            template error is a client error: e.g. roles out of order); 503
+            template error is a client error: e.g. roles out of order), or
+            ``continue_final_message`` with a last message that has tool calls or no text; 503
             ``overloaded`` when it failed for want of open files or memory.
     """
     kwargs = dict(template_kwargs or {})
@@ -67,6 +68,14 @@ def render_chat(
     # continues the last assistant message, so no new assistant turn is opened. A client's own
     # ``add_generation_prompt`` (validated by `mlxgw.protocol.template_kwargs`) is honoured.
     opens_turn = kwargs.pop("add_generation_prompt", not kwargs.get("continue_final_message"))
+    if kwargs.get("continue_final_message") and messages:
+        last = messages[-1]
+        # transformers cuts the prompt after the last message's text: tool calls after it were
+        # dropped without a word, and an empty text cut the whole message (helper-62).
+        if last.get("tool_calls") or not (isinstance(last.get("content"), str) and last["content"]):
+            raise RequestError("'continue_final_message' needs a last message with text and no tool calls "
+                               "(a tool call cannot be continued; leave the flag out to open a new turn)",
+                               param="continue_final_message")
     try:
         ids = tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=opens_turn, tokenize=encode is None, **kwargs

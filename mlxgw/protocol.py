@@ -361,6 +361,15 @@ def optional_field(body: dict, name: str, types, what: str, where: str = ""):
 
 
 TURN_FLAGS = ("add_generation_prompt", "continue_final_message")
+# Arguments of transformers' ``apply_chat_template`` itself, not template variables: a client's
+# ``chat_template`` would run its own Jinja (a loop in it held the gateway's event loop for a minute
+# and took 11 GB, helper-62; vLLM takes one only with --trust-request-chat-template), and the rest
+# are the server's to set (the messages, the tools, tokenization and its output).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "chat_template", "conversation", "messages", "tools", "documents", "tokenize", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "sanitize_control_tokens",
+})
 
 
 def template_kwargs(body: dict) -> dict:
@@ -369,11 +378,18 @@ def template_kwargs(body: dict) -> dict:
     chat request; either spelling is honoured, the top-level one wins).
 
     Raises:
-        RequestError: 400 when ``chat_template_kwargs`` is not an object, a turn flag is not a
-            boolean, or both turn flags are true (as vLLM: continuing the last assistant
-            message and opening a new assistant turn contradict each other).
+        RequestError: 400 when ``chat_template_kwargs`` is not an object, names an argument of
+            the template call itself (`RESERVED_TEMPLATE_KWARGS`: ``chat_template``, ``tools``,
+            ``tokenize``...), a turn flag is not a boolean, or both turn flags are true (as vLLM:
+            continuing the last message and opening a new assistant turn contradict each other).
     """
     tk = dict(optional_field(body, "chat_template_kwargs", (dict,), "an object") or {})
+    for name in sorted(RESERVED_TEMPLATE_KWARGS.intersection(tk)):
+        where = f"chat_template_kwargs.{name}"
+        raise RequestError(f"'{where}' cannot be set by a request: "
+                           + ("the server renders with the model's own chat template" if name == "chat_template"
+                              else "it is an argument of the template call, not a template variable"
+                              + (" (send tools at the top level)" if name == "tools" else "")), param=where)
     for name in TURN_FLAGS:
         optional_field(tk, name, (bool,), "a boolean", where="chat_template_kwargs")
         if optional_field(body, name, (bool,), "a boolean") is not None:

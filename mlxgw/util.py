@@ -64,6 +64,35 @@ def share_arg(s: str) -> float:
     return v
 
 
+def non_negative_float(s: str) -> float:
+    """argparse type: a finite number at least 0 (seconds, weights, rates). Raises
+    argparse.ArgumentTypeError otherwise: ``float()`` alone takes "nan" and "inf", and NaN passes
+    every later check, since every comparison with it is false (helper-62)."""
+    import argparse
+    import math
+
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number, at least 0, not {s}")
+    return v
+
+
+def positive_float(s: str) -> float:
+    """argparse type: a finite number above 0. Raises argparse.ArgumentTypeError otherwise."""
+    import argparse
+
+    try:
+        v = non_negative_float(s)
+    except argparse.ArgumentTypeError:
+        v = 0.0
+    if v == 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {s}")
+    return v
+
+
 def share_or_off_arg(s: str) -> float:
     """argparse type: a fraction in [0, 1], 0 meaning off (so a flag can turn off what a config
     file set). Raises argparse.ArgumentTypeError otherwise (NaN included)."""

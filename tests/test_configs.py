@@ -135,6 +135,13 @@ def test_serve_exits_2_on_a_bad_value(tmp_path):
     cases += [([cmd, flag, "0"], f"{flag}: must be at least 1, not 0")
               for cmd, flag in (("gateway", "--block-size"), ("backend", "--block-size"),
                                 ("backend", "--decode-concurrency"))]
+    # NaN passed every later check (a NaN rate limit or body timeout turned the limit off), and
+    # `mlxgw top` ended in a traceback or blamed Redis (helper-62)
+    cases += [([cmd, flag, value], f"argument {flag}: must be a finite number")
+              for cmd, flag, value in (("gateway", "--keepalive", "nan"), ("serve", "--body-timeout", "nan"),
+                                       ("gateway", "--rate-limit-rpm", "inf"), ("top", "--interval", "nan"),
+                                       ("top", "--interval", "-1"), ("backend", "--request-timeout", "nan"))]
+    cases += [(["top", "--events", "0"], "argument --events: must be at least 1, not 0")]
     # an empty URL (an unset variable) is not "the default"
     cases += [([cmd, "--redis-url", ""], "--redis-url (or MLXGW_REDIS_URL) is empty")
               for cmd in ("serve", "gateway", "status")]
@@ -390,3 +397,17 @@ def test_the_kv_size_comes_from_the_models_config():
     width = 4 if cfg.get("torch_dtype") == "float32" else 2
     assert model_kv_bytes_per_token(ensure_demo_model("tiny")) == 2 * cfg["num_hidden_layers"] * heads * dim * width
     assert model_kv_bytes_per_token("/no/such/model") is None
+
+
+def test_serve_warns_when_the_cache_budgets_exceed_memory(tmp_path):
+    """Weights plus every backend's prompt-cache budget above the machine's memory is a warning
+    (helper-62: `--cache-bytes 1TB` started on a 23 GB machine without a word)."""
+    from mlxgw import launcher
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"\0" * 1000)
+    m = config.ModelConfig(name="m", path=str(d), backends=3, cache_bytes="1GB")
+    assert launcher.budget_warning([m], total_memory=4 * 2**30) is None  # 3 x (1,200 B + 1 GiB)
+    msg = launcher.budget_warning([m], total_memory=3 * 2**30)
+    assert msg and "add up to 3.0 GiB" in msg and "m: 3 x (0.00 GiB of weights + 1.0 GiB cache)" in msg, msg
