@@ -60,7 +60,7 @@ from typing import Any, Optional
 
 import xxhash
 
-from mlxgw.util import non_negative_float
+from mlxgw.util import positive_float
 
 from .cache import KVOps
 from .engine import MLXEngine
@@ -523,23 +523,23 @@ class SimEngine(MLXEngine):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``--sim-*`` flags of ``mlxgw backend`` (used with ``--engine sim``)."""
     g = p.add_argument_group("simulated engine (--engine sim; docs/sim.md)")
-    g.add_argument("--sim-prefill-rate", type=non_negative_float, default=DEFAULT_PREFILL_RATE, help="real prompt tokens/s")
-    g.add_argument("--sim-decode-rate", type=non_negative_float, default=DEFAULT_DECODE_RATE,
+    g.add_argument("--sim-prefill-rate", type=positive_float, default=DEFAULT_PREFILL_RATE, help="real prompt tokens/s")
+    g.add_argument("--sim-decode-rate", type=positive_float, default=DEFAULT_DECODE_RATE,
                    help="tokens/s of one sequence at --sim-ref-context tokens")
     g.add_argument("--sim-ref-context", type=int, default=DEFAULT_REF_CONTEXT,
                    help="context (tokens) at which --sim-decode-rate was measured")
-    g.add_argument("--sim-bandwidth", type=non_negative_float, default=DEFAULT_BANDWIDTH, help="memory bandwidth, bytes/s")
+    g.add_argument("--sim-bandwidth", type=positive_float, default=DEFAULT_BANDWIDTH, help="memory bandwidth, bytes/s")
     g.add_argument("--sim-model-config", help="a config.json to take layers/KV heads/head dim from")
     g.add_argument("--sim-layers", type=int, default=DEFAULT_LAYERS)
     g.add_argument("--sim-kv-heads", type=int, default=DEFAULT_KV_HEADS)
     g.add_argument("--sim-head-dim", type=int, default=DEFAULT_HEAD_DIM)
     g.add_argument("--sim-dtype-bytes", type=int, default=DEFAULT_DTYPE_BYTES, help="2 for bf16/fp16 KV")
-    g.add_argument("--sim-token-scale", type=non_negative_float, default=1.0,
+    g.add_argument("--sim-token-scale", type=positive_float, default=1.0,
                    help="real tokens each prompt/output token stands for (time and bytes)")
-    g.add_argument("--sim-speed", type=non_negative_float, default=1.0, help="divide every modelled time by this")
-    g.add_argument("--sim-disk-read-rate", type=non_negative_float, default=DEFAULT_DISK_READ_RATE,
+    g.add_argument("--sim-speed", type=positive_float, default=1.0, help="divide every modelled time by this")
+    g.add_argument("--sim-disk-read-rate", type=positive_float, default=DEFAULT_DISK_READ_RATE,
                    help="bytes/s reading KV files (the disk tier, --cache-dir)")
-    g.add_argument("--sim-disk-write-rate", type=non_negative_float, default=DEFAULT_DISK_WRITE_RATE,
+    g.add_argument("--sim-disk-write-rate", type=positive_float, default=DEFAULT_DISK_WRITE_RATE,
                    help="bytes/s writing KV files")
     g.add_argument("--sim-fail-after", type=int, default=0,
                    help="a fault to test supervision with: the engine thread raises once more than this many "
