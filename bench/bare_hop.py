@@ -62,6 +62,9 @@ def start(upstream: str, env: dict, timeout: float = 30.0):
 
 
 if __name__ == "__main__":
+    from mlxgw.harness import exit_on_sigterm
+
+    exit_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("port", type=int, help="port to listen on (127.0.0.1)")
     p.add_argument("upstream", help="base URL requests are passed to, e.g. http://127.0.0.1:8100")

@@ -252,4 +252,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from mlxgw.harness import exit_on_sigterm
+
+    exit_on_sigterm()
     raise SystemExit(main())

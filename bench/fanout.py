@@ -230,4 +230,7 @@ def report(cmd: str, args, variants: dict, srcs: dict, results: dict) -> str:
 
 
 if __name__ == "__main__":
+    from mlxgw.harness import exit_on_sigterm
+
+    exit_on_sigterm()
     sys.exit(main())

@@ -99,4 +99,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from mlxgw.harness import exit_on_sigterm
+
+    exit_on_sigterm()
     main()

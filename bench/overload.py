@@ -241,4 +241,7 @@ def _revision(path: str) -> str:
 
 
 if __name__ == "__main__":
+    from mlxgw.harness import exit_on_sigterm
+
+    exit_on_sigterm()
     sys.exit(main())

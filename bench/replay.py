@@ -217,4 +217,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from mlxgw.harness import exit_on_sigterm
+
+    exit_on_sigterm()
     sys.exit(main())

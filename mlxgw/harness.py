@@ -71,6 +71,18 @@ def free_port_run(n: int, avoid: tuple = ()) -> int:
     raise RuntimeError(f"no run of {n} free ports")
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (``kill``, ``timeout``) end this process as Ctrl-C does, through its
+    ``finally`` blocks, so a benchmark stopped that way stops the redis-server, backends and
+    gateways it started instead of leaving them running (Python's default SIGTERM ends the
+    process at once). Call from a script's main thread."""
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 class RedisServer:
     """A private redis-server on a free loopback port (no persistence)."""
 

@@ -64,3 +64,35 @@ def test_free_port_never_gives_a_port_twice():
     base = free_port_run(3)
     assert len(set(ports)) == 1000 and not {base, base + 1, base + 2} & set(ports)
     assert free_port() not in {base, base + 1, base + 2}
+
+
+def test_a_benchmark_stopped_by_sigterm_stops_its_redis_server(tmp_path):
+    """`exit_on_sigterm` (every bench script's first call) turns SIGTERM into SystemExit, so the
+    script's ``finally`` stops what it started; with Python's default a killed replay left its
+    redis-server running (session 37)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "redis.pid"
+    code = ("import sys, time\n"
+            "from mlxgw.harness import RedisServer, exit_on_sigterm\n"
+            "exit_on_sigterm()\n"
+            "r = RedisServer().start()\n"
+            "try:\n"
+            f"    open({str(pid_file)!r}, 'w').write(str(r.proc.pid))\n"
+            "    time.sleep(60)\n"
+            "finally:\n"
+            "    r.cleanup()\n")
+    p = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    redis_pid = int(pid_file.read_text())
+    os.kill(redis_pid, 0)  # running
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(30) == 128 + signal.SIGTERM
+    with pytest.raises(ProcessLookupError):  # stopped and reaped by its parent's cleanup
+        os.kill(redis_pid, 0)
