@@ -678,11 +678,14 @@ def plots(res: dict, out: Path) -> list[str]:
         return []
     files = []
     fig, ax = plt.subplots(figsize=(6, 4))
-    names = [r["router"] for r in res["budgets"][0]["runs"]]
+    # Every router of any budget (the -xG runs may run at one budget only: a lone marker), one
+    # colour each in both figures.
+    names = list(dict.fromkeys(r["router"] for b in res["budgets"] for r in b["runs"]))
+    color = {name: f"C{i % 10}" for i, name in enumerate(names)}
     xs = [b["fraction"] for b in res["budgets"]]
     for name in names:
         ys = [next((r["hit_ratio"] for r in b["runs"] if r["router"] == name), np.nan) for b in res["budgets"]]
-        ax.plot(xs, ys, marker="o", label=name)
+        ax.plot(xs, ys, marker="o", label=name, color=color[name])
     ax.axhline(res["oracle_ratio"], color="k", ls="--", lw=1, label="oracle")
     ax.set_xscale("log")
     ax.set_xticks(xs, [f"{x:g}" for x in xs])  # the budgets run, not log-scale minor ticks
@@ -696,11 +699,13 @@ def plots(res: dict, out: Path) -> list[str]:
     fig.savefig(p, dpi=110)
     files.append(p.name)
     plt.close(fig)
+    if not all("ttfts" in r for b in res["budgets"] for r in b["runs"]):
+        return files  # re-plotted from a results JSON, which keeps no per-request TTFTs
     fig, axes = plt.subplots(1, len(res["budgets"]), figsize=(4.5 * len(res["budgets"]), 3.6), squeeze=False)
     for ax, b in zip(axes[0], res["budgets"]):
         for r in b["runs"]:
             t = np.array(r["ttfts"]) * 1000
-            ax.plot(t, np.arange(1, len(t) + 1) / max(1, len(t)), label=r["router"])
+            ax.plot(t, np.arange(1, len(t) + 1) / max(1, len(t)), label=r["router"], color=color[r["router"]])
         ax.set_xscale("log")
         # 1-2-5 labels: over a narrow range matplotlib labels every minor tick and they overlap
         ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
@@ -709,7 +714,11 @@ def plots(res: dict, out: Path) -> list[str]:
         ax.set_xlabel("TTFT (ms, wall)")
         ax.set_title(f"budget {b['fraction']:g} x working set")
     axes[0][0].set_ylabel("fraction of requests")
-    axes[0][-1].legend(fontsize=8)
+    shown: dict = {}  # one legend for every panel's routers (the -xG ones may be in one panel only)
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            shown.setdefault(label, h)
+    axes[0][-1].legend(list(shown.values()), list(shown), fontsize=8)
     fig.tight_layout()
     p = out / f"{res['stem']}-ttft-cdf.png"
     fig.savefig(p, dpi=110)
