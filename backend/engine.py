@@ -272,6 +272,7 @@ class MLXEngine(Engine):
         prefill_save_pin: bool = True,
         pin_by_reference: bool = False,
         max_inflight_share: Optional[float] = None,
+        cache_floor_share: float = 0.0,
         claims: Any = None,
         prefill_order: str = DEFAULT_PREFILL_ORDER,
         hit_tokens: int = 1,
@@ -302,6 +303,7 @@ class MLXEngine(Engine):
         self.prefill_save_pin = prefill_save_pin
         self.pin_by_reference = pin_by_reference
         self.max_inflight_share = max_inflight_share
+        self.cache_floor_share = cache_floor_share
         self.memory_waits = 0  # requests whose admission max_inflight_share put off
         self._kv_per_token = 0.0  # the cache's last known KV bytes per token (`_fits_in_flight`)
         self.claims = claims
@@ -728,7 +730,7 @@ class MLXEngine(Engine):
         """True if ``kv`` (holding ``tokens``; ``live``: the request saving it) can be saved
         without evicting anything (bytes and entry count, counting the entries the save
         itself replaces: `PromptCache.fits_beside`)."""
-        free = self.cache_bytes - self._inflight_nbytes() - self.cache.nbytes
+        free = self._cache_room() - self.cache.nbytes
         how = {} if live is None else dict(reused_from=live.reused_from, reused=live.req.cached,
                                            prompt_len=len(live.req.prompt), system_tokens=live.req.system_tokens)
         return self.cache.fits_beside(tokens, kv, free, **how)
@@ -742,6 +744,11 @@ class MLXEngine(Engine):
         self._kv_per_token = self.cache.kv_bytes_per_token() or self._kv_per_token
         todo = len(req.prompt) - (req.hit.reused if req.hit is not None else 0)
         return self._inflight_nbytes() + todo * self._kv_per_token <= self.max_inflight_share * self.cache_bytes
+
+    def _cache_room(self) -> int:
+        """Bytes the prompt cache may hold: the budget less the KV in flight, but at least
+        ``cache_floor_share`` of the budget (0 by default: the KV in flight can take it all)."""
+        return max(self.cache_bytes - self._inflight_nbytes(), int(self.cache_floor_share * self.cache_bytes))
 
     def _inflight_nbytes(self) -> int:
         """KV bytes held outside the cache: the batch's, and the hits waiting requests pinned as
@@ -975,7 +982,7 @@ class MLXEngine(Engine):
         replaces this entry (a trimmable entry drops the prefixes it extends).
         """
         req = live.req
-        room = self.cache_bytes - self._inflight_nbytes()
+        room = self._cache_room()
         if not self._fits_in_free_space(kv, tokens, live) and not (
                 self.prefill_save_evicts and self.cache.added_nbytes(tokens, kv) <= room):
             return False
@@ -1036,7 +1043,7 @@ class MLXEngine(Engine):
             system_tokens=req.system_tokens,
         )
         # Live requests' KV counts against the byte budget.
-        self.cache.trim_to(max_bytes=self.cache_bytes - self._inflight_nbytes())
+        self.cache.trim_to(max_bytes=self._cache_room())
 
     def _finish(self, live: _Live, reason: str) -> None:
         self._abandoned.discard(live.req.rid)

@@ -137,6 +137,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="admit a request only while the KV in flight plus its prompt's stays within this share of "
                         "--cache-bytes (unless nothing runs), so the rest stays the prompt cache's; 0 (default): no "
                         "such wait (docs/cache-policy.md, measured)")
+    p.add_argument("--cache-floor-share", type=share_or_off_arg, default=0.0,
+                   help="experimental: the prompt cache keeps at least this share of --cache-bytes even when the KV "
+                        "in flight takes the rest (the total may then pass the budget by that much); 0 (default): "
+                        "the KV in flight can empty the cache")
     p.add_argument("--inflight-claims", action=argparse.BooleanOptionalAction, default=True,
                    help="report a request's prompt blocks as owned from its arrival until it ends, so every "
                         "gateway sends its siblings here (docs/redis-schema.md); off: only saved entries")
@@ -384,6 +388,7 @@ def run(args: argparse.Namespace) -> int:
               metrics=metrics, save_at_prefill_end=args.prefill_save, prefill_save_evicts=args.prefill_save_evicts,
               prefill_handoff=args.prefill_handoff, prefill_save_pin=args.prefill_save_pin,
               pin_by_reference=args.pin_by_reference, max_inflight_share=args.max_inflight_share or None,
+              cache_floor_share=args.cache_floor_share,
               claims=reporter if args.inflight_claims else None, prefill_order=args.prefill_order,
               hit_tokens=args.block_size, cache_dir=cache_dir,
               cache_settings=settings if cache_dir else None,

@@ -423,6 +423,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         app[STATE] = GatewayState(cfg, toks, index, proxy, strip=compile_patterns(cfg.strip_lines),
                                   pending=PendingClaims(cfg.routing.pending_grace), admission=app[ADMISSION])
         app[STATE].metrics.bind(app[STATE])
+        index.on_restart.append(app[STATE].recent.forget)
         for name in cfg.models:
             app[STATE].metrics.prime(name)
         publisher = LoadPublisher(index, proxy.inflight.view, cfg.load_publish_interval)

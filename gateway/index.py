@@ -25,7 +25,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import redis
 import redis.asyncio as aioredis
@@ -213,6 +213,9 @@ class OwnershipIndex:
         self._flusher: Optional[asyncio.Future] = None
         self.events_dropped = 0
         self.keep_after_loss = keep_after_loss
+        # Called with a backend id when it comes back under a new epoch (restarted: its memory
+        # cache is gone unless it restored one), e.g. `gateway.pending.RecentRoutes.forget`.
+        self.on_restart: list[Callable[[str], None]] = []
         self._redis_id: Optional[bytes] = None  # `schema.redis_id_key` as last read
         self._kept: dict[tuple[str, str], tuple[Candidate, float]] = {}  # (model, id) -> (record, until)
         self.data_losses = 0
@@ -405,6 +408,9 @@ class OwnershipIndex:
                 log.info("backend %s (%s) joined the registry at %s, epoch %d", b, m, c.url, c.epoch)
             elif (was.url, was.epoch) != (c.url, c.epoch):
                 log.info("backend %s (%s) is back at %s, epoch %d", b, m, c.url, c.epoch)
+                if was.epoch != c.epoch:
+                    for listener in self.on_restart:
+                        listener(b)
         for (m, b) in before.keys() - after.keys():
             log.warning("backend %s (%s) left the registry: stopped, or no heartbeat within its TTL", b, m)
 

@@ -198,6 +198,13 @@ class RecentRoutes:
         while self._fifo and not self._fifo[0].live:  # dropped ones left at the front
             self._fifo.popleft()
 
+    def forget(self, backend: str) -> None:
+        """Drop every route to ``backend``: it restarted (a new epoch), so what it held in memory
+        is gone (helper-63: during a Redis outage a conversation went back to a restarted backend
+        and computed its whole prompt, while the backend it was retried on held it). O(routes)."""
+        for r in [r for r in self._fifo if r.live and r.backend == backend]:
+            self._drop(r)
+
     def depths(self, keys: list[str]) -> dict[str, int]:
         """Backend id -> depth in blocks of the longest remembered prefix of ``keys`` there."""
         return self._held.depths(keys)

@@ -146,8 +146,12 @@ def budget_warning(models: list[config_mod.ModelConfig], total_memory: Optional[
     need = sum((int(weights_bytes(m.path) * 1.2) + parse_bytes(m.cache_bytes)) * m.backends for m in models)
     if need <= total_memory:
         return None
-    detail = ", ".join(f"{m.name or 'demo'}: {m.backends} x ({weights_bytes(m.path) / 2**30:.2f} GiB of weights + "
-                       f"{size_text(parse_bytes(m.cache_bytes))} cache)" for m in models)
+    def weights(m) -> str:  # a hub id not downloaded yet has no local size
+        n = weights_bytes(m.path)
+        return f"{n / 2**30:.2f} GiB of weights" if n or Path(m.path).expanduser().is_dir() else "weights not downloaded yet"
+
+    detail = ", ".join(f"{m.name or 'demo'}: {m.backends} x ({weights(m)} + {size_text(parse_bytes(m.cache_bytes))} cache)"
+                       for m in models)
     return (f"the backends' weights and prompt-cache budgets add up to {need / 2**30:.1f} GiB ({detail}), more "
             f"than this machine's {total_memory / 2**30:.1f} GiB: memory, not --cache-bytes, will bound the caches; "
             "lower --cache-bytes or --backends")

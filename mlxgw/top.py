@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .status import History, backend_view, collect, connect, console, event_line, unreachable
+from .util import redact_url
 
 _BARS = "▁▂▃▄▅▆▇█"
 
@@ -82,15 +83,26 @@ def run(args) -> int:
     The first frame comes after ``min(interval, 1)`` s, so that its rates are already measured.
 
     On a terminal the frame is redrawn in place; otherwise each frame is printed.
-    Returns 4 when Redis is unreachable.
+    Returns 4 when Redis is unreachable at the start; once running, a frame Redis does not
+    answer says so and the next one tries again (helper-63: top quit on the first failed poll,
+    though `mlxgw serve` brings its Redis back within a second).
     """
     con = console()
     hist = History(maxlen=60)
     try:
         r = connect(args)
 
+        last_ok = [time.time()]
+
         def frame():
-            data = collect(r, args.namespace, events=args.events)
+            try:
+                data = collect(r, args.namespace, events=args.events)
+            except redis.RedisError as e:
+                return Text(f"mlxgw top  namespace {args.namespace}  Redis unreachable at "
+                            f"{redact_url(args.redis_url)} ({type(e).__name__}: {e}); last answer "
+                            f"{time.time() - last_ok[0]:.0f} s ago, retrying every {args.interval:g} s",
+                            style="bold red")
+            last_ok[0] = time.time()
             hist.add(data)
             return render(data, hist, args.namespace)
 

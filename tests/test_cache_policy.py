@@ -720,6 +720,39 @@ def test_max_inflight_share_holds_a_request_whose_kv_would_not_fit(make_stack, s
     assert re.search(r'^mlxgw:memory_waits_total\{model_name="[^"]+"\} %s\.0$' % (1 if share else 0), metrics, re.M)
 
 
+@pytest.mark.parametrize("floor", [None, "0.5"])
+def test_cache_floor_share_keeps_entries_the_kv_in_flight_would_evict(make_stack, floor):
+    """A 1 MB budget (2,048 tokens of the demo model's KV, 512 bytes a token): while D's
+    1,800-token prompt decodes, the KV in flight takes nearly all of it, so the next save (S, a
+    short request) evicts Y's 300 tokens; with --cache-floor-share 0.5 the cache keeps 512 KB
+    whatever is in flight, and Y is still a hit beside D."""
+    import numpy as np
+
+    s = make_stack()
+    b = s.add_backend("b0", None, "--cache-bytes", "1MB", *(["--cache-floor-share", floor] if floor else []))
+    s.wait()
+    rng = np.random.default_rng(41)
+    y, d, sh, more = (rng.integers(16, 3000, n).tolist() for n in (300, 1800, 120, 20))
+    st, _, body = post(b.url + "/v1/completions", {"prompt": y, "max_tokens": 1, "temperature": 0})
+    assert st == 200, body
+    sk = _open_stream(b.port, {"prompt": d, "max_tokens": 800, "temperature": 0, "ignore_eos": True})
+    try:
+        deadline = time.monotonic() + 30
+        while get_json(b.url + "/health")["active"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(1.5)  # D is through its prefill and decoding: over 900 KB in flight and growing
+        st, _, body = post(b.url + "/v1/completions", {"prompt": sh, "max_tokens": 1, "temperature": 0})
+        assert st == 200, body  # S's save trims the cache to what the KV in flight leaves
+        st, _, body = post(b.url + "/v1/completions", {"prompt": y + more, "max_tokens": 1, "temperature": 0})
+        assert st == 200, body
+        assert get_json(b.url + "/health")["active"] == 1  # D still decoding: Y was looked up beside it
+        cached = json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (300 if floor else 0)
+        assert b"[DONE]" in _read_all(sk)
+    finally:
+        sk.close()
+
+
 def test_waiting_request_keeps_the_hit_it_had_on_arrival(make_stack):
     """The entry a waiting request matched on arrival can be evicted before it is admitted;
     the hit was pinned on arrival, so it is still reused. Here B continues X; it waits behind A's

@@ -63,6 +63,31 @@ def test_recent_routes_keep_one_route_per_branch_and_a_key_budget():
     assert r.depths(["m0", "m1"]) == {"c": 2}
     r.add("b", ["k0", "k1", "x2", "x3"])  # continues b's route: replaces it
     assert len(r) == 2 and r.keys == 9 and r.depths(["k0", "k1", "x2", "x3"]) == {"b": 4}
+    r.add("a", ["k0", "k1"])  # 11 keys: c's route goes
+    assert len(r) == 2 and r.depths(["k0", "k1", "x2", "x3"]) == {"a": 2, "b": 4}
+    r.forget("b")  # b restarted: its memory cache is gone, a's route to the same prefix stays
+    assert len(r) == 1 and r.keys == 2 and r.depths(["k0", "k1", "x2", "x3"]) == {"a": 2}
+    r.add("b", ["n0"])  # routes to b again after its restart count
+    assert r.depths(["n0"]) == {"b": 1}
+
+
+def test_a_restarted_backend_loses_this_gateways_recent_routes():
+    """The registry snapshot's epoch change (`OwnershipIndex._log_changes`) tells its listeners,
+    which the gateway wires to `RecentRoutes.forget`; a move to a new URL alone does not."""
+    from gateway.index import OwnershipIndex
+    from mlxgw.schema import Candidate
+
+    idx = OwnershipIndex("redis://127.0.0.1:1/0")
+    idx.snapshot_at = 1.0  # not the first snapshot
+    told: list[str] = []
+    idx.on_restart.append(told.append)
+
+    def cand(b, url, epoch):
+        return Candidate(backend_id=b, url=url, epoch=epoch, active=0, queued_prefill_tokens=0, state="ready")
+
+    idx._log_changes({"m": [cand("b0", "u0", 1), cand("b1", "u1", 1)]},
+                     {"m": [cand("b0", "u0", 2), cand("b1", "u9", 1)]})
+    assert told == ["b0"]
 
 
 def test_without_redis_a_conversation_goes_back_where_this_gateway_sent_it(demo_model):

@@ -171,3 +171,30 @@ def test_status_shows_a_model_whose_only_backend_died_with_that_backend_named(ma
     assert js == {s.model_name: {"backends": [], "gateways": {}, "recent_events": [], "silent": ["b0"],
                                  "total": model_total([]), "disagreements": [], "open_backends": []}}
     assert js[s.model_name]["total"]["live"] == 0
+
+
+def test_top_keeps_polling_while_redis_is_down():
+    """Once running, a frame Redis does not answer says so and the next one tries again; top
+    quit with code 4 on the first failed poll (helper-63), though `mlxgw serve` restarts its
+    Redis within a second. A Redis unreachable at the start is still exit 4."""
+    from mlxgw.harness import RedisServer
+
+    r = RedisServer().start()
+    try:
+        top = subprocess.Popen([sys.executable, "-m", "mlxgw", "top", "--redis-url", r.url, "--iterations", "6",
+                                "--interval", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.6)  # the baseline and a frame or two
+        r.stop()
+        time.sleep(1.2)
+        r.start()  # the same port: clients reconnect
+        stdout, stderr = top.communicate(timeout=60)
+    finally:
+        r.cleanup()
+    assert top.returncode == 0, stderr
+    frames = stdout.split("mlxgw top  namespace")[1:]
+    assert len(frames) == 6, stdout
+    down = [f for f in frames if "Redis unreachable at" in f]
+    assert down and "Redis unreachable" not in frames[-1], stdout
+    gone = subprocess.run([sys.executable, "-m", "mlxgw", "top", "--redis-url", r.url, "--iterations", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 4 and "Redis unreachable" in gone.stderr
