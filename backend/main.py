@@ -433,8 +433,15 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
         return 2
     # Gateways route here only if their tokenizer's fingerprint is the same (gateway.index).
     reporter.extra["tokenizer"] = tokenizer_fingerprint(engine.tokenizer)
+    from .report import DuplicateBackend
+
     try:
         await reporter.start()
+    except DuplicateBackend as e:
+        log.error("%s", e)
+        engine.stop()
+        await runner.cleanup()
+        return 2
     except Exception as e:
         log.error("Redis unreachable at %s: %s", redact_url(args.redis_url), e)
         engine.stop()

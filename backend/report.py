@@ -69,6 +69,10 @@ def servable_blocks(entry: CacheEntry, model: str, block_size: int) -> list[str]
 ORPHAN_CHECK_SECONDS = 5.0
 
 
+class DuplicateBackend(RuntimeError):
+    """Another live backend holds this backend's id in the registry (`Reporter.start`)."""
+
+
 class Reporter:
     """Keeps Redis in step with one backend's prompt cache.
 
@@ -215,10 +219,19 @@ class Reporter:
         Raises:
             redis.exceptions.ConnectionError: Redis unreachable at start (the
                 launcher reports it; later outages only degrade).
+            DuplicateBackend: a live record of this backend id has another URL.
         """
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self.redis = connect_async(self.redis_url, 2.0)
+        # A second backend under a live one's id took its place in the registry without a word,
+        # and the first kept running with no traffic (helper-63). The record expires with its
+        # heartbeat, so a backend restarted elsewhere after a crash waits at most its TTL.
+        other = await self.redis.hget(self.keys.backend(self.backend_id), "url")
+        if other is not None and other.decode() != self.url:
+            raise DuplicateBackend(
+                f"backend id {self.backend_id!r} is registered by a live backend at {other.decode()}; give this one "
+                f"another --id (if that backend is gone, its record expires within {self.ttl:g} s)")
         self.epoch = int(await self.redis.incr(self.keys.epoch_counter(self.backend_id)))
         await self.heartbeat()
         self._tasks = [

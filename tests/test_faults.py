@@ -603,3 +603,21 @@ def test_a_backend_whose_engine_thread_died_withdraws_and_exits(make_stack):
     for i in range(3):
         status, h, body = _ask(s.gateway.url, words(50, seed=70 + i))
         assert status == 200 and h["X-Mlxgw-Backend"] == "b1", body
+
+
+def test_a_second_backend_under_a_live_ones_id_is_refused(make_stack):
+    """A backend started with the --id of a live backend at another URL exits 2 naming it; it took
+    the first one's place in the registry without a word, and the first kept running with no
+    traffic (helper-63)."""
+    s = make_stack()
+    b0 = s.add_backend("b0")
+    s.add_gateway()
+    s.wait()
+    twin = s.add_backend("b0")  # same id, another port
+    rc = twin.proc.wait(120)
+    assert rc == 2, (rc, twin.tail(30))
+    assert f"backend id 'b0' is registered by a live backend at {b0.url}" in twin.tail(20)
+    s.backends.remove(twin)
+    from mlxgw.httpget import get_json
+
+    assert get_json(b0.url + "/health")["status"] == "ok"
