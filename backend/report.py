@@ -225,13 +225,17 @@ class Reporter:
         self._wake = asyncio.Event()
         self.redis = connect_async(self.redis_url, 2.0)
         # A second backend under a live one's id took its place in the registry without a word,
-        # and the first kept running with no traffic (helper-63). The record expires with its
-        # heartbeat, so a backend restarted elsewhere after a crash waits at most its TTL.
+        # and the first kept running with no traffic (helper-63). Only a backend that answers
+        # as this id counts: one restarted on another port after a crash finds its own record
+        # still there, for up to its TTL.
         other = await self.redis.hget(self.keys.backend(self.backend_id), "url")
         if other is not None and other.decode() != self.url:
-            raise DuplicateBackend(
-                f"backend id {self.backend_id!r} is registered by a live backend at {other.decode()}; give this one "
-                f"another --id (if that backend is gone, its record expires within {self.ttl:g} s)")
+            from mlxgw.httpget import get_json
+
+            h = await self._loop.run_in_executor(None, get_json, other.decode() + "/health", 1.0)
+            if isinstance(h, dict) and h.get("backend") == self.backend_id:
+                raise DuplicateBackend(f"backend id {self.backend_id!r} is in use by a live backend at "
+                                       f"{other.decode()}; give this one another --id")
         self.epoch = int(await self.redis.incr(self.keys.epoch_counter(self.backend_id)))
         await self.heartbeat()
         self._tasks = [

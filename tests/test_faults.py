@@ -616,7 +616,7 @@ def test_a_second_backend_under_a_live_ones_id_is_refused(make_stack):
     twin = s.add_backend("b0")  # same id, another port
     rc = twin.proc.wait(120)
     assert rc == 2, (rc, twin.tail(30))
-    assert f"backend id 'b0' is registered by a live backend at {b0.url}" in twin.tail(20)
+    assert f"backend id 'b0' is in use by a live backend at {b0.url}" in twin.tail(20)
     s.backends.remove(twin)
     from mlxgw.httpget import get_json
 
