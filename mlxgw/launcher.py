@@ -143,15 +143,16 @@ def budget_warning(models: list[config_mod.ModelConfig], total_memory: Optional[
         import psutil
 
         total_memory = int(psutil.virtual_memory().total)
-    need = sum((int(weights_bytes(m.path) * 1.2) + parse_bytes(m.cache_bytes)) * m.backends for m in models)
+    weights = [weights_bytes(m.path) for m in models]
+    need = sum((int(w * 1.2) + parse_bytes(m.cache_bytes)) * m.backends for m, w in zip(models, weights))
     if need <= total_memory:
         return None
-    def weights(m) -> str:  # a hub id not downloaded yet has no local size
-        n = weights_bytes(m.path)
-        return f"{n / 2**30:.2f} GiB of weights" if n or Path(m.path).expanduser().is_dir() else "weights not downloaded yet"
 
-    detail = ", ".join(f"{m.name or 'demo'}: {m.backends} x ({weights(m)} + {size_text(parse_bytes(m.cache_bytes))} cache)"
-                       for m in models)
+    def what(m, w: int) -> str:  # a hub id not downloaded yet has no local size
+        return f"{w / 2**30:.2f} GiB of weights" if w or Path(m.path).expanduser().is_dir() else "weights not downloaded yet"
+
+    detail = ", ".join(f"{m.name or 'demo'}: {m.backends} x ({what(m, w)} + {size_text(parse_bytes(m.cache_bytes))} cache)"
+                       for m, w in zip(models, weights))
     return (f"the backends' weights and prompt-cache budgets add up to {need / 2**30:.1f} GiB ({detail}), more "
             f"than this machine's {total_memory / 2**30:.1f} GiB: memory, not --cache-bytes, will bound the caches; "
             "lower --cache-bytes or --backends")

@@ -384,7 +384,9 @@ def template_kwargs(body: dict) -> dict:
             continuing the last message and opening a new assistant turn contradict each other).
     """
     tk = dict(optional_field(body, "chat_template_kwargs", (dict,), "an object") or {})
-    for name in sorted(RESERVED_TEMPLATE_KWARGS.intersection(tk)):
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(tk))
+    if reserved:
+        name = reserved[0]
         where = f"chat_template_kwargs.{name}"
         raise RequestError(f"'{where}' cannot be set by a request: "
                            + ("the server renders with the model's own chat template" if name == "chat_template"

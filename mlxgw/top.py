@@ -92,17 +92,18 @@ def run(args) -> int:
     try:
         r = connect(args)
 
-        last_ok = [time.time()]
+        last_ok = time.time()
 
         def frame():
+            nonlocal last_ok
             try:
                 data = collect(r, args.namespace, events=args.events)
             except redis.RedisError as e:
                 return Text(f"mlxgw top  namespace {args.namespace}  Redis unreachable at "
                             f"{redact_url(args.redis_url)} ({type(e).__name__}: {e}); last answer "
-                            f"{time.time() - last_ok[0]:.0f} s ago, retrying every {args.interval:g} s",
+                            f"{time.time() - last_ok:.0f} s ago, retrying every {args.interval:g} s",
                             style="bold red")
-            last_ok[0] = time.time()
+            last_ok = time.time()
             hist.add(data)
             return render(data, hist, args.namespace)
 

@@ -51,14 +51,21 @@ def positive_int(s: str) -> int:
     return v
 
 
+def _number_arg(s: str) -> float:
+    """``float(s)`` for the argparse types below; argparse.ArgumentTypeError when it is not one."""
+    import argparse
+
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+
+
 def share_arg(s: str) -> float:
     """argparse type: a fraction in (0, 1]. Raises argparse.ArgumentTypeError otherwise."""
     import argparse
 
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    v = _number_arg(s)
     if not 0 < v <= 1:
         raise argparse.ArgumentTypeError(f"must be more than 0 and at most 1, not {s}")
     return v
@@ -71,10 +78,7 @@ def non_negative_float(s: str) -> float:
     import argparse
     import math
 
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    v = _number_arg(s)
     if not (math.isfinite(v) and v >= 0):
         raise argparse.ArgumentTypeError(f"must be a finite number, at least 0, not {s}")
     return v
@@ -83,12 +87,13 @@ def non_negative_float(s: str) -> float:
 def positive_float(s: str) -> float:
     """argparse type: a finite number above 0. Raises argparse.ArgumentTypeError otherwise."""
     import argparse
+    import math
 
     try:
-        v = non_negative_float(s)
-    except argparse.ArgumentTypeError:
-        v = 0.0
-    if v == 0:
+        v = float(s)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {s}")
     return v
 
@@ -98,10 +103,7 @@ def share_or_off_arg(s: str) -> float:
     file set). Raises argparse.ArgumentTypeError otherwise (NaN included)."""
     import argparse
 
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    v = _number_arg(s)
     if not 0 <= v <= 1:
         raise argparse.ArgumentTypeError(f"must be from 0 (off) to 1, not {s}")
     return v
