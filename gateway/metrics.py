@@ -154,22 +154,23 @@ def request_done(m: GatewayMetrics, *, rid: str, model: str, prompt_tokens: int,
     Args:
         lookup: the `gateway.index.Lookup` (its ``status`` and ``seconds``).
         t0: ``time.perf_counter()`` at arrival; route_s: seconds until forwarding.
-        attempts: the `gateway.proxy.Attempt` list; the answering one is named by
-            the response's ``X-Mlxgw-Backend`` header and carries ``first_byte_at``.
+        attempts: the `gateway.proxy.Attempt` list; the answering one is marked
+            ``answered`` and carries ``first_byte_at``.
         resp: the response sent to the client, or None when none was.
         outcome: ``ok``, ``unavailable``, ``backend_failed`` (mid-stream) or ``client_disconnected``.
 
     Returns the logged fields (``ttft_ms`` and ``cached_tokens`` are None when unknown).
     """
     now = time.perf_counter()
-    h = resp.headers if resp is not None else {}
-    answered = next((a for a in reversed(attempts) if a.answer_headers is not None), None)
-    backend = h.get("X-Mlxgw-Backend") or (answered.backend_id if answered is not None else
-                                           attempts[0].backend_id if attempts else "-")
-    used = next((a for a in attempts if a.backend_id == backend), attempts[0] if attempts else None)
-    matched = int(h.get("X-Mlxgw-Matched-Tokens") or (used.headers.get("X-Mlxgw-Matched-Tokens", 0) if used else 0))
+    # The attempt whose answer the client got (a stream retried after its first backend failed
+    # still carries that one's headers, so they are not read here); else the last that answered.
+    used = (next((a for a in attempts if a.answered), None)
+            or next((a for a in reversed(attempts) if a.answer_headers is not None), None)
+            or (attempts[0] if attempts else None))
+    backend = used.backend_id if used is not None else "-"
+    matched = int(used.headers.get("X-Mlxgw-Matched-Tokens", 0)) if used is not None else 0
     # A client that left mid-stream has no response here; the backend's own header counts it.
-    raw = h.get("X-Mlxgw-Cached-Tokens") or ((used.answer_headers or {}).get("X-Mlxgw-Cached-Tokens") if used else None)
+    raw = (used.answer_headers or {}).get("X-Mlxgw-Cached-Tokens") if used is not None else None
     cached = int(raw) if raw is not None else None
     ttft = (used.first_byte_at - t0) if used is not None and used.first_byte_at else None
     if resp is not None and resp.status >= 400 and outcome == "ok":

@@ -6,11 +6,14 @@ Responses dialects turn the backend's OpenAI answer into their own), and a
 streamed answer that falls silent for ``keepalive`` seconds (a long prefill,
 a queue) gets an SSE comment so clients with idle timeouts keep waiting.
 
-A request is retried on the next-best backend only while nothing has been
-sent to the client (connection refused or reset, a 5xx before any body, or
-a whole JSON answer cut off before it was complete: those are read in full,
-then sent in one write), so retries are idempotent. Once streaming, a
-backend failure becomes a well-formed SSE error event and end of stream.
+A request is retried on the next-best backend only while no answer has
+reached the client (connection refused or reset, a 5xx before any body, a
+whole JSON answer cut off before it was complete: those are read in full,
+then sent in one write; or a stream whose backend failed before its first
+token, when the client has had only its headers and SSE comments: the
+retry's events continue that stream, whose headers still name the first
+backend), so retries are idempotent. Once a data event went out, a backend
+failure becomes a well-formed SSE error event and end of stream.
 
 A backend that hangs without closing its sockets (stopped, swapping, a
 wedged GPU) stops heartbeating and leaves the Redis registry within its
@@ -94,6 +97,7 @@ class Attempt:
     tried: bool = False  # the request was sent to this backend
     gone: bool = False  # given up: the backend left the registry while this request waited on it
     client_gone: bool = False  # the client left during the answer (a write to it failed)
+    answered: bool = False  # the client got this backend's answer (a stream retried elsewhere: False)
     # The backend's answer headers once they came (its X-Mlxgw-Cached-Tokens: the metrics count a
     # stream the client then left, when no response to the client is left to read them from).
     answer_headers: Optional[Mapping[str, str]] = None
@@ -282,7 +286,9 @@ class Proxy:
         """Send ``payload`` to the first attempt that answers; stream its answer back.
 
         ``transform`` (optional) rewrites the answer; without it the bytes
-        pass through untouched.
+        pass through untouched. The attempt whose answer the client got is
+        marked ``answered``; one whose stream failed is marked ``failed`` when the
+        client got the error event.
 
         Raises:
             BackendUnavailable: every attempt failed before the first byte (no
@@ -295,6 +301,9 @@ class Proxy:
             headers["Authorization"] = f"Bearer {self.internal_token}"
         last_err = None
         timed_out = False
+        t_feed = transform.feed if transform else (lambda b: b)
+        out: Optional[web.StreamResponse] = None  # the client's stream, once its headers went out
+        failed: Optional[tuple[Attempt, str]] = None  # a stream's backend that failed before its first token
         for i, a in enumerate(attempts):
             if i > 0:
                 self.retries += 1
@@ -331,19 +340,43 @@ class Proxy:
                                 data = await up.read()
                             except aiohttp.ClientPayloadError as e:
                                 raise aiohttp.ClientConnectionError(f"answer cut off: {e}") from e
-                    t_feed = transform.feed if transform else (lambda b: b)
+                    a.answered = True
                     if not is_sse:
                         self.inflight.started(a.backend_id, handle)
                         a.first_byte_at = time.perf_counter()
+                        if out is not None:
+                            # The retry of a stream answered whole (a 4xx error): the open
+                            # stream carries it as its error event.
+                            await self._stream_json(request, out, data, transform, t_feed)
+                            return out
                         out = web.Response(status=up.status)
                         self._copy_headers(out, up, a, transform)  # transform.begin before any feed
                         out.body = t_feed(b"") + t_feed(data) + (transform.end() if transform else b"")
                         return out
-                    out = web.StreamResponse(status=up.status)
-                    self._copy_headers(out, up, a, transform)
                     try:
-                        await out.prepare(request)
-                        await self._stream_body(request, out, up, a, handle, transform, t_feed)
+                        if out is None:
+                            out = web.StreamResponse(status=up.status)
+                            self._copy_headers(out, up, a, transform)
+                            await out.prepare(request)
+                            first = t_feed(b"")
+                            if first:
+                                await self._write(request, out, first)
+                        else:
+                            log.info("request %s: retried on backend %s after %s failed before its first token",
+                                     a.headers.get("X-Mlxgw-Request-Id", "-"), a.backend_id, failed[0].backend_id)
+                        err = await self._stream_body(request, out, up, a, handle, transform, t_feed)
+                        if err is not None and not a.first_byte_at and i + 1 < len(attempts):
+                            # Only SSE comments reached the client: the next backend can
+                            # still give the whole answer on the same stream.
+                            a.answered = False
+                            failed = (a, self._why(err))
+                            last_err = f"{a.backend_id}: {failed[1]}"
+                            continue
+                        if err is not None:
+                            await self._fail_stream(request, out, a, self._why(err), transform)
+                        elif transform is not None:
+                            await self._write(request, out, transform.end())
+                        await out.write_eof()
                     except ConnectionResetError:
                         # The client went away (aiohttp's ClientConnectionResetError
                         # is one): not the backend's fault, so no circuit trip and no
@@ -355,7 +388,9 @@ class Proxy:
                 if out_of_resources(e):
                     self._resource_error = f"{a.backend_id}: {e}"
                     self._resource_failures.add()
-                    raise OutOfResources(str(e)) from None
+                    if out is None:
+                        raise OutOfResources(str(e)) from None
+                    break  # a stream retried: it ends with its first failure's error event
                 # Nothing reached the client yet: try the next backend.
                 timed_out = isinstance(e, asyncio.TimeoutError)
                 if a.gone:
@@ -373,6 +408,15 @@ class Proxy:
                 continue
             finally:
                 self.inflight.end(a.backend_id, handle)
+        if out is not None:
+            # A stream whose backend failed before its first token, and no retry answered:
+            # its headers went out, so the error is an event (the first failure's, as without retries).
+            try:
+                await self._fail_stream(request, out, failed[0], failed[1], transform)
+                await out.write_eof()
+            except ConnectionResetError:
+                failed[0].client_gone = True
+            return out
         raise BackendUnavailable(last_err or "no backend", timed_out)
 
     @staticmethod
@@ -384,18 +428,18 @@ class Proxy:
         if transform is not None:
             out.headers.update(transform.begin(up.status, up.headers, a.headers))
 
-    async def _stream_body(self, request, out, up, a: Attempt, handle: int, transform, t_feed) -> None:
+    async def _stream_body(self, request, out, up, a: Attempt, handle: int, transform, t_feed) -> Optional[BaseException]:
         """Copy (or transform) the backend's event stream to the client.
 
-        A failure reading from the backend becomes a well-formed error at the
-        end of the stream and opens the backend's circuit; a failure writing to
-        the client raises ConnectionResetError to the caller.
+        Returns None when the backend's stream ended, or the failure reading it
+        (its circuit is then open; ``a.first_byte_at`` is 0 when no data event had
+        come, only comments). A stream that failed mid-event is closed at an event
+        boundary, so a retry's events are not glued to its remains. A failure
+        writing to the client raises ConnectionResetError to the caller.
         """
         prefill_open = True
         upstream_err = None
-        first = t_feed(b"")
-        if first:
-            await self._write(request, out, first)
+        tail = b"\n\n"  # the last two bytes from the backend (an event boundary at the start)
         while True:
             try:
                 chunk = await self._read(up)
@@ -407,10 +451,12 @@ class Proxy:
                     upstream_err = BackendGone(f"backend {a.backend_id} left the registry mid-answer")
                     a.gone = True
                     break
-                await self._write(request, out, transform.keepalive() if transform else KEEPALIVE)
+                if tail == b"\n\n":  # never inside a half-sent event
+                    await self._write(request, out, transform.keepalive() if transform else KEEPALIVE)
                 continue
             if not chunk:
                 break
+            tail = (tail + chunk)[-2:]
             if prefill_open and b"data:" in chunk:
                 self.inflight.started(a.backend_id, handle)
                 a.first_byte_at = time.perf_counter()
@@ -418,18 +464,32 @@ class Proxy:
             data = t_feed(chunk)
             if data:
                 await self._write(request, out, data)
-        if upstream_err is not None:
-            log.warning("backend %s failed mid-answer: %s", a.backend_id, upstream_err)
-            a.failed = True
-            self._trip(a.backend_id, a.url)
-            msg = f"backend {a.backend_id} failed mid-stream: {self._why(upstream_err)}; the answer is incomplete"
-            if transform is not None:
-                await self._write(request, out, transform.fail(msg))
-            else:
-                err = {"error": {"message": msg, "type": "server_error", "param": None, "code": "backend_failed"}}
-                await self._write(request, out, b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
-        elif transform is not None:
-            await self._write(request, out, transform.end())
+        if upstream_err is None:
+            return None
+        log.warning("backend %s failed %s: %s", a.backend_id,
+                    "mid-answer" if a.first_byte_at else "before its first token", upstream_err)
+        self._trip(a.backend_id, a.url)
+        if tail != b"\n\n":
+            # Ends the half-sent event (a transform drops an unfinished data event; raw bytes sent are sent).
+            data = t_feed(b"\n\n")
+            if data:
+                await self._write(request, out, data)
+        return upstream_err
+
+    async def _fail_stream(self, request, out, a: Attempt, why: str, transform) -> None:
+        """End the client's stream with the error event for ``a``'s failure (``why``)."""
+        a.failed = True
+        msg = f"backend {a.backend_id} failed mid-stream: {why}; the answer is incomplete"
+        if transform is not None:
+            await self._write(request, out, transform.fail(msg))
+        else:
+            err = {"error": {"message": msg, "type": "server_error", "param": None, "code": "backend_failed"}}
+            await self._write(request, out, b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+
+    async def _stream_json(self, request, out, data: bytes, transform, t_feed) -> None:
+        """Send a whole JSON answer (a backend's 4xx error) on an open stream, as its data event."""
+        await self._write(request, out, t_feed(b"data: " + data.strip() + b"\n\n"))
+        await self._write(request, out, transform.end() if transform is not None else b"data: [DONE]\n\n")
         await out.write_eof()
 
     def _why(self, e: BaseException) -> str:

@@ -3,6 +3,7 @@
 import json
 import signal
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -621,3 +622,130 @@ def test_a_second_backend_under_a_live_ones_id_is_refused(make_stack):
     from mlxgw.httpget import get_json
 
     assert get_json(b0.url + "/health")["status"] == "ok"
+
+
+def _open_stream(url, path, body):
+    """POST a streamed request; return (connection, response) once its headers came."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
+def _sse_events(raw: bytes) -> list:
+    """The data events of an SSE body, parsed ("[DONE]" as is), comments left out."""
+    out = []
+    for ev in raw.decode().split("\n\n"):
+        data = "\n".join(ln[5:].lstrip() for ln in ev.split("\n") if ln.startswith("data:"))
+        if data:
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+@pytest.mark.parametrize("dialect", ["openai", "anthropic"])
+def test_stream_whose_backend_dies_before_its_first_token_is_retried(make_stack, dialect):
+    """helper-63: a streamed request whose backend died during its prefill ended in an error
+    event, though the client had had only headers and keep-alive comments. The next backend now
+    answers it on the same stream: the whole answer, no error, one retry, and the request log
+    names the backend that answered."""
+    s = make_stack()
+    slow = ("--engine", "sim", "--sim-prefill-rate", "300")  # a 600-word prompt: ~2-3 s of prefill
+    b0, b1 = s.add_backend("b0", None, *slow), s.add_backend("b1", None, *slow)
+    s.add_gateway("--keepalive", "0.5")
+    s.wait()
+    retries = get_json(s.gateway.url + "/health")["retries"]
+    text = words(600, seed=91 if dialect == "openai" else 92)
+    if dialect == "openai":
+        path, body = "/v1/chat/completions", {"model": "demo-tiny", "stream": True, "max_tokens": 5,
+                                              "messages": [{"role": "user", "content": text}]}
+    else:
+        path, body = "/v1/messages", {"model": "demo-tiny", "stream": True, "max_tokens": 5,
+                                      "messages": [{"role": "user", "content": text}]}
+    conn, resp = _open_stream(s.gateway.url, path, body)
+    assert resp.status == 200
+    first = resp.getheader("X-Mlxgw-Backend")
+    victim, other = (b0, b1) if first == "b0" else (b1, b0)
+    victim.kill()  # during its prefill: no data event has gone out
+    raw = resp.read()
+    conn.close()
+    events = _sse_events(raw)
+    assert not [e for e in events if isinstance(e, dict) and ("error" in e or e.get("type") == "error")], raw[-600:]
+    if dialect == "openai":
+        assert events[-1] == "[DONE]", raw[-300:]
+        chunks = events[:-1]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")) >= 1
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+    else:
+        kinds = [e["type"] for e in events]
+        assert kinds.count("message_start") == 1 and kinds[-1] == "message_stop", kinds
+        assert "content_block_delta" in kinds, kinds
+        stop = next(e for e in events if e["type"] == "message_delta")
+        assert stop["delta"]["stop_reason"] == "max_tokens" and stop["usage"]["output_tokens"] == 5, stop
+    assert get_json(s.gateway.url + "/health")["retries"] == retries + 1
+    deadline = time.time() + 5
+    line = ""
+    while not line and time.time() < deadline:
+        line = next((ln for ln in s.gateway.log_path.read_text().splitlines() if "mlxgw.requests" in ln
+                     and "outcome=" in ln and "retries=1" in ln), "")
+        time.sleep(0.1)
+    assert f"backend={other.name}" in line and "outcome=ok" in line, line
+    assert f"after {victim.name} failed before its first token" in s.gateway.log_path.read_text()
+
+
+def test_stream_whose_only_backend_dies_before_its_first_token_ends_in_an_error_event(make_stack):
+    """With no backend left to retry on, the stream whose headers went out ends with the error
+    event and [DONE] (not a hang, not a cut connection)."""
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim", "--sim-prefill-rate", "300")
+    s.add_gateway("--keepalive", "0.5")
+    s.wait()
+    conn, resp = _open_stream(s.gateway.url, "/v1/chat/completions", {
+        "model": "demo-tiny", "stream": True, "max_tokens": 5,
+        "messages": [{"role": "user", "content": words(600, seed=93)}]})
+    assert resp.status == 200 and resp.getheader("X-Mlxgw-Backend") == "b0"
+    b0.kill()
+    events = _sse_events(resp.read())
+    conn.close()
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "backend_failed", events
+    assert events[-2]["error"]["message"].startswith("backend b0 failed mid-stream: its connection closed")
+    assert len(events) == 2, events  # no data event before it
+
+
+def test_stream_retried_on_a_backend_that_refuses_it_gets_that_refusal_as_its_error_event(make_stack, tmp_path):
+    """The retry of a stream whose headers went out can be refused whole (a 4xx JSON answer:
+    here the next backend's model has a shorter context): the open stream carries that error
+    as its event, then [DONE]."""
+    s = make_stack()
+    short = tmp_path / "short-context"  # the demo model, its context cut to 300 tokens
+    short.mkdir()
+    for f in Path(s.model_path).iterdir():
+        if f.name != "config.json":
+            (short / f.name).symlink_to(f.resolve())
+    cfg = json.loads((Path(s.model_path) / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 300}))
+    slow = ("--engine", "sim", "--sim-prefill-rate", "300")
+    b0 = s.add_backend("b0", None, *slow)
+    s.add_gateway("--keepalive", "0.5")
+    s.wait()
+    text = words(600, seed=94)
+    # b0 holds the prompt's first 200 words, so the long prompt goes there first.
+    status, _, body = post(b0.url + "/v1/chat/completions", {"model": "demo-tiny", "max_tokens": 1,
+                           "messages": [{"role": "user", "content": " ".join(text.split()[:200])}]})
+    assert status == 200, body
+    b1 = s.add_backend("b1", None, *slow, start=False)
+    b1.cmd[b1.cmd.index("--model") + 1] = str(short)
+    b1.start(s.env())
+    s.wait()
+    conn, resp = _open_stream(s.gateway.url, "/v1/chat/completions", {
+        "model": "demo-tiny", "stream": True, "max_tokens": 5, "messages": [{"role": "user", "content": text}]})
+    assert resp.status == 200 and resp.getheader("X-Mlxgw-Backend") == "b0", resp.getheaders()
+    b0.kill()
+    events = _sse_events(resp.read())
+    conn.close()
+    assert events[-1] == "[DONE]" and len(events) == 2, events
+    assert events[0]["error"]["code"] == "context_length_exceeded", events
+    assert "the model's context is 300 tokens" in events[0]["error"]["message"], events
