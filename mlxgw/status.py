@@ -320,15 +320,18 @@ def unreachable(args, e: BaseException) -> int:
 
 def model_total(records: list[dict]) -> dict:
     """A model's figures over its backends: ``live`` (not silent, and routed to by the
-    gateways: not ``left out``), ``left_out`` (how many a gateway does not route to), sums of ``active``,
-    ``slots``, ``waiting``, ``queued``, ``entries``, ``cache_mb``, ``evictions``, ``prompt_tokens``, ``cached_tokens``,
+    gateways: not ``left out``), ``left_out`` (how many a gateway does not route to); sums over
+    the live ones of ``active``, ``slots``, ``waiting`` and ``queued`` (the capacity requests can
+    use now: a silent backend's figures are stale and a left-out one gets no requests); sums
+    over them all of ``entries``, ``cache_mb``, ``evictions``, ``prompt_tokens``, ``cached_tokens``,
     and ``hit_ratio``: cached over prompt tokens of them all (not the mean of their ratios)."""
     views = [backend_view(r) for r in records]
+    live = [v for v in views if not v["silent"] and not v["left_out"]]
     pt = sum(_f(r, "prompt_tokens") for r in records)
     ct = sum(_f(r, "cached_tokens") for r in records)
-    out = {k: sum(v[k] for v in views) for k in ("active", "slots", "waiting", "queued", "entries", "evictions",
-                                                 "disk_reads")}
-    return {"live": sum(not v["silent"] and not v["left_out"] for v in views),
+    out = {k: sum(v[k] for v in live) for k in ("active", "slots", "waiting", "queued")}
+    out.update({k: sum(v[k] for v in views) for k in ("entries", "evictions", "disk_reads")})
+    return {"live": len(live),
             "left_out": sum(v["left_out"] for v in views), **out, "cache_mb": round(sum(v["cache_mb"] for v in views), 2),
             "disk_mb": round(sum(v["disk_mb"] for v in views), 2),
             "prompt_tokens": int(pt), "cached_tokens": int(ct), "hit_ratio": round(ct / pt, 4) if pt else 0.0}

@@ -110,8 +110,9 @@ def test_status_total_row_sums_backends_and_pools_the_hit_ratio():
             {"id": "b", "state": "ready", "active": "1", "queued_prefill_tokens": "0", "cache_entries": "1",
              "cache_bytes": str(2**20), "cache_evictions": "0", "prompt_tokens": "3000", "cached_tokens": "100",
              "last_heartbeat": str(now - 60), "heartbeat_interval": "1"}]
-    # 1000 cached of 4000 prompt tokens: 0.25, not the mean of 0.90 and 0.03; b is silent
-    assert total_row(recs) == ["total", "1 live", "", "3", "100", "4", "4.0", "1", "0.25", ""]
+    # 1000 cached of 4000 prompt tokens: 0.25, not the mean of 0.90 and 0.03; b is silent: its
+    # cache counts, its stale request does not
+    assert total_row(recs) == ["total", "1 live", "", "2", "100", "4", "4.0", "1", "0.25", ""]
 
 
 def test_active_is_shown_against_the_decode_slots():
@@ -129,6 +130,12 @@ def test_active_is_shown_against_the_decode_slots():
     t = model_total(recs)
     assert (t["active"], t["slots"], t["waiting"]) == (23, 32, 4)
     assert total_row(recs)[3] == "23/32"
+    # A silent backend's (stale) requests and slots, and a left-out one's, are no capacity to use.
+    gone = [{**recs[1], "id": "c", "last_heartbeat": str(now - 60)},
+            {**recs[1], "id": "d", "left_out_by": {"gw1": "another block size"}}]
+    t = model_total(recs + gone)
+    assert (t["live"], t["left_out"], t["active"], t["slots"], t["waiting"]) == (2, 1, 23, 32, 4), t
+    assert total_row(recs + gone)[1:4] == ["2 live, 1 left out", "", "23/32"]
 
 
 def test_a_backend_without_the_token_among_ones_with_it_is_named():
