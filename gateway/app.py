@@ -339,8 +339,10 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
 
 
 async def handle_models(request: web.Request) -> web.Response:
+    """This gateway's models (the ones it can tokenize for and route); a model only other
+    gateways serve is not listed: asked for here, it is a 404 (``/health`` ``not_served``)."""
     st = request.app[STATE]
-    names = set(st.tokenizers.models) | {m for m, c in st.index.snapshot.items() if c}
+    names = set(st.tokenizers.models)
     data = [{"id": n, "object": "model", "created": 0, "owned_by": "mlxgw"} for n in sorted(names)]
     return web.json_response({"object": "list", "data": data, "models": [{"id": n, "name": n} for n in sorted(names)]})
 
@@ -348,18 +350,19 @@ async def handle_models(request: web.Request) -> web.Response:
 async def handle_model(request: web.Request) -> web.Response:
     st = request.app[STATE]
     name = request.match_info["name"]
-    names = set(st.tokenizers.models) | {m for m, c in st.index.snapshot.items() if c}
-    if name not in names:
+    if name not in st.tokenizers.models:
         raise RequestError(f"the model '{name}' does not exist", status=404, param="model", code="model_not_found")
     return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "mlxgw"})
 
 
 async def handle_health(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    # A model nobody serves any more stays in Redis's model set (no TTL): list it only with
-    # live backends, and this gateway's own models always.
-    live = {m: [c.backend_id for c in cs] for m, cs in st.index.snapshot.items() if cs or m in st.tokenizers.models}
-    live.update({m: [] for m in st.tokenizers.models if m not in live})
+    # This gateway's models, each with its live backends; models with live backends that this
+    # gateway cannot route (no tokenizer for them: a backend started without --served-name, or
+    # another gateway's model) apart, so that they make no gateway look healthy.
+    live = {m: [c.backend_id for c in st.index.snapshot.get(m, [])] for m in st.tokenizers.models}
+    other = {m: [c.backend_id for c in cs] for m, cs in st.index.snapshot.items()
+             if cs and m not in st.tokenizers.models}
     ids = {b for bs in live.values() for b in bs}
     # Every live backend refused this gateway's internal token: it cannot serve anything, so a
     # load balancer must take it out (a 200 kept it in, answering 503 to every request).
@@ -370,6 +373,7 @@ async def handle_health(request: web.Request) -> web.Response:
         "redis": st.index.healthy,
         "degraded": not st.index.healthy,
         "backends": live,
+        "not_served": other,
         "lookups": st.index.lookups,
         "lookups_stretched": st.index.lookups_stretched,
         "events_dropped": st.index.events_dropped,

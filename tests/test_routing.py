@@ -236,3 +236,26 @@ def test_lookup_deadline_fails_open_and_is_counted(make_stack, redis_server):
     assert _ask(s.gateway.url, text + " again")["X-Mlxgw-Lookup"] == "ok"  # and it recovers by itself
     lookups = get_json(s.gateway.url + "/health")["lookups"]
     assert lookups["timeout"] == 1 and lookups["ok"] == 2
+
+
+def test_a_model_this_gateway_cannot_route_is_apart_and_makes_it_no_healthier(make_stack):
+    """A backend registered under another model name (started without --served-name, say) used
+    to count in the gateway's /health "backends" (a 200 with none of the gateway's own models
+    served) and in /v1/models, whose model this gateway then answered with a 404."""
+    from mlxgw.httpget import get_status
+
+    s = make_stack()
+    s.add_backend("b1", None, "--engine", "sim", "--served-name", "elsewhere").wait_healthy()
+    gw = s.add_gateway()
+    deadline = time.time() + 30
+    while not (get_json(gw.url + "/health") or {}).get("not_served") and time.time() < deadline:
+        time.sleep(0.2)
+    h = get_json(gw.url + "/health")
+    assert get_status(gw.url + "/health") == 503 and h["status"] == "no_backends", h
+    assert h["backends"] == {"demo-tiny": []} and h["not_served"] == {"elsewhere": ["b1"]}, h
+    assert [m["id"] for m in get_json(gw.url + "/v1/models")["data"]] == ["demo-tiny"]
+    assert get_status(gw.url + "/v1/models/elsewhere") == 404
+    s.add_backend("b0", None, "--engine", "sim")
+    s.wait()
+    h = get_json(gw.url + "/health")
+    assert h["status"] == "ok" and h["backends"] == {"demo-tiny": ["b0"]} and h["not_served"] == {"elsewhere": ["b1"]}
