@@ -20,8 +20,8 @@ from mlxgw.config import ModelConfig
 from mlxgw.prompt import tokenizer_fingerprint
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.stopping import Stopper
-from mlxgw.util import (is_loopback, non_negative_float, parse_bytes, positive_int, redact_url, share_arg,
-                        share_or_off_arg, size_arg, size_text)
+from mlxgw.util import (is_loopback, non_negative_float, non_negative_int, parse_bytes, port_arg, positive_int,
+                        redact_url, share_arg, share_or_off_arg, size_arg, size_text)
 
 from . import persist, sim
 from .cache import LAYOUTS, KVOps, PromptCache
@@ -37,7 +37,7 @@ log = logging.getLogger("mlxgw.backend")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model path or repo id (default: the demo model)")
     p.add_argument("--served-name", help="model name clients use (default: the model dir name)")
-    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--port", type=port_arg, default=8100)
     p.add_argument("--host", default="127.0.0.1", help="listen address (loopback by default)")
     p.add_argument("--id", dest="backend_id", help="backend name, stable across restarts (default: host:port)")
     p.add_argument("--url", help="URL gateways reach this backend at (default: http://host:port)")
@@ -48,15 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=positive_int, default=schema.DEFAULT_BLOCK_SIZE, help="tokens per block")
     # The same defaults as `mlxgw serve` (mlxgw.config.ModelConfig): a backend started by hand
     # on another Mac gets what the README states.
-    p.add_argument("--cache-entries", type=int, default=ModelConfig.cache_entries,
+    p.add_argument("--cache-entries", type=positive_int, default=ModelConfig.cache_entries,
                    help="most prompt-cache entries (default %(default)s)")
     p.add_argument("--cache-bytes", type=size_arg, default=ModelConfig.cache_bytes,
                    help="prompt-cache byte budget, e.g. 512MB, 512M, 8GB (binary units: 1GB = 2**30 bytes; "
                         "default %(default)s)")
-    p.add_argument("--min-hit-tokens", type=int, default=ModelConfig.min_hit_tokens,
+    p.add_argument("--min-hit-tokens", type=non_negative_int, default=ModelConfig.min_hit_tokens,
                    help="floor of a good hit, tokens (exo PR 1817; default %(default)s)")
     p.add_argument("--min-hit-ratio", type=non_negative_float, default=0.5, help="reused/prompt ratio of a good hit")
-    p.add_argument("--min-shared-tokens", type=int, default=0,
+    p.add_argument("--min-shared-tokens", type=non_negative_int, default=0,
                    help="cache rule 6 (docs/cache-policy.md), off by default: keep a prefix two other prompts "
                         "branched from, at least this many tokens long, as its own entry when the last entry "
                         "holding it is evicted (the block size is the natural value)")

@@ -16,7 +16,8 @@ from mlxgw import schema
 
 from mlxgw.rlimit import open_files_limit, raise_open_files_limit
 from mlxgw.stopping import EMBEDDED_REDIS_ENV, Stopper, shut_down_embedded_redis
-from mlxgw.util import count, non_negative_float, parse_bytes, positive_int, redact_url, size_arg
+from mlxgw.util import (count, non_negative_float, non_negative_int, parse_bytes, port_arg, positive_int, redact_url,
+                        size_arg)
 
 from .app import ADMISSION, GatewayConfig, make_app
 from .connguard import GuardedRunner, auto_max_connections
@@ -32,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH",
                    help="a served model's tokenizer dir (repeatable); NAME defaults to the dir name")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_arg, default=8000)
     p.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--namespace", default=schema.DEFAULT_NAMESPACE)
     p.add_argument("--block-size", type=positive_int, default=schema.DEFAULT_BLOCK_SIZE)
@@ -40,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="abandon the Redis lookup after this long and route on load (time in which Redis "
                         "answered other lookups or the gateway was too busy to read the answer does not "
                         "count; never past 1 s)")
-    p.add_argument("--max-retries", type=int, default=2, help="other backends tried before the first byte")
+    p.add_argument("--max-retries", type=non_negative_int, default=2, help="other backends tried before the first byte")
     p.add_argument("--gateway-id", default=None,
                    help="name of this gateway in Redis (default: host:port); gateways publish in-flight load under it")
     p.add_argument("--janitor-grace", type=non_negative_float, default=300.0,
@@ -50,13 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cost per token of backend load (docs/routing.md)")
     p.add_argument("--decode-weight", type=non_negative_float, default=RoutingConfig.decode_weight,
                    help="tokens of load per running decode")
-    p.add_argument("--balance-abs-tokens", type=int, default=RoutingConfig.balance_abs_tokens,
+    p.add_argument("--balance-abs-tokens", type=non_negative_int, default=RoutingConfig.balance_abs_tokens,
                    help="balance guard: load above the least-loaded backend's by more than this ...")
     p.add_argument("--balance-rel", type=non_negative_float, default=RoutingConfig.balance_rel,
                    help="... and more than this factor makes a backend overloaded")
-    p.add_argument("--affinity-slack-tokens", type=int, default=RoutingConfig.affinity_slack_tokens,
+    p.add_argument("--affinity-slack-tokens", type=non_negative_int, default=RoutingConfig.affinity_slack_tokens,
                    help="a session's backend may cost this much more than the best and still be chosen")
-    p.add_argument("--placement-slack-tokens", type=int, default=RoutingConfig.placement_slack_tokens,
+    p.add_argument("--placement-slack-tokens", type=non_negative_int, default=RoutingConfig.placement_slack_tokens,
                    help="a prompt that makes the cheapest backend evict may go to one costing up to this much more "
                         "whose next eviction victim is older (0: off; docs/routing.md)")
     p.add_argument("--heartbeat-load", action="store_true",
@@ -98,20 +99,20 @@ def add_security_arguments(p: argparse.ArgumentParser, defaults: bool = True) ->
                         "when set, and needed to listen on a non-loopback address")
     p.add_argument("--allow-unauthenticated", action="store_true", default=dflt(False),
                    help="listen on a non-loopback address without API keys (something in front authenticates)")
-    p.add_argument("--max-in-flight", type=int, default=None, metavar="N",
+    p.add_argument("--max-in-flight", type=non_negative_int, default=None, metavar="N",
                    help="requests the gateway holds at once, all callers (503 'overloaded' over it); "
                         "default: a quarter of the open-files limit (each request holds two sockets); 0: no cap")
-    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+    p.add_argument("--max-connections", type=non_negative_int, default=None, metavar="N",
                    help="client connections held at once; over it a new one gets a 503 before its request "
                         "is read (default: the open files left after --max-in-flight backend sockets and 256 "
                         "spare); 0: no cap")
-    p.add_argument("--max-concurrent-per-key", type=int, default=dflt(d.max_concurrent_per_key),
+    p.add_argument("--max-concurrent-per-key", type=non_negative_int, default=dflt(d.max_concurrent_per_key),
                    help=f"requests in flight per API key (per address without keys; default {d.max_concurrent_per_key}); 0: no limit")
     p.add_argument("--rate-limit-rpm", type=non_negative_float, default=dflt(d.rate_per_minute),
                    help=f"requests per minute per API key (token bucket; default {d.rate_per_minute:g}); 0: no limit")
-    p.add_argument("--rate-burst", type=int, default=dflt(d.rate_burst),
+    p.add_argument("--rate-burst", type=non_negative_int, default=dflt(d.rate_burst),
                    help="token-bucket size (default: 10 seconds of --rate-limit-rpm)")
-    p.add_argument("--max-messages", type=int, default=dflt(d.max_messages), help=f"most messages per chat request (default {d.max_messages})")
+    p.add_argument("--max-messages", type=non_negative_int, default=dflt(d.max_messages), help=f"most messages per chat request (default {d.max_messages})")
     p.add_argument("--max-body-bytes", type=size_arg, default=dflt("32MiB"),
                    help="largest request body, e.g. 32MiB or 32M (binary units; default 32MiB)")
     p.add_argument("--body-timeout", type=non_negative_float, default=dflt(d.body_timeout),
@@ -137,9 +138,6 @@ def config_from_args(args) -> GatewayConfig:
     """
     if not args.load_publish_ms > 0:
         raise ValueError(f"--load-publish-ms must be > 0 (got {args.load_publish_ms:g})")
-    for flag in ("max_in_flight", "max_connections"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 (got {getattr(args, flag)})")
     files = open_files_limit()  # both defaults share out the same files
     max_in_flight = auto_max_in_flight(files) if args.max_in_flight is None else args.max_in_flight
     models = parse_models(args.model)

@@ -23,8 +23,8 @@ from typing import Optional
 
 from . import config as config_mod
 from .stopping import EMBEDDED_REDIS_ENV, PARENT_ENV, stop_signals
-from .util import (non_negative_float, parse_bytes, positive_int, redact_url, serve_token_file, serve_url_file,
-                   share_or_off_arg, size_arg, size_text)
+from .util import (non_negative_float, parse_bytes, port_arg, positive_int, redact_url, serve_token_file,
+                   serve_url_file, share_or_off_arg, size_arg, size_text)
 
 #: Seconds serve waits for a backend with a --cache-dir to stop: it writes its prompt cache
 #: first (at most `backend.engine.SAVE_SECONDS`), then exits.
@@ -39,15 +39,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config file (flags override it)")
     p.add_argument("--model", help="model path or repo id (default: the offline demo model)")
     p.add_argument("--served-name", help="model name clients use (default: the dir name)")
-    p.add_argument("--backends", type=int, help="backend processes for the model (default 2)")
+    p.add_argument("--backends", type=positive_int, help="backend processes for the model (default 2)")
     p.add_argument("--redis-url", help="Redis URL; default: start a private embedded redis-server")
     p.add_argument("--host", help="gateway listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="gateway port (default 8000)")
-    p.add_argument("--backend-port", type=int, help="first backend port (default 8100)")
+    p.add_argument("--port", type=port_arg, help="gateway port (default 8000)")
+    p.add_argument("--backend-port", type=port_arg, help="first backend port (default 8100)")
     p.add_argument("--cache-bytes", type=size_arg,
                    help="prompt-cache budget per backend, e.g. 512MB, 512M or 2GB (binary units: 1GB = 2**30 bytes; "
                         "default 2GB)")
-    p.add_argument("--cache-entries", type=int, help="prompt-cache entries per backend (default 64)")
+    p.add_argument("--cache-entries", type=positive_int, help="prompt-cache entries per backend (default 64)")
     from backend.cache import LAYOUTS
 
     p.add_argument("--cache-layout", choices=LAYOUTS,
@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin-by-reference", action=argparse.BooleanOptionalAction, default=None,
                    help="opt-in: waiting requests hold their cache hits as references, not copies "
                         "(docs/cache-policy.md, 'Pins by reference'; shared layout only)")
-    p.add_argument("--block-size", type=int, help="tokens per block (default 64; gateway and backends must match)")
+    p.add_argument("--block-size", type=positive_int, help="tokens per block (default 64; gateway and backends must match)")
     p.add_argument("--namespace", help="Redis key namespace (default mlxgw)")
     p.add_argument("--no-memory-check", action="store_true", help="skip the memory estimate")
     from gateway.route import POLICIES

@@ -6,6 +6,7 @@ import ipaddress
 import re
 import sys
 import time
+from typing import Optional
 from urllib.parse import urlsplit, urlunsplit
 
 # ``async with deadline(seconds):`` raises asyncio.TimeoutError when the block
@@ -37,18 +38,37 @@ def count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def positive_int(s: str) -> int:
-    """argparse type: an integer >= 1 (a block size of 0 or less would only fail
-    at the first request). Raises argparse.ArgumentTypeError otherwise."""
+def _int_arg(s: str, lo: int, hi: Optional[int] = None) -> int:
+    """``int(s)`` from ``lo`` to ``hi`` for the argparse types below; argparse.ArgumentTypeError otherwise."""
     import argparse
 
     try:
         v = int(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {v}")
+    if v < lo:
+        raise argparse.ArgumentTypeError(f"must be at least {lo}, not {v}")
+    if hi is not None and v > hi:
+        raise argparse.ArgumentTypeError(f"must be from {lo} to {hi}, not {v}")
     return v
+
+
+def positive_int(s: str) -> int:
+    """argparse type: an integer >= 1 (a block size of 0 or less would only fail
+    at the first request). Raises argparse.ArgumentTypeError otherwise."""
+    return _int_arg(s, 1)
+
+
+def non_negative_int(s: str) -> int:
+    """argparse type: an integer >= 0 (a count where 0 turns a limit off; ``--max-retries -1``
+    sent every request nowhere). Raises argparse.ArgumentTypeError otherwise."""
+    return _int_arg(s, 0)
+
+
+def port_arg(s: str) -> int:
+    """argparse type: a TCP port, 1-65535 (70000 ended in a traceback from bind()).
+    Raises argparse.ArgumentTypeError otherwise."""
+    return _int_arg(s, 1, 65535)
 
 
 def _number_arg(s: str) -> float:

@@ -114,8 +114,8 @@ def test_serve_exits_2_on_a_bad_value(tmp_path):
     # (argv, what stderr must say): each exits 2 with that line and no traceback.
     cases = [
         (["serve", "--config", str(p)], "config: [[models]] a: backends must be an integer"),
-        (["serve", "--backends", "0"], "backends must be at least 1, not 0"),
-        (["serve", "--block-size", "0"], "block_size must be at least 1, not 0"),
+        (["serve", "--backends", "0"], "argument --backends: must be at least 1, not 0"),
+        (["serve", "--block-size", "0"], "argument --block-size: must be at least 1, not 0"),
         (["serve", "--cache-bytes=-5GB"], "'-5GB' must be more than 0 bytes"),
         (["backend", "--cache-bytes=-1GB", "--redis-url", "redis://127.0.0.1:1/0"],
          "argument --cache-bytes: '-1GB' must be more than 0 bytes"),
@@ -142,6 +142,16 @@ def test_serve_exits_2_on_a_bad_value(tmp_path):
                                        ("gateway", "--rate-limit-rpm", "inf"), ("top", "--interval", "nan"),
                                        ("top", "--interval", "-1"), ("backend", "--request-timeout", "nan"))]
     cases += [(["top", "--events", "0"], "argument --events: must be at least 1, not 0")]
+    # integer flags: a gateway port of 70000 ended in bind()'s traceback, --max-retries -1 sent
+    # every request nowhere (503), --backends 0 blamed a "[[models]] demo" table nobody wrote
+    cases += [([cmd, flag, value], f"argument {flag}: {says}")
+              for cmd, flag, value, says in (("gateway", "--port", "70000", "must be from 1 to 65535, not 70000"),
+                                             ("backend", "--port", "-1", "must be at least 1, not -1"),
+                                             ("serve", "--backend-port", "65536", "must be from 1 to 65535"),
+                                             ("gateway", "--max-retries", "-1", "must be at least 0, not -1"),
+                                             ("gateway", "--balance-abs-tokens", "-5", "must be at least 0"),
+                                             ("backend", "--cache-entries", "0", "must be at least 1, not 0"),
+                                             ("backend", "--min-hit-tokens", "x", "'x' is not an integer"))]
     # an empty URL (an unset variable) is not "the default"
     cases += [([cmd, "--redis-url", ""], "--redis-url (or MLXGW_REDIS_URL) is empty")
               for cmd in ("serve", "gateway", "status")]
