@@ -98,6 +98,25 @@ async def error_middleware(request: web.Request, handler):
         return json_error(RequestError("internal error", status=500, type="server_error"))
 
 
+# Requests refused for a missing or wrong internal token, reported once per 10 s with the last
+# peer: a gateway started with another token is a setup error whose other side is on this
+# backend's machine (helper-64: the gateway logged every refusal, this backend none).
+_REFUSED = {"peer": "-"}
+_refused_tally = None
+
+
+def _refused(peer: str) -> None:
+    global _refused_tally
+    from mlxgw.util import Tally
+
+    if _refused_tally is None:
+        _refused_tally = Tally(lambda n: log.warning(
+            "refused %d request(s) with a missing or wrong internal token (last from %s): a gateway "
+            "started with another --internal-token / MLXGW_INTERNAL_TOKEN?", n, _REFUSED["peer"]))
+    _REFUSED["peer"] = peer
+    _refused_tally.add()
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     token = request.app[CONFIG].internal_token
@@ -106,6 +125,7 @@ async def auth_middleware(request: web.Request, handler):
 
         got = request.headers.get("Authorization", "")
         if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+            _refused(request.remote or "-")
             raise RequestError("missing or invalid internal token", status=401, type="authentication_error")
     return await handler(request)
 

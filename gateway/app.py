@@ -366,7 +366,7 @@ async def handle_health(request: web.Request) -> web.Response:
     ids = {b for bs in live.values() for b in bs}
     # Every live backend refused this gateway's internal token: it cannot serve anything, so a
     # load balancer must take it out (a 200 kept it in, answering 503 to every request).
-    rejected = bool(ids) and ids <= st.proxy.token_rejected
+    rejected = bool(ids) and ids <= st.proxy.token_rejected.keys()
     ok = bool(ids) and not rejected
     body = {
         "status": "ok" if ok else ("token_rejected" if rejected else "no_backends"),

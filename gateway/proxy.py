@@ -187,8 +187,10 @@ class Proxy:
         # skipped until its /health answers again (probed every second).
         self.open: dict[str, str] = {}  # backend id -> url, while its circuit is open
         # Backends whose last answer refused this gateway's internal token (a setup error that
-        # no retry mends; /health says so): cleared by their next other answer.
-        self.token_rejected: set[str] = set()
+        # no retry mends; /health says so) -> the URL it came from: skipped like an open circuit
+        # (helper-64: such a backend took the first try of most requests, for good), until a
+        # probe with the token is accepted or an answer from it comes anyway.
+        self.token_rejected: dict[str, str] = {}
         self.url_of = url_of
         self.gone_after = gone_after
         self._prober: Optional[asyncio.Task] = None
@@ -216,8 +218,9 @@ class Proxy:
             await self.session.close()
 
     def recently_failed(self, backend_id: str) -> bool:
-        """True while the backend's circuit is open (failed, not yet healthy again)."""
-        return backend_id in self.open
+        """True while the backend's circuit is open (failed, not yet healthy again) or it
+        refuses this gateway's internal token."""
+        return backend_id in self.open or backend_id in self.token_rejected
 
     def _trip(self, backend_id: str, url: str) -> None:
         if backend_id not in self.open:
@@ -242,6 +245,28 @@ class Proxy:
                 if ok:
                     self.open.pop(bid, None)
                     log.info("circuit closed for backend %s (healthy again)", bid)
+            for bid, url in list(self.token_rejected.items()):
+                await self._probe_token(bid, url)
+
+    async def _probe_token(self, bid: str, url: str) -> None:
+        """Ask a backend that refused the internal token again, on a path that needs it
+        (``/health`` does not); forget the refusal once it is accepted, or once the backend
+        has left the registry."""
+        if self.url_of is not None:
+            url = self.url_of(bid)
+            if url is None:
+                self.token_rejected.pop(bid, None)
+                return
+        headers = {"Authorization": f"Bearer {self.internal_token}"} if self.internal_token else {}
+        try:
+            async with self.session.get(url + "/v1/models", headers=headers,
+                                        timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                accepted = r.status == 200
+        except Exception:
+            return  # unreachable now: the circuit's business, not the token's
+        if accepted:
+            self.token_rejected.pop(bid, None)
+            log.info("backend %s accepts this gateway's internal token now", bid)
 
     def gone(self, backend_id: str) -> bool:
         """True once the backend has been out of the registry for ``gone_after`` seconds."""
@@ -322,14 +347,15 @@ class Proxy:
                                 last_err = (f"backend {a.backend_id} rejected this gateway's internal token (start "
                                             "gateways and backends with the same --internal-token / "
                                             "MLXGW_INTERNAL_TOKEN)")
-                                log.error("%s", last_err)
-                                self.token_rejected.add(a.backend_id)
+                                if a.backend_id not in self.token_rejected:  # once, until it takes the token
+                                    log.error("%s; skipped until it accepts it (probed every second)", last_err)
+                                self.token_rejected[a.backend_id] = a.url
                             else:
                                 last_err = f"backend {a.backend_id} answered {up.status}"
                             timed_out = False
                             await up.read()
                             continue
-                        self.token_rejected.discard(a.backend_id)
+                        self.token_rejected.pop(a.backend_id, None)
                         a.answer_headers = up.headers
                         is_sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
                         if not is_sse:

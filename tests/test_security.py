@@ -15,6 +15,7 @@ import select
 import socket
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
@@ -23,7 +24,7 @@ import psutil
 import pytest
 
 from mlxgw.harness import LOG_DIR, Stack
-from mlxgw.httpget import post
+from mlxgw.httpget import get_json, post
 from mlxgw.redis_embed import EmbeddedRedis
 from texts import words
 
@@ -674,3 +675,40 @@ def test_no_secret_in_logs_redis_metrics_or_error_bodies(sec):
     leaks = [(what, where) for what, secret in secrets_.items() for where, text in places.items() if secret in text]
     assert leaks == []
 
+
+
+def test_a_backend_that_refuses_the_token_is_skipped_until_it_takes_it(make_stack):
+    """helper-64: a backend started with another internal token (a Mac joined by hand) took the
+    first try of most new requests for good: each one was refused, retried elsewhere, and logged
+    as an error. It is now skipped like an open circuit (backend_up 0) after its first refusal,
+    said once in the gateway's log, and the backend's own log says it refused requests."""
+    s = make_stack(env_extra={"MLXGW_INTERNAL_TOKEN": INTERNAL_TOKEN})
+    good = s.add_backend("b0", None, "--engine", "sim")
+    s.env_extra = {"MLXGW_INTERNAL_TOKEN": "another-token"}
+    wrong = s.add_backend("b1", None, "--engine", "sim")
+    s.env_extra = {"MLXGW_INTERNAL_TOKEN": INTERNAL_TOKEN}
+    g = s.add_gateway()
+    s.wait()
+    text = words(300, seed=64)
+    # b1 caches the prompt (asked directly, with its own token), so the gateway tries it first.
+    status, _, body = post(wrong.url + "/v1/chat/completions", {"model": "demo-tiny", "max_tokens": 1, "messages": [
+        {"role": "user", "content": text}]}, {"Authorization": "Bearer another-token"})
+    assert status == 200, body
+    time.sleep(1.0)  # its saved event reaches Redis
+    answers = [post(g.url + "/v1/chat/completions", {"model": "demo-tiny", "max_tokens": 1, "messages": [
+        {"role": "user", "content": text + f" question {i}"}]}) for i in range(8)]
+    assert all(st == 200 and h["X-Mlxgw-Backend"] == "b0" for st, h, _ in answers), [a[:2] for a in answers]
+    # b1 had the first try of the first one only (it was retried on b0), then none
+    assert [h["X-Mlxgw-Route-Reason"] for _, h, _ in answers] == ["retry"] + ["prefix"] * 7, [a[1] for a in answers]
+    assert get_json(g.url + "/health")["token_rejected"] == ["b1"]
+    metrics = urllib.request.urlopen(g.url + "/metrics", timeout=5).read().decode()
+    assert 'mlxgw:backend_up{backend="b1",model_name="demo-tiny"} 0.0' in metrics, [
+        ln for ln in metrics.splitlines() if "backend_up" in ln]
+    log = g.log_path.read_text()
+    assert log.count("backend b1 rejected this gateway's internal token") == 1, log[-3000:]
+    deadline = time.time() + 5
+    while "refused 1 request(s) with a missing or wrong internal token" not in wrong.log_path.read_text() \
+            and time.time() < deadline:
+        time.sleep(0.1)
+    assert "refused 1 request(s) with a missing or wrong internal token" in wrong.log_path.read_text()
+    assert good.proc.poll() is None
