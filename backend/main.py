@@ -12,6 +12,7 @@ import shutil
 import socket
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -40,7 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=port_arg, default=8100)
     p.add_argument("--host", default="127.0.0.1", help="listen address (loopback by default)")
     p.add_argument("--id", dest="backend_id", help="backend name, stable across restarts (default: host:port)")
-    p.add_argument("--url", help="URL gateways reach this backend at (default: http://host:port)")
+    p.add_argument("--url", help="URL gateways reach this backend at (default: http://host:port; with a wildcard "
+                                 "--host such as 0.0.0.0, the address this machine reaches Redis from, or "
+                                 "127.0.0.1 when Redis is on this machine)")
     p.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"),
                    help="Redis holding the ownership index and registry (default: env MLXGW_REDIS_URL, else redis://127.0.0.1:6379/0)")
     p.add_argument("--namespace", default=schema.DEFAULT_NAMESPACE,
@@ -299,6 +302,39 @@ def disk_tier(args: argparse.Namespace, cache_dir: Optional[Path], ops, settings
     return tier
 
 
+def advertised_url(host: str, port: int, redis_url: str, url: Optional[str] = None) -> tuple[str, str]:
+    """The URL this backend registers for gateways to reach it at, and a warning ('' if none).
+
+    ``url`` (``--url``) when given. Else, listening on a wildcard address (``0.0.0.0``, ``::``):
+    loopback when Redis is on this machine, otherwise the address this machine reaches Redis
+    from (the gateways share that Redis, so they are on a network that reaches it); a
+    backend on another Mac registered ``127.0.0.1`` and the gateway's own backend at that
+    port took its traffic (helper-64). Else ``host``. The warning says when gateways on other
+    machines cannot reach the URL: a loopback URL while Redis is elsewhere.
+    """
+    redis_host = urlsplit(redis_url).hostname or "127.0.0.1"
+    remote = not is_loopback(redis_host)
+    if not url:
+        h = host
+        if host in ("0.0.0.0", "::", ""):
+            h = "127.0.0.1"
+            if remote:
+                try:  # no packet is sent: connect() on UDP only picks the route
+                    fam = socket.AF_INET6 if ":" in redis_host else socket.AF_INET
+                    with socket.socket(fam, socket.SOCK_DGRAM) as so:
+                        so.connect((redis_host, urlsplit(redis_url).port or 6379))
+                        h = so.getsockname()[0]
+                except OSError:
+                    h = socket.gethostname()
+        url = f"http://{'[' + h + ']' if ':' in h else h}:{port}"
+    if remote and is_loopback(urlsplit(url).hostname or ""):
+        return url, (f"registering {url} while Redis is on another machine ({redis_host}): gateways there "
+                     "cannot reach this backend at a loopback address (a gateway's own backend at that port "
+                     "would take its requests); listen with --host 0.0.0.0 and, if needed, --url "
+                     "http://<this machine's address>:<port>")
+    return url, ""
+
+
 def run(args: argparse.Namespace) -> int:
     """Run one backend until SIGINT/SIGTERM; returns the process exit code."""
     from .engine import MLXEngine
@@ -321,7 +357,9 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_name or Path(model_path.rstrip("/")).name
     backend_id = args.backend_id or f"{socket.gethostname()}:{args.port}"
     raise_open_files_limit()
-    url = args.url or f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    url, why = advertised_url(args.host, args.port, args.redis_url, args.url)
+    if why:
+        log.warning("%s", why)
     budget = parse_bytes(args.cache_bytes)  # size_arg checked it
     for line in budget_warnings(args.cache_bytes, budget, kv_per_token=None if args.engine == "sim"
                                 else model_kv_bytes_per_token(model_path)):

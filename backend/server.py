@@ -416,6 +416,13 @@ def make_app(engine: Engine, reporter: Reporter, cfg: BackendConfig) -> web.Appl
     app[ENGINE] = engine
     app[REPORTER] = reporter
     app[CONFIG] = cfg
+
+    async def served_by(request: web.Request, response: web.StreamResponse) -> None:
+        # Every answer names this backend: a gateway that reached another backend at a URL
+        # registered by mistake (two backends, one address) can tell (gateway.proxy.SERVED_BY).
+        response.headers["X-Mlxgw-Served-By"] = cfg.backend_id
+
+    app.on_response_prepare.append(served_by)
     logging.getLogger().addFilter(_REQUEST_ID_FILTER)  # once: the same instance is not added twice
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_post("/v1/completions", handle_text)

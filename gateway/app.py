@@ -382,6 +382,8 @@ async def handle_health(request: web.Request) -> web.Response:
         "pending_claims": st.pending.live(),  # routed prefixes in flight or in their grace (gateway.pending)
         "circuit_open": sorted(st.proxy.open),
         "token_rejected": sorted(st.proxy.token_rejected),
+        # backends whose registered URL another backend answers at -> that URL (gateway.proxy)
+        "misaddressed": dict(sorted(st.proxy.misaddressed.items())),
         # live backends left out: another block size or tokenizer (gateway.index.mismatch)
         "incompatible": st.index.incompatible,
         **st.counters,

@@ -42,7 +42,8 @@ from mlxgw.util import Tally, cancel_and_wait, deadline
 log = logging.getLogger("mlxgw.gateway.proxy")
 
 # Hop-by-hop and length headers are not passed through.
-_SKIP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "date", "server"}
+_SKIP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "date", "server",
+         "x-mlxgw-served-by"}
 
 
 class InFlight:
@@ -122,6 +123,10 @@ class Transform(Protocol):
 
 KEEPALIVE = b": keepalive\n\n"
 
+#: The backend id a backend puts on every answer (``backend.server``): the gateway checks that the
+#: backend it meant answered, not another one at the same URL.
+SERVED_BY = "X-Mlxgw-Served-By"
+
 
 class BackendUnavailable(Exception):
     """Every candidate failed before the first byte.
@@ -191,6 +196,9 @@ class Proxy:
         # (helper-64: such a backend took the first try of most requests, for good), until a
         # probe with the token is accepted or an answer from it comes anyway.
         self.token_rejected: dict[str, str] = {}
+        # Backends whose registered URL is answered by another backend -> that URL: skipped
+        # until it answers as them (probed every second) or they leave the registry.
+        self.misaddressed: dict[str, str] = {}
         self.url_of = url_of
         self.gone_after = gone_after
         self._prober: Optional[asyncio.Task] = None
@@ -218,9 +226,16 @@ class Proxy:
             await self.session.close()
 
     def recently_failed(self, backend_id: str) -> bool:
-        """True while the backend's circuit is open (failed, not yet healthy again) or it
-        refuses this gateway's internal token."""
-        return backend_id in self.open or backend_id in self.token_rejected
+        """True while the backend's circuit is open (failed, not yet healthy again), it
+        refuses this gateway's internal token, or another backend answers at its URL."""
+        return backend_id in self.open or backend_id in self.token_rejected or backend_id in self.misaddressed
+
+    def _misaddressed(self, a: Attempt, served_by: str) -> None:
+        if a.backend_id not in self.misaddressed:
+            log.error("backend %s registered the URL %s, where backend %s answers: this gateway cannot reach "
+                      "%s there (start it with --url and an address this machine reaches it at); skipped until "
+                      "that URL answers as %s", a.backend_id, a.url, served_by, a.backend_id, a.backend_id)
+        self.misaddressed[a.backend_id] = a.url
 
     def _trip(self, backend_id: str, url: str) -> None:
         if backend_id not in self.open:
@@ -247,6 +262,25 @@ class Proxy:
                     log.info("circuit closed for backend %s (healthy again)", bid)
             for bid, url in list(self.token_rejected.items()):
                 await self._probe_token(bid, url)
+            for bid, url in list(self.misaddressed.items()):
+                await self._probe_address(bid, url)
+
+    async def _probe_address(self, bid: str, url: str) -> None:
+        """Forget that another backend answered at ``bid``'s URL once its (current) URL answers
+        ``/health`` as ``bid``, or once it has left the registry."""
+        if self.url_of is not None:
+            url = self.url_of(bid)
+            if url is None:
+                self.misaddressed.pop(bid, None)
+                return
+        try:
+            async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                who = (await r.json(content_type=None) or {}).get("backend")
+        except Exception:
+            return
+        if who == bid:
+            self.misaddressed.pop(bid, None)
+            log.info("backend %s answers at its registered URL %s now", bid, url)
 
     async def _probe_token(self, bid: str, url: str) -> None:
         """Ask a backend that refused the internal token again, on a path that needs it
@@ -340,6 +374,15 @@ class Proxy:
                     async with self._waiting_on(a):  # until the answer is ours to send
                         up = await upstream.enter_async_context(
                             self.session.post(a.url + path, data=payload, headers=headers, timeout=timeout))
+                        served_by = up.headers.get(SERVED_BY)
+                        if served_by is not None and served_by != a.backend_id:
+                            # Another backend answers at this one's registered URL (a backend on another
+                            # Mac that registered 127.0.0.1, helper-64): not its answer to give. Leaving
+                            # the block closes the connection, which cancels the work there.
+                            last_err = f"backend {a.backend_id}: its registered URL answers as backend {served_by}"
+                            self._misaddressed(a, served_by)
+                            timed_out = False
+                            continue
                         if up.status >= 500 or up.status == 401:
                             if up.status == 401:
                                 # The backend refuses this gateway's internal token: a setup

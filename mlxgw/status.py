@@ -374,6 +374,19 @@ def disagreement(records: list[dict]) -> list[str]:
     return out
 
 
+def shared_url_lines(records: list[dict]) -> list[str]:
+    """One line per URL that several of a model's backends registered: one backend answers
+    there, the others are unreachable as registered (a backend on another Mac that registered
+    a loopback URL, helper-64; a gateway skips them: its ``/health`` ``misaddressed``)."""
+    by_url: dict[str, list[str]] = {}
+    for r in records:
+        if r.get("url"):
+            by_url.setdefault(str(r["url"]), []).append(str(r.get("id", "?")))
+    return [f"backends {', '.join(sorted(ids))} registered the same URL {url}: only one of them answers there "
+            "(start the others with --url and an address the gateways reach them at)"
+            for url, ids in sorted(by_url.items()) if len(ids) > 1]
+
+
 def open_backends(records: list[dict]) -> list[dict]:
     """The records of a model's backends that answer without the internal token (registry
     ``auth``) when others of the model require it: anything that reaches one skips the
@@ -452,7 +465,8 @@ def run(args) -> int:
         con.print(t)
         if d.get("silent"):
             con.print(_silent_text(d["silent"]), markup=False, highlight=False, soft_wrap=True)
-        for line in disagreement(d["backends"]) + left_out_lines(d["backends"]) + open_lines(d["backends"]):
+        for line in (disagreement(d["backends"]) + shared_url_lines(d["backends"]) + left_out_lines(d["backends"])
+                     + open_lines(d["backends"])):
             con.print(line, markup=False, highlight=False, soft_wrap=True)
         for e in d["recent_events"]:
             con.print(event_line(e), markup=False, highlight=False)

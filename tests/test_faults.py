@@ -2,6 +2,8 @@
 
 import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -749,3 +751,48 @@ def test_stream_retried_on_a_backend_that_refuses_it_gets_that_refusal_as_its_er
     assert events[-1] == "[DONE]" and len(events) == 2, events
     assert events[0]["error"]["code"] == "context_length_exceeded", events
     assert "the model's context is 300 tokens" in events[0]["error"]["message"], events
+
+
+def test_advertised_url_is_one_other_machines_can_reach():
+    """helper-64: a backend on another Mac listening on 0.0.0.0 without --url registered
+    http://127.0.0.1:PORT, with no warning; with the default ports a gateway's own backend then
+    answered there."""
+    from backend.main import advertised_url
+    from mlxgw.util import is_loopback
+    from urllib.parse import urlsplit
+
+    assert advertised_url("0.0.0.0", 8100, "redis://127.0.0.1:6379/0") == ("http://127.0.0.1:8100", "")
+    assert advertised_url("0.0.0.0", 8100, "redis://x", "http://mac2.local:8100") == ("http://mac2.local:8100", "")
+    url, why = advertised_url("0.0.0.0", 8100, "redis://:pw@192.0.2.7:6379/0")  # Redis on another machine
+    assert not is_loopback(urlsplit(url).hostname) and urlsplit(url).port == 8100 and why == "", (url, why)
+    for host, given in (("127.0.0.1", None), ("0.0.0.0", "http://127.0.0.1:8100")):
+        url, why = advertised_url(host, 8100, "redis://192.0.2.7:6379/0", given)
+        assert url == "http://127.0.0.1:8100" and "Redis is on another machine (192.0.2.7)" in why, why
+
+
+def test_a_backend_registered_at_another_backends_url_is_skipped(make_stack):
+    """A backend registered at a URL another backend answers at (here b0's) used to get requests
+    that b0 answered, credited to the wrong backend; the gateway now sees the answering backend's
+    id, skips the misaddressed one, and says so once."""
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim")
+    b0.wait_healthy()
+    twin = s.add_backend("mac2-0", None, "--engine", "sim", "--url", b0.url)
+    g = s.add_gateway()
+    s.wait()
+    text = words(300, seed=65)
+    # mac2-0 caches the prompt (asked at its real port), so the gateway tries it first.
+    status, _, body = post(twin.url + "/v1/chat/completions", {"model": "demo-tiny", "max_tokens": 1,
+                                                               "messages": [{"role": "user", "content": text}]})
+    assert status == 200, body
+    time.sleep(1.0)
+    answers = [_ask(g.url, text + f" turn {i}") for i in range(4)]
+    assert [(st, h["X-Mlxgw-Backend"]) for st, h, _ in answers] == [(200, "b0")] * 4, [a[:2] for a in answers]
+    assert [h["X-Mlxgw-Route-Reason"] for _, h, _ in answers] == ["retry", "prefix", "prefix", "prefix"]
+    assert "X-Mlxgw-Served-By" not in answers[0][1]
+    health = get_json(g.url + "/health")
+    assert health["misaddressed"] == {"mac2-0": b0.url}, health
+    assert g.log_path.read_text().count(f"backend mac2-0 registered the URL {b0.url}, where backend b0 answers") == 1
+    out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", s.redis_url,
+                          "--namespace", s.namespace], capture_output=True, text=True, timeout=60).stdout
+    assert f"backends b0, mac2-0 registered the same URL {b0.url}: only one of them answers there" in out, out
