@@ -16,8 +16,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .status import History, backend_view, collect, connect, console, event_line, unreachable
-from .util import redact_url
+from .status import REPLY_TIMEOUT, History, backend_view, collect, connect, console, event_line, unreachable
+from .redis_client import connect as redis_connect
+from .util import redact_url, serve_url_file
 
 _BARS = "▁▂▃▄▅▆▇█"
 
@@ -95,10 +96,18 @@ def run(args) -> int:
         last_ok = time.time()
 
         def frame():
-            nonlocal last_ok
+            nonlocal last_ok, r
             try:
                 data = collect(r, args.namespace, events=args.events)
             except redis.RedisError as e:
+                if args.url_source == "serve":
+                    # A restarted `mlxgw serve` runs its embedded Redis on a new port and leaves
+                    # the new URL in its file (helper-64: top kept asking the old one).
+                    new = serve_url_file().read_text().strip() if serve_url_file().exists() else ""
+                    if new and new != args.redis_url:
+                        args.redis_url = new
+                        r = redis_connect(new, REPLY_TIMEOUT)
+                        return frame()
                 return Text(f"mlxgw top  namespace {args.namespace}  Redis unreachable at "
                             f"{redact_url(args.redis_url)} ({type(e).__name__}: {e}); last answer "
                             f"{time.time() - last_ok:.0f} s ago, retrying every {args.interval:g} s",

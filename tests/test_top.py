@@ -205,3 +205,31 @@ def test_top_keeps_polling_while_redis_is_down():
     gone = subprocess.run([sys.executable, "-m", "mlxgw", "top", "--redis-url", r.url, "--iterations", "1"],
                           capture_output=True, text=True, timeout=60)
     assert gone.returncode == 4 and "Redis unreachable" in gone.stderr
+
+
+def test_top_follows_a_restarted_serve_to_its_new_redis(tmp_path):
+    """A restarted `mlxgw serve` runs its embedded Redis on a new port and leaves the new URL in
+    its file; a `top` left open on the old URL said "unreachable" for good (helper-64). Started
+    without --redis-url, it re-reads the file when its Redis does not answer."""
+    import os
+
+    from mlxgw.harness import RedisServer
+
+    old, new = RedisServer().start(), RedisServer().start()
+    url_file = tmp_path / "serve-redis-url"
+    url_file.write_text(old.url + "\n")
+    env = {**os.environ, "MLXGW_CACHE_DIR": str(tmp_path)}
+    env.pop("MLXGW_REDIS_URL", None)
+    try:
+        top = subprocess.Popen([sys.executable, "-m", "mlxgw", "top", "--iterations", "8", "--interval", "0.5"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        time.sleep(1.6)
+        old.stop()  # serve stopped; the next one's Redis is elsewhere
+        url_file.write_text(new.url + "\n")
+        stdout, stderr = top.communicate(timeout=60)
+    finally:
+        old.cleanup()
+        new.cleanup()
+    assert top.returncode == 0, stderr
+    frames = stdout.split("mlxgw top  namespace")[1:]
+    assert len(frames) == 8 and not any("Redis unreachable" in f for f in frames[-4:]), stdout
