@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 from pathlib import Path
 from typing import Optional
 from urllib.parse import urlsplit
@@ -20,9 +21,9 @@ from mlxgw import schema
 from mlxgw.config import ModelConfig
 from mlxgw.prompt import tokenizer_fingerprint
 from mlxgw.rlimit import raise_open_files_limit
-from mlxgw.stopping import Stopper
-from mlxgw.util import (is_loopback, non_negative_float, non_negative_int, parse_bytes, port_arg, positive_int,
-                        redact_url, share_arg, share_or_off_arg, size_arg, size_text)
+from mlxgw.stopping import PARENT_ENV, Stopper
+from mlxgw.util import (deadline, is_loopback, non_negative_float, non_negative_int, parse_bytes, port_arg,
+                        positive_int, redact_url, share_arg, share_or_off_arg, size_arg, size_text)
 
 from . import persist, sim
 from .cache import LAYOUTS, KVOps, PromptCache
@@ -471,20 +472,13 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
         return 2
     # Gateways route here only if their tokenizer's fingerprint is the same (gateway.index).
     reporter.extra["tokenizer"] = tokenizer_fingerprint(engine.tokenizer)
-    from .report import DuplicateBackend
-
-    try:
-        await reporter.start()
-    except DuplicateBackend as e:
-        log.error("%s", e)
+    stopper = Stopper(f"backend {cfg.backend_id}")
+    code = await _register(reporter, stopper, args)
+    if code is not None:
+        stopper.close()
         engine.stop()
         await runner.cleanup()
-        return 2
-    except Exception as e:
-        log.error("Redis unreachable at %s: %s", redact_url(args.redis_url), e)
-        engine.stop()
-        await runner.cleanup()
-        return 4
+        return code
     mib = engine.cache.max_bytes / 2**20
     opt_in = "".join([f"; admits while the KV in flight stays within {args.max_inflight_share:g} of the budget"
                       if args.max_inflight_share else "", "; pins hits by reference" if args.pin_by_reference else ""])
@@ -504,8 +498,7 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
     # complete start log (a test read it between the two and missed the layout, CI at cd6f088).
     reporter.state = "ready"
     await reporter.heartbeat()
-    stopper = Stopper(f"backend {cfg.backend_id}")
-    watch = asyncio.get_running_loop().create_task(_stop_if_engine_dies(engine, stopper, cfg.backend_id))
+    watch = asyncio.get_running_loop().create_task(_stop_on_fault(engine, reporter, stopper, cfg.backend_id))
     await stopper.wait()
     stopper.close()
     watch.cancel()
@@ -515,20 +508,63 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
     await reporter.stop()
     engine.stop()
     log.info("backend %s stopped", cfg.backend_id)
-    return ENGINE_DIED if engine.failed else 0
+    return ENGINE_DIED if engine.failed else (TAKEN_OVER if reporter.taken_over else 0)
 
 
 #: Exit code of a backend whose engine thread died (`mlxgw serve` restarts it, as any crash).
 ENGINE_DIED = 5
+#: Exit code of a backend whose id a later backend took (`backend.report.TakenOver`): a setting
+#: to change, not a crash (`mlxgw serve` does not restart it).
+TAKEN_OVER = 2
 
 
-async def _stop_if_engine_dies(engine, stopper, backend_id: str) -> None:
-    """A backend whose engine thread died answers every request with an error: withdraw it from
-    Redis and exit (`ENGINE_DIED`), so the gateways stop routing to it and `mlxgw serve`
-    restarts it (helper-56: it stayed registered, each request routed there cost a retry)."""
-    while not engine.failed:
+async def _register(reporter, stopper, args) -> Optional[int]:
+    """Register with Redis (`Reporter.start`); None once registered, else the exit code.
+
+    A duplicate live id is exit 2. Redis unreachable is exit 4 for a backend started by hand
+    (a wrong URL should fail at once); one started by `mlxgw serve` waits for it instead,
+    retrying every second (helper-64: it exited 4 on each restart while an outside Redis was
+    down, and serve's growing restart delay brought it back 28 s after Redis), unless stopped.
+    """
+    from .report import DuplicateBackend
+
+    said = float("-inf")
+    while True:
+        try:
+            await reporter.start()
+            return None
+        except DuplicateBackend as e:
+            log.error("%s", e)
+            return 2
+        except Exception as e:
+            if not os.environ.get(PARENT_ENV):
+                log.error("Redis unreachable at %s: %s", redact_url(args.redis_url), e)
+                return 4
+            if time.monotonic() - said >= 10:
+                said = time.monotonic()
+                log.warning("Redis unreachable at %s: %s; registering when it answers (tried every second)",
+                            redact_url(args.redis_url), e)
+            if reporter.redis is not None:
+                await reporter.redis.aclose()
+            try:
+                async with deadline(1.0):
+                    await stopper.wait()
+                return 0  # stopped while waiting
+            except asyncio.TimeoutError:
+                pass
+
+
+async def _stop_on_fault(engine, reporter, stopper, backend_id: str) -> None:
+    """Withdraw from Redis and exit when this backend can no longer serve as registered: its
+    engine thread died (`ENGINE_DIED`: it answered every request with an error, helper-56; `mlxgw
+    serve` restarts it), or a later backend took its id while it was not heartbeating
+    (`TAKEN_OVER`, helper-64: the registry flipped between the two every second)."""
+    while not engine.failed and reporter.taken_over is None:
         await asyncio.sleep(0.2)
-    log.error("backend %s: its engine thread died (the traceback above says why); withdrawing from Redis and "
-              "exiting with code %d", backend_id, ENGINE_DIED)
+    if engine.failed:
+        log.error("backend %s: its engine thread died (the traceback above says why); withdrawing from Redis and "
+                  "exiting with code %d", backend_id, ENGINE_DIED)
+    else:
+        log.error("%s: exiting with code %d", reporter.taken_over, TAKEN_OVER)
     stopper.stop.set()
 

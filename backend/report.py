@@ -73,6 +73,12 @@ class DuplicateBackend(RuntimeError):
     """Another live backend holds this backend's id in the registry (`Reporter.start`)."""
 
 
+class TakenOver(RuntimeError):
+    """Another backend registered this backend's id, at another URL and under a later epoch,
+    while this one was not heartbeating (hung, stopped, cut off from Redis): the operator
+    replaced it. Raised by `Reporter.heartbeat`; ``Reporter.taken_over`` keeps the message."""
+
+
 class Reporter:
     """Keeps Redis in step with one backend's prompt cache.
 
@@ -125,6 +131,7 @@ class Reporter:
         self._events: list[dict] = []
         self._dirty = True  # needs a full re-publish
         self._registered = False
+        self.taken_over: Optional[str] = None  # set once a later backend took this id (TakenOver)
         self._flush_lock = asyncio.Lock()
         self._wake: Optional[asyncio.Event] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -254,8 +261,9 @@ class Reporter:
             async with deadline(STOP_WRITE_SECONDS):
                 await self.cleanup_epoch(self.backend_id, self.epoch)
                 pipe = self.redis.pipeline(transaction=False)
-                pipe.delete(self.keys.backend(self.backend_id))
-                pipe.zrem(self.keys.backends, self.backend_id)
+                if self.taken_over is None:  # else the record is the replacement's
+                    pipe.delete(self.keys.backend(self.backend_id))
+                    pipe.zrem(self.keys.backends, self.backend_id)
                 pipe.xadd(
                     self.keys.events,
                     schema.event_fields(schema.EVENT_CLEARED, self.backend_id, self.epoch, {}),
@@ -444,6 +452,15 @@ class Reporter:
         }
         fields = {k: (str(v) if not isinstance(v, (int, float, str, bytes)) else v) for k, v in fields.items()}
         key = self.keys.backend(self.backend_id)
+        if self._registered:
+            # Read before writing: a resumed backend overwrote its replacement's record every
+            # second, so the registry flipped between the two URLs (helper-64). The later epoch wins.
+            url, epoch = await self.redis.hmget(key, "url", "epoch")
+            if url is not None and url.decode() != self.url and int(epoch or 0) > self.epoch:
+                self.taken_over = (f"backend id {self.backend_id!r} was registered by a backend at {url.decode()} "
+                                   f"(epoch {int(epoch)}) while this one (epoch {self.epoch}) was not heartbeating; "
+                                   "this one steps aside")
+                raise TakenOver(self.taken_over)
         pipe = self.redis.pipeline(transaction=False)
         pipe.exists(key)
         pipe.hset(key, mapping=fields)
@@ -520,6 +537,8 @@ class Reporter:
                     await self.flush()
             except asyncio.CancelledError:
                 raise
+            except TakenOver:
+                return  # the backend watches `taken_over` and exits
             except Exception as e:
                 self._mark_dirty(e)
 

@@ -435,7 +435,14 @@ def watch(children: list[Child], stopping, interval: float = 0.5, sleep=time.sle
         if redis is not None and redis.proc is not None and redis.proc.poll() is not None:
             _restart_redis(redis)
         for c in children:
-            if c.proc.poll() is None:
+            if c.proc.poll() is None or c.next_start == float("inf"):
+                continue
+            if c.proc.returncode in NOT_RESTARTED:
+                # A setting to change (a duplicate id, a backend replaced by hand under its id):
+                # restarting repeats it every 30 s for good (helper-64).
+                log.error("%s exited with code %s (%s; its log above says why): not restarted",
+                          c.name, c.proc.returncode, NOT_RESTARTED[c.proc.returncode])
+                c.next_start = float("inf")
                 continue
             if c.next_start == 0.0:
                 if time.time() - c.started_at > 60:
@@ -446,6 +453,12 @@ def watch(children: list[Child], stopping, interval: float = 0.5, sleep=time.sle
             elif time.time() >= c.next_start:
                 c.restarts += 1
                 _spawn(c)
+
+
+#: Exit codes of a child that a restart would not mend -> what they mean (`mlxgw backend` and
+#: `mlxgw gateway`: 2 a setting, e.g. a live backend's --id, or one replaced under its id; 6 a
+#: non-loopback address without keys or token).
+NOT_RESTARTED = {2: "a setting to change", 6: "refused to listen without keys or token"}
 
 
 def _restart_redis(redis) -> None:

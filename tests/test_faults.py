@@ -796,3 +796,65 @@ def test_a_backend_registered_at_another_backends_url_is_skipped(make_stack):
     out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", s.redis_url,
                           "--namespace", s.namespace], capture_output=True, text=True, timeout=60).stdout
     assert f"backends b0, mac2-0 registered the same URL {b0.url}: only one of them answers there" in out, out
+
+
+def test_a_backend_replaced_under_its_id_while_hung_steps_aside(make_stack, redis_server):
+    """helper-64: a stopped (hung) backend left the registry, the operator started another under
+    its id, and the first, resumed, overwrote the second's record every second (the registry
+    flipped between their URLs). The later epoch wins: the resumed one exits 2, leaving the
+    replacement's record alone."""
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim")
+    s.add_gateway()
+    s.wait()
+    r = redis_server.client()
+    key = f"{s.namespace}:{{{s.model_name}}}:backend:b0"
+    b0.signal(signal.SIGSTOP)
+    try:
+        deadline = time.time() + 15
+        while r.exists(key) and time.time() < deadline:  # its record expires (TTL 2 s)
+            time.sleep(0.2)
+        assert not r.exists(key)
+        twin = s.add_backend("b0", None, "--engine", "sim")
+        twin.wait_healthy()
+    finally:
+        b0.signal(signal.SIGCONT)
+    assert b0.proc.wait(20) == 2, b0.tail(20)
+    assert f"backend id 'b0' was registered by a backend at {twin.url}" in b0.log_path.read_text()
+    urls = set()
+    for _ in range(10):
+        urls.add(r.hget(key, "url"))
+        time.sleep(0.2)
+    assert urls == {twin.url}, urls
+    assert get_json(twin.url + "/health")["status"] == "ok"
+    s.backends.remove(b0)
+
+
+def test_a_backend_started_by_serve_waits_for_redis(make_stack):
+    """Under `mlxgw serve` (its pid in the environment), a backend whose Redis does not answer at
+    start waits for it instead of exiting 4 on every restart (helper-64: with an outside Redis
+    down, serve's growing restart delay brought it back 28 s after Redis). By hand it still
+    exits 4 at once."""
+    import os
+
+    r = RedisServer().start()
+    url = r.url
+    r.stop()  # the port stays ours to start it again on
+    try:
+        s = Stack(url, make_stack().model_path, env_extra={"MLXGW_INTERNAL_PARENT_PID": str(os.getpid())})
+        b0 = s.add_backend("b0", None, "--engine", "sim")
+        deadline = time.time() + 60
+        while "registering when it answers" not in b0.log_path.read_text() and time.time() < deadline:
+            assert b0.proc.poll() is None, b0.tail(20)
+            time.sleep(0.2)
+        assert "registering when it answers" in b0.log_path.read_text(), b0.tail(20)
+        r.start()
+        b0.wait_healthy(30)
+        assert get_json(b0.url + "/health")["status"] == "ok"
+        s.stop()
+        alone = Stack(url.rsplit(":", 1)[0] + ":1/0", s.model_path)  # by hand, nothing listening
+        b1 = alone.add_backend("b1", None, "--engine", "sim")
+        assert b1.proc.wait(60) == 4 and "Redis unreachable" in b1.tail(5)
+        alone.stop()
+    finally:
+        r.cleanup()

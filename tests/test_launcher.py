@@ -377,3 +377,24 @@ def test_a_stopping_serve_puts_back_the_url_of_one_still_running(redis_server):
     finally:
         f.unlink(missing_ok=True)
         t.unlink(missing_ok=True)
+
+
+def test_watch_does_not_restart_a_child_that_exited_for_a_setting(caplog):
+    """Exit 2 (a live backend's --id, a backend replaced under its id) or 6 is a setting to change:
+    serve restarted it every 30 s for good (helper-64); it is said once and left stopped."""
+    c = Child("b0", [sys.executable, "-c", "import sys; sys.exit(2)"], dict(os.environ), "")
+    _spawn(c)
+    c.proc.wait(30)
+    first, calls = c.proc, []
+
+    def tick(_interval):
+        calls.append(True)
+        if len(calls) == 2:
+            c.next_start = time.time() if c.next_start != float("inf") else c.next_start
+
+    with caplog.at_level("WARNING", logger="mlxgw.serve"):
+        watch([c], lambda: len(calls) >= 4, sleep=tick)
+    assert c.proc is first and c.restarts == 0 and c.next_start == float("inf")
+    assert caplog.text.count("b0 exited with code 2 (a setting to change; its log above says why): not "
+                             "restarted") == 1, caplog.text
+    assert "restarting" not in caplog.text
