@@ -858,3 +858,24 @@ def test_a_backend_started_by_serve_waits_for_redis(make_stack):
         alone.stop()
     finally:
         r.cleanup()
+
+
+def test_a_responses_stream_whose_backend_fails_ends_with_response_failed(make_stack):
+    """The Responses dialect's stream ended a backend failure with a bare `error` event, on which
+    the openai SDK does not raise: a client waiting for the terminal event took a cut answer for
+    a finished one (helper-64). It now ends with `response.failed` (status failed, the error)."""
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim", "--sim-prefill-rate", "300")
+    s.add_gateway("--keepalive", "0.5")
+    s.wait()
+    conn, resp = _open_stream(s.gateway.url, "/v1/responses", {
+        "model": "demo-tiny", "stream": True, "max_output_tokens": 5, "input": words(600, seed=95)})
+    assert resp.status == 200
+    b0.kill()
+    events = _sse_events(resp.read())
+    conn.close()
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress", "error", "response.failed"], kinds
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "backend_failed", failed
+    assert failed["error"]["message"].startswith("backend b0 failed mid-stream"), failed

@@ -264,8 +264,14 @@ class ResponsesTransform(ChatTransform):
         return out + self._ev(f"response.{status}", response=self._response(status, usage))
 
     def on_error(self, err: dict) -> bytes:
-        return self._ev("error", code=err.get("code") or "server_error", message=err.get("message") or "error",
-                        param=None)
+        """The ``error`` event, then ``response.failed`` (its terminal event, as OpenAI sends): the
+        openai SDK raises on neither, so a client that waits for the terminal event saw a cut
+        answer end like a finished one (helper-64). The item the failure cut is incomplete."""
+        code, message = err.get("code") or "server_error", err.get("message") or "error"
+        r = self._response("failed", usage_of(self.prompt_tokens, self.cached_tokens, self.output_tokens))
+        r["error"] = {"code": code, "message": message}
+        return (self._close("incomplete") + self._ev("error", code=code, message=message, param=None)
+                + self._ev("response.failed", response=r))
 
     def convert_full(self, completion: dict) -> dict:
         msg, reason, usage = chat_message(completion)
