@@ -300,7 +300,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         resp = await st.proxy.forward(request, attempts, path, payload, "application/x-msgpack", stream, transform)
         if any(a.failed for a in attempts):
             # A 200 whose stream ended in an error event: an error all the same.
-            outcome = "backend_failed"
+            outcome = "gateway_stopping" if any(a.stopped for a in attempts) else "backend_failed"
             st.counters["errors"] += 1
         elif any(a.client_gone for a in attempts):
             outcome = "client_disconnected"  # left mid-answer (before it: CancelledError below)

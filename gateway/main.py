@@ -19,7 +19,7 @@ from mlxgw.stopping import EMBEDDED_REDIS_ENV, Stopper, shut_down_embedded_redis
 from mlxgw.util import (count, non_negative_float, non_negative_int, parse_bytes, port_arg, positive_int, redact_url,
                         size_arg)
 
-from .app import ADMISSION, GatewayConfig, make_app
+from .app import ADMISSION, STATE, GatewayConfig, make_app
 from .connguard import GuardedRunner, auto_max_connections
 from .auth import AuthConfigError, check_exposure, read_keys
 from .limits import LimitConfig, auto_max_in_flight
@@ -117,6 +117,9 @@ def add_security_arguments(p: argparse.ArgumentParser, defaults: bool = True) ->
                    help="largest request body, e.g. 32MiB or 32M (binary units; default 32MiB)")
     p.add_argument("--body-timeout", type=non_negative_float, default=dflt(d.body_timeout),
                    help=f"seconds to receive a request body before answering 408 (default {d.body_timeout:g})")
+    p.add_argument("--drain-seconds", type=non_negative_float, default=8.0,
+                   help="on SIGTERM / Ctrl-C, seconds the answers in flight may take to finish; streams still "
+                        "running then end with an error event naming the stop (default 8: `mlxgw serve` waits 10)")
     p.add_argument("--write-timeout", type=non_negative_float, default=dflt(d.write_timeout),
                    help=f"seconds a client may leave an answer unread before it is dropped (default {d.write_timeout:g})")
 
@@ -212,18 +215,20 @@ def run(args: argparse.Namespace) -> int:
     log.info("gateway %s starting on %s:%d: Redis %s (namespace %s), models %s, at most %s in flight "
              "and %s connections", cfg.gateway_id, args.host, args.port, redact_url(cfg.redis_url), cfg.namespace,
              ", ".join(cfg.models) or "-", count(lim.max_in_flight, "request") if lim.max_in_flight else "unlimited requests", lim.max_connections or "unlimited")
-    code = asyncio.run(_serve(app, cfg, args.host, args.port))
+    code = asyncio.run(_serve(app, cfg, args.host, args.port, args.drain_seconds))
     if code == 0:
         log.info("gateway %s stopped", cfg.gateway_id)
     return code
 
 
-async def _serve(app: web.Application, cfg: GatewayConfig, host: str, port: int) -> int:
+async def _serve(app: web.Application, cfg: GatewayConfig, host: str, port: int, drain: float = 8.0) -> int:
     """Listen (behind `gateway.connguard`) until SIGINT, SIGTERM or SIGHUP, or until the `mlxgw serve`
-    that started it is gone (`mlxgw.stopping`), then shut down gracefully.
+    that started it is gone (`mlxgw.stopping`), then shut down gracefully: no new connections,
+    ``drain`` seconds for the answers in flight, then streams still running end with an error
+    event (`Proxy.begin_drain`) and what is left is cancelled a second later.
     Returns the exit code: 0, or 3 when the address cannot be bound."""
     runner = GuardedRunner(app, cfg.limits.max_connections, counts=app[ADMISSION].rejected,
-                           handler_cancellation=True, access_log=None)
+                           handler_cancellation=True, access_log=None, shutdown_timeout=drain + 1.0)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
@@ -240,5 +245,7 @@ async def _serve(app: web.Application, cfg: GatewayConfig, host: str, port: int)
         # outlast the orphan's 20-s exit (a Redis stopped after the drain leaked: helper-47).
         if stopper.orphaned and os.environ.get(EMBEDDED_REDIS_ENV):
             shut_down_embedded_redis(cfg.redis_url)
+        if STATE in app:
+            app[STATE].proxy.begin_drain(drain)
         await runner.cleanup()
     return 0

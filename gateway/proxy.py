@@ -98,6 +98,7 @@ class Attempt:
     tried: bool = False  # the request was sent to this backend
     gone: bool = False  # given up: the backend left the registry while this request waited on it
     client_gone: bool = False  # the client left during the answer (a write to it failed)
+    stopped: bool = False  # its stream outlasted the gateway's drain at stop (`Proxy.begin_drain`)
     answered: bool = False  # the client got this backend's answer (a stream retried elsewhere: False)
     # The backend's answer headers once they came (its X-Mlxgw-Cached-Tokens: the metrics count a
     # stream the client then left, when no response to the client is left to read them from).
@@ -117,7 +118,7 @@ class Transform(Protocol):
     def begin(self, status: int, headers: Mapping[str, str], route: Mapping[str, str]) -> dict: ...
     def feed(self, data: bytes) -> bytes: ...
     def end(self) -> bytes: ...
-    def fail(self, message: str) -> bytes: ...
+    def fail(self, message: str, code: str = "backend_failed") -> bytes: ...
     def keepalive(self) -> bytes: ...
 
 
@@ -148,6 +149,10 @@ class OutOfResources(Exception):
 
 class BackendGone(Exception):
     """The backend stopped heartbeating (left the registry) while a stream from it was silent."""
+
+
+class GatewayStopping(Exception):
+    """The gateway is stopping and a stream outlasted its drain (`Proxy.begin_drain`)."""
 
 
 class Proxy:
@@ -205,6 +210,8 @@ class Proxy:
         self._watcher: Optional[asyncio.Task] = None
         self._waiting: dict[object, tuple[Attempt, object]] = {}  # requests awaiting an answer -> their timer
         self._absent: dict[str, float] = {}  # backend id -> monotonic time first seen out of the registry
+        self.stop_at: Optional[float] = None  # monotonic time streams still running end (begin_drain)
+        self._drain = 0.0
         self._resource_error = ""  # the last EMFILE connect, for the log line
         self._resource_failures = Tally(lambda n: log.warning(  # one log line per 10 s, not one per request
             "out of open files or memory connecting to backends: %d request(s) answered 503 (last: %s)",
@@ -224,6 +231,12 @@ class Proxy:
         await cancel_and_wait(self._watcher)
         if self.session:
             await self.session.close()
+
+    def begin_drain(self, seconds: float) -> None:
+        """The gateway is stopping: streams still running in ``seconds`` end with an error event
+        naming the stop (helper-64: `mlxgw serve`'s Ctrl-C cut them bare, with no log line)."""
+        self._drain = seconds
+        self.stop_at = time.monotonic() + seconds
 
     def recently_failed(self, backend_id: str) -> bool:
         """True while the backend's circuit is open (failed, not yet healthy again), it
@@ -434,7 +447,8 @@ class Proxy:
                             log.info("request %s: retried on backend %s after %s failed before its first token",
                                      a.headers.get("X-Mlxgw-Request-Id", "-"), a.backend_id, failed[0].backend_id)
                         err = await self._stream_body(request, out, up, a, handle, transform, t_feed)
-                        if err is not None and not a.first_byte_at and i + 1 < len(attempts):
+                        if (err is not None and not a.first_byte_at and i + 1 < len(attempts)
+                                and not isinstance(err, GatewayStopping)):
                             # Only SSE comments reached the client: the next backend can
                             # still give the whole answer on the same stream.
                             a.answered = False
@@ -515,6 +529,14 @@ class Proxy:
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 upstream_err = e
                 break
+            if self.stop_at is not None and chunk != b"" and time.monotonic() >= self.stop_at:
+                upstream_err = GatewayStopping()
+                if chunk:
+                    tail = (tail + chunk)[-2:]
+                    data = t_feed(chunk)
+                    if data:
+                        await self._write(request, out, data)
+                break
             if chunk is None:
                 if self.gone(a.backend_id):  # silent, and out of the registry: hung, not thinking
                     upstream_err = BackendGone(f"backend {a.backend_id} left the registry mid-answer")
@@ -535,9 +557,14 @@ class Proxy:
                 await self._write(request, out, data)
         if upstream_err is None:
             return None
-        log.warning("backend %s failed %s: %s", a.backend_id,
-                    "mid-answer" if a.first_byte_at else "before its first token", upstream_err)
-        self._trip(a.backend_id, a.url)
+        if isinstance(upstream_err, GatewayStopping):
+            a.stopped = True
+            log.warning("answer from %s cut: the gateway is stopping and it outlasted the %g-s drain",
+                        a.backend_id, self._drain)
+        else:
+            log.warning("backend %s failed %s: %s", a.backend_id,
+                        "mid-answer" if a.first_byte_at else "before its first token", upstream_err)
+            self._trip(a.backend_id, a.url)
         if tail != b"\n\n":
             # Ends the half-sent event (a transform drops an unfinished data event; raw bytes sent are sent).
             data = t_feed(b"\n\n")
@@ -549,10 +576,13 @@ class Proxy:
         """End the client's stream with the error event for ``a``'s failure (``why``)."""
         a.failed = True
         msg = f"backend {a.backend_id} failed mid-stream: {why}; the answer is incomplete"
+        code = "backend_failed"
+        if a.stopped:
+            msg, code = f"{why} (answer from backend {a.backend_id}); the answer is incomplete", "gateway_stopping"
         if transform is not None:
-            await self._write(request, out, transform.fail(msg))
+            await self._write(request, out, transform.fail(msg, code))
         else:
-            err = {"error": {"message": msg, "type": "server_error", "param": None, "code": "backend_failed"}}
+            err = {"error": {"message": msg, "type": "server_error", "param": None, "code": code}}
             await self._write(request, out, b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
 
     async def _stream_json(self, request, out, data: bytes, transform, t_feed) -> None:
@@ -565,6 +595,8 @@ class Proxy:
         """A stream's backend failure in the client's terms (not an aiohttp class name)."""
         if isinstance(e, BackendGone):
             return "it stopped heartbeating while silent (hung or stopped)"
+        if isinstance(e, GatewayStopping):
+            return f"the gateway is stopping and the answer outlasted its {self._drain:g}-s drain"
         if isinstance(e, asyncio.TimeoutError):  # aiohttp's ServerTimeoutError is one too
             return f"it sent nothing for {self.read_timeout:g} s"
         return "its connection closed before the answer ended (the process stopped or restarted)"
@@ -587,10 +619,14 @@ class Proxy:
         Cancelling ``readany`` while it waits loses no data (it only waits
         for the buffer to fill), so the timeout is safe.
         """
-        if self.keepalive <= 0:
+        wait = self.keepalive if self.keepalive > 0 else None
+        if self.stop_at is not None:  # draining: back at the drain's end, not a keep-alive later
+            left = max(0.0, self.stop_at - time.monotonic())
+            wait = left if wait is None else min(wait, left)
+        if wait is None:
             return await up.content.readany()
         try:
-            async with deadline(self.keepalive):
+            async with deadline(wait):
                 return await up.content.readany()
         except aiohttp.ClientError:  # aiohttp's own read timeout: a hung backend
             raise

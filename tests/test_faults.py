@@ -879,3 +879,31 @@ def test_a_responses_stream_whose_backend_fails_ends_with_response_failed(make_s
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "backend_failed", failed
     assert failed["error"]["message"].startswith("backend b0 failed mid-stream"), failed
+
+
+def test_a_stopping_gateway_ends_streams_that_outlast_its_drain_with_an_error_event(make_stack):
+    """helper-64: Ctrl-C on `mlxgw serve` cut a long stream bare (a payload error in the client,
+    no [DONE], no request log line). The gateway now gives answers in flight --drain-seconds,
+    then ends the streams still running with an error event naming the stop, and logs them."""
+    s = make_stack()
+    s.add_backend("b0", None, "--engine", "sim", "--sim-decode-rate", "10")  # 200 tokens: ~20 s
+    g = s.add_gateway("--drain-seconds", "1.5")
+    s.wait()
+    conn, resp = _open_stream(g.url, "/v1/chat/completions", {
+        "model": "demo-tiny", "stream": True, "max_tokens": 200, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "go on"}]})
+    assert resp.status == 200
+    head = resp.readline() + resp.readline()  # the first event is here: decoding
+    t0 = time.time()
+    g.signal(signal.SIGTERM)
+    raw = head + resp.read()
+    took = time.time() - t0
+    conn.close()
+    events = _sse_events(raw)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "gateway_stopping", events[-3:]
+    assert "the gateway is stopping and the answer outlasted its 1.5-s drain" in events[-2]["error"]["message"]
+    assert 1.0 < took < 6, took
+    assert sum(1 for e in events[:-2] if e["choices"][0]["delta"].get("content")) >= 2  # it kept streaming meanwhile
+    assert g.proc.wait(20) == 0
+    assert "outcome=gateway_stopping" in g.log_path.read_text()
+    s.gateways.remove(g)

@@ -177,10 +177,10 @@ class ChatTransform:
             return self.feed(b"") + self.on_done()
         return b"" if self.done else self.on_done()
 
-    def fail(self, message: str) -> bytes:
+    def fail(self, message: str, code: str = "backend_failed") -> bytes:
         if self.buffered:
             return json.dumps(self.convert_error({"message": message, "type": "server_error"}, 502)).encode()
-        return self.on_error({"message": message, "type": "server_error", "code": "backend_failed"})
+        return self.on_error({"message": message, "type": "server_error", "code": code})
 
     def keepalive(self) -> bytes:
         return b": keepalive\n\n"
