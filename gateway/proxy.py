@@ -494,8 +494,11 @@ class Proxy:
         if out is not None:
             # A stream whose backend failed before its first token, and no retry answered:
             # its headers went out, so the error is an event (the first failure's, as without retries).
+            why = failed[1]
+            if last_err and not last_err.startswith(f"{failed[0].backend_id}:"):
+                why += f"; the retry failed too ({last_err})"  # helper-64: only the first was named
             try:
-                await self._fail_stream(request, out, failed[0], failed[1], transform)
+                await self._fail_stream(request, out, failed[0], why, transform)
                 await out.write_eof()
             except ConnectionResetError:
                 failed[0].client_gone = True

@@ -907,3 +907,26 @@ def test_a_stopping_gateway_ends_streams_that_outlast_its_drain_with_an_error_ev
     assert g.proc.wait(20) == 0
     assert "outcome=gateway_stopping" in g.log_path.read_text()
     s.gateways.remove(g)
+
+
+def test_a_stream_whose_retry_fails_too_names_both_failures(make_stack):
+    """Both backends gone during a stream's prefill: the error event named only the first
+    failure, though the retry's was the last word (helper-64)."""
+    s = make_stack()
+    slow = ("--engine", "sim", "--sim-prefill-rate", "300")
+    b0, b1 = s.add_backend("b0", None, *slow), s.add_backend("b1", None, *slow)
+    s.add_gateway("--keepalive", "0.5")
+    s.wait()
+    conn, resp = _open_stream(s.gateway.url, "/v1/chat/completions", {
+        "model": "demo-tiny", "stream": True, "max_tokens": 5,
+        "messages": [{"role": "user", "content": words(600, seed=96)}]})
+    first = resp.getheader("X-Mlxgw-Backend")
+    other = b1 if first == "b0" else b0
+    other.kill()
+    other.proc.wait(10)
+    (b0 if first == "b0" else b1).kill()
+    events = _sse_events(resp.read())
+    conn.close()
+    msg = events[-2]["error"]["message"]
+    assert msg.startswith(f"backend {first} failed mid-stream: its connection closed") and \
+        f"; the retry failed too ({other.name}: " in msg, msg
