@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover
 from mlxgw import schema
 from mlxgw.redis_client import connect_async
 from mlxgw.schema import Candidate
-from mlxgw.util import cancel_and_wait, deadline
+from mlxgw.util import Tally, cancel_and_wait, deadline
 
 log = logging.getLogger("mlxgw.gateway.index")
 
@@ -202,6 +202,11 @@ class OwnershipIndex:
         hiredis_packing(self.redis)
         self._lookup = self.redis.register_script(schema.LOOKUP_LUA)
         self.snapshot: dict[str, list[Candidate]] = {}  # model -> live backends
+        self._refused_writes = Tally(lambda n: log.warning(
+            "Redis refuses writes: its used memory is over its maxmemory (OOM, %d refusal(s)); lookups still "
+            "work, but backends cannot publish saves or heartbeats, so the index goes stale and they show as "
+            "silent: raise maxmemory (the index grows with the cached blocks; `redis-cli info memory` shows its "
+            "use)", n), every=60.0)
         self.snapshot_at = 0.0
         self.healthy = False
         self._said_down = False  # the operator was told Redis is unreachable, and not yet that it is back
@@ -319,7 +324,18 @@ class OwnershipIndex:
         pipe.get(id_key)
         pipe.smembers(schema.models_key(self.namespace))
         self._publish_settings(pipe)
-        redis_id, models = (await pipe.execute())[1:3]
+        res = await pipe.execute(raise_on_error=False)
+        # A Redis at its maxmemory (noeviction) refuses the writes (OOM) and still answers
+        # reads: say that, not "unreachable" (helper-64: the log flipped between unreachable
+        # and reachable 26 times while every lookup worked).
+        for r in res:
+            if isinstance(r, redis.exceptions.OutOfMemoryError):
+                self._refused_writes.add()
+            elif isinstance(r, Exception):
+                raise r
+        redis_id, models = res[1:3]
+        if redis_id is None and isinstance(res[0], Exception):
+            redis_id = self._redis_id  # its id could not be written: no sign of a lost Redis
         lost = self._redis_id is not None and redis_id != self._redis_id
         self._redis_id = redis_id
         snap = {}

@@ -930,3 +930,25 @@ def test_a_stream_whose_retry_fails_too_names_both_failures(make_stack):
     msg = events[-2]["error"]["message"]
     assert msg.startswith(f"backend {first} failed mid-stream: its connection closed") and \
         f"; the retry failed too ({other.name}: " in msg, msg
+
+
+def test_a_redis_at_its_maxmemory_is_said_to_refuse_writes_not_to_be_unreachable(demo_model):
+    """helper-64: with Redis at its maxmemory (noeviction) the gateway's log flipped between
+    "Redis unreachable" and "reachable again" every few seconds while every lookup worked."""
+    r = RedisServer().start()
+    s = Stack(r.url, demo_model)
+    try:
+        s.add_backend("b0", None, "--engine", "sim")
+        g = s.add_gateway()
+        s.wait()
+        r.client().config_set("maxmemory", "1")  # every write is refused from now on (OOM)
+        for i in range(5):
+            assert _ask(g.url, f"hello {i}")[0] == 200
+            time.sleep(0.5)
+        h = get_json(g.url + "/health")
+        log = g.log_path.read_text()
+        assert "Redis refuses writes: its used memory is over its maxmemory" in log, log[-2000:]
+        assert "Redis unreachable" not in log and h["degraded"] is False, (h, log[-2000:])
+    finally:
+        s.stop()
+        r.cleanup()
