@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,8 @@ class Child:
     restarts: int = 0
     next_start: float = 0.0
     started_at: float = 0.0
+    answered_at: float = 0.0  # time.time() its health URL last answered (any status), or it started
+    probe_at: float = 0.0  # when `watch` asks it next
 
 
 def port_free(host: str, port: int) -> bool:
@@ -413,9 +416,35 @@ def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:
     return out
 
 
-def watch(children: list[Child], stopping, interval: float = 0.5, sleep=time.sleep, redis=None) -> None:
+#: Seconds a running child may leave its health URL unanswered before `watch` kills it to
+#: restart it (a hung process: SIGSTOP, a deadlock, swapping to a halt). Any answer counts,
+#: a 503 while its model loads too; the backends answer /health off their engine thread.
+HUNG_AFTER = 60.0
+PROBE_EVERY = 5.0
+
+
+def _hung(c: Child, hung_after: float) -> bool:
+    """Probe ``c``'s health URL when due; True once it has not answered for ``hung_after`` s."""
+    now = time.time()
+    if not c.health_url or hung_after <= 0 or now < c.probe_at:
+        return False
+    c.probe_at = now + PROBE_EVERY
+    try:
+        with urllib.request.urlopen(c.health_url, timeout=1.0):
+            c.answered_at = now
+    except urllib.error.HTTPError:  # a 503 is an answer
+        c.answered_at = now
+    except Exception:
+        pass
+    return now - max(c.answered_at, c.started_at) > hung_after
+
+
+def watch(children: list[Child], stopping, interval: float = 0.5, sleep=time.sleep, redis=None,
+          hung_after: float = HUNG_AFTER) -> None:
     """Restart crashed children with exponential backoff (0.5 s doubling to 30 s, reset after
-    60 s up) until ``stopping()`` is true.
+    60 s up) until ``stopping()`` is true; kill and restart one whose health URL has not
+    answered for ``hung_after`` seconds (helper-64: a stopped backend left the registry and
+    stayed so, the stack short of it, until someone acted).
 
     ``redis``: the embedded `mlxgw.redis_embed.EmbeddedRedis`, if any; when it dies it is
     started again on the same port and password, empty (it never persisted anything): the
@@ -435,6 +464,11 @@ def watch(children: list[Child], stopping, interval: float = 0.5, sleep=time.sle
         if redis is not None and redis.proc is not None and redis.proc.poll() is not None:
             _restart_redis(redis)
         for c in children:
+            if c.proc.poll() is None and _hung(c, hung_after):
+                log.error("%s has not answered %s for %.0f s (hung or stopped); killing it to restart it",
+                          c.name, c.health_url, hung_after)
+                c.proc.kill()
+                c.proc.wait(10)
             if c.proc.poll() is None or c.next_start == float("inf"):
                 continue
             if c.proc.returncode in NOT_RESTARTED:

@@ -133,7 +133,7 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
     cache_mb (MiB), cache_use (bytes / budget, 0..1, 0 without a budget),
     evictions (entries the budget evicted since start), disk_mb (MiB of KV in the disk tier, cache rule 8;
     0 without one), disk_reads (entries read back from it since start), requests, hit_ratio (cached / prompt tokens since start), age_s (since the
-    last heartbeat), load`` where ``load`` (active requests, then queued
+    last heartbeat), up_s (seconds since the backend process started, None if unpublished), epoch, load`` where ``load`` (active requests, then queued
     tokens) is the sort key of ``mlxgw top``.
     """
     now = time.time() if now is None else now
@@ -170,8 +170,22 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
         "hit_ratio": round(_f(rec, "cached_tokens") / pt, 4) if pt else 0.0,
         "decode_tps": _f(rec, "decode_tps"),
         "age_s": round(age, 1),
+        # since its process started, and its epoch (one more per start under this id): a
+        # restarted or crash-looping backend shows here, not only in serve's log (helper-64)
+        "up_s": round(now - _f(rec, "started_at"), 1) if _f(rec, "started_at") else None,
+        "epoch": int(_f(rec, "epoch")),
         "load": (active, queued),
     }
+
+
+def duration_text(seconds: Optional[float]) -> str:
+    """``45s``, ``12m``, ``3.5h``, ``2.1d``; ``?`` when unknown."""
+    if seconds is None:
+        return "?"
+    for unit, size in (("d", 86400), ("h", 3600)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds / 60:.0f}m" if seconds >= 60 else f"{max(0.0, seconds):.0f}s"
 
 
 def layouts_note(records: list[dict]) -> str:
@@ -353,7 +367,7 @@ def total_row(records: list[dict]) -> list[str]:
     live = f"{t['live']} live" + (f", {t['left_out']} left out" if t["left_out"] else "")
     active = f"{t['active']}/{t['slots']}" if t["slots"] else str(t["active"])
     return ["total", live, "", active, str(t["queued"]), str(t["entries"]), f"{t['cache_mb']:.1f}",
-            str(t["evictions"]), *([_disk_cell(t)] if has_disk_tier(records) else []), f"{t['hit_ratio']:.2f}", ""]
+            str(t["evictions"]), *([_disk_cell(t)] if has_disk_tier(records) else []), f"{t['hit_ratio']:.2f}", "", ""]
 
 
 def disagreement(records: list[dict]) -> list[str]:
@@ -453,12 +467,12 @@ def run(args) -> int:
         t = Table(title=f"model {m}{layouts_note(d['backends'])}")
         disk = has_disk_tier(d["backends"])
         for col in ("backend", "state", "url", "active/slots", "queued tok", "entries", "cache MiB", "evictions",
-                    *(["disk MiB / reads"] if disk else []), "hit ratio (tokens)", "age s"):
+                    *(["disk MiB / reads"] if disk else []), "hit ratio (tokens)", "age s", "up (epoch)"):
             t.add_column(col)
         for b in map(lambda r: backend_view(r, now), d["backends"]):
             t.add_row(b["id"], b["state"], b["url"], b["active_text"], str(b["queued"]), str(b["entries"]),
                       f"{b['cache_mb']:.1f}", str(b["evictions"]), *([_disk_cell(b)] if disk else []),
-                      f"{b['hit_ratio']:.2f}", f"{b['age_s']:.1f}")
+                      f"{b['hit_ratio']:.2f}", f"{b['age_s']:.1f}", f"{duration_text(b['up_s'])} ({b['epoch']})")
         if len(d["backends"]) > 1:
             t.add_section()
             t.add_row(*total_row(d["backends"]))

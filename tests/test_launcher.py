@@ -398,3 +398,43 @@ def test_watch_does_not_restart_a_child_that_exited_for_a_setting(caplog):
     assert caplog.text.count("b0 exited with code 2 (a setting to change; its log above says why): not "
                              "restarted") == 1, caplog.text
     assert "restarting" not in caplog.text
+
+
+def test_watch_kills_and_restarts_a_child_that_stopped_answering(caplog, monkeypatch):
+    """A hung (stopped) backend left the registry and stayed there, the stack short of it, until
+    someone acted (helper-64). A child whose health URL does not answer for `hung_after` s is
+    killed and restarted; one that answers, even 503 (a model loading), is left alone."""
+    import http.server
+    import threading
+
+    import mlxgw.launcher as launcher
+
+    class Loading(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(503)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Loading)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setattr(launcher, "PROBE_EVERY", 0.1)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    hung = Child("b0", sleeper, dict(os.environ), "http://127.0.0.1:1/health")  # nothing answers there
+    loading = Child("b1", sleeper, dict(os.environ), f"http://127.0.0.1:{srv.server_port}/health")
+    for c in (hung, loading):
+        _spawn(c)
+    first, t0 = hung.proc, time.time()
+    try:
+        with caplog.at_level("WARNING", logger="mlxgw.serve"):
+            watch([hung, loading], lambda: hung.restarts >= 1 or time.time() - t0 > 20, interval=0.2,
+                  hung_after=1.0)
+        assert hung.restarts == 1 and first.returncode == -9 and hung.proc.poll() is None
+        assert "b0 has not answered http://127.0.0.1:1/health for 1 s (hung or stopped); killing it" in caplog.text
+        assert loading.proc.poll() is None and loading.restarts == 0 and "b1 has not answered" not in caplog.text
+    finally:
+        srv.shutdown()
+        for c in (hung, loading):
+            c.proc.kill()
+            c.proc.wait(10)

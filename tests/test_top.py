@@ -112,7 +112,7 @@ def test_status_total_row_sums_backends_and_pools_the_hit_ratio():
              "last_heartbeat": str(now - 60), "heartbeat_interval": "1"}]
     # 1000 cached of 4000 prompt tokens: 0.25, not the mean of 0.90 and 0.03; b is silent: its
     # cache counts, its stale request does not
-    assert total_row(recs) == ["total", "1 live", "", "2", "100", "4", "4.0", "1", "0.25", ""]
+    assert total_row(recs) == ["total", "1 live", "", "2", "100", "4", "4.0", "1", "0.25", "", ""]
 
 
 def test_active_is_shown_against_the_decode_slots():
@@ -233,3 +233,17 @@ def test_top_follows_a_restarted_serve_to_its_new_redis(tmp_path):
     assert top.returncode == 0, stderr
     frames = stdout.split("mlxgw top  namespace")[1:]
     assert len(frames) == 8 and not any("Redis unreachable" in f for f in frames[-4:]), stdout
+
+
+def test_status_shows_each_backends_uptime_and_epoch():
+    """A backend serve restarted (or one crash-looping) showed nowhere but serve's log: no
+    uptime, no restart count (helper-64). The table has its time since it registered and its
+    epoch, which grows by one with each start under its id."""
+    from mlxgw.status import backend_view, duration_text
+
+    now = time.time()
+    v = backend_view({"id": "a", "state": "ready", "started_at": str(now - 7), "epoch": "5",
+                      "last_heartbeat": str(now)}, now)
+    assert (v["up_s"], v["epoch"]) == (7.0, 5)
+    assert [duration_text(x) for x in (None, 7, 125, 5400, 3 * 86400)] == ["?", "7s", "2m", "1.5h", "3.0d"]
+    assert backend_view({"id": "old", "last_heartbeat": str(now)}, now)["up_s"] is None
