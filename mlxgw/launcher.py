@@ -161,6 +161,23 @@ def budget_warning(models: list[config_mod.ModelConfig], total_memory: Optional[
             "lower --cache-bytes or --backends")
 
 
+def as_flags(message: str) -> str:
+    """A config error in the flags' terms, for a serve started without --config: ``[[models]]
+    demo: cache_dir /x cannot be used`` becomes ``--cache-dir /x cannot be used`` (helper-64: the
+    error named a table nobody wrote). Names that are not a setting are left as they are."""
+    import re
+    from dataclasses import fields
+
+    known = {f.name for f in fields(config_mod.ModelConfig)} | {f.name for f in fields(config_mod.ServeConfig)}
+
+    def flag(m):
+        return f"--{m.group(1).replace('_', '-')}" if m.group(1) in known else m.group(0)
+
+    message = re.sub(r"\[\[models\]\] [^:\s]+ backend ports", "the backend ports (--backend-port, --backends)",
+                     message)
+    return re.sub(r"\[(?:\[models\]\] [^:\s]+|gateway\]):? (\w+)", flag, message)
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1.0) as r:
@@ -180,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config_mod.validate(cfg)
     except ValueError as e:
-        log.error("config: %s", e)
+        log.error("config: %s", e if args.config else as_flags(str(e)))
         return 2
     from gateway.auth import AuthConfigError, check_exposure, read_keys
 

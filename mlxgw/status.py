@@ -320,7 +320,7 @@ def unreachable(args, e: BaseException) -> int:
         hint = (f"it accepted the connection but did not answer within {REPLY_TIMEOUT:g} s, twice: "
                 "overloaded, or stopped with SIGSTOP?")
     else:
-        hint = {"serve": "the URL a `mlxgw serve` left: is it still running?",
+        hint = {"serve": "the URL a `mlxgw serve` left: is that serve still running, and the Redis it uses?",
                 "default": f"no `mlxgw serve` left its URL in {serve_url_file()} (none running, or it runs with "
                            "another MLXGW_CACHE_DIR); start one, or pass --redis-url"}.get(args.url_source, "")
     print(f"Redis unreachable at {redact_url(args.redis_url)}: {e}", file=sys.stderr)

@@ -421,3 +421,24 @@ def test_serve_warns_when_the_cache_budgets_exceed_memory(tmp_path):
     assert launcher.budget_warning([m], total_memory=4 * 2**30) is None  # 3 x (1,200 B + 1 GiB)
     msg = launcher.budget_warning([m], total_memory=3 * 2**30)
     assert msg and "add up to 3.0 GiB" in msg and "m: 3 x (0.00 GiB of weights + 1.0 GiB cache)" in msg, msg
+
+
+def test_serve_flag_errors_name_the_flags_not_a_config_table(tmp_path):
+    """serve run with flags only said "[[models]] demo: cache_dir ... not a directory", naming a
+    config table the user never wrote (helper-64); errors of a --config file keep its names."""
+    import subprocess
+    import sys
+
+    from mlxgw.launcher import as_flags
+
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = subprocess.run([sys.executable, "-m", "mlxgw", "serve", "--cache-dir", str(f)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and f"config: --cache-dir {f} cannot be used" in r.stderr, r.stderr
+    assert "[[models]]" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "mlxgw", "serve", "--port", "8100", "--backend-port", "8099"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "config: --port (8100-8100) and the backend ports (--backend-port, --backends) " \
+        "(8099-8100) overlap" in r.stderr, r.stderr
+    assert as_flags("[[models]] a: backend_ports is odd") == "[[models]] a: backend_ports is odd"  # not a setting

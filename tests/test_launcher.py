@@ -262,14 +262,14 @@ def test_status_says_where_a_dead_redis_url_came_from(tmp_path):
         r = subprocess.run(MLXGW + cmd, capture_output=True, text=True, timeout=60,
                            env={**os.environ, "MLXGW_CACHE_DIR": str(tmp_path)})
         assert r.returncode == 4 and "Redis unreachable" in r.stderr, cmd
-        assert "the URL a `mlxgw serve` left: is it still running?" in r.stderr, cmd
+        assert "the URL a `mlxgw serve` left: is that serve still running, and the Redis it uses?" in r.stderr, cmd
     # --json: a script reading stdout gets JSON saying so (it used to get nothing at all).
     r = subprocess.run(MLXGW + ["status", "--json"], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "MLXGW_CACHE_DIR": str(tmp_path)})
     err = json.loads(r.stdout)["error"]
     assert r.returncode == 4 and err["type"] == "redis_unreachable", r.stdout
     assert err["redis_url"] == (tmp_path / "serve-redis-url").read_text().strip(), err
-    assert err["hint"] == "the URL a `mlxgw serve` left: is it still running?" and err["message"], err
+    assert err["hint"] == "the URL a `mlxgw serve` left: is that serve still running, and the Redis it uses?" and err["message"], err
 
 
 def test_status_on_a_redis_that_never_answers_says_so():
