@@ -129,6 +129,18 @@ KEEPALIVE = b": keepalive\n\n"
 SERVED_BY = "X-Mlxgw-Served-By"
 
 
+#: Backends a request may see fail after taking it before it is sent to no more (`Proxy.forward`).
+MAX_DEATHS = 2
+
+
+def _died_with_it(e: BaseException) -> bool:
+    """True when the backend failed after taking the request: its connection closed or reset
+    mid-answer (a crash, an out-of-memory kill); not a refused connection (down already), a
+    timeout or a hang."""
+    return (isinstance(e, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError))
+            and not isinstance(e, aiohttp.ClientConnectorError))
+
+
 class BackendUnavailable(Exception):
     """Every candidate failed before the first byte.
 
@@ -376,7 +388,14 @@ class Proxy:
         t_feed = transform.feed if transform else (lambda b: b)
         out: Optional[web.StreamResponse] = None  # the client's stream, once its headers went out
         failed: Optional[tuple[Attempt, str]] = None  # a stream's backend that failed before its first token
+        died = 0  # backends that failed after taking this request (not refused, not hung)
         for i, a in enumerate(attempts):
+            if died >= MAX_DEATHS:
+                # Not on more: a request that crashes backends (one that runs them out of memory,
+                # say) would take every one down in turn (helper-64's concern).
+                last_err = (f"{last_err}; {died} backends failed while serving this request, so it was not "
+                            "sent to more")
+                break
             if i > 0:
                 self.retries += 1
             a.tried = True
@@ -452,8 +471,10 @@ class Proxy:
                             # Only SSE comments reached the client: the next backend can
                             # still give the whole answer on the same stream.
                             a.answered = False
-                            failed = (a, self._why(err))
-                            last_err = f"{a.backend_id}: {failed[1]}"
+                            died += _died_with_it(err)
+                            if failed is None:
+                                failed = (a, self._why(err))
+                            last_err = f"{a.backend_id}: {self._why(err)}"
                             continue
                         if err is not None:
                             await self._fail_stream(request, out, a, self._why(err), transform)
@@ -480,6 +501,7 @@ class Proxy:
                     what = f"out of the registry for {self.gone_after:g} s (no heartbeat) while this request waited"
                 else:
                     what = f"no answer within {self.read_timeout:g} s" if timed_out else type(e).__name__
+                died += _died_with_it(e)
                 # The client hears the backend's id, not its address; the log has both.
                 last_err = f"{a.backend_id}: {what}"
                 detail = what if timed_out or a.gone else f"{what}: {e}"

@@ -952,3 +952,33 @@ def test_a_redis_at_its_maxmemory_is_said_to_refuse_writes_not_to_be_unreachable
     finally:
         s.stop()
         r.cleanup()
+
+
+def test_a_request_two_backends_died_serving_is_not_sent_to_a_third(make_stack):
+    """A request that crashes backends (one that runs them out of memory, say) would take every
+    one down in turn through the retries (helper-64's concern): after two backends failed while
+    serving it, the gateway gives up and says why; the third never sees it."""
+    s = make_stack()
+    slow = ("--engine", "sim", "--sim-prefill-rate", "300")
+    bs = [s.add_backend(f"b{i}", None, *slow) for i in range(3)]
+    s.add_gateway("--keepalive", "0.5", "--max-retries", "2")
+    s.wait()
+    before = {b.name: get_json(b.url + "/health")["requests"] for b in bs}
+    conn, resp = _open_stream(s.gateway.url, "/v1/chat/completions", {
+        "model": "demo-tiny", "stream": True, "max_tokens": 5,
+        "messages": [{"role": "user", "content": words(600, seed=97)}]})
+    first = next(b for b in bs if b.name == resp.getheader("X-Mlxgw-Backend"))
+    first.kill()
+    rest = [b for b in bs if b is not first]
+    deadline, second = time.time() + 20, None
+    while second is None and time.time() < deadline:  # the retry reaches one of the others
+        second = next((b for b in rest if get_json(b.url + "/health")["requests"] > before[b.name]), None)
+        time.sleep(0.05)
+    assert second is not None
+    second.kill()
+    events = _sse_events(resp.read())
+    conn.close()
+    third = next(b for b in rest if b is not second)
+    msg = events[-2]["error"]["message"]
+    assert "2 backends failed while serving this request, so it was not sent to more" in msg, msg
+    assert get_json(third.url + "/health")["requests"] == before[third.name]
