@@ -134,9 +134,8 @@ MAX_DEATHS = 2
 
 
 def _died_with_it(e: BaseException) -> bool:
-    """True when the backend failed after taking the request: its connection closed or reset
-    mid-answer (a crash, an out-of-memory kill); not a refused connection (down already), a
-    timeout or a hang."""
+    """True when a backend that had taken the request (its stream's headers came) failed: its
+    connection closed or reset (a crash, an out-of-memory kill); not a timeout or a hang."""
     return (isinstance(e, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError))
             and not isinstance(e, aiohttp.ClientConnectorError))
 
@@ -501,7 +500,9 @@ class Proxy:
                     what = f"out of the registry for {self.gone_after:g} s (no heartbeat) while this request waited"
                 else:
                     what = f"no answer within {self.read_timeout:g} s" if timed_out else type(e).__name__
-                died += _died_with_it(e)
+                # Only an answer cut off mid-body counts here: a closed connection before any answer
+                # may be a pooled one the backend closed while idle (killed earlier), not this request's doing.
+                died += "answer cut off" in str(e)
                 # The client hears the backend's id, not its address; the log has both.
                 last_err = f"{a.backend_id}: {what}"
                 detail = what if timed_out or a.gone else f"{what}: {e}"
