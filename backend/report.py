@@ -482,15 +482,13 @@ class Reporter:
 
     def _check_gateways(self, raw: dict, now: float) -> None:
         """Tell the operator, once per gateway and reason, that a live gateway of this model
-        will not route here (another block size or tokenizer: `schema.incompatibility`, the
-        gateways' own rule), and when it does again; ``left_out_by`` (in ``/health``) is the
+        will not route here (another block size or tokenizer, or a reason the gateway published:
+        `schema.left_out_reason`, the gateways' own rule), and when it does again; ``left_out_by`` (in ``/health``) is the
         current set. ``raw`` is the `Keys.gateway_settings` hash."""
         gateways = schema.fresh_gateway_settings(raw, now)
         left_out = {}
         for gid, d in gateways.items():
-            why = schema.incompatibility(int(d.get("block_size") or 0), str(d.get("tokenizer") or ""),
-                                         self.block_size, str(self.extra.get("tokenizer", "")),
-                                         whose=f"gateway {gid}'s")
+            why = schema.left_out_reason(d, gid, self.backend_id, self.block_size, str(self.extra.get("tokenizer", "")))
             if why:
                 left_out[gid] = why
         for gid, why in left_out.items():

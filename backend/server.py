@@ -98,24 +98,26 @@ async def error_middleware(request: web.Request, handler):
         return json_error(RequestError("internal error", status=500, type="server_error"))
 
 
-# Requests refused for a missing or wrong internal token, reported once per 10 s with the last
-# peer: a gateway started with another token is a setup error whose other side is on this
-# backend's machine (helper-64: the gateway logged every refusal, this backend none).
-_REFUSED = {"peer": "-"}
-_refused_tally = None
+class Refusals:
+    """Requests refused for a missing or wrong internal token, logged once per 10 s with their
+    count and the last peer: a gateway started with another token is a setup error whose other
+    side is on this backend's machine (helper-64: the gateway logged every refusal, the backend
+    none). Use from the event loop's thread."""
 
+    def __init__(self):
+        from mlxgw.util import Tally
 
-def _refused(peer: str) -> None:
-    global _refused_tally
-    from mlxgw.util import Tally
-
-    if _refused_tally is None:
-        _refused_tally = Tally(lambda n: log.warning(
+        self.peer = "-"
+        self.tally = Tally(lambda n: log.warning(
             "refused %d request(s) with a missing or wrong internal token (last from %s): a gateway "
-            "started with another --internal-token / MLXGW_INTERNAL_TOKEN?", n, _REFUSED["peer"]))
-    _REFUSED["peer"] = peer
-    _refused_tally.add()
+            "started with another --internal-token / MLXGW_INTERNAL_TOKEN?", n, self.peer))
 
+    def add(self, peer: str) -> None:
+        self.peer = peer
+        self.tally.add()
+
+
+REFUSALS = web.AppKey("refusals", Refusals)
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
@@ -125,7 +127,7 @@ async def auth_middleware(request: web.Request, handler):
 
         got = request.headers.get("Authorization", "")
         if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-            _refused(request.remote or "-")
+            request.app[REFUSALS].add(request.remote or "-")
             raise RequestError("missing or invalid internal token", status=401, type="authentication_error")
     return await handler(request)
 
@@ -416,6 +418,7 @@ def make_app(engine: Engine, reporter: Reporter, cfg: BackendConfig) -> web.Appl
     app[ENGINE] = engine
     app[REPORTER] = reporter
     app[CONFIG] = cfg
+    app[REFUSALS] = Refusals()
 
     async def served_by(request: web.Request, response: web.StreamResponse) -> None:
         # Every answer names this backend: a gateway that reached another backend at a URL

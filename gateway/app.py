@@ -426,6 +426,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout, keepalive=cfg.keepalive,
                       write_timeout=cfg.limits.write_timeout, url_of=index.url_of, gone_after=cfg.gone_after)
         await proxy.start()
+        index.skipped = proxy.skipped
         app[STATE] = GatewayState(cfg, toks, index, proxy, strip=compile_patterns(cfg.strip_lines),
                                   pending=PendingClaims(cfg.routing.pending_grace), admission=app[ADMISSION])
         app[STATE].metrics.bind(app[STATE])

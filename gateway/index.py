@@ -202,6 +202,9 @@ class OwnershipIndex:
         hiredis_packing(self.redis)
         self._lookup = self.redis.register_script(schema.LOOKUP_LUA)
         self.snapshot: dict[str, list[Candidate]] = {}  # model -> live backends
+        # Backend id -> why this gateway skips it for reasons of its own (gateway.proxy: a refused
+        # internal token, another backend at its URL), published with its settings.
+        self.skipped: Callable[[], dict[str, str]] = dict
         self._refused_writes = Tally(lambda n: log.warning(
             "Redis refuses writes: its used memory is over its maxmemory (OOM, %d refusal(s)); lookups still "
             "work, but backends cannot publish saves or heartbeats, so the index goes stale and they show as "
@@ -364,7 +367,9 @@ class OwnershipIndex:
         prune = now - self._settings_pruned_at > schema.GATEWAY_SETTINGS_PRUNE
         for m, (block_size, fingerprint) in self.expect.items():
             key = self.keys(m).gateway_settings
-            pipe.hset(key, self.gateway_id, schema.gateway_settings_value(block_size, fingerprint, now))
+            live = {c.backend_id for c in self.snapshot.get(m, ())}
+            skipped = {b: why for b, why in self.skipped().items() if b in live}
+            pipe.hset(key, self.gateway_id, schema.gateway_settings_value(block_size, fingerprint, now, skipped))
             if prune:
                 pipe.eval(schema.PRUNE_SETTINGS_LUA, 1, key, f"{now - schema.GATEWAY_SETTINGS_PRUNE:.3f}")
         if prune:

@@ -243,6 +243,15 @@ class Proxy:
         if self.session:
             await self.session.close()
 
+    def skipped(self) -> dict[str, str]:
+        """Backend id -> why this gateway skips it though it is live and compatible (published
+        with the gateway's settings: the backend's log and ``mlxgw status`` show it)."""
+        out = {b: ("it refuses the gateway's internal token (start it with the same --internal-token / "
+                   "MLXGW_INTERNAL_TOKEN)") for b in self.token_rejected}
+        out.update({b: (f"another backend answers at its registered URL {url} (start it with --url and an "
+                        "address the gateways reach it at)") for b, url in self.misaddressed.items()})
+        return out
+
     def begin_drain(self, seconds: float) -> None:
         """The gateway is stopping: streams still running in ``seconds`` end with an error event
         naming the stop (helper-64: `mlxgw serve`'s Ctrl-C cut them bare, with no log line)."""

@@ -225,11 +225,27 @@ return n
 """
 
 
-def gateway_settings_value(block_size: int, tokenizer: str, at: float) -> str:
+def gateway_settings_value(block_size: int, tokenizer: str, at: float, skipped: Optional[dict] = None) -> str:
     """One gateway's `Keys.gateway_settings` entry: JSON ``{"block_size": tokens per block,
     "tokenizer": `mlxgw.prompt.tokenizer_fingerprint` of its tokenizer for the model, "at":
-    unix seconds written}``."""
-    return json.dumps({"block_size": int(block_size), "tokenizer": tokenizer, "at": round(at, 3)})
+    unix seconds written}``, plus ``"skipped": {backend id: why}`` when the gateway skips live
+    backends for reasons of its own (one refuses its internal token, another backend answers
+    at one's URL: `gateway.proxy`)."""
+    d = {"block_size": int(block_size), "tokenizer": tokenizer, "at": round(at, 3)}
+    if skipped:
+        d["skipped"] = skipped
+    return json.dumps(d)
+
+
+def left_out_reason(gateway: dict, gateway_id: str, backend_id: str, block_size: int,
+                    tokenizer: str) -> Optional[str]:
+    """Why the gateway whose `gateway_settings_value` is ``gateway`` (decoded) does not route to
+    a backend (None: it does): `incompatibility`, or the gateway's own ``skipped`` reason. The
+    one rule of the backend's log, its ``/health`` ``left_out_by`` and ``mlxgw status``."""
+    why = incompatibility(int(gateway.get("block_size") or 0), str(gateway.get("tokenizer") or ""),
+                          block_size, tokenizer, whose=f"gateway {gateway_id}'s")
+    skipped = gateway.get("skipped")
+    return why or (str(skipped[backend_id]) if isinstance(skipped, dict) and backend_id in skipped else None)
 
 
 def fresh_gateway_settings(raw: dict, now: float, fresh: float = GATEWAY_SETTINGS_FRESH) -> dict[str, dict]:

@@ -100,12 +100,11 @@ def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dic
 
 def left_out_by(rec: dict, gateways: dict[str, dict]) -> dict[str, str]:
     """Gateway id -> why that gateway does not route to the backend of registry record
-    ``rec`` (`schema.incompatibility`); empty when every gateway does."""
+    ``rec`` (`schema.left_out_reason`); empty when every gateway does."""
     out = {}
     for gid, g in gateways.items():
-        why = schema.incompatibility(int(g.get("block_size") or 0), str(g.get("tokenizer") or ""),
-                                     int(_f(rec, "block_size")), str(rec.get("tokenizer") or ""),
-                                     whose=f"gateway {gid}'s")
+        why = schema.left_out_reason(g, gid, str(rec.get("id", "")), int(_f(rec, "block_size")),
+                                     str(rec.get("tokenizer") or ""))
         if why:
             out[gid] = why
     return out

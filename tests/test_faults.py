@@ -796,6 +796,12 @@ def test_a_backend_registered_at_another_backends_url_is_skipped(make_stack):
     out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", s.redis_url,
                           "--namespace", s.namespace], capture_output=True, text=True, timeout=60).stdout
     assert f"backends b0, mac2-0 registered the same URL {b0.url}: only one of them answers there" in out, out
+    deadline = time.time() + 10  # the gateway publishes why it skips mac2-0; its own /health says so
+    while not get_json(twin.url + "/health").get("left_out_by") and time.time() < deadline:
+        time.sleep(0.2)
+    assert list(get_json(twin.url + "/health")["left_out_by"].values()) == [
+        f"another backend answers at its registered URL {b0.url} (start it with --url and an address the "
+        "gateways reach it at)"]
 
 
 def test_a_backend_replaced_under_its_id_while_hung_steps_aside(make_stack, redis_server):

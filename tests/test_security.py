@@ -13,6 +13,7 @@ import json
 import secrets
 import select
 import socket
+import subprocess
 import sys
 import time
 import urllib.request
@@ -712,3 +713,13 @@ def test_a_backend_that_refuses_the_token_is_skipped_until_it_takes_it(make_stac
         time.sleep(0.1)
     assert "refused 1 request(s) with a missing or wrong internal token" in wrong.log_path.read_text()
     assert good.proc.poll() is None
+    # Its operator (perhaps on another Mac) hears why, from its own log and /health, and status marks it.
+    deadline = time.time() + 10
+    while not get_json(wrong.url + "/health").get("left_out_by") and time.time() < deadline:
+        time.sleep(0.2)
+    why = "it refuses the gateway's internal token (start it with the same --internal-token"
+    assert list(get_json(wrong.url + "/health")["left_out_by"].values())[0].startswith(why)
+    assert "does not route to it: " + why in wrong.log_path.read_text()
+    out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", s.redis_url, "--namespace",
+                          s.namespace], capture_output=True, text=True, timeout=60).stdout
+    assert "1 live, 1 left out" in out, out
