@@ -22,7 +22,7 @@ from mlxgw.config import ModelConfig
 from mlxgw.prompt import tokenizer_fingerprint
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.stopping import PARENT_ENV, Stopper
-from mlxgw.util import (deadline, is_loopback, non_negative_float, non_negative_int, parse_bytes, port_arg,
+from mlxgw.util import (deadline, is_loopback, non_negative_float, non_negative_int, parse_bytes, port_arg, redis_url_arg,
                         positive_int, redact_url, share_arg, share_or_off_arg, size_arg, size_text)
 
 from . import persist, sim
@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="URL gateways reach this backend at (default: http://host:port; with a wildcard "
                                  "--host such as 0.0.0.0, the address this machine reaches Redis from, or "
                                  "127.0.0.1 when Redis is on this machine)")
-    p.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"),
+    p.add_argument("--redis-url", type=redis_url_arg,
+                   default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"),
                    help="Redis holding the ownership index and registry (default: env MLXGW_REDIS_URL, else redis://127.0.0.1:6379/0)")
     p.add_argument("--namespace", default=schema.DEFAULT_NAMESPACE,
                    help="Redis key prefix shared with the gateways (default %(default)s; docs/redis-schema.md)")
@@ -359,6 +360,10 @@ def run(args: argparse.Namespace) -> int:
     backend_id = args.backend_id or f"{socket.gethostname()}:{args.port}"
     raise_open_files_limit()
     url, why = advertised_url(args.host, args.port, args.redis_url, args.url)
+    if schema.url_error(url):
+        log.error("--url: %s: gateways reach a backend at http://<address>:<port> (e.g. http://mac2.local:8100)",
+                  schema.url_error(url))
+        return 2
     if why:
         log.warning("%s", why)
     budget = parse_bytes(args.cache_bytes)  # size_arg checked it

@@ -292,19 +292,21 @@ class OwnershipIndex:
     def mismatch(self, model: str, c: Candidate) -> Optional[str]:
         """Why backend ``c`` cannot serve this gateway's ``model`` (None: it can).
 
-        Its token ids must mean the same tokens (`mlxgw.prompt.tokenizer_fingerprint`: the
+        Its URL must be one to send requests to (`schema.url_error`). Its token ids must mean the
+        same tokens (`mlxgw.prompt.tokenizer_fingerprint`: the
         gateway forwards ids it computed, so another tokenizer answers nonsense) and its block
         keys must cover the same spans (another block size never matches a prefix). A field
         the backend does not publish (an older backend) is not checked.
         """
+        bad_url = schema.url_error(c.url)
+        if bad_url:
+            return bad_url + " (start it with --url http://<address>:<port>)"
         want = self.expect.get(model)
         if want is None:
             return None
         return schema.incompatibility(want[0], want[1], c.block_size, c.tokenizer)
 
     def _compatible(self, model: str, cands: list[Candidate]) -> list[Candidate]:
-        if model not in self.expect:
-            return cands
         return [c for c in cands if self.mismatch(model, c) is None]
 
     def _args(self, k: schema.Keys) -> list[str]:

@@ -17,7 +17,7 @@ from mlxgw import schema
 from mlxgw.rlimit import open_files_limit, raise_open_files_limit
 from mlxgw.stopping import EMBEDDED_REDIS_ENV, Stopper, shut_down_embedded_redis
 from mlxgw.util import (count, non_negative_float, non_negative_int, parse_bytes, port_arg, positive_int, redact_url,
-                        size_arg)
+                        redis_url_arg, size_arg)
 
 from .app import ADMISSION, STATE, GatewayConfig, make_app
 from .connguard import GuardedRunner, auto_max_connections
@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a served model's tokenizer dir (repeatable); NAME defaults to the dir name")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_arg, default=8000)
-    p.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--redis-url", type=redis_url_arg,
+                   default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--namespace", default=schema.DEFAULT_NAMESPACE)
     p.add_argument("--block-size", type=positive_int, default=schema.DEFAULT_BLOCK_SIZE)
     p.add_argument("--lookup-deadline-ms", type=non_negative_float, default=50.0,

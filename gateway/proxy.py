@@ -257,6 +257,8 @@ class Proxy:
         naming the stop (helper-64: `mlxgw serve`'s Ctrl-C cut them bare, with no log line)."""
         self._drain = seconds
         self.stop_at = time.monotonic() + seconds
+        n = sum(reqs for reqs, _ in self.inflight.view().values())
+        log.info("stopping: %d answer(s) in flight get up to %g s to finish (--drain-seconds)", n, seconds)
 
     def recently_failed(self, backend_id: str) -> bool:
         """True while the backend's circuit is open (failed, not yet healthy again), it
@@ -496,7 +498,7 @@ class Proxy:
                         a.client_gone = True
                         log.info("client disconnected during the answer from %s", a.backend_id)
                     return out
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # an invalid URL too (helper-65)
                 if out_of_resources(e):
                     self._resource_error = f"{a.backend_id}: {e}"
                     self._resource_failures.add()
@@ -610,7 +612,8 @@ class Proxy:
     async def _fail_stream(self, request, out, a: Attempt, why: str, transform) -> None:
         """End the client's stream with the error event for ``a``'s failure (``why``)."""
         a.failed = True
-        msg = f"backend {a.backend_id} failed mid-stream: {why}; the answer is incomplete"
+        when = "mid-stream" if a.first_byte_at else "before its first token"  # helper-65: "mid-stream" in a prefill
+        msg = f"backend {a.backend_id} failed {when}: {why}; the answer is incomplete"
         code = "backend_failed"
         if a.stopped:
             msg, code = f"{why} (answer from backend {a.backend_id}); the answer is incomplete", "gateway_stopping"

@@ -9,7 +9,7 @@ import re
 import sys
 
 from .rlimit import guard_mlx_lm_import
-from .util import positive_float, positive_int
+from .util import non_negative_int, positive_float, positive_int, redis_url_arg
 
 
 def _logging(level: str) -> None:
@@ -21,7 +21,7 @@ def _logging(level: str) -> None:
 
 
 def _status_arguments(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--redis-url", default=os.environ.get("MLXGW_REDIS_URL"),
+    sp.add_argument("--redis-url", type=redis_url_arg, default=os.environ.get("MLXGW_REDIS_URL"),
                     help="default: the URL the last `mlxgw serve` wrote, else redis://127.0.0.1:6379/0")
     sp.add_argument("--namespace", default="mlxgw")
 
@@ -34,7 +34,7 @@ def _add_status(sp: argparse.ArgumentParser) -> None:
 def _add_top(sp: argparse.ArgumentParser) -> None:
     _status_arguments(sp)
     sp.add_argument("--interval", type=positive_float, default=1.0, help="seconds between refreshes")
-    sp.add_argument("--iterations", type=int, default=0, help="stop after N frames (0: until Ctrl-C)")
+    sp.add_argument("--iterations", type=non_negative_int, default=0, help="stop after N frames (0: until Ctrl-C)")
     sp.add_argument("--events", type=positive_int, default=5, help="recent events shown per model")
 
 

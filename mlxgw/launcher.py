@@ -24,7 +24,7 @@ from typing import Optional
 
 from . import config as config_mod
 from .stopping import EMBEDDED_REDIS_ENV, PARENT_ENV, stop_signals
-from .util import (non_negative_float, parse_bytes, port_arg, positive_int, redact_url, serve_token_file,
+from .util import (non_negative_float, parse_bytes, port_arg, positive_int, redact_url, redis_url_arg, serve_token_file,
                    serve_url_file, share_or_off_arg, size_arg, size_text)
 
 #: Seconds serve waits for a backend with a --cache-dir to stop: it writes its prompt cache
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model path or repo id (default: the offline demo model)")
     p.add_argument("--served-name", help="model name clients use (default: the dir name)")
     p.add_argument("--backends", type=positive_int, help="backend processes for the model (default 2)")
-    p.add_argument("--redis-url", help="Redis URL; default: start a private embedded redis-server")
+    p.add_argument("--redis-url", type=redis_url_arg, help="Redis URL; default: start a private embedded redis-server")
     p.add_argument("--host", help="gateway listen address (default 127.0.0.1)")
     p.add_argument("--port", type=port_arg, help="gateway port (default 8000)")
     p.add_argument("--backend-port", type=port_arg, help="first backend port (default 8100)")
@@ -173,6 +173,9 @@ def as_flags(message: str) -> str:
     def flag(m):
         return f"--{m.group(1).replace('_', '-')}" if m.group(1) in known else m.group(0)
 
+    message = message.replace("disk_cache_bytes (--disk-cache-bytes) needs cache_dir (--cache-dir)",
+                              "disk_cache_bytes needs --cache-dir")  # named as a flag below, once
+    message = message.replace('needs cache_layout = "shared"', "needs --cache-layout shared")
     message = re.sub(r"\[\[models\]\] [^:\s]+ backend ports", "the backend ports (--backend-port, --backends)",
                      message)
     return re.sub(r"\[(?:\[models\]\] [^:\s]+|gateway\]):? (\w+)", flag, message)

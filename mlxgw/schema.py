@@ -237,6 +237,21 @@ def gateway_settings_value(block_size: int, tokenizer: str, at: float, skipped: 
     return json.dumps(d)
 
 
+def url_error(url: str) -> Optional[str]:
+    """Why ``url`` cannot be a backend's registered URL (None: it can): gateways need
+    ``http://host[:port]`` or ``https://...``. helper-65: ``--url mac2.local:8100`` (no scheme)
+    registered, and every request routed to it was a 500 with a traceback in the gateway."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        ok = u.scheme in ("http", "https") and bool(u.hostname)
+        u.port  # noqa: B018 (raises ValueError on a bad port)
+    except ValueError:
+        ok = False
+    return None if ok else f"its URL {url!r} is not an http(s)://host:port URL"
+
+
 def left_out_reason(gateway: dict, gateway_id: str, backend_id: str, block_size: int,
                     tokenizer: str) -> Optional[str]:
     """Why the gateway whose `gateway_settings_value` is ``gateway`` (decoded) does not route to

@@ -71,6 +71,19 @@ def port_arg(s: str) -> int:
     return _int_arg(s, 1, 65535)
 
 
+def redis_url_arg(s: str) -> str:
+    """argparse type: a ``redis://``, ``rediss://`` or ``unix://`` URL (empty passes, for the
+    caller's own message). helper-65: ``127.0.0.1:6379`` ended the gateway and ``mlxgw status``
+    in redis-py's traceback. The value is not echoed when it may hold a password."""
+    import argparse
+
+    if s and urlsplit(s).scheme not in ("redis", "rediss", "unix"):
+        shown = "the value given" if "@" in s else repr(s)
+        raise argparse.ArgumentTypeError(f"must be a redis://, rediss:// or unix:// URL (e.g. "
+                                         f"redis://127.0.0.1:6379/0), not {shown}")
+    return s
+
+
 def _number_arg(s: str) -> float:
     """``float(s)`` for the argparse types below; argparse.ArgumentTypeError when it is not one."""
     import argparse

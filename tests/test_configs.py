@@ -123,7 +123,7 @@ def test_serve_exits_2_on_a_bad_value(tmp_path):
         (["backend", "--pin-by-reference", "--cache-layout", "whole", "--redis-url", "redis://127.0.0.1:1/0"],
          "--pin-by-reference needs --cache-layout shared"),
         (["serve", "--pin-by-reference", "--cache-layout", "whole"],
-         'pin_by_reference needs cache_layout = "shared"'),
+         "--pin-by-reference needs --cache-layout shared"),
     ]
     # Each size flag is refused by argparse under its own name (serve's used to be reported as
     # "[[models]] demo cache_bytes", a config-file section the user never wrote).
@@ -151,7 +151,14 @@ def test_serve_exits_2_on_a_bad_value(tmp_path):
                                              ("gateway", "--max-retries", "-1", "must be at least 0, not -1"),
                                              ("gateway", "--balance-abs-tokens", "-5", "must be at least 0"),
                                              ("backend", "--cache-entries", "0", "must be at least 1, not 0"),
-                                             ("backend", "--min-hit-tokens", "x", "'x' is not an integer"))]
+                                             ("backend", "--min-hit-tokens", "x", "'x' is not an integer"),
+                                             ("top", "--iterations", "-1", "must be at least 0, not -1"))]
+    # a Redis URL without a scheme ended the gateway and status in redis-py's traceback (helper-65)
+    cases += [([cmd, "--redis-url", url], f"argument --redis-url: must be a redis://, rediss:// or unix:// URL "
+                                          f"(e.g. redis://127.0.0.1:6379/0), not {shown}")
+              for cmd, url, shown in (("gateway", "127.0.0.1:6379", "'127.0.0.1:6379'"),
+                                      ("status", "notaurl", "'notaurl'"), ("backend", "foo://bar", "'foo://bar'"),
+                                      ("serve", ":secret@host:6379", "the value given"))]
     # an empty URL (an unset variable) is not "the default"
     cases += [([cmd, "--redis-url", ""], "--redis-url (or MLXGW_REDIS_URL) is empty")
               for cmd in ("serve", "gateway", "status")]

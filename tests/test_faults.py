@@ -9,6 +9,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import redis as redis_lib
 
 from mlxgw.harness import RedisServer, Stack
 from mlxgw.httpget import get_json, post
@@ -713,7 +714,7 @@ def test_stream_whose_only_backend_dies_before_its_first_token_ends_in_an_error_
     events = _sse_events(resp.read())
     conn.close()
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "backend_failed", events
-    assert events[-2]["error"]["message"].startswith("backend b0 failed mid-stream: its connection closed")
+    assert events[-2]["error"]["message"].startswith("backend b0 failed before its first token: its connection closed")
     assert len(events) == 2, events  # no data event before it
 
 
@@ -884,7 +885,7 @@ def test_a_responses_stream_whose_backend_fails_ends_with_response_failed(make_s
     assert kinds == ["response.created", "response.in_progress", "error", "response.failed"], kinds
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "backend_failed", failed
-    assert failed["error"]["message"].startswith("backend b0 failed mid-stream"), failed
+    assert failed["error"]["message"].startswith("backend b0 failed before its first token"), failed
 
 
 def test_a_stopping_gateway_ends_streams_that_outlast_its_drain_with_an_error_event(make_stack):
@@ -934,7 +935,7 @@ def test_a_stream_whose_retry_fails_too_names_both_failures(make_stack):
     events = _sse_events(resp.read())
     conn.close()
     msg = events[-2]["error"]["message"]
-    assert msg.startswith(f"backend {first} failed mid-stream: its connection closed") and \
+    assert msg.startswith(f"backend {first} failed before its first token: its connection closed") and \
         f"; the retry failed too ({other.name}: " in msg, msg
 
 
@@ -988,3 +989,35 @@ def test_a_request_two_backends_died_serving_is_not_sent_to_a_third(make_stack):
     msg = events[-2]["error"]["message"]
     assert "2 backends failed while serving this request, so it was not sent to more" in msg, msg
     assert get_json(third.url + "/health")["requests"] == before[third.name]
+
+
+def test_a_backend_url_gateways_cannot_use_is_refused_and_left_out(make_stack):
+    """helper-65: a backend joined with `--url 127.0.0.1:PORT` (no scheme) registered, and every
+    request routed to it was a 500 with a traceback in the gateway, never retried elsewhere. The
+    backend refuses such a URL (exit 2); a record with one (an older backend) is left out."""
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim")
+    g = s.add_gateway()
+    s.wait()
+    bad = s.add_backend("hand", None, "--engine", "sim", "--url", "127.0.0.1:1234")
+    assert bad.proc.wait(60) == 2 and "--url: its URL '127.0.0.1:1234' is not an http(s)://host:port URL" in \
+        bad.tail(5), bad.tail(10)
+    s.backends.remove(bad)
+    # A record with such a URL (written by hand here, as an older backend would have) is left out.
+    from mlxgw.schema import Keys
+
+    r, k = redis_lib.Redis.from_url(s.redis_url), Keys(s.namespace, s.model_name)
+    rec = {a.decode(): v.decode() for a, v in r.hgetall(k.backend("b0")).items()}
+    deadline = time.time() + 10
+    while "old" not in (get_json(g.url + "/health").get("incompatible") or {}).get("demo-tiny", {}) \
+            and time.time() < deadline:
+        r.hset(k.backend("old"), mapping={**rec, "id": "old", "url": "notaurl", "last_heartbeat": f"{time.time():.3f}"})
+        r.expire(k.backend("old"), 30)
+        r.zadd(k.backends, {"old": time.time()})
+        time.sleep(0.2)
+    assert get_json(g.url + "/health")["incompatible"]["demo-tiny"]["old"].startswith(
+        "its URL 'notaurl' is not an http(s)://host:port URL")
+    answers = [_ask(g.url, f"hi {i}") for i in range(4)]
+    assert [(st, h["X-Mlxgw-Backend"]) for st, h, _ in answers] == [(200, "b0")] * 4
+    assert "Traceback" not in g.log_path.read_text()
+    assert b0.proc.poll() is None
