@@ -314,7 +314,8 @@ def advertised_url(host: str, port: int, redis_url: str, url: Optional[str] = No
     port took its traffic (helper-64). Else ``host``. The warning says when gateways on other
     machines cannot reach the URL: a loopback URL while Redis is elsewhere.
     """
-    redis_host = urlsplit(redis_url).hostname or "127.0.0.1"
+    where = urlsplit(redis_url)
+    redis_host = where.hostname or "127.0.0.1"
     remote = not is_loopback(redis_host)
     if not url:
         h = host
@@ -324,7 +325,7 @@ def advertised_url(host: str, port: int, redis_url: str, url: Optional[str] = No
                 try:  # no packet is sent: connect() on UDP only picks the route
                     fam = socket.AF_INET6 if ":" in redis_host else socket.AF_INET
                     with socket.socket(fam, socket.SOCK_DGRAM) as so:
-                        so.connect((redis_host, urlsplit(redis_url).port or 6379))
+                        so.connect((redis_host, where.port or 6379))
                         h = so.getsockname()[0]
                 except OSError:
                     h = socket.gethostname()
@@ -360,9 +361,10 @@ def run(args: argparse.Namespace) -> int:
     backend_id = args.backend_id or f"{socket.gethostname()}:{args.port}"
     raise_open_files_limit()
     url, why = advertised_url(args.host, args.port, args.redis_url, args.url)
-    if schema.url_error(url):
+    bad_url = schema.url_error(url)
+    if bad_url:
         log.error("--url: %s: gateways reach a backend at http://<address>:<port> (e.g. http://mac2.local:8100)",
-                  schema.url_error(url))
+                  bad_url)
         return 2
     if why:
         log.warning("%s", why)

@@ -278,64 +278,52 @@ class Proxy:
         self.open[backend_id] = url
 
     async def _probe_loop(self, interval: float = 1.0) -> None:
+        """Every second, ask each skipped backend again at the URL the registry has for it now
+        (dropping one that has left it): an open circuit closes on a 200 from ``/health``; a
+        refused token clears once ``/v1/models``, which needs the token (``/health`` does not),
+        answers 200; a misaddressed backend once ``/health`` answers as it."""
+        token = {"Authorization": f"Bearer {self.internal_token}"} if self.internal_token else {}
+
+        async def healthy(r, bid) -> bool:
+            return r.status == 200
+
+        async def is_itself(r, bid) -> bool:
+            return (await r.json(content_type=None) or {}).get("backend") == bid
+
         while True:
             await asyncio.sleep(interval)
             for bid, url in list(self.open.items()):
-                if self.url_of is not None:
-                    url = self.url_of(bid)
-                    if url is None:  # gone from the registry: nothing routes to it any more
-                        self.open.pop(bid, None)
-                        log.info("circuit dropped for backend %s (no longer registered)", bid)
-                        continue
-                try:
-                    async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1.0)) as r:
-                        ok = r.status == 200
-                except Exception:
-                    ok = False
-                if ok:
-                    self.open.pop(bid, None)
-                    log.info("circuit closed for backend %s (healthy again)", bid)
+                await self._probe(self.open, bid, url, "/health", {}, healthy,
+                                  "circuit closed for backend {bid} (healthy again)",
+                                  "circuit dropped for backend {bid} (no longer registered)")
             for bid, url in list(self.token_rejected.items()):
-                await self._probe_token(bid, url)
+                await self._probe(self.token_rejected, bid, url, "/v1/models", token, healthy,
+                                  "backend {bid} accepts this gateway's internal token now")
             for bid, url in list(self.misaddressed.items()):
-                await self._probe_address(bid, url)
+                await self._probe(self.misaddressed, bid, url, "/health", {}, is_itself,
+                                  "backend {bid} answers at its registered URL {url} now")
 
-    async def _probe_address(self, bid: str, url: str) -> None:
-        """Forget that another backend answered at ``bid``'s URL once its (current) URL answers
-        ``/health`` as ``bid``, or once it has left the registry."""
+    async def _probe(self, skips: dict, bid: str, url: str, path: str, headers: dict, cleared,
+                     cleared_msg: str, gone_msg: Optional[str] = None) -> None:
+        """One probe of a backend in ``skips`` (backend id -> URL): removed when ``await
+        cleared(response, bid)`` is true (logged with ``cleared_msg``, a format string of ``bid``
+        and ``url``), or when the backend has left the registry (``gone_msg``, if any); an
+        unanswered probe changes nothing."""
         if self.url_of is not None:
             url = self.url_of(bid)
-            if url is None:
-                self.misaddressed.pop(bid, None)
+            if url is None:  # gone from the registry: nothing routes to it any more
+                skips.pop(bid, None)
+                if gone_msg:
+                    log.info(gone_msg.format(bid=bid))
                 return
         try:
-            async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1.0)) as r:
-                who = (await r.json(content_type=None) or {}).get("backend")
+            async with self.session.get(url + path, headers=headers, timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                ok = await cleared(r, bid)
         except Exception:
             return
-        if who == bid:
-            self.misaddressed.pop(bid, None)
-            log.info("backend %s answers at its registered URL %s now", bid, url)
-
-    async def _probe_token(self, bid: str, url: str) -> None:
-        """Ask a backend that refused the internal token again, on a path that needs it
-        (``/health`` does not); forget the refusal once it is accepted, or once the backend
-        has left the registry."""
-        if self.url_of is not None:
-            url = self.url_of(bid)
-            if url is None:
-                self.token_rejected.pop(bid, None)
-                return
-        headers = {"Authorization": f"Bearer {self.internal_token}"} if self.internal_token else {}
-        try:
-            async with self.session.get(url + "/v1/models", headers=headers,
-                                        timeout=aiohttp.ClientTimeout(total=1.0)) as r:
-                accepted = r.status == 200
-        except Exception:
-            return  # unreachable now: the circuit's business, not the token's
-        if accepted:
-            self.token_rejected.pop(bid, None)
-            log.info("backend %s accepts this gateway's internal token now", bid)
+        if ok:
+            skips.pop(bid, None)
+            log.info(cleared_msg.format(bid=bid, url=url))
 
     def gone(self, backend_id: str) -> bool:
         """True once the backend has been out of the registry for ``gone_after`` seconds."""
@@ -566,13 +554,19 @@ class Proxy:
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 upstream_err = e
                 break
-            if self.stop_at is not None and chunk != b"" and time.monotonic() >= self.stop_at:
+            if chunk == b"":  # the backend's answer ended
+                break
+            if chunk:
+                tail = (tail + chunk)[-2:]
+                if prefill_open and b"data:" in chunk:
+                    self.inflight.started(a.backend_id, handle)
+                    a.first_byte_at = time.perf_counter()
+                    prefill_open = False
+                data = t_feed(chunk)
+                if data:
+                    await self._write(request, out, data)
+            if self.stop_at is not None and time.monotonic() >= self.stop_at:
                 upstream_err = GatewayStopping()
-                if chunk:
-                    tail = (tail + chunk)[-2:]
-                    data = t_feed(chunk)
-                    if data:
-                        await self._write(request, out, data)
                 break
             if chunk is None:
                 if self.gone(a.backend_id):  # silent, and out of the registry: hung, not thinking
@@ -581,17 +575,6 @@ class Proxy:
                     break
                 if tail == b"\n\n":  # never inside a half-sent event
                     await self._write(request, out, transform.keepalive() if transform else KEEPALIVE)
-                continue
-            if not chunk:
-                break
-            tail = (tail + chunk)[-2:]
-            if prefill_open and b"data:" in chunk:
-                self.inflight.started(a.backend_id, handle)
-                a.first_byte_at = time.perf_counter()
-                prefill_open = False
-            data = t_feed(chunk)
-            if data:
-                await self._write(request, out, data)
         if upstream_err is None:
             return None
         if isinstance(upstream_err, GatewayStopping):
