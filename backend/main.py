@@ -22,7 +22,7 @@ from mlxgw.config import ModelConfig
 from mlxgw.prompt import tokenizer_fingerprint
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.stopping import PARENT_ENV, Stopper
-from mlxgw.util import (deadline, is_loopback, non_negative_float, non_negative_int, parse_bytes, port_arg, redis_url_arg,
+from mlxgw.util import (deadline, is_loopback, namespace_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, redis_url_arg,
                         positive_int, redact_url, share_arg, share_or_off_arg, size_arg, size_text)
 
 from . import persist, sim
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", type=redis_url_arg,
                    default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"),
                    help="Redis holding the ownership index and registry (default: env MLXGW_REDIS_URL, else redis://127.0.0.1:6379/0)")
-    p.add_argument("--namespace", default=schema.DEFAULT_NAMESPACE,
+    p.add_argument("--namespace", type=namespace_arg, default=schema.DEFAULT_NAMESPACE,
                    help="Redis key prefix shared with the gateways (default %(default)s; docs/redis-schema.md)")
     p.add_argument("--block-size", type=positive_int, default=schema.DEFAULT_BLOCK_SIZE, help="tokens per block")
     # The same defaults as `mlxgw serve` (mlxgw.config.ModelConfig): a backend started by hand

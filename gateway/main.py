@@ -16,7 +16,7 @@ from mlxgw import schema
 
 from mlxgw.rlimit import open_files_limit, raise_open_files_limit
 from mlxgw.stopping import EMBEDDED_REDIS_ENV, Stopper, shut_down_embedded_redis
-from mlxgw.util import (count, non_negative_float, non_negative_int, parse_bytes, port_arg, positive_int, redact_url,
+from mlxgw.util import (count, namespace_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, positive_int, redact_url,
                         redis_url_arg, size_arg)
 
 from .app import ADMISSION, STATE, GatewayConfig, make_app
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=port_arg, default=8000)
     p.add_argument("--redis-url", type=redis_url_arg,
                    default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--namespace", default=schema.DEFAULT_NAMESPACE)
+    p.add_argument("--namespace", type=namespace_arg, default=schema.DEFAULT_NAMESPACE)
     p.add_argument("--block-size", type=positive_int, default=schema.DEFAULT_BLOCK_SIZE)
     p.add_argument("--lookup-deadline-ms", type=non_negative_float, default=50.0,
                    help="abandon the Redis lookup after this long and route on load (time in which Redis "

@@ -7,9 +7,10 @@ import logging
 import os
 import re
 import sys
+from pathlib import Path
 
 from .rlimit import guard_mlx_lm_import
-from .util import non_negative_int, positive_float, positive_int, redis_url_arg
+from .util import namespace_arg, non_negative_int, positive_float, positive_int, redis_url_arg
 
 
 def _logging(level: str) -> None:
@@ -23,7 +24,7 @@ def _logging(level: str) -> None:
 def _status_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--redis-url", type=redis_url_arg, default=os.environ.get("MLXGW_REDIS_URL"),
                     help="default: the URL the last `mlxgw serve` wrote, else redis://127.0.0.1:6379/0")
-    sp.add_argument("--namespace", default="mlxgw")
+    sp.add_argument("--namespace", type=namespace_arg, default="mlxgw")
 
 
 def _add_status(sp: argparse.ArgumentParser) -> None:
@@ -140,7 +141,15 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.variant not in VARIANTS:
             p.error(f"unknown variant {args.variant!r}; one of {', '.join(VARIANTS)}")
-        path = build_demo_model(args.dir, args.variant) if args.dir else ensure_demo_model(args.variant)
+        try:
+            path = build_demo_model(args.dir, args.variant) if args.dir else ensure_demo_model(args.variant)
+        except OSError as e:  # an existing or unwritable directory: say which, no traceback
+            where = Path(e.filename) if getattr(e, "filename", None) else None
+            if where is not None and where.name.startswith(".") and ".tmp-" in where.name:
+                where = where.parent  # the build's temporary directory: its parent is what failed
+            print(f"mlxgw demo-model: cannot build into {args.dir or 'the cache'}: {e.strerror or e}"
+                  + (f" ({where})" if where is not None else ""), file=sys.stderr)
+            return 1
         print(path)
         return 0
     if args.cmd == "status":

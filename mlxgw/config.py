@@ -135,6 +135,9 @@ def load(path: str) -> ServeConfig:
         if k not in ("url", "namespace"):
             raise ValueError(f"{path} [redis]: unknown key {k!r}")
         setattr(cfg, "redis_url" if k == "url" else k, v)
+    why = schema.namespace_error(cfg.namespace) if isinstance(cfg.namespace, str) else "namespace must be a string"
+    if why:
+        raise ValueError(f"{path} [redis]: {why}")
     from gateway.route import POLICIES, RoutingConfig
 
     known = {f.name for f in fields(RoutingConfig) if not f.name.startswith("_")}

@@ -24,7 +24,7 @@ from typing import Optional
 
 from . import config as config_mod
 from .stopping import EMBEDDED_REDIS_ENV, PARENT_ENV, stop_signals
-from .util import (non_negative_float, parse_bytes, port_arg, positive_int, redact_url, redis_url_arg, serve_token_file,
+from .util import (namespace_arg, non_negative_float, parse_bytes, port_arg, positive_int, redact_url, redis_url_arg, serve_token_file,
                    serve_url_file, share_or_off_arg, size_arg, size_text)
 
 #: Seconds serve waits for a backend with a --cache-dir to stop: it writes its prompt cache
@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="opt-in: waiting requests hold their cache hits as references, not copies "
                         "(docs/cache-policy.md, 'Pins by reference'; shared layout only)")
     p.add_argument("--block-size", type=positive_int, help="tokens per block (default 64; gateway and backends must match)")
-    p.add_argument("--namespace", help="Redis key namespace (default mlxgw)")
+    p.add_argument("--namespace", type=namespace_arg, help="Redis key namespace (default mlxgw)")
     p.add_argument("--no-memory-check", action="store_true", help="skip the memory estimate")
     from gateway.route import POLICIES
 

@@ -31,6 +31,20 @@ import msgpack
 import xxhash
 
 DEFAULT_NAMESPACE = "mlxgw"
+# A namespace is matched in SCAN patterns and wraps the model's cluster hash tag, so glob
+# characters, braces and whitespace would reach other namespaces' keys or split a model's.
+NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
+
+
+def namespace_error(ns: str) -> Optional[str]:
+    """Why ``ns`` cannot be a key namespace (None if it can): empty, longer than 64 characters,
+    or holding anything but letters, digits and ``_ . : / -``."""
+    if NAMESPACE_RE.fullmatch(ns):
+        return None
+    if not ns:
+        return "the Redis key namespace is empty"
+    return (f"the Redis key namespace must be 1-64 letters, digits or _ . : / - "
+            f"(no spaces, braces or glob characters), not {ns!r}")
 # Tokens per block. 64 is the measured sweet spot on agent-style prompts:
 # lookups of a 32k-token prompt stay under a millisecond of Redis work while a
 # divergence costs at most 63 tokens of lost matching (docs/redis-schema.md).

@@ -84,6 +84,19 @@ def redis_url_arg(s: str) -> str:
     return s
 
 
+def namespace_arg(s: str) -> str:
+    """argparse type: a Redis key namespace (`mlxgw.schema.namespace_error`). helper-65: an
+    empty one was taken, giving keys that start with ``:``."""
+    import argparse
+
+    from .schema import namespace_error
+
+    why = namespace_error(s)
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return s
+
+
 def _number_arg(s: str) -> float:
     """``float(s)`` for the argparse types below; argparse.ArgumentTypeError when it is not one."""
     import argparse

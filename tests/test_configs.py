@@ -80,6 +80,8 @@ BAD = [  # (toml, message): each once reached a traceback, a child's argparse du
     ('[routing]\nload_weight = -0.5\n', "[routing]: load_weight must be at least 0, not -0.5"),
     ('[gateway]\nrate_limit_rpm = -1\n', "[gateway]: rate_limit_rpm must be at least 0, not -1"),
     ('[[models]]\nname = "a"\ncache_dir = 5\n', "[[models]] a: cache_dir must be a string, not 5"),
+    ('[redis]\nnamespace = ""\n', "[redis]: the Redis key namespace is empty"),
+    ('[redis]\nnamespace = "a*"\n', "[redis]: the Redis key namespace must be 1-64 letters"),
 ]
 
 
@@ -162,6 +164,11 @@ def test_serve_exits_2_on_a_bad_value(tmp_path, capsys):
     # an empty URL (an unset variable) is not "the default"
     cases += [([cmd, "--redis-url", ""], "--redis-url (or MLXGW_REDIS_URL) is empty")
               for cmd in ("serve", "gateway", "status")]
+    # an empty namespace was taken (keys starting with ':'); a glob one would reach others' keys
+    cases += [([cmd, "--namespace", ns], "argument --namespace: the Redis key namespace " + (
+                  f"must be 1-64 letters, digits or _ . : / - (no spaces, braces or glob characters), not {ns!r}"
+                  if ns else "is empty"))
+              for cmd, ns in (("serve", ""), ("gateway", "a b"), ("backend", "x*"), ("status", "{m}"), ("top", ""))]
     # The command line's own errors (argparse's) are checked in this process: ~40 interpreter
     # start-ups took 26 s of the test run. The rest run the real command, all at once.
     from mlxgw.cli import main
@@ -179,6 +186,19 @@ def test_serve_exits_2_on_a_bad_value(tmp_path, capsys):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2 and says in err and "Traceback" not in err, (argv, err)
     assert len(by_parser) >= 25 and len(rest) >= 6
+
+
+def test_demo_model_into_a_bad_directory_says_why_without_a_traceback(tmp_path, capsys):
+    """`mlxgw demo-model /proc/nope` ended in tempfile's traceback (helper-65)."""
+    from mlxgw.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    for target, says in ((tmp_path / "afile" / "m", f"File exists ({tmp_path / 'afile'})"), (tmp_path, "already exists")):
+        assert main(["demo-model", str(target)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"mlxgw demo-model: cannot build into {target}: ") and says in err, err
+        assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # no temporary directory left
 
 
 def test_only_a_backend_imports_mlx_lm():
