@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how often this gateway's in-flight work is written to Redis for the other gateways, "
                         "when it changed (ms)")
     p.add_argument("--internal-token", default=os.environ.get("MLXGW_INTERNAL_TOKEN"))
-    p.add_argument("--read-timeout", type=non_negative_float, default=300.0, help="seconds of backend silence before failing")
+    p.add_argument("--read-timeout", type=non_negative_float, default=300.0, help="seconds of backend silence before failing over (0: no limit)")
     p.add_argument("--gone-after", type=non_negative_float, default=3.0,
                    help="seconds a backend may be out of the Redis registry (no heartbeat: hung or dead) before "
                         "the requests waiting on it go to another backend, or a stream it began ends with an "

@@ -140,6 +140,23 @@ def _died_with_it(e: BaseException) -> bool:
             and not isinstance(e, aiohttp.ClientConnectorError))
 
 
+TOKEN_REJECTED = ("rejected this gateway's internal token (start gateways and backends with the same "
+                  "--internal-token / MLXGW_INTERNAL_TOKEN)")
+
+
+def unavailable_message(errs: list[str]) -> str:
+    """The 503's reason from each failed attempt's, in order: backends that refused the
+    internal token named together, the rest joined by ``; `` (helper-65: only the last
+    backend was named, though the gateway had tried them all)."""
+    refused = [e.split(" ", 2)[1] for e in errs if e.startswith("backend ") and e.endswith(" " + TOKEN_REJECTED)]
+    out = [e for e in errs if not (e.startswith("backend ") and e.endswith(" " + TOKEN_REJECTED))]
+    if len(refused) > 1:
+        out.insert(0, f"backends {', '.join(refused)} {TOKEN_REJECTED}")
+    elif refused:
+        out.insert(0, f"backend {refused[0]} {TOKEN_REJECTED}")
+    return "; ".join(out) or "no backend"
+
+
 class BackendUnavailable(Exception):
     """Every candidate failed before the first byte.
 
@@ -174,7 +191,8 @@ class Proxy:
         connect_timeout: seconds to open a connection.
         read_timeout: seconds without a byte from the backend before giving up
             (a hung backend; covers long prefills since backends send
-            keep-alives while streaming).
+            keep-alives while streaming). 0: no limit (a hung backend is then
+            found only by its heartbeat ending).
         keepalive: seconds of silence on a streamed answer before the
             gateway sends an SSE keep-alive itself (0: never). Clients abort
             idle streams after 30-300 s; 10 s or less keeps them all waiting.
@@ -387,19 +405,21 @@ class Proxy:
         out: Optional[web.StreamResponse] = None  # the client's stream, once its headers went out
         failed: Optional[tuple[Attempt, str]] = None  # a stream's backend that failed before its first token
         died = 0  # backends that failed after taking this request (not refused, not hung)
+        errs: list[str] = []  # each failed attempt's reason, in order (the 503 names them all)
         for i, a in enumerate(attempts):
             if died >= MAX_DEATHS:
                 # Not on more: a request that crashes backends (one that runs them out of memory,
                 # say) would take every one down in turn (helper-64's concern).
                 last_err = (f"{last_err}; {died} backends failed while serving this request, so it was not "
                             "sent to more")
+                errs.append(f"{died} backends failed while serving this request, so it was not sent to more")
                 break
             if i > 0:
                 self.retries += 1
             a.tried = True
             handle = self.inflight.begin(a.backend_id, a.prefill_tokens)
             try:
-                timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout)
+                timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout or None)
                 async with contextlib.AsyncExitStack() as upstream:
                     async with self._waiting_on(a):  # until the answer is ours to send
                         up = await upstream.enter_async_context(
@@ -410,6 +430,7 @@ class Proxy:
                             # Mac that registered 127.0.0.1, helper-64): not its answer to give. Leaving
                             # the block closes the connection, which cancels the work there.
                             last_err = f"backend {a.backend_id}: its registered URL answers as backend {served_by}"
+                            errs.append(last_err)
                             self._misaddressed(a, served_by)
                             timed_out = False
                             continue
@@ -417,14 +438,13 @@ class Proxy:
                             if up.status == 401:
                                 # The backend refuses this gateway's internal token: a setup
                                 # error between the two, not the client's credentials.
-                                last_err = (f"backend {a.backend_id} rejected this gateway's internal token (start "
-                                            "gateways and backends with the same --internal-token / "
-                                            "MLXGW_INTERNAL_TOKEN)")
+                                last_err = f"backend {a.backend_id} {TOKEN_REJECTED}"
                                 if a.backend_id not in self.token_rejected:  # once, until it takes the token
                                     log.error("%s; skipped until it accepts it (probed every second)", last_err)
                                 self.token_rejected[a.backend_id] = a.url
                             else:
                                 last_err = f"backend {a.backend_id} answered {up.status}"
+                            errs.append(last_err)
                             timed_out = False
                             await up.read()
                             continue
@@ -473,6 +493,7 @@ class Proxy:
                             if failed is None:
                                 failed = (a, self._why(err))
                             last_err = f"{a.backend_id}: {self._why(err)}"
+                            errs.append(last_err)
                             continue
                         if err is not None:
                             await self._fail_stream(request, out, a, self._why(err), transform)
@@ -504,6 +525,7 @@ class Proxy:
                 died += "answer cut off" in str(e)
                 # The client hears the backend's id, not its address; the log has both.
                 last_err = f"{a.backend_id}: {what}"
+                errs.append(last_err)
                 detail = what if timed_out or a.gone else f"{what}: {e}"
                 if a.backend_id in self.open:  # tried again with its circuit open: said already
                     log.debug("backend %s unavailable before first byte: %s", a.backend_id, detail)
@@ -525,7 +547,7 @@ class Proxy:
             except ConnectionResetError:
                 failed[0].client_gone = True
             return out
-        raise BackendUnavailable(last_err or "no backend", timed_out)
+        raise BackendUnavailable(unavailable_message(errs), timed_out)
 
     @staticmethod
     def _copy_headers(out: web.StreamResponse, up: aiohttp.ClientResponse, a: Attempt, transform) -> None:

@@ -723,3 +723,22 @@ def test_a_backend_that_refuses_the_token_is_skipped_until_it_takes_it(make_stac
     out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", s.redis_url, "--namespace",
                           s.namespace], capture_output=True, text=True, timeout=60).stdout
     assert "1 live, 1 left out" in out, out
+
+
+def test_the_503_names_every_backend_that_refused_the_token(make_stack):
+    """helper-65: a gateway with the wrong internal token named only the last backend it tried
+    in its 503, though every one had refused it; its /health listed them all."""
+    s = make_stack(env_extra={"MLXGW_INTERNAL_TOKEN": INTERNAL_TOKEN})
+    for b in ("b0", "b1"):
+        s.add_backend(b, None, "--engine", "sim")
+    s.env_extra = {"MLXGW_INTERNAL_TOKEN": "another-token"}
+    g = s.add_gateway()
+    s.wait()
+    for _ in range(2):  # the first try of each, then both skipped (and still tried: nothing else is left)
+        status, _, body = post(g.url + "/v1/chat/completions", {"model": "demo-tiny", "max_tokens": 1,
+                                                                "messages": [{"role": "user", "content": "hi"}]})
+        msg = json.loads(body)["error"]["message"]
+        assert status == 503 and msg.startswith("no backend could take the request: backends b"), msg
+        assert sorted(msg.split("backends ", 1)[1].split(" rejected")[0].split(", ")) == ["b0", "b1"], msg
+        assert msg.count("rejected this gateway's internal token") == 1, msg
+    assert sorted(get_json(g.url + "/health")["token_rejected"]) == ["b0", "b1"]
