@@ -29,7 +29,7 @@ from .janitor import Janitor
 from .load import LoadPublisher
 from .metrics import GatewayMetrics, request_done, request_refused
 from .pending import PendingClaims, RecentRoutes
-from .proxy import Attempt, BackendUnavailable, OutOfResources, Proxy
+from .proxy import Attempt, BackendUnavailable, GatewayStopping, OutOfResources, Proxy
 from .route import RoutingConfig, rank
 from .stability import DEFAULT_STRIP, DriftDetector, compile_patterns, strip_volatile
 from .tokenize import ModelInfo, Tokenizers
@@ -315,6 +315,12 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         # Retry-After: a restarting backend re-registers, or leaves the registry, within seconds.
         raise RequestError(f"no backend could take the request: {e}", status=503, type="server_error",
                            code="backend_unavailable", headers={**route, "Retry-After": "1"})
+    except GatewayStopping as e:
+        outcome = "gateway_stopping"
+        route = {k: v for k, v in attempts[0].headers.items() if k not in UNANSWERED_DROP}
+        raise RequestError(f"{e}; send it again (another gateway, or this one once restarted, takes it)",
+                           status=503, type="server_error", code="gateway_stopping",
+                           headers={**route, "Retry-After": "1"})
     except OutOfResources as e:
         outcome = "overloaded"
         if st.admission is not None:

@@ -179,8 +179,16 @@ class BackendGone(Exception):
     """The backend stopped heartbeating (left the registry) while a stream from it was silent."""
 
 
+def _expire(timer) -> None:
+    """End a `Proxy._waiting_on` block now (TimeoutError inside it)."""
+    # asyncio.Timeout.reschedule; async_timeout (Python 3.10) before 4.0.3 has update
+    move = getattr(timer, "reschedule", None) or timer.update
+    move(asyncio.get_running_loop().time())
+
+
 class GatewayStopping(Exception):
-    """The gateway is stopping and a stream outlasted its drain (`Proxy.begin_drain`)."""
+    """The gateway is stopping and an answer outlasted its drain (`Proxy.begin_drain`): a stream
+    ends with an error event; `Proxy.forward` raises it for an answer not yet being sent."""
 
 
 class Proxy:
@@ -277,6 +285,16 @@ class Proxy:
         self.stop_at = time.monotonic() + seconds
         n = sum(reqs for reqs, _ in self.inflight.view().values())
         log.info("stopping: %d answer(s) in flight get up to %g s to finish (--drain-seconds)", n, seconds)
+        asyncio.get_running_loop().call_later(seconds, self._stop_waiting)
+
+    def _stop_waiting(self) -> None:
+        # Answers not yet being sent at the drain's end (a whole one being computed or read, a
+        # stream's retry before its headers): forward ends them (GatewayStopping, a 503 or the
+        # stream's error event) instead of the closed connection aiohttp's cancel a second
+        # later leaves. Leaving the block closes the backend connection, which cancels its work.
+        for a, timer in list(self._waiting.values()):
+            a.stopped = True
+            _expire(timer)
 
     def recently_failed(self, backend_id: str) -> bool:
         """True while the backend's circuit is open (failed, not yet healthy again), it
@@ -358,9 +376,7 @@ class Proxy:
             for a, timer in list(self._waiting.values()):
                 if not a.gone and self.gone(a.backend_id):
                     a.gone = True
-                    # asyncio.Timeout.reschedule; async_timeout (Python 3.10) before 4.0.3 has update
-                    move = getattr(timer, "reschedule", None) or timer.update
-                    move(asyncio.get_running_loop().time())  # raises TimeoutError in forward
+                    _expire(timer)  # raises TimeoutError in forward
 
     @contextlib.asynccontextmanager
     async def _waiting_on(self, a: Attempt):
@@ -395,6 +411,8 @@ class Proxy:
                 connection, no answer in time, a 5xx, or a 401: the backend refused
                 this gateway's internal token).
             OutOfResources: connecting failed for want of open files (EMFILE) or memory.
+            GatewayStopping: the gateway's drain ended before the answer started (a whole,
+                non-streamed one included: it is sent only once read whole).
         """
         headers = {"Content-Type": content_type}
         if self.internal_token:
@@ -508,6 +526,17 @@ class Proxy:
                         log.info("client disconnected during the answer from %s", a.backend_id)
                     return out
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # an invalid URL too (helper-65)
+                if a.stopped and isinstance(e, asyncio.TimeoutError):  # `_stop_waiting`: the drain is over
+                    if out is None:
+                        raise GatewayStopping(f"the gateway is stopping and the answer from backend "
+                                              f"{a.backend_id} outlasted its {self._drain:g}-s drain") from None
+                    # A stream's retry: its headers went out, so the stop is its error event.
+                    try:
+                        await self._fail_stream(request, out, a, self._why(GatewayStopping()), transform)
+                        await out.write_eof()
+                    except ConnectionResetError:
+                        a.client_gone = True
+                    return out
                 if out_of_resources(e):
                     self._resource_error = f"{a.backend_id}: {e}"
                     self._resource_failures.add()

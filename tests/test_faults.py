@@ -891,28 +891,56 @@ def test_a_responses_stream_whose_backend_fails_ends_with_response_failed(make_s
 def test_a_stopping_gateway_ends_streams_that_outlast_its_drain_with_an_error_event(make_stack):
     """helper-64: Ctrl-C on `mlxgw serve` cut a long stream bare (a payload error in the client,
     no [DONE], no request log line). The gateway now gives answers in flight --drain-seconds,
-    then ends the streams still running with an error event naming the stop, and logs them."""
+    then ends the streams still running with an error event naming the stop, and logs them.
+    A whole (non-streamed) answer still running gets a 503 `gateway_stopping` at the drain's
+    end; it got a closed connection a second later (aiohttp's cancel)."""
+    import http.client
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.parse import urlsplit
+
     s = make_stack()
     s.add_backend("b0", None, "--engine", "sim", "--sim-decode-rate", "10")  # 200 tokens: ~20 s
     g = s.add_gateway("--drain-seconds", "1.5")
     s.wait()
-    conn, resp = _open_stream(g.url, "/v1/chat/completions", {
-        "model": "demo-tiny", "stream": True, "max_tokens": 200, "ignore_eos": True,
-        "messages": [{"role": "user", "content": "go on"}]})
-    assert resp.status == 200
-    head = resp.readline() + resp.readline()  # the first event is here: decoding
-    t0 = time.time()
-    g.signal(signal.SIGTERM)
-    raw = head + resp.read()
-    took = time.time() - t0
-    conn.close()
+
+    def whole():
+        u = urlsplit(g.url)
+        c = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        c.request("POST", "/v1/chat/completions", json.dumps({
+            "model": "demo-tiny", "max_tokens": 200, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "go on, whole"}]}), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        out = (r.status, r.getheader("Retry-After"), json.loads(r.read()), time.time())
+        c.close()
+        return out
+
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(whole)
+        conn, resp = _open_stream(g.url, "/v1/chat/completions", {
+            "model": "demo-tiny", "stream": True, "max_tokens": 200, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "go on"}]})
+        assert resp.status == 200
+        head = resp.readline() + resp.readline()  # the first event is here: decoding
+        deadline = time.time() + 10
+        while get_json(s.backends[0].url + "/health").get("active", 0) < 2 and time.time() < deadline:
+            time.sleep(0.05)  # both answers are being generated
+        t0 = time.time()
+        g.signal(signal.SIGTERM)
+        raw = head + resp.read()
+        took = time.time() - t0
+        conn.close()
+        status, retry_after, body, at = pending.result(timeout=30)
     events = _sse_events(raw)
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "gateway_stopping", events[-3:]
     assert "the gateway is stopping and the answer outlasted its 1.5-s drain" in events[-2]["error"]["message"]
     assert 1.0 < took < 6, took
     assert sum(1 for e in events[:-2] if e["choices"][0]["delta"].get("content")) >= 2  # it kept streaming meanwhile
+    assert (status, retry_after, body["error"]["code"]) == (503, "1", "gateway_stopping"), (status, body)
+    assert body["error"]["message"].startswith(
+        "the gateway is stopping and the answer from backend b0 outlasted its 1.5-s drain; send it again"), body
+    assert 1.0 < at - t0 < 6, at - t0
     assert g.proc.wait(20) == 0
-    assert "outcome=gateway_stopping" in g.log_path.read_text()
+    assert g.log_path.read_text().count("outcome=gateway_stopping") == 2
     s.gateways.remove(g)
 
 
