@@ -118,9 +118,10 @@ def add_security_arguments(p: argparse.ArgumentParser, defaults: bool = True) ->
                    help="largest request body, e.g. 32MiB or 32M (binary units; default 32MiB)")
     p.add_argument("--body-timeout", type=non_negative_float, default=dflt(d.body_timeout),
                    help=f"seconds to receive a request body before answering 408 (default {d.body_timeout:g})")
-    p.add_argument("--drain-seconds", type=non_negative_float, default=8.0,
+    p.add_argument("--drain-seconds", type=non_negative_float, default=dflt(8.0),
                    help="on SIGTERM / Ctrl-C, seconds the answers in flight may take to finish; streams still "
-                        "running then end with an error event naming the stop (default 8: `mlxgw serve` waits 10)")
+                        "running then end with an error event naming the stop, other requests with a 503 "
+                        "(default 8)")
     p.add_argument("--write-timeout", type=non_negative_float, default=dflt(d.write_timeout),
                    help=f"seconds a client may leave an answer unread before it is dropped (default {d.write_timeout:g})")
 

@@ -82,6 +82,7 @@ class ServeConfig:
     body_timeout: float = 60.0
     write_timeout: float = 60.0
     keepalive: float = 5.0  # seconds of stream silence before an SSE keep-alive
+    drain_seconds: float = 8.0  # at stop, seconds the gateway gives the answers in flight
     models: list[ModelConfig] = field(default_factory=lambda: [ModelConfig()])
     remote_backends: list[RemoteBackend] = field(default_factory=list)
 
@@ -89,7 +90,7 @@ class ServeConfig:
 # Keys allowed in [gateway]: ServeConfig fields of the same name.
 GATEWAY_KEYS = ("host", "port", "block_size", "api_key_file", "allow_unauthenticated", "max_in_flight",
                 "max_connections", "max_concurrent_per_key", "rate_limit_rpm", "rate_burst", "max_messages",
-                "max_body_bytes", "body_timeout", "write_timeout", "keepalive")
+                "max_body_bytes", "body_timeout", "write_timeout", "keepalive", "drain_seconds")
 
 
 def _pick(cls, d: dict, where: str):

@@ -320,7 +320,9 @@ def run(args: argparse.Namespace) -> int:
         for c in [gateway] + children:
             if c.proc:
                 try:
-                    c.proc.wait(grace)
+                    # The gateway's drain (its answers in flight, then their ends) comes first
+                    # (serve took --drain-seconds and did not pass it on until session 39).
+                    c.proc.wait(max(grace, cfg.drain_seconds + 2) if c is gateway else grace)
                 except subprocess.TimeoutExpired:
                     c.proc.kill()
         if embedded:
@@ -425,7 +427,8 @@ def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:
     out = ["--max-concurrent-per-key", str(cfg.max_concurrent_per_key), "--rate-limit-rpm", str(cfg.rate_limit_rpm),
            "--rate-burst", str(cfg.rate_burst), "--max-messages", str(cfg.max_messages),
            "--max-body-bytes", str(cfg.max_body_bytes), "--body-timeout", str(cfg.body_timeout),
-           "--write-timeout", str(cfg.write_timeout), "--keepalive", str(cfg.keepalive)]
+           "--write-timeout", str(cfg.write_timeout), "--keepalive", str(cfg.keepalive),
+           "--drain-seconds", str(cfg.drain_seconds)]
     for k in ("max_in_flight", "max_connections"):  # left out: the gateway's default
         if getattr(cfg, k) is not None:
             out += ["--" + k.replace("_", "-"), str(getattr(cfg, k))]

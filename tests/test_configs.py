@@ -80,6 +80,7 @@ BAD = [  # (toml, message): each once reached a traceback, a child's argparse du
     ('[routing]\nload_weight = -0.5\n', "[routing]: load_weight must be at least 0, not -0.5"),
     ('[gateway]\nrate_limit_rpm = -1\n', "[gateway]: rate_limit_rpm must be at least 0, not -1"),
     ('[[models]]\nname = "a"\ncache_dir = 5\n', "[[models]] a: cache_dir must be a string, not 5"),
+    ('[gateway]\ndrain_seconds = -1\n', "[gateway]: drain_seconds must be at least 0, not -1"),
     ('[redis]\nnamespace = ""\n', "[redis]: the Redis key namespace is empty"),
     ('[redis]\nnamespace = "a*"\n', "[redis]: the Redis key namespace must be 1-64 letters"),
 ]
@@ -224,7 +225,7 @@ def test_serve_passes_routing_and_keepalive_to_the_gateway(tmp_path):
     from mlxgw import launcher
 
     p = tmp_path / "c.toml"
-    p.write_text('[routing]\nbalance_abs_tokens = 4096\n[gateway]\nkeepalive = 2.5\n')
+    p.write_text('[routing]\nbalance_abs_tokens = 4096\n[gateway]\nkeepalive = 2.5\ndrain_seconds = 30\n')
     cfg = config.load(str(p))
     parser = argparse.ArgumentParser()
     launcher.add_arguments(parser)
@@ -232,6 +233,13 @@ def test_serve_passes_routing_and_keepalive_to_the_gateway(tmp_path):
     assert cfg.routing == {"balance_abs_tokens": 4096, "policy": "least_loaded"} and cfg.keepalive == 2.5
     flags = launcher.gateway_security_flags(cfg)
     assert flags[flags.index("--keepalive") + 1] == "2.5"
+    # serve took --drain-seconds and passed the gateway none: the flag over the file, else 8
+    assert flags[flags.index("--drain-seconds") + 1] == "30"
+    cfg = config.apply_flags(cfg, parser.parse_args(["--drain-seconds", "1.5"]))
+    flags = launcher.gateway_security_flags(cfg)
+    assert flags[flags.index("--drain-seconds") + 1] == "1.5"
+    flags = launcher.gateway_security_flags(config.apply_flags(config.ServeConfig(), parser.parse_args([])))
+    assert flags[flags.index("--drain-seconds") + 1] == "8.0"
     with pytest.raises(ValueError, match="policy must be one of"):
         (tmp_path / "d.toml").write_text('[routing]\npolicy = "random"\n')
         config.load(str(tmp_path / "d.toml"))

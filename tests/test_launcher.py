@@ -153,7 +153,7 @@ def test_serve_gone_by_sighup_or_sigkill_leaves_nothing_running(demo_model, tmp_
         # SIGHUP as a terminal session has it, however this test run was started (nohup ignores it).
         # (and a budget too small to cache anything: the ready summary repeats the backends' warning)
         p = subprocess.Popen(MLXGW + ["serve", "--backends", "1", "--port", str(port), "--backend-port", str(bport),
-                                      "--cache-bytes", "64K"],
+                                      "--cache-bytes", "64K", "--drain-seconds", "1"],
                              stdout=open(logf, "wb"), stderr=subprocess.STDOUT,
                              preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
         try:
@@ -213,6 +213,8 @@ def test_serve_gone_by_sighup_or_sigkill_leaves_nothing_running(demo_model, tmp_
             assert rc == -signal.SIGKILL
             assert "the mlxgw serve that started it" in out and "is gone; stopping" in out, out[-2000:]
             assert "stopped the embedded Redis at redis://:***@127.0.0.1:" in out, out[-2000:]
+            # serve's --drain-seconds reached the gateway (it took the flag and passed none on)
+            assert "1 answer(s) in flight get up to 1 s to finish (--drain-seconds)" in out, out[-2000:]
         for prt in (port, bport):
             with socket.socket() as s:
                 assert s.connect_ex(("127.0.0.1", prt)) != 0, f"port {prt} still open after {sig.name}"
