@@ -245,6 +245,31 @@ def test_serve_passes_routing_and_keepalive_to_the_gateway(tmp_path):
         config.load(str(tmp_path / "d.toml"))
 
 
+def test_serve_passes_every_shared_gateway_flag_on():
+    """Each gateway flag `mlxgw serve` also takes reaches the gateway's command line (serve
+    took --drain-seconds and passed none on until session 39)."""
+    from gateway.main import add_security_arguments
+    from mlxgw import launcher
+
+    shared = argparse.ArgumentParser()
+    add_security_arguments(shared)
+    flags = [a.option_strings[0] for a in shared._actions if a.option_strings and a.dest != "help"]
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    argv = ["--api-key-file", "/k", "--allow-unauthenticated", "--max-in-flight", "7", "--max-connections", "9",
+            "--max-concurrent-per-key", "3", "--rate-limit-rpm", "11", "--rate-burst", "4", "--max-messages", "5",
+            "--max-body-bytes", "2MiB", "--body-timeout", "6", "--drain-seconds", "13", "--write-timeout", "12",
+            "--keepalive", "2"]
+    assert sorted(f for f in argv if f.startswith("--") and f != "--keepalive") == sorted(flags)  # all of them
+    out = launcher.gateway_security_flags(config.apply_flags(config.ServeConfig(), parser.parse_args(argv)))
+    given = {f: (v if not v.startswith("--") else None) for f, v in zip(argv, argv[1:] + ["--"]) if f.startswith("--")}
+    for f, v in given.items():
+        assert f in out, f
+        if v is not None:
+            got = out[out.index(f) + 1]
+            assert got == v or (v.isdigit() and float(got) == float(v)) or (v, got) == ("2MiB", "2097152"), (f, got)
+
+
 def test_serve_passes_prefill_settings_to_the_backends(tmp_path):
     from mlxgw import launcher
 
