@@ -338,10 +338,31 @@ def advertised_url(host: str, port: int, redis_url: str, url: Optional[str] = No
     return url, ""
 
 
+#: The shortest heartbeat interval, seconds (0 wrote to Redis ~12,000 times a second: helper-66).
+MIN_HEARTBEAT_INTERVAL = 0.1
+
+
+def heartbeat_error(interval: float, ttl: float) -> Optional[str]:
+    """Why ``--heartbeat-interval`` / ``--heartbeat-ttl`` (seconds) cannot be used (None: they
+    can): an interval under `MIN_HEARTBEAT_INTERVAL`, or a TTL under two intervals, which lets
+    the registry record expire between two heartbeats (helper-66: TTL 1 s with 5-s heartbeats
+    left and rejoined the registry every 5 s)."""
+    if interval < MIN_HEARTBEAT_INTERVAL:
+        return f"--heartbeat-interval {interval:g} is under {MIN_HEARTBEAT_INTERVAL:g} s"
+    if ttl < 2 * interval:
+        return (f"--heartbeat-ttl {ttl:g} is under two --heartbeat-interval ({interval:g} s): the registry "
+                f"record would expire between heartbeats; give a TTL of at least {2 * interval:g} s")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run one backend until SIGINT/SIGTERM; returns the process exit code."""
     from .engine import MLXEngine
 
+    why = heartbeat_error(args.heartbeat_interval, args.heartbeat_ttl)
+    if why:
+        log.error("%s", why)
+        return 2
     if args.pin_by_reference and args.cache_layout != "shared":
         log.error("--pin-by-reference needs --cache-layout shared (pins reference the shared layout's segments)")
         return 2

@@ -274,8 +274,9 @@ class Proxy:
         with the gateway's settings: the backend's log and ``mlxgw status`` show it)."""
         out = {b: ("it refuses the gateway's internal token (start it with the same --internal-token / "
                    "MLXGW_INTERNAL_TOKEN)") for b in self.token_rejected}
-        out.update({b: (f"another backend answers at its registered URL {url} (start it with --url and an "
-                        "address the gateways reach it at)") for b, url in self.misaddressed.items()})
+        out.update({b: (f"its registered URL {url} does not answer as it (start it with --url "
+                        "http://<address>:<port>, an address the gateways reach it at)")
+                    for b, url in self.misaddressed.items()})
         return out
 
     def begin_drain(self, seconds: float) -> None:
@@ -301,11 +302,12 @@ class Proxy:
         refuses this gateway's internal token, or another backend answers at its URL."""
         return backend_id in self.open or backend_id in self.token_rejected or backend_id in self.misaddressed
 
-    def _misaddressed(self, a: Attempt, served_by: str) -> None:
+    def _misaddressed(self, a: Attempt, who: str) -> None:
+        """Skip ``a``'s backend: its registered URL answers as ``who`` (another backend, or not one)."""
         if a.backend_id not in self.misaddressed:
-            log.error("backend %s registered the URL %s, where backend %s answers: this gateway cannot reach "
-                      "%s there (start it with --url and an address this machine reaches it at); skipped until "
-                      "that URL answers as %s", a.backend_id, a.url, served_by, a.backend_id, a.backend_id)
+            log.error("backend %s registered the URL %s, where %s answers: this gateway cannot reach %s there "
+                      "(start it with --url http://<address>:<port>, an address this machine reaches it at); "
+                      "skipped until that URL answers as %s", a.backend_id, a.url, who, a.backend_id, a.backend_id)
         self.misaddressed[a.backend_id] = a.url
 
     def _trip(self, backend_id: str, url: str) -> None:
@@ -443,13 +445,17 @@ class Proxy:
                         up = await upstream.enter_async_context(
                             self.session.post(a.url + path, data=payload, headers=headers, timeout=timeout))
                         served_by = up.headers.get(SERVED_BY)
-                        if served_by is not None and served_by != a.backend_id:
+                        if served_by != a.backend_id:
                             # Another backend answers at this one's registered URL (a backend on another
-                            # Mac that registered 127.0.0.1, helper-64): not its answer to give. Leaving
-                            # the block closes the connection, which cancels the work there.
-                            last_err = f"backend {a.backend_id}: its registered URL answers as backend {served_by}"
+                            # Mac that registered 127.0.0.1, helper-64), or no backend does (a URL with a
+                            # path, or another server's port: every answer was its 404 or 400, never
+                            # retried, helper-66): not its answer to give. Leaving the block closes the
+                            # connection, which cancels any work there.
+                            who = (f"backend {served_by}" if served_by is not None
+                                   else f"something that is not an mlxgw backend (HTTP {up.status})")
+                            last_err = f"backend {a.backend_id}: its registered URL answers as {who}"
                             errs.append(last_err)
-                            self._misaddressed(a, served_by)
+                            self._misaddressed(a, who)
                             timed_out = False
                             continue
                         if up.status >= 500 or up.status == 401:

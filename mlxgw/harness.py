@@ -276,14 +276,25 @@ class Stack:
                 p.wait_healthy()
         # Gateways see backends through the registry refresh (1 s).
         deadline = time.time() + 15
-        want = {b.name for b in self.backends if b.proc and b.proc.poll() is None}
+        want = {b.name for b in self.backends if b.proc and b.proc.poll() is None and self._serves_model(b)}
         for g in self.gateways:
+            seen: set = set()
             while time.time() < deadline:
                 body = http.get_json(g.url + "/health") or {}
-                if set((body.get("backends") or {}).get(self.model_name, [])) >= want:
+                seen = set((body.get("backends") or {}).get(self.model_name, []))
+                if seen >= want:
                     break
                 time.sleep(0.1)
+            else:  # a test that left some backend out on purpose; 15 s of its run went here
+                with open(LOG_DIR / "stack-wait-timeouts.log", "a") as f:
+                    f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}: {g.name} never listed "
+                            f"{sorted(want - seen)}\n")
         return self
+
+    def _serves_model(self, p: Proc) -> bool:
+        """Whether backend ``p`` serves this stack's model (the last --served-name of its command)."""
+        names = [p.cmd[i + 1] for i, a in enumerate(p.cmd[:-1]) if a == "--served-name"]
+        return not names or names[-1] == self.model_name
 
     @property
     def gateway(self) -> Proc:

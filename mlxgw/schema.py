@@ -263,7 +263,14 @@ def url_error(url: str) -> Optional[str]:
         u.port  # noqa: B018 (raises ValueError on a bad port)
     except ValueError:
         ok = False
-    return None if ok else f"its URL {url!r} is not an http(s)://host:port URL"
+    if not ok:
+        return f"its URL {url!r} is not an http(s)://host:port URL"
+    if u.path not in ("", "/") or u.query or u.fragment or u.username or u.password:
+        # helper-66: `--url http://host:8645/v1` registered, and the gateways' requests to
+        # /v1/v1/... were 404s for every request routed there, never retried.
+        return (f"its URL {url!r} has more than a scheme, host and port (the gateways add the API's "
+                f"paths, /v1/... and /health, themselves)")
+    return None
 
 
 def left_out_reason(gateway: dict, gateway_id: str, backend_id: str, block_size: int,

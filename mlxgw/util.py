@@ -77,10 +77,22 @@ def redis_url_arg(s: str) -> str:
     in redis-py's traceback. The value is not echoed when it may hold a password."""
     import argparse
 
-    if s and urlsplit(s).scheme not in ("redis", "rediss", "unix"):
-        shown = "the value given" if "@" in s else repr(s)
+    if not s:
+        return s
+    shown = "the value given" if "@" in s else repr(s)
+    u = urlsplit(s)
+    if u.scheme not in ("redis", "rediss", "unix"):
         raise argparse.ArgumentTypeError(f"must be a redis://, rediss:// or unix:// URL (e.g. "
                                          f"redis://127.0.0.1:6379/0), not {shown}")
+    try:
+        port = u.port  # ValueError when not a number from 0 to 65535 (helper-66: redis-py's traceback)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the port of {shown} is not a number from 1 to 65535") from None
+    if port == 0:
+        raise argparse.ArgumentTypeError(f"the port of {shown} is not a number from 1 to 65535")
+    if u.scheme != "unix" and u.path not in ("", "/") and not u.path[1:].isdigit():
+        raise argparse.ArgumentTypeError(f"the database of {shown} must be a number (e.g. /0), "
+                                         f"not {u.path[1:]!r}")
     return s
 
 

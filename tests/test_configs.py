@@ -162,6 +162,18 @@ def test_serve_exits_2_on_a_bad_value(tmp_path, capsys):
               for cmd, url, shown in (("gateway", "127.0.0.1:6379", "'127.0.0.1:6379'"),
                                       ("status", "notaurl", "'notaurl'"), ("backend", "foo://bar", "'foo://bar'"),
                                       ("serve", ":secret@host:6379", "the value given"))]
+    # helper-66: heartbeats every 0 s wrote to Redis ~12,000 times a second; a TTL under the
+    # interval made the backend leave and rejoin the registry every heartbeat
+    cases += [(["backend", "--heartbeat-interval", "0"], "--heartbeat-interval 0 is under 0.1 s"),
+              (["backend", "--heartbeat-ttl", "1", "--heartbeat-interval", "5"],
+               "--heartbeat-ttl 1 is under two --heartbeat-interval (5 s): the registry record would expire")]
+    # helper-66: redis-py's traceback on a port that is not one (a database neither)
+    cases += [([cmd, "--redis-url", url], f"argument --redis-url: {says}")
+              for cmd, url, says in (
+                  ("status", "redis://:pw@127.0.0.1:notaport/0", "the port of the value given is not a number"),
+                  ("gateway", "redis://127.0.0.1:99999/0", "the port of 'redis://127.0.0.1:99999/0' is not a number"),
+                  ("backend", "redis://127.0.0.1:6379/abc", "the database of 'redis://127.0.0.1:6379/abc' must be a "
+                                                            "number (e.g. /0), not 'abc'"))]
     # an empty URL (an unset variable) is not "the default"
     cases += [([cmd, "--redis-url", ""], "--redis-url (or MLXGW_REDIS_URL) is empty")
               for cmd in ("serve", "gateway", "status")]

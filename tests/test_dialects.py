@@ -416,6 +416,10 @@ MALFORMED = [  # (path, body, param): each once crashed the conversion (500) or 
     # helper-60: named 'stop', 'None' ("block type 'None'", "tool_choice names 'None'").
     ("/v1/messages", {"messages": [USER], "stop_sequences": ["x"] * 17}, "stop_sequences"),
     ("/v1/messages", {"messages": [{"role": "user", "content": [{"text": "hi"}]}]}, "messages[0].content[0].type"),
+    # helper-66: a 500 with a traceback (unhashable type), and a 200 that ignored it
+    ("/v1/messages", {"messages": [USER], "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": []}}, "tool_choice.type"),
+    ("/v1/messages", {"messages": [USER], "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": {}}}, "tool_choice.type"),
+    ("/v1/responses", {"input": "x", "tool_choice": {"type": []}}, "tool_choice"),
 ]
 
 

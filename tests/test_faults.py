@@ -801,8 +801,8 @@ def test_a_backend_registered_at_another_backends_url_is_skipped(make_stack):
     while not get_json(twin.url + "/health").get("left_out_by") and time.time() < deadline:
         time.sleep(0.2)
     assert list(get_json(twin.url + "/health")["left_out_by"].values()) == [
-        f"another backend answers at its registered URL {b0.url} (start it with --url and an address the "
-        "gateways reach it at)"]
+        f"its registered URL {b0.url} does not answer as it (start it with --url http://<address>:<port>, an "
+        "address the gateways reach it at)"]
 
 
 def test_a_backend_replaced_under_its_id_while_hung_steps_aside(make_stack, redis_server):
@@ -1031,6 +1031,11 @@ def test_a_backend_url_gateways_cannot_use_is_refused_and_left_out(make_stack):
     assert bad.proc.wait(60) == 2 and "--url: its URL '127.0.0.1:1234' is not an http(s)://host:port URL" in \
         bad.tail(5), bad.tail(10)
     s.backends.remove(bad)
+    # helper-66: a URL with a path registered, and every request routed there was a 404
+    bad = s.add_backend("hand", None, "--engine", "sim", "--url", "http://127.0.0.1:1234/v1")
+    assert bad.proc.wait(60) == 2 and ("--url: its URL 'http://127.0.0.1:1234/v1' has more than a scheme, host "
+                                       "and port") in bad.tail(5), bad.tail(10)
+    s.backends.remove(bad)
     # A record with such a URL (written by hand here, as an older backend would have) is left out.
     from mlxgw.schema import Keys
 
@@ -1048,4 +1053,25 @@ def test_a_backend_url_gateways_cannot_use_is_refused_and_left_out(make_stack):
     answers = [_ask(g.url, f"hi {i}") for i in range(4)]
     assert [(st, h["X-Mlxgw-Backend"]) for st, h, _ in answers] == [(200, "b0")] * 4
     assert "Traceback" not in g.log_path.read_text()
+    # One whose URL answers but not as a backend (here the gateway's own: every request routed
+    # there was its 400, never retried, helper-66) is skipped like a misaddressed one.
+    r.delete(k.backend("old"))
+    r.zrem(k.backends, "old")
+    deadline = time.time() + 10
+    while "elsewhere" not in (get_json(g.url + "/health").get("backends") or {}).get("demo-tiny", []) \
+            and time.time() < deadline:
+        r.hset(k.backend("elsewhere"), mapping={**rec, "id": "elsewhere", "url": g.url, "active": "0",
+                                                "queued_tokens": "0", "last_heartbeat": f"{time.time():.3f}",
+                                                "cache_bytes": "0", "cache_budget_bytes": str(2**40)})  # most room: first
+        r.expire(k.backend("elsewhere"), 60)
+        r.zadd(k.backends, {"elsewhere": time.time()})
+        time.sleep(0.2)
+    # Prompts that share no block with what b0 holds: they go where there is most room first.
+    answers = [post(g.url + "/v1/chat/completions", {"model": "demo-tiny", "max_tokens": 1, "messages": [
+        {"role": "system", "content": f"{i} " * 40}, {"role": "user", "content": "hello"}]}) for i in range(3)]
+    assert [(st, h["X-Mlxgw-Backend"]) for st, h, _ in answers] == [(200, "b0")] * 3, [a[:2] for a in answers]
+    assert [h["X-Mlxgw-Route-Reason"] for _, h, _ in answers] == ["retry", "load", "load"], [a[1] for a in answers]
+    assert get_json(g.url + "/health")["misaddressed"] == {"elsewhere": g.url}
+    assert (f"backend elsewhere registered the URL {g.url}, where something that is not an mlxgw backend "
+            "(HTTP 400) answers") in g.log_path.read_text()
     assert b0.proc.poll() is None

@@ -157,7 +157,7 @@ def convert_tool_choice(tc):
         if not isinstance(tc.get("name"), str):
             raise RequestError("'tool_choice.name' must name a tool", param="tool_choice.name")
         return {"type": "function", "function": {"name": tc["name"]}}
-    choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind) if isinstance(kind, str) else None
     if choice is None:
         raise RequestError("'tool_choice.type' must be auto, any, tool or none", param="tool_choice")
     return choice

@@ -105,7 +105,7 @@ def convert_tool_choice(tc):
         if not isinstance(tc.get("name"), str):
             raise RequestError("'tool_choice.name' must name a function", param="tool_choice.name")
         return {"type": "function", "function": {"name": tc["name"]}}
-    if isinstance(tc, dict):
+    if isinstance(tc, dict) and isinstance(tc.get("type"), str) and tc["type"]:
         return "auto"  # a built-in tool: not ours to force
     raise RequestError("'tool_choice' must be auto, none, required or a function", param="tool_choice")
 
