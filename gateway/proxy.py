@@ -140,6 +140,20 @@ def _died_with_it(e: BaseException) -> bool:
             and not isinstance(e, aiohttp.ClientConnectorError))
 
 
+def _before_answer(e: BaseException) -> str:
+    """A backend's failure before its answer, in the client's terms (helper-66: the 503 said
+    ``ServerDisconnectedError``); the gateway's log adds the exception itself."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return "no connection at its registered URL (not listening there: stopped, restarting, or a wrong --url)"
+    if isinstance(e, aiohttp.InvalidURL):
+        return "its registered URL cannot be used"
+    if "answer cut off" in str(e):
+        return "its connection closed in the middle of the answer (the process stopped or restarted)"
+    if isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)):
+        return "its connection closed before it answered (the process stopped or restarted)"
+    return f"the request to it failed ({type(e).__name__})"
+
+
 TOKEN_REJECTED = ("rejected this gateway's internal token (start gateways and backends with the same "
                   "--internal-token / MLXGW_INTERNAL_TOKEN)")
 
@@ -554,7 +568,7 @@ class Proxy:
                 if a.gone:
                     what = f"out of the registry for {self.gone_after:g} s (no heartbeat) while this request waited"
                 else:
-                    what = f"no answer within {self.read_timeout:g} s" if timed_out else type(e).__name__
+                    what = f"no answer within {self.read_timeout:g} s" if timed_out else _before_answer(e)
                 # Only an answer cut off mid-body counts here: a closed connection before any answer
                 # may be a pooled one the backend closed while idle (killed earlier), not this request's doing.
                 died += "answer cut off" in str(e)

@@ -72,6 +72,11 @@ def test_dead_only_backend_gives_a_clear_503_and_one_warning(make_stack):
     assert status == 503 and err["code"] == "backend_unavailable" and h["Retry-After"] == "1", (status, h, body)
     assert "b0" in err["message"] and str(b0.port) not in err["message"] and "127.0.0.1" not in err["message"]
     assert all(st == 503 for st, _, _ in answers)
+    # In words, not aiohttp's class names (helper-66: "b0: ServerDisconnectedError")
+    last = json.loads(answers[-1][2])["error"]["message"]
+    assert last == ("no backend could take the request: b0: no connection at its registered URL (not listening "
+                    "there: stopped, restarting, or a wrong --url)"), last
+    assert "Error" not in err["message"], err
     log = s.gateway.log_path.read_text()
     warnings = [ln for ln in log.splitlines() if "unavailable before first byte" in ln]
     assert len(warnings) == 1 and "WARNING" in warnings[0] and str(b0.port) in warnings[0], warnings
