@@ -527,9 +527,11 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
     reporter.state = "ready"
     await reporter.heartbeat()
     watch = asyncio.get_running_loop().create_task(_stop_on_fault(engine, reporter, stopper, cfg.backend_id))
+    probe = asyncio.get_running_loop().create_task(_check_own_url(reporter.url, cfg.backend_id))
     await stopper.wait()
     stopper.close()
     watch.cancel()
+    probe.cancel()
     log.info("backend %s stopping: draining, then withdrawing from Redis", cfg.backend_id)
     reporter.state = "draining"
     await runner.cleanup()
@@ -537,6 +539,30 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
     engine.stop()
     log.info("backend %s stopped", cfg.backend_id)
     return ENGINE_DIED if engine.failed else (TAKEN_OVER if reporter.taken_over else 0)
+
+
+async def _check_own_url(url: str, backend_id: str, timeout: float = 3.0) -> Optional[str]:
+    """Ask this backend's registered ``url`` for ``/health`` once, as the gateways will; log a
+    warning (and return it) when the answer is not this backend's. helper-66: a backend
+    registered with the wrong port in ``--url`` said nothing, and the gateways' logs named a
+    connection error without pointing at ``--url``. From another machine the URL may still
+    work where it does not from here (a firewall's hairpin), hence a warning, not an exit."""
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+            async with session.get(url + "/health") as r:
+                served_by = r.headers.get(schema.SERVED_BY)
+                if served_by == backend_id:
+                    return None
+                what = (f"backend {served_by} answers there" if served_by
+                        else f"something that is not an mlxgw backend answers there (HTTP {r.status})")
+    except Exception as e:  # refused, unreachable, timed out
+        what = f"nothing answers there from this machine ({type(e).__name__}: {e or 'no answer'})"
+    msg = (f"backend {backend_id} registered the URL {url}, but {what}: gateways cannot reach it there; "
+           f"start it with --url http://<address>:<port> at an address and port it listens on")
+    log.warning("%s", msg)
+    return msg
 
 
 #: Exit code of a backend whose engine thread died (`mlxgw serve` restarts it, as any crash).

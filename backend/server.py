@@ -422,8 +422,8 @@ def make_app(engine: Engine, reporter: Reporter, cfg: BackendConfig) -> web.Appl
 
     async def served_by(request: web.Request, response: web.StreamResponse) -> None:
         # Every answer names this backend: a gateway that reached another backend at a URL
-        # registered by mistake (two backends, one address) can tell (gateway.proxy.SERVED_BY).
-        response.headers["X-Mlxgw-Served-By"] = cfg.backend_id
+        # registered by mistake (two backends, one address) can tell (mlxgw.schema.SERVED_BY).
+        response.headers[schema.SERVED_BY] = cfg.backend_id
 
     app.on_response_prepare.append(served_by)
     logging.getLogger().addFilter(_REQUEST_ID_FILTER)  # once: the same instance is not added twice

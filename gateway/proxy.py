@@ -36,6 +36,7 @@ from typing import Callable, Mapping, Optional, Protocol
 import aiohttp
 from aiohttp import web
 
+from mlxgw import schema
 from mlxgw.rlimit import out_of_resources
 from mlxgw.util import Tally, cancel_and_wait, deadline
 
@@ -126,7 +127,7 @@ KEEPALIVE = b": keepalive\n\n"
 
 #: The backend id a backend puts on every answer (``backend.server``): the gateway checks that the
 #: backend it meant answered, not another one at the same URL.
-SERVED_BY = "X-Mlxgw-Served-By"
+SERVED_BY = schema.SERVED_BY
 
 
 #: Backends a request may see fail after taking it before it is sent to no more (`Proxy.forward`).

@@ -251,6 +251,11 @@ def gateway_settings_value(block_size: int, tokenizer: str, at: float, skipped: 
     return json.dumps(d)
 
 
+# The header every backend answer carries with its backend id: a gateway that reached something
+# else at a backend's registered URL (another backend, another server) can tell.
+SERVED_BY = "X-Mlxgw-Served-By"
+
+
 def url_error(url: str) -> Optional[str]:
     """Why ``url`` cannot be a backend's registered URL (None: it can): gateways need
     ``http://host[:port]`` or ``https://...``. helper-65: ``--url mac2.local:8100`` (no scheme)

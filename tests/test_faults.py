@@ -1041,6 +1041,19 @@ def test_a_backend_url_gateways_cannot_use_is_refused_and_left_out(make_stack):
     assert bad.proc.wait(60) == 2 and ("--url: its URL 'http://127.0.0.1:1234/v1' has more than a scheme, host "
                                        "and port") in bad.tail(5), bad.tail(10)
     s.backends.remove(bad)
+    # helper-66: the wrong port in --url registered without a word from the backend
+    from mlxgw.harness import free_port
+
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    lost = s.add_backend("lost", None, "--engine", "sim", "--url", nowhere)
+    deadline = time.time() + 30
+    while "gateways cannot reach it there" not in lost.log_path.read_text() and time.time() < deadline:
+        time.sleep(0.2)
+    assert (f"backend lost registered the URL {nowhere}, but nothing answers there from this machine "
+            "(ClientConnectorError") in lost.log_path.read_text(), lost.tail(10)
+    assert "registered the URL" not in b0.log_path.read_text()  # a backend at its own URL says nothing
+    lost.stop()
+    s.backends.remove(lost)
     # A record with such a URL (written by hand here, as an older backend would have) is left out.
     from mlxgw.schema import Keys
 
