@@ -20,10 +20,11 @@ from aiohttp import web
 from mlxgw import schema
 from mlxgw.config import ModelConfig
 from mlxgw.prompt import tokenizer_fingerprint
+from mlxgw.redis_client import redis_problem
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.stopping import PARENT_ENV, Stopper
 from mlxgw.util import (deadline, is_loopback, namespace_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, redis_url_arg,
-                        positive_int, redact_url, share_arg, share_or_off_arg, size_arg, size_text)
+                        positive_int, share_arg, share_or_off_arg, size_arg, size_text)
 
 from . import persist, sim
 from .cache import LAYOUTS, KVOps, PromptCache
@@ -34,6 +35,7 @@ from .report import Reporter
 from .server import BackendConfig, make_app
 
 log = logging.getLogger("mlxgw.backend")
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                  "--host such as 0.0.0.0, the address this machine reaches Redis from, or "
                                  "127.0.0.1 when Redis is on this machine)")
     p.add_argument("--redis-url", type=redis_url_arg,
-                   default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                   default=os.environ.get("MLXGW_REDIS_URL", DEFAULT_REDIS_URL),
                    help="Redis holding the ownership index and registry (default: env MLXGW_REDIS_URL, else redis://127.0.0.1:6379/0)")
     p.add_argument("--namespace", type=namespace_arg, default=schema.DEFAULT_NAMESPACE,
                    help="Redis key prefix shared with the gateways (default %(default)s; docs/redis-schema.md)")
@@ -591,13 +593,16 @@ async def _register(reporter, stopper, args) -> Optional[int]:
             log.error("%s", e)
             return 2
         except Exception as e:
+            problem = redis_problem(args.redis_url, e)
             if not os.environ.get(PARENT_ENV):
-                log.error("Redis unreachable at %s: %s", redact_url(args.redis_url), e)
+                given = args.redis_url != DEFAULT_REDIS_URL or os.environ.get("MLXGW_REDIS_URL")
+                log.error("%s%s", problem, "" if given else (
+                    " (no --redis-url or MLXGW_REDIS_URL was given, so this is the default: start redis-server "
+                    "there, pass the URL of the Redis the gateways use, or run `mlxgw serve`, which starts one)"))
                 return 4
             if time.monotonic() - said >= 10:
                 said = time.monotonic()
-                log.warning("Redis unreachable at %s: %s; registering when it answers (tried every second)",
-                            redact_url(args.redis_url), e)
+                log.warning("%s; registering when it answers (tried every second)", problem)
             if reporter.redis is not None:
                 await reporter.redis.aclose()
             try:

@@ -20,6 +20,7 @@ import msgpack
 from aiohttp import web
 
 from mlxgw import schema
+from mlxgw.redis_client import redis_problem
 from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, overloaded, parse_openai
 
 from . import auth, dashboard, dialects, limits
@@ -242,6 +243,8 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         # Retry-After: backends (re-)register within a heartbeat, e.g. after Redis restarted empty.
         bad = st.index.incompatible.get(info.name)
         why = (f"; left out: {'; '.join(f'{b}: {w}' for b, w in sorted(bad.items()))}" if bad else "")
+        if not st.index.healthy and st.index.problem:  # helper-66: a wrong password read as no backend
+            why += f" (this gateway learns of backends from Redis: {st.index.problem})"
         # Retry-After only when waiting can help (a backend registering); a setting to fix cannot.
         raise RequestError(f"no live backend serves '{info.name}'{why}", status=503, type="server_error",
                            code="no_backend", headers={} if bad else {"Retry-After": "1"})
@@ -427,7 +430,8 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         try:
             await index.refresh()
         except Exception as e:
-            log.warning("Redis not reachable at start (%s); routing on load until it is", type(e).__name__)
+            index.problem = redis_problem(cfg.redis_url, e)
+            log.warning("at start: %s; routing on load until it answers", index.problem)
         index.start()
         proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout, keepalive=cfg.keepalive,
                       write_timeout=cfg.limits.write_timeout, url_of=index.url_of, gone_after=cfg.gone_after)

@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover
     HiredisRespSerializer, HIREDIS_AVAILABLE = None, False
 
 from mlxgw import schema
-from mlxgw.redis_client import connect_async
+from mlxgw.redis_client import connect_async, redis_problem
 from mlxgw.schema import Candidate
 from mlxgw.util import Tally, cancel_and_wait, deadline
 
@@ -212,6 +212,8 @@ class OwnershipIndex:
             "use)", n), every=60.0)
         self.snapshot_at = 0.0
         self.healthy = False
+        self.redis_url = redis_url
+        self.problem: Optional[str] = None  # why Redis last failed (`redis_problem`), None once it answers
         self._said_down = False  # the operator was told Redis is unreachable, and not yet that it is back
         self.lookups = {"ok": 0, "timeout": 0, "error": 0}
         self.lookups_stretched = 0  # lookups given more time: the loop was busy or Redis busy answering others
@@ -270,10 +272,11 @@ class OwnershipIndex:
         and once when it is back (under traffic a lookup notices first, so the refresh
         loop alone used to stay silent through an outage)."""
         self.healthy = ok
+        self.problem = None if ok else redis_problem(self.redis_url, err) if err is not None else self.problem
         if not ok and not self._said_down:
             self._said_down = True
-            log.warning("Redis unreachable (%s): routing on load, session affinity, this gateway's pending "
-                        "claims and where it last sent each prompt, over the last known backends", err)
+            log.warning("%s: routing on load, session affinity, this gateway's pending "
+                        "claims and where it last sent each prompt, over the last known backends", self.problem)
         elif ok and self._said_down:
             self._said_down = False
             log.info("Redis reachable again: routing on ownership")

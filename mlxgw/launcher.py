@@ -255,12 +255,12 @@ def run(args: argparse.Namespace) -> int:
             return 4
         redis_url = embedded.url
     else:
-        from .redis_client import connect
+        from .redis_client import connect, redis_problem
 
         try:
             connect(redis_url, 2.0).ping()
         except Exception as e:
-            log.error("Redis unreachable at %s: %s", redact_url(redis_url), e)
+            log.error("%s", redis_problem(redis_url, e))
             return 4
 
     token = os.environ.get("MLXGW_INTERNAL_TOKEN") or secrets.token_hex(16)

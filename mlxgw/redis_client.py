@@ -48,3 +48,27 @@ def connect_async(url: str, timeout: float, max_connections: int = 0, **kw) -> a
     client = aioredis.Redis(connection_pool=pool, retry=retry)
     client.auto_close_connection_pool = True  # aclose() closes the pool it was given (redis-py >= 5.0)
     return client
+
+
+def redis_problem(url: str, e: BaseException) -> str:
+    """One line on why Redis at ``url`` did not serve a client (``e``: the exception redis-py
+    raised), for logs and errors: a refused or missing password is not "unreachable"
+    (helper-66: a wrong password read "Redis unreachable", a missing one Redis's raw
+    ``HELLO must be called with the client already authenticated``). The URL is redacted."""
+    from .util import redact_url
+
+    text = str(e)
+    where = redact_url(url)
+    low = text.lower()
+    if isinstance(e, getattr(redis.exceptions, "AuthenticationRequiredError", ())) or "noauth" in low \
+            or "must be called with the client already authenticated" in low or "authentication required" in low:
+        return f"Redis at {where} requires a password, and the URL has none (redis://:PASSWORD@host:port/0)"
+    if isinstance(e, redis.exceptions.AuthenticationError) or "wrongpass" in low or "invalid password" in low \
+            or "invalid username-password" in low:
+        return f"Redis at {where} refused the password in the URL ({text})"
+    if isinstance(e, redis.exceptions.TimeoutError):
+        return f"Redis at {where} did not answer in time (overloaded, or stopped?): {text or 'timeout'}"
+    if isinstance(e, redis.exceptions.ConnectionError) and ("refused" in low or "connecting to" in low):
+        return f"Redis unreachable at {where}: {text}"
+    return f"Redis unreachable at {where}: {type(e).__name__}: {text}" if text else \
+        f"Redis unreachable at {where}: {type(e).__name__}"

@@ -19,6 +19,7 @@ import redis
 
 from . import schema
 from .redis_client import connect as redis_connect
+from .redis_client import redis_problem
 from .util import redact_url, serve_url_file
 
 # Event data fields worth showing (block lists are long and meaningless to people).
@@ -322,7 +323,7 @@ def unreachable(args, e: BaseException) -> int:
         hint = {"serve": "the URL a `mlxgw serve` left: is that serve still running, and the Redis it uses?",
                 "default": f"no `mlxgw serve` left its URL in {serve_url_file()} (none running, or it runs with "
                            "another MLXGW_CACHE_DIR); start one, or pass --redis-url"}.get(args.url_source, "")
-    print(f"Redis unreachable at {redact_url(args.redis_url)}: {e}", file=sys.stderr)
+    print(redis_problem(args.redis_url, e), file=sys.stderr)
     if hint:
         print(f"({hint})", file=sys.stderr)
     if getattr(args, "json", False):

@@ -581,8 +581,9 @@ def test_frozen_redis_does_not_hold_answers_and_the_gateway_says_so(demo_model):
             time.sleep(0.1)
         assert named == owned and len(owned) >= 10
         # Each outage told once, and its end once (the refresh may have seen the frozen spell too).
-        said = ["down" if "Redis unreachable (" in ln else "up" for ln in s.gateway.log_path.read_text().splitlines()
-                if "Redis unreachable (" in ln or "Redis reachable again" in ln]
+        down = ": routing on load, session affinity"
+        said = ["down" if down in ln else "up" for ln in s.gateway.log_path.read_text().splitlines()
+                if down in ln or "Redis reachable again" in ln]
         assert said and said == ["down", "up"] * (len(said) // 2), said
     finally:
         s.stop()
@@ -1093,3 +1094,38 @@ def test_a_backend_url_gateways_cannot_use_is_refused_and_left_out(make_stack):
     assert (f"backend elsewhere registered the URL {g.url}, where something that is not an mlxgw backend "
             "(HTTP 400) answers") in g.log_path.read_text()
     assert b0.proc.poll() is None
+
+
+def test_a_wrong_or_missing_redis_password_is_said_so(demo_model):
+    """helper-66: a wrong Redis password read "Redis unreachable", a missing one Redis's raw
+    HELLO message, and a gateway started with a wrong one answered 503 "no live backend serves"
+    with no word of Redis."""
+    from mlxgw.redis_embed import EmbeddedRedis
+
+    red = EmbeddedRedis().start()
+    wrong = red.url.replace(red.password, "not-the-password")
+    none = red.url.replace(f":{red.password}@", "")
+    s = Stack(red.url, demo_model)
+    try:
+        for name, url, says in (("w", wrong, "refused the password in the URL"),
+                                ("n", none, "requires a password, and the URL has none")):
+            b = s.add_backend(name, None, "--engine", "sim", "--redis-url", url)
+            assert b.proc.wait(60) == 4, b.tail(10)
+            assert f"Redis at {url.replace('not-the-password', '***')} {says}" in b.tail(5), b.tail(10)
+            s.backends.remove(b)
+        s.add_backend("b0", None, "--engine", "sim")
+        g = s.add_gateway("--redis-url", wrong)
+        deadline = time.time() + 60
+        while get_json(g.url + "/health") is None and time.time() < deadline:
+            time.sleep(0.2)
+        status, _, body = _ask(g.url, "hi")
+        msg = json.loads(body)["error"]["message"]
+        assert status == 503 and msg.startswith("no live backend serves 'demo-tiny' (this gateway learns of backends "
+                                                "from Redis: Redis at redis://:***@127.0.0.1:"), msg
+        assert msg.endswith("refused the password in the URL (invalid username-password pair or user is "
+                            "disabled.))"), msg
+        assert "at start: Redis at redis://:***@127.0.0.1:" in g.log_path.read_text()
+        assert "not-the-password" not in g.log_path.read_text() and "not-the-password" not in msg
+    finally:
+        s.stop()
+        red.stop()
