@@ -23,7 +23,7 @@ from mlxgw.prompt import tokenizer_fingerprint
 from mlxgw.redis_client import redis_problem
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.stopping import PARENT_ENV, Stopper
-from mlxgw.util import (deadline, is_loopback, namespace_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, redis_url_arg,
+from mlxgw.util import (deadline, is_loopback, namespace_arg, non_empty_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, redis_url_arg,
                         positive_int, share_arg, share_or_off_arg, size_arg, size_text)
 
 from . import persist, sim
@@ -39,12 +39,12 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="model path or repo id (default: the demo model)")
-    p.add_argument("--served-name", help="model name clients use (default: the model dir name)")
+    p.add_argument("--model", type=non_empty_arg, help="model path or repo id (default: the demo model)")
+    p.add_argument("--served-name", type=non_empty_arg, help="model name clients use (default: the model dir name)")
     p.add_argument("--port", type=port_arg, default=8100)
     p.add_argument("--host", default="127.0.0.1", help="listen address (loopback by default)")
-    p.add_argument("--id", dest="backend_id", help="backend name, stable across restarts (default: host:port)")
-    p.add_argument("--url", help="URL gateways reach this backend at (default: http://host:port; with a wildcard "
+    p.add_argument("--id", dest="backend_id", type=non_empty_arg, help="backend name, stable across restarts (default: host:port)")
+    p.add_argument("--url", type=non_empty_arg, help="URL gateways reach this backend at (default: http://host:port; with a wildcard "
                                  "--host such as 0.0.0.0, the address this machine reaches Redis from, or "
                                  "127.0.0.1 when Redis is on this machine)")
     p.add_argument("--redis-url", type=redis_url_arg,
@@ -521,9 +521,13 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
                  cfg.backend_id, engine.restored.entries, f"{engine.restored.tokens:,}", engine.cache_dir,
                  reporter.epoch)
     if not cfg.internal_token:
+        # Where it listens, not the URL it registered (helper-66: a wildcard host was named as
+        # 127.0.0.1, a wrong --url as a port nothing listened on).
+        where = (f"port {args.port} on any of this machine's addresses" if args.host in ("0.0.0.0", "::", "")
+                 else f"http://[{args.host}]:{args.port}" if ":" in args.host else f"http://{args.host}:{args.port}")
         log.warning("backend %s has no internal token: anything that reaches %s can send it requests directly, "
                     "past the gateways' routing, keys and limits (mlxgw serve sets one; docs/security.md)",
-                    cfg.backend_id, reporter.url)
+                    cfg.backend_id, where)
     # Ready (and /health 200) only after the lines above: whoever waits on /health then reads a
     # complete start log (a test read it between the two and missed the layout, CI at cd6f088).
     reporter.state = "ready"

@@ -105,9 +105,16 @@ def json_grammar(schema: dict) -> str:
 
 def _reason(error: str) -> str:
     """llguidance's compile error without its position and grammar dump: ``at 3(8): failed
-    to compile JSON schema: Invalid type: x\n 1 | start: <[3066]> ...`` -> ``Invalid type: x``."""
-    first = error.strip().splitlines()[0] if error.strip() else error
-    return re.sub(r"^at \d+\(\d+\): (failed to compile JSON schema: )?", "", first)
+    to compile JSON schema: Invalid type: x\n 1 | start: <[3066]> ...`` -> ``Invalid type: x``.
+    A message of several lines keeps them, carets dropped (helper-66: a regex error was cut to
+    ``regex parse error:``): ``regex parse error: (( error: unclosed group``."""
+    lines = []
+    for ln in error.strip().splitlines():
+        if re.match(r"\s*\d+ \|", ln):  # the grammar dump begins
+            break
+        if ln.strip() and set(ln.strip()) != {"^"}:
+            lines.append(ln.strip())
+    return re.sub(r"^at \d+\(\d+\): (failed to compile JSON schema: )?", "", " ".join(lines) or error.strip())
 
 
 class GrammarMask:

@@ -16,7 +16,7 @@ from mlxgw import schema
 
 from mlxgw.rlimit import open_files_limit, raise_open_files_limit
 from mlxgw.stopping import EMBEDDED_REDIS_ENV, Stopper, shut_down_embedded_redis
-from mlxgw.util import (count, namespace_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, positive_int, redact_url,
+from mlxgw.util import (count, model_spec_arg, namespace_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, positive_int, redact_url,
                         redis_url_arg, size_arg)
 
 from .app import ADMISSION, STATE, GatewayConfig, make_app
@@ -30,7 +30,7 @@ log = logging.getLogger("mlxgw.gateway")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH",
+    p.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH", type=model_spec_arg,
                    help="a served model's tokenizer dir (repeatable); NAME defaults to the dir name")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_arg, default=8000)
@@ -127,11 +127,18 @@ def add_security_arguments(p: argparse.ArgumentParser, defaults: bool = True) ->
 
 
 def parse_models(specs: list[str]) -> dict[str, str]:
-    """``["name=path", "path"]`` -> ``{name: path}``."""
+    """``["name=path", "path"]`` -> ``{name: path}`` (a bare path is named after its directory).
+
+    Raises:
+        ValueError: one name given twice.
+    """
     out = {}
     for s in specs:
         name, _, path = s.partition("=") if "=" in s else ("", "", s)
-        out[name or Path(path.rstrip("/")).name] = path
+        name = name or Path(path.rstrip("/")).name
+        if name in out:  # helper-66: the second silently replaced the first
+            raise ValueError(f"--model: the name {name!r} is given twice")
+        out[name] = path
     return out
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from .rlimit import guard_mlx_lm_import
-from .util import namespace_arg, non_negative_int, positive_float, positive_int, redis_url_arg
+from .util import namespace_arg, non_empty_arg, non_negative_int, positive_float, positive_int, redis_url_arg
 
 
 def _logging(level: str) -> None:
@@ -40,7 +40,7 @@ def _add_top(sp: argparse.ArgumentParser) -> None:
 
 
 def _add_demo_model(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("dir", nargs="?", help="output dir (default: the cache dir; prints the path)")
+    sp.add_argument("dir", nargs="?", type=non_empty_arg, help="output dir (default: the cache dir; prints the path)")
     sp.add_argument("--variant", default="tiny", help="tiny | bench | swa")
 
 
@@ -102,8 +102,21 @@ def _negative_values(argv: list[str]) -> list[str]:
     return out
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code."""
+    """Entry point; returns the process exit code (130 when interrupted before a command
+    installs its own signal handling: helper-66 saw a KeyboardInterrupt traceback from a
+    gateway Ctrl-C'd while it loaded its tokenizers)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("mlxgw: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = _negative_values(sys.argv[1:] if argv is None else argv)
     # Before anything imports mlx-lm (a backend; the demo model build in `serve` or a
     # gateway with no model, whose children inherit the limit): its import would cap
@@ -123,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         # An unset variable expanded to nothing must not quietly mean "the default Redis"
         # (serve would start a private one; a fleet of gateways would each talk to its own).
         p.error("--redis-url (or MLXGW_REDIS_URL) is empty; leave it out for the default")
+    if args.log_level.lower() not in LOG_LEVELS:  # the env's value too, which argparse does not check
+        p.error(f"--log-level (or MLXGW_LOG_LEVEL) must be one of {', '.join(LOG_LEVELS)}, not {args.log_level!r}")
     _logging(args.log_level)
     if args.cmd == "serve":
         from . import launcher

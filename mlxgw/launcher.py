@@ -24,7 +24,7 @@ from typing import Optional
 
 from . import config as config_mod
 from .stopping import EMBEDDED_REDIS_ENV, PARENT_ENV, stop_signals
-from .util import (namespace_arg, non_negative_float, parse_bytes, port_arg, positive_int, redact_url, redis_url_arg, serve_token_file,
+from .util import (namespace_arg, non_empty_arg, non_negative_float, parse_bytes, port_arg, positive_int, redact_url, redis_url_arg, serve_token_file,
                    serve_url_file, share_or_off_arg, size_arg, size_text)
 
 #: Seconds serve waits for a backend with a --cache-dir to stop: it writes its prompt cache
@@ -38,8 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = ("With a --config of several [[models]] tables, the model, cache and backend flags (--model ... "
                 "--pin-by-reference) set the first table's values; the others keep their own.")
     p.add_argument("--config", help="TOML config file (flags override it)")
-    p.add_argument("--model", help="model path or repo id (default: the offline demo model)")
-    p.add_argument("--served-name", help="model name clients use (default: the dir name)")
+    p.add_argument("--model", type=non_empty_arg, help="model path or repo id (default: the offline demo model)")
+    p.add_argument("--served-name", type=non_empty_arg, help="model name clients use (default: the dir name)")
     p.add_argument("--backends", type=positive_int, help="backend processes for the model (default 2)")
     p.add_argument("--redis-url", type=redis_url_arg, help="Redis URL; default: start a private embedded redis-server")
     p.add_argument("--host", help="gateway listen address (default 127.0.0.1)")

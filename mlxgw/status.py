@@ -428,8 +428,9 @@ def left_out_lines(records: list[dict]) -> list[str]:
 
 
 def _silent_text(ids: list) -> str:
-    return ("no heartbeat past their TTL (dead; a gateway's janitor removes them after its --janitor-grace): "
-            + ", ".join(ids))
+    # "Silent", not "dead": a stopped (SIGSTOP) or swapping backend resumes and re-registers (helper-66).
+    return ("no heartbeat past their TTL (silent: dead, stopped or cut off; one that resumes registers again, "
+            "and a gateway's janitor removes the others after its --janitor-grace): " + ", ".join(ids))
 
 
 def run(args) -> int:

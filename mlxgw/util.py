@@ -96,6 +96,27 @@ def redis_url_arg(s: str) -> str:
     return s
 
 
+def non_empty_arg(s: str) -> str:
+    """argparse type: any text but the empty string (helper-66: ``--id ''``, ``--url ''`` and
+    ``--model ''`` silently meant the default, as if the flag had been left out)."""
+    import argparse
+
+    if not s.strip():
+        raise argparse.ArgumentTypeError("is empty (leave the flag out for its default)")
+    return s
+
+
+def model_spec_arg(s: str) -> str:
+    """argparse type: a gateway ``--model`` value, ``PATH`` or ``NAME=PATH`` with both parts given
+    (helper-66: ``--model =PATH`` took the directory's name)."""
+    import argparse
+
+    name, eq, path = s.partition("=")
+    if not s.strip() or (eq and not (name.strip() and path.strip())):
+        raise argparse.ArgumentTypeError(f"must be PATH or NAME=PATH, both non-empty, not {s!r}")
+    return s
+
+
 def namespace_arg(s: str) -> str:
     """argparse type: a Redis key namespace (`mlxgw.schema.namespace_error`). helper-65: an
     empty one was taken, giving keys that start with ``:``."""

@@ -1,5 +1,7 @@
 """Acceptance: bad input gets an OpenAI-style 4xx and the gateway keeps serving."""
 
+import json
+
 import pytest
 
 from mlxgw.httpget import post
@@ -77,6 +79,10 @@ CASES = [
     ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"},
                                          {"role": "assistant", "content": None, "function_call": {"arguments": "{}"}}]},
      400, "messages[1].function_call", None),
+    # helper-66: the compiler's message was cut to "regex parse error:"
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "a": {"type": "string", "pattern": "(("}}}}}]}, 400, "tools", None),
 ]
 
 
@@ -89,6 +95,9 @@ def test_bad_requests_get_openai_errors(stack1, body, status, param, code):
     assert err["code"] == code
     if param == "response_format":  # the compiler's reason, not its position and grammar dump
         assert err["message"].endswith("Invalid type: nonsense") and "<[" not in err["message"], err
+    if param == "tools" and "pattern" in json.dumps(body):
+        assert err["message"] == ("cannot constrain the answer to this tool call: regex parse error: (( error: "
+                                  "unclosed group"), err
 
 
 def test_a_deprecated_function_call_in_the_history_is_rendered_as_a_tool_call(stack1):

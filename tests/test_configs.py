@@ -174,6 +174,16 @@ def test_serve_exits_2_on_a_bad_value(tmp_path, capsys):
                   ("gateway", "redis://127.0.0.1:99999/0", "the port of 'redis://127.0.0.1:99999/0' is not a number"),
                   ("backend", "redis://127.0.0.1:6379/abc", "the database of 'redis://127.0.0.1:6379/abc' must be a "
                                                             "number (e.g. /0), not 'abc'"))]
+    # helper-66: an empty value silently meant the flag's default; a model name given twice, the last
+    cases += [([cmd, flag, ""], f"argument {flag}: is empty (leave the flag out for its default)")
+              for cmd, flag in (("backend", "--id"), ("backend", "--url"), ("backend", "--model"),
+                                ("serve", "--model"), ("serve", "--served-name"))]
+    cases += [(["demo-model", ""], "argument dir: is empty (leave the flag out for its default)"),
+              (["gateway", "--model", "=/m"], "argument --model: must be PATH or NAME=PATH, both non-empty, not '=/m'"),
+              (["gateway", "--model", "a=/m", "--model", "a=/n"], "bad setting: --model: the name 'a' is given twice")]
+    # helper-66: any --log-level was taken (and meant info)
+    cases += [(["--log-level", "bogus", "status"], "--log-level (or MLXGW_LOG_LEVEL) must be one of debug, info, "
+                                                   "warning, error, critical, not 'bogus'")]
     # an empty URL (an unset variable) is not "the default"
     cases += [([cmd, "--redis-url", ""], "--redis-url (or MLXGW_REDIS_URL) is empty")
               for cmd in ("serve", "gateway", "status")]
@@ -186,7 +196,7 @@ def test_serve_exits_2_on_a_bad_value(tmp_path, capsys):
     # start-ups took 26 s of the test run. The rest run the real command, all at once.
     from mlxgw.cli import main
 
-    by_parser = [(argv, says) for argv, says in cases if says.startswith(("argument ", "--redis-url (or"))]
+    by_parser = [(argv, says) for argv, says in cases if says.startswith(("argument ", "--redis-url (or", "--log-level (or"))]
     for argv, says in by_parser:
         with pytest.raises(SystemExit) as e:
             main(argv)
@@ -212,6 +222,23 @@ def test_demo_model_into_a_bad_directory_says_why_without_a_traceback(tmp_path, 
         assert err.startswith(f"mlxgw demo-model: cannot build into {target}: ") and says in err, err
         assert "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # no temporary directory left
+
+
+def test_ctrl_c_while_a_command_starts_is_no_traceback(demo_model):
+    """helper-66: Ctrl-C on a starting `mlxgw serve` printed a gateway child's KeyboardInterrupt
+    traceback (it was importing and loading its tokenizers). A SIGINT 0.3 s in, well before a
+    gateway installs its own handlers, ends it with 130 and one line."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys\nfrom mlxgw.cli import main\n"
+            "signal.signal(signal.SIGALRM, lambda *a: os.kill(os.getpid(), signal.SIGINT))\n"
+            "signal.setitimer(signal.ITIMER_REAL, 0.3)\n"
+            f"sys.exit(main(['gateway', '--model', 'demo-tiny={demo_model}', '--port', '1', "
+            "'--redis-url', 'redis://127.0.0.1:1/0']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 130 and r.stderr.strip().splitlines()[-1] == "mlxgw: interrupted", r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def test_only_a_backend_imports_mlx_lm():

@@ -171,8 +171,9 @@ def test_status_shows_a_model_whose_only_backend_died_with_that_backend_named(ma
     out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", redis_server.url,
                           "--namespace", s.namespace], capture_output=True, text=True, timeout=60).stdout
     assert "no models registered" not in out, out
-    assert (f"model {s.model_name}: no live backend or gateway; no heartbeat past their TTL (dead; a gateway's "
-            "janitor removes them after its --janitor-grace): b0") in out, out
+    assert (f"model {s.model_name}: no live backend or gateway; no heartbeat past their TTL (silent: dead, stopped "
+            "or cut off; one that resumes registers again, and a gateway's janitor removes the others after its "
+            "--janitor-grace): b0") in out, out
     js = json.loads(subprocess.run([sys.executable, "-m", "mlxgw", "status", "--json", "--redis-url", redis_server.url,
                                     "--namespace", s.namespace], capture_output=True, text=True, timeout=60).stdout)
     assert js == {s.model_name: {"backends": [], "gateways": {}, "recent_events": [], "silent": ["b0"],
