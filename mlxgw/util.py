@@ -25,9 +25,9 @@ def redact_url(url: str) -> str:
         u = urlsplit(url)
         if u.password:
             user = u.username or ""
-            host = u.hostname or ""
-            port = f":{u.port}" if u.port else ""
-            return urlunsplit(u._replace(netloc=f"{user}:***@{host}{port}"))
+            # Everything after the last "@" as written: an IPv6 host keeps its brackets (helper-66).
+            hostport = u.netloc.rsplit("@", 1)[1]
+            return urlunsplit(u._replace(netloc=f"{user}:***@{hostport}"))
     except ValueError:
         return "<unparseable url>"
     return url

@@ -241,6 +241,18 @@ def test_ctrl_c_while_a_command_starts_is_no_traceback(demo_model):
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
+def test_redacted_urls_hide_the_password_and_keep_the_rest():
+    """Logs and errors show Redis URLs with ``***`` for the password; an IPv6 host lost its
+    brackets (``@::1:8620``, helper-66)."""
+    from mlxgw.util import redact_url
+
+    assert redact_url("redis://:pw@[::1]:8620/0") == "redis://:***@[::1]:8620/0"
+    assert redact_url("redis://user:pw@host:6379/2") == "redis://user:***@host:6379/2"
+    assert redact_url("rediss://:p%40ss@h/0") == "rediss://:***@h/0"
+    assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert redact_url("redis://:pw@h:notaport/0") == "redis://:***@h:notaport/0"
+
+
 def test_only_a_backend_imports_mlx_lm():
     """The CLI used to build every command's arguments, the backend's among them, so
     `mlxgw status`, `mlxgw --help` and a flag error imported mlx-lm (about 1.3 s of a 2.2 s
