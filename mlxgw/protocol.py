@@ -247,6 +247,11 @@ def _validate_messages(messages) -> list:
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise RequestError(f"'{p}.content' must be a string or an array of parts", param=f"{p}.content")
+        if content is None and role in ("system", "developer", "user"):
+            # Only an assistant turn (with tool calls) or a tool result may leave it out, as in
+            # OpenAI's API (helper-66: a user message with null content was answered 200).
+            raise RequestError(f"'{p}.content' is required for a {role} message (a string or an array of parts)",
+                               param=f"{p}.content")
         if isinstance(content, list):
             for j, part in enumerate(content):
                 q = f"{p}.content[{j}]"

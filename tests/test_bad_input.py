@@ -79,6 +79,10 @@ CASES = [
     ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"},
                                          {"role": "assistant", "content": None, "function_call": {"arguments": "{}"}}]},
      400, "messages[1].function_call", None),
+    # helper-66: answered 200, as if the turn were empty
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": None}]}, 400, "messages[0].content", None),
+    ({"model": "demo-tiny", "messages": [{"role": "system"}, {"role": "user", "content": "x"}]}, 400,
+     "messages[0].content", None),
     # helper-66: the compiler's message was cut to "regex parse error:"
     ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
