@@ -132,6 +132,9 @@ SERVED_BY = schema.SERVED_BY
 
 #: Backends a request may see fail after taking it before it is sent to no more (`Proxy.forward`).
 MAX_DEATHS = 2
+# Seconds a backend must have had a whole (non-streamed) request before its connection closing
+# counts towards MAX_DEATHS: a pooled connection of a backend that died idle fails at once.
+TOOK_IT_AFTER = 1.0
 
 
 def _died_with_it(e: BaseException) -> bool:
@@ -452,6 +455,7 @@ class Proxy:
             if i > 0:
                 self.retries += 1
             a.tried = True
+            sent_at = time.monotonic()
             handle = self.inflight.begin(a.backend_id, a.prefill_tokens)
             try:
                 timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout or None)
@@ -570,9 +574,14 @@ class Proxy:
                     what = f"out of the registry for {self.gone_after:g} s (no heartbeat) while this request waited"
                 else:
                     what = f"no answer within {self.read_timeout:g} s" if timed_out else _before_answer(e)
-                # Only an answer cut off mid-body counts here: a closed connection before any answer
-                # may be a pooled one the backend closed while idle (killed earlier), not this request's doing.
-                died += "answer cut off" in str(e)
+                # An answer cut off mid-body counts, and a connection closed before the answer once
+                # the backend had the request for `TOOK_IT_AFTER` s (its prefill, say); one closed
+                # sooner may be a pooled connection the backend closed while idle (killed
+                # earlier), not this request's doing.
+                died += "answer cut off" in str(e) or (
+                    isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
+                    and not isinstance(e, aiohttp.ClientConnectorError)
+                    and time.monotonic() - sent_at >= TOOK_IT_AFTER)
                 # The client hears the backend's id, not its address; the log has both.
                 last_err = f"{a.backend_id}: {what}"
                 errs.append(last_err)

@@ -1025,6 +1025,48 @@ def test_a_request_two_backends_died_serving_is_not_sent_to_a_third(make_stack):
     assert get_json(third.url + "/health")["requests"] == before[third.name]
 
 
+def test_a_whole_answer_two_backends_died_computing_is_not_sent_to_a_third(make_stack):
+    """The same for a non-streamed request: its backends died in its prefill, with nothing sent
+    back yet, and it was retried on every backend (their closed connections could not be told
+    from a pooled one of a backend killed while idle). A connection that closes after the
+    backend had the request for a second counts (`gateway.proxy.TOOK_IT_AFTER`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    s = make_stack()
+    slow = ("--engine", "sim", "--sim-prefill-rate", "200")  # ~4 s of prefill
+    bs = [s.add_backend(f"b{i}", None, *slow) for i in range(3)]
+    s.add_gateway("--max-retries", "2")
+    s.wait()
+    before = {b.name: get_json(b.url + "/health")["requests"] for b in bs}
+
+    def busy(among):  # the backend that took the request, once it has
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            for b in among:
+                if get_json(b.url + "/health")["requests"] > before[b.name]:
+                    return b
+            time.sleep(0.05)
+        raise AssertionError("no backend took the request")
+
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(post, s.gateway.url + "/v1/chat/completions", {
+            "model": "demo-tiny", "max_tokens": 5, "messages": [{"role": "user", "content": words(600, seed=98)}]})
+        first = busy(bs)
+        time.sleep(1.5)
+        first.kill()
+        rest = [b for b in bs if b is not first]
+        second = busy(rest)
+        time.sleep(1.5)
+        second.kill()
+        status, _, body = pending.result(timeout=60)
+    third = next(b for b in rest if b is not second)
+    msg = json.loads(body)["error"]["message"]
+    assert status == 503 and "2 backends failed while serving this request, so it was not sent to more" in msg, msg
+    assert msg.startswith(f"no backend could take the request: {first.name}: its connection closed before it "
+                          f"answered (the process stopped or restarted); {second.name}: "), msg
+    assert get_json(third.url + "/health")["requests"] == before[third.name]
+
+
 def test_a_backend_url_gateways_cannot_use_is_refused_and_left_out(make_stack):
     """helper-65: a backend joined with `--url 127.0.0.1:PORT` (no scheme) registered, and every
     request routed to it was a 500 with a traceback in the gateway, never retried elsewhere. The
