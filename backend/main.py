@@ -409,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
                "min_hit_tokens": args.min_hit_tokens, "cache_layout": args.cache_layout,
                "max_inflight_share": args.max_inflight_share, "pin_by_reference": int(args.pin_by_reference),
                "heartbeat_interval": args.heartbeat_interval,
-               "auth": "token" if args.internal_token else "none"},
+               "auth": "token" if args.internal_token else "none", "url_problem": ""},
     )
     timing = None
     if args.engine == "sim":
@@ -533,7 +533,7 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
     reporter.state = "ready"
     await reporter.heartbeat()
     watch = asyncio.get_running_loop().create_task(_stop_on_fault(engine, reporter, stopper, cfg.backend_id))
-    probe = asyncio.get_running_loop().create_task(_check_own_url(reporter.url, cfg.backend_id))
+    probe = asyncio.get_running_loop().create_task(_check_own_url(reporter.url, cfg.backend_id, reporter))
     await stopper.wait()
     stopper.close()
     watch.cancel()
@@ -547,9 +547,11 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
     return ENGINE_DIED if engine.failed else (TAKEN_OVER if reporter.taken_over else 0)
 
 
-async def _check_own_url(url: str, backend_id: str, timeout: float = 3.0) -> Optional[str]:
+async def _check_own_url(url: str, backend_id: str, reporter: Optional[Reporter] = None,
+                         timeout: float = 3.0) -> Optional[str]:
     """Ask this backend's registered ``url`` for ``/health`` once, as the gateways will; log a
-    warning (and return it) when the answer is not this backend's. helper-66: a backend
+    warning (and return it, and publish it as the registry's ``url_problem`` for `mlxgw
+    status`) when the answer is not this backend's. helper-66: a backend
     registered with the wrong port in ``--url`` said nothing, and the gateways' logs named a
     connection error without pointing at ``--url``. From another machine the URL may still
     work where it does not from here (a firewall's hairpin), hence a warning, not an exit."""
@@ -568,6 +570,8 @@ async def _check_own_url(url: str, backend_id: str, timeout: float = 3.0) -> Opt
     msg = (f"backend {backend_id} registered the URL {url}, but {what}: gateways cannot reach it there; "
            f"start it with --url http://<address>:<port> at an address and port it listens on")
     log.warning("%s", msg)
+    if reporter is not None:
+        reporter.extra["url_problem"] = msg  # with the next heartbeat
     return msg
 
 

@@ -213,7 +213,7 @@ def as_str(x) -> str:
 
 # Registry record fields that are text (docs/redis-schema.md); every other field is a number.
 REGISTRY_TEXT_FIELDS = frozenset({"id", "url", "model", "model_path", "host", "state", "engine", "cache_layout",
-                                  "tokenizer", "auth"})
+                                  "tokenizer", "auth", "url_problem"})
 
 
 # Gateways rewrite their `Keys.gateway_settings` entry every registry refresh (1 s); an entry

@@ -417,6 +417,13 @@ def open_lines(records: list[dict]) -> list[str]:
             "MLXGW_INTERNAL_TOKEN; docs/security.md)" for r in open_backends(records)]
 
 
+def url_problem_lines(records: list[dict]) -> list[str]:
+    """One line per backend whose own check of its registered URL failed (registry
+    ``url_problem``: nothing, or something else, answers there; helper-66: such a backend
+    showed `ready` here while no gateway could reach it)."""
+    return [str(r["url_problem"]) for r in records if r.get("url_problem")]
+
+
 def left_out_lines(records: list[dict]) -> list[str]:
     """One line per backend a live gateway does not route to, naming the gateways and why
     (``left_out_by``, from `collect`)."""
@@ -480,7 +487,8 @@ def run(args) -> int:
         con.print(t)
         if d.get("silent"):
             con.print(_silent_text(d["silent"]), markup=False, highlight=False, soft_wrap=True)
-        for line in (disagreement(d["backends"]) + shared_url_lines(d["backends"]) + left_out_lines(d["backends"])
+        for line in (disagreement(d["backends"]) + shared_url_lines(d["backends"]) + url_problem_lines(d["backends"])
+                     + left_out_lines(d["backends"])
                      + open_lines(d["backends"])):
             con.print(line, markup=False, highlight=False, soft_wrap=True)
         for e in d["recent_events"]:

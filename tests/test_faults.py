@@ -1095,6 +1095,13 @@ def test_a_backend_url_gateways_cannot_use_is_refused_and_left_out(make_stack):
     assert (f"backend lost registered the URL {nowhere}, but nothing answers there from this machine "
             "(ClientConnectorError") in lost.log_path.read_text(), lost.tail(10)
     assert "registered the URL" not in b0.log_path.read_text()  # a backend at its own URL says nothing
+    # ... and `mlxgw status`, where it showed `ready` like the others, says it too
+    deadline, out = time.time() + 10, ""
+    while "gateways cannot reach it there" not in out and time.time() < deadline:
+        out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", s.redis_url, "--namespace",
+                              s.namespace], capture_output=True, text=True, timeout=60).stdout
+    assert f"backend lost registered the URL {nowhere}, but nothing answers there from this machine" in \
+        " ".join(out.split()), out
     lost.stop()
     s.backends.remove(lost)
     # A record with such a URL (written by hand here, as an older backend would have) is left out.
