@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=non_empty_arg, help="model path or repo id (default: the demo model)")
     p.add_argument("--served-name", type=non_empty_arg, help="model name clients use (default: the model dir name)")
     p.add_argument("--port", type=port_arg, default=8100)
-    p.add_argument("--host", default="127.0.0.1", help="listen address (loopback by default)")
+    p.add_argument("--host", default="127.0.0.1", type=non_empty_arg, help="listen address (loopback by default)")
     p.add_argument("--id", dest="backend_id", type=non_empty_arg, help="backend name, stable across restarts (default: host:port)")
     p.add_argument("--url", type=non_empty_arg, help="URL gateways reach this backend at (default: http://host:port; with a wildcard "
                                  "--host such as 0.0.0.0, the address this machine reaches Redis from, or "
@@ -322,7 +322,8 @@ def advertised_url(host: str, port: int, redis_url: str, url: Optional[str] = No
     if not url:
         h = host
         if host in ("0.0.0.0", "::", ""):
-            h = "127.0.0.1"
+            # "::" listens on IPv6 only (asyncio sets IPV6_V6ONLY): 127.0.0.1 was not it (helper-67)
+            h = "::1" if host == "::" else "127.0.0.1"
             if remote:
                 try:  # no packet is sent: connect() on UDP only picks the route
                     fam = socket.AF_INET6 if ":" in redis_host else socket.AF_INET
@@ -342,6 +343,9 @@ def advertised_url(host: str, port: int, redis_url: str, url: Optional[str] = No
 
 #: The shortest heartbeat interval, seconds (0 wrote to Redis ~12,000 times a second: helper-66).
 MIN_HEARTBEAT_INTERVAL = 0.1
+#: The longest registry TTL, seconds: a killed backend counts as live for its TTL, and 1e30 made
+#: Redis refuse the EXPIRE after the record was written, leaving it for good (helper-67).
+MAX_HEARTBEAT_TTL = 600.0
 
 
 def heartbeat_error(interval: float, ttl: float) -> Optional[str]:
@@ -351,6 +355,9 @@ def heartbeat_error(interval: float, ttl: float) -> Optional[str]:
     left and rejoined the registry every 5 s)."""
     if interval < MIN_HEARTBEAT_INTERVAL:
         return f"--heartbeat-interval {interval:g} is under {MIN_HEARTBEAT_INTERVAL:g} s"
+    if ttl > MAX_HEARTBEAT_TTL:
+        return (f"--heartbeat-ttl {ttl:g} is over {MAX_HEARTBEAT_TTL:g} s (a killed backend counts as live "
+                f"until its record expires)")
     if ttl < 2 * interval:
         return (f"--heartbeat-ttl {ttl:g} is under two --heartbeat-interval ({interval:g} s): the registry "
                 f"record would expire between heartbeats; give a TTL of at least {2 * interval:g} s")

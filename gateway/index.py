@@ -214,6 +214,7 @@ class OwnershipIndex:
         self.healthy = False
         self.redis_url = redis_url
         self.problem: Optional[str] = None  # why Redis last failed (`redis_problem`), None once it answers
+        self.problem_for_clients: Optional[str] = None
         self._said_down = False  # the operator was told Redis is unreachable, and not yet that it is back
         self.lookups = {"ok": 0, "timeout": 0, "error": 0}
         self.lookups_stretched = 0  # lookups given more time: the loop was busy or Redis busy answering others
@@ -273,6 +274,9 @@ class OwnershipIndex:
         loop alone used to stay silent through an outage)."""
         self.healthy = ok
         self.problem = None if ok else redis_problem(self.redis_url, err) if err is not None else self.problem
+        # The same without Redis's address, for API clients (helper-67: a 503 showed host and port)
+        self.problem_for_clients = None if ok else redis_problem(None, err) if err is not None else \
+            self.problem_for_clients
         if not ok and not self._said_down:
             self._said_down = True
             log.warning("%s: routing on load, session affinity, this gateway's pending "

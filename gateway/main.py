@@ -16,7 +16,7 @@ from mlxgw import schema
 
 from mlxgw.rlimit import open_files_limit, raise_open_files_limit
 from mlxgw.stopping import EMBEDDED_REDIS_ENV, Stopper, shut_down_embedded_redis
-from mlxgw.util import (count, model_spec_arg, namespace_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, positive_int, redact_url,
+from mlxgw.util import (count, model_spec_arg, namespace_arg, non_empty_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, positive_int, redact_url,
                         redis_url_arg, size_arg)
 
 from .app import ADMISSION, STATE, GatewayConfig, make_app
@@ -32,7 +32,7 @@ log = logging.getLogger("mlxgw.gateway")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH", type=model_spec_arg,
                    help="a served model's tokenizer dir (repeatable); NAME defaults to the dir name")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", type=non_empty_arg)
     p.add_argument("--port", type=port_arg, default=8000)
     p.add_argument("--redis-url", type=redis_url_arg,
                    default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"))
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "answered other lookups or the gateway was too busy to read the answer does not "
                         "count; never past 1 s)")
     p.add_argument("--max-retries", type=non_negative_int, default=2, help="other backends tried before the first byte")
-    p.add_argument("--gateway-id", default=None,
+    p.add_argument("--gateway-id", default=None, type=non_empty_arg,
                    help="name of this gateway in Redis (default: host:port); gateways publish in-flight load under it")
     p.add_argument("--janitor-grace", type=non_negative_float, default=300.0,
                    help="seconds without a heartbeat before a dead backend's claims are deleted from Redis")
@@ -71,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-publish-ms", type=non_negative_float, default=GatewayConfig.load_publish_interval * 1000,
                    help="how often this gateway's in-flight work is written to Redis for the other gateways, "
                         "when it changed (ms)")
-    p.add_argument("--internal-token", default=os.environ.get("MLXGW_INTERNAL_TOKEN"))
+    # An empty one overrode MLXGW_INTERNAL_TOKEN, and every backend refused the gateway (helper-67).
+    p.add_argument("--internal-token", default=os.environ.get("MLXGW_INTERNAL_TOKEN") or None, type=non_empty_arg)
     p.add_argument("--read-timeout", type=non_negative_float, default=300.0, help="seconds of backend silence before failing over (0: no limit)")
     p.add_argument("--gone-after", type=non_negative_float, default=3.0,
                    help="seconds a backend may be out of the Redis registry (no heartbeat: hung or dead) before "

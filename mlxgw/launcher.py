@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-name", type=non_empty_arg, help="model name clients use (default: the dir name)")
     p.add_argument("--backends", type=positive_int, help="backend processes for the model (default 2)")
     p.add_argument("--redis-url", type=redis_url_arg, help="Redis URL; default: start a private embedded redis-server")
-    p.add_argument("--host", help="gateway listen address (default 127.0.0.1)")
+    p.add_argument("--host", type=non_empty_arg, help="gateway listen address (default 127.0.0.1)")
     p.add_argument("--port", type=port_arg, help="gateway port (default 8000)")
     p.add_argument("--backend-port", type=port_arg, help="first backend port (default 8100)")
     p.add_argument("--cache-bytes", type=size_arg,

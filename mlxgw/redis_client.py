@@ -13,6 +13,8 @@ does not answer in time is treated as down at once; callers degrade).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
@@ -50,25 +52,34 @@ def connect_async(url: str, timeout: float, max_connections: int = 0, **kw) -> a
     return client
 
 
-def redis_problem(url: str, e: BaseException) -> str:
+def redis_problem(url: Optional[str], e: BaseException) -> str:
     """One line on why Redis at ``url`` did not serve a client (``e``: the exception redis-py
     raised), for logs and errors: a refused or missing password is not "unreachable"
     (helper-66: a wrong password read "Redis unreachable", a missing one Redis's raw
-    ``HELLO must be called with the client already authenticated``). The URL is redacted."""
+    ``HELLO must be called with the client already authenticated``), nor is a database it does
+    not have, a TLS mismatch or a port where something else answers (helper-67). The URL is
+    redacted; with ``url`` None the line names no address (for API clients)."""
     from .util import redact_url
 
     text = str(e)
-    where = redact_url(url)
+    where = f"Redis at {redact_url(url)}" if url else "Redis"
     low = text.lower()
     if isinstance(e, getattr(redis.exceptions, "AuthenticationRequiredError", ())) or "noauth" in low \
             or "must be called with the client already authenticated" in low or "authentication required" in low:
-        return f"Redis at {where} requires a password, and the URL has none (redis://:PASSWORD@host:port/0)"
+        return f"{where} requires a password, and the URL has none (redis://:PASSWORD@host:port/0)"
     if isinstance(e, redis.exceptions.AuthenticationError) or "wrongpass" in low or "invalid password" in low \
             or "invalid username-password" in low:
-        return f"Redis at {where} refused the password in the URL ({text})"
+        return f"{where} refused the password in the URL ({text})"
+    if "db index is out of range" in low:
+        return f"{where} has no such database (the /N at the end of the URL; {text})"
+    if "protocol error" in low or isinstance(e, redis.exceptions.InvalidResponse):
+        return f"{where}: what answers there does not speak Redis's protocol (another server's port?): {text}"
+    if "ssl" in low or "wrong version number" in low:
+        return f"{where}: TLS failed (rediss:// to a Redis without TLS, or the other way round?): {text}"
     if isinstance(e, redis.exceptions.TimeoutError):
-        return f"Redis at {where} did not answer in time (overloaded, or stopped?): {text or 'timeout'}"
+        return (f"{where} did not answer in time (overloaded, stopped, or a rediss:// URL for a Redis "
+                f"without TLS?): {text or 'timeout'}")
+    unreachable = f"Redis unreachable at {redact_url(url)}" if url else "Redis unreachable"
     if isinstance(e, redis.exceptions.ConnectionError) and ("refused" in low or "connecting to" in low):
-        return f"Redis unreachable at {where}: {text}"
-    return f"Redis unreachable at {where}: {type(e).__name__}: {text}" if text else \
-        f"Redis unreachable at {where}: {type(e).__name__}"
+        return f"{unreachable}: {text}"
+    return f"{unreachable}: {type(e).__name__}: {text}" if text else f"{unreachable}: {type(e).__name__}"

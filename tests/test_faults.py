@@ -82,6 +82,24 @@ def test_dead_only_backend_gives_a_clear_503_and_one_warning(make_stack):
     assert len(warnings) == 1 and "WARNING" in warnings[0] and str(b0.port) in warnings[0], warnings
 
 
+def test_health_is_not_ok_while_every_listed_backend_is_failing(make_stack):
+    """helper-67: a killed backend with a long TTL stayed listed, and the gateway's /health
+    answered 200 "ok" while every request got a 503: a load balancer kept sending it traffic."""
+    from mlxgw.httpget import get_status
+
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim", "--heartbeat-ttl", "60")
+    s.add_gateway()
+    s.wait()
+    assert get_json(s.gateway.url + "/health")["status"] == "ok"
+    b0.kill()
+    assert _ask(s.gateway.url, "hi")[0] == 503
+    h = get_json(s.gateway.url + "/health")
+    assert get_status(s.gateway.url + "/health") == 503 and h["status"] == "backends_failing", h
+    assert h["backends"] == {"demo-tiny": ["b0"]} and h["circuit_open"] == ["b0"], h
+    s.backends.remove(b0)
+
+
 def test_backend_killed_mid_stream_gives_sse_error(make_stack):
     s = make_stack()
     b0 = s.add_backend("b0")
@@ -775,6 +793,15 @@ def test_advertised_url_is_one_other_machines_can_reach():
     for host, given in (("127.0.0.1", None), ("0.0.0.0", "http://127.0.0.1:8100")):
         url, why = advertised_url(host, 8100, "redis://192.0.2.7:6379/0", given)
         assert url == "http://127.0.0.1:8100" and "Redis is on another machine (192.0.2.7)" in why, why
+    # helper-67: "::" listens on IPv6 only, and registered 127.0.0.1
+    assert advertised_url("::", 8100, "redis://[::1]:6379/0") == ("http://[::1]:8100", "")
+    # ... and URLs no gateway can use are refused: a wildcard address (taken until session 39),
+    # a password in one is not echoed
+    from mlxgw.schema import url_error
+
+    assert url_error("http://0.0.0.0:8100").startswith("its URL 'http://0.0.0.0:8100' names a wildcard address")
+    assert url_error("http://[::]:8100").startswith("its URL 'http://[::]:8100' names a wildcard address")
+    assert "pw" not in url_error("http://u:pw@127.0.0.1:8100") and url_error("http://127.0.0.1:8100") is None
 
 
 def test_a_backend_registered_at_another_backends_url_is_skipped(make_stack):
@@ -1157,10 +1184,12 @@ def test_a_wrong_or_missing_redis_password_is_said_so(demo_model):
     s = Stack(red.url, demo_model)
     try:
         for name, url, says in (("w", wrong, "refused the password in the URL"),
-                                ("n", none, "requires a password, and the URL has none")):
+                                ("n", none, "requires a password, and the URL has none"),
+                                ("d", red.url.rsplit("/", 1)[0] + "/99", "has no such database")):
             b = s.add_backend(name, None, "--engine", "sim", "--redis-url", url)
             assert b.proc.wait(60) == 4, b.tail(10)
-            assert f"Redis at {url.replace('not-the-password', '***')} {says}" in b.tail(5), b.tail(10)
+            shown = url.replace("not-the-password", "***").replace(red.password, "***")
+            assert f"Redis at {shown} {says}" in b.tail(5), b.tail(10)
             s.backends.remove(b)
         s.add_backend("b0", None, "--engine", "sim")
         g = s.add_gateway("--redis-url", wrong)
@@ -1170,7 +1199,8 @@ def test_a_wrong_or_missing_redis_password_is_said_so(demo_model):
         status, _, body = _ask(g.url, "hi")
         msg = json.loads(body)["error"]["message"]
         assert status == 503 and msg.startswith("no live backend serves 'demo-tiny' (this gateway learns of backends "
-                                                "from Redis: Redis at redis://:***@127.0.0.1:"), msg
+                                                "from Redis: Redis refused the password in the URL"), msg
+        assert "127.0.0.1" not in msg, msg  # Redis's address is not the API client's business (helper-67)
         assert msg.endswith("refused the password in the URL (invalid username-password pair or user is "
                             "disabled.))"), msg
         assert "at start: Redis at redis://:***@127.0.0.1:" in g.log_path.read_text()
