@@ -324,6 +324,8 @@ def run(args: argparse.Namespace) -> int:
                     # (serve took --drain-seconds and did not pass it on until session 39).
                     c.proc.wait(max(grace, cfg.drain_seconds + 2) if c is gateway else grace)
                 except subprocess.TimeoutExpired:
+                    # Said, not silent (helper-67): a backend killed here may not have saved its cache.
+                    log.warning("%s did not stop in time after SIGTERM; killing it", c.name)
                     c.proc.kill()
         if embedded:
             embedded.stop()
