@@ -233,12 +233,17 @@ def test_ctrl_c_while_a_command_starts_is_no_traceback(demo_model):
     import subprocess
     import sys
 
+    from mlxgw.harness import free_port
+
+    # SIGINT's default handler: a test run started in the background (CI's) ignores SIGINT, and
+    # its children inherit that.
     code = ("import os, signal, sys\nfrom mlxgw.cli import main\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "signal.signal(signal.SIGALRM, lambda *a: os.kill(os.getpid(), signal.SIGINT))\n"
             "signal.setitimer(signal.ITIMER_REAL, 0.3)\n"
-            f"sys.exit(main(['gateway', '--model', 'demo-tiny={demo_model}', '--port', '1', "
+            f"sys.exit(main(['gateway', '--model', 'demo-tiny={demo_model}', '--port', '{free_port()}', "
             "'--redis-url', 'redis://127.0.0.1:1/0']))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 130 and r.stderr.strip().splitlines()[-1] == "mlxgw: interrupted", r.stderr[-2000:]
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
 
