@@ -20,7 +20,6 @@ import msgpack
 from aiohttp import web
 
 from mlxgw import schema
-from mlxgw.redis_client import redis_problem
 from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, overloaded, parse_openai
 
 from . import auth, dashboard, dialects, limits
@@ -243,8 +242,8 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         # Retry-After: backends (re-)register within a heartbeat, e.g. after Redis restarted empty.
         bad = st.index.incompatible.get(info.name)
         why = (f"; left out: {'; '.join(f'{b}: {w}' for b, w in sorted(bad.items()))}" if bad else "")
-        if not st.index.healthy and st.index.problem_for_clients:  # helper-66: a wrong password read as no backend
-            why += f" (this gateway learns of backends from Redis: {st.index.problem_for_clients})"
+        if not st.index.healthy and st.index.redis_error is not None:  # helper-66: a wrong password read as no backend
+            why += f" (this gateway learns of backends from Redis: {st.index.problem(for_clients=True)})"
         # Retry-After only when waiting can help (a backend registering); a setting to fix cannot.
         raise RequestError(f"no live backend serves '{info.name}'{why}", status=503, type="server_error",
                            code="no_backend", headers={} if bad else {"Retry-After": "1"})
@@ -379,7 +378,7 @@ async def handle_health(request: web.Request) -> web.Response:
     # Every live backend skipped (open circuit, refused token, misaddressed): still listed in
     # Redis (a killed one until its record expires) but serving nothing, so not "ok" either
     # (helper-67: a 200 "ok" while every request got a 503).
-    failing = bool(ids) and not rejected and not any(not st.proxy.recently_failed(b) for b in ids)
+    failing = bool(ids) and not rejected and all(st.proxy.recently_failed(b) for b in ids)
     ok = bool(ids) and not rejected and not failing
     body = {
         "status": "ok" if ok else ("token_rejected" if rejected else "backends_failing" if failing else "no_backends"),
@@ -434,9 +433,8 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         try:
             await index.refresh()
         except Exception as e:
-            index.problem = redis_problem(cfg.redis_url, e)
-            index.problem_for_clients = redis_problem(None, e)
-            log.warning("at start: %s; routing on load until it answers", index.problem)
+            index.redis_error = e
+            log.warning("at start: %s; routing on load until it answers", index.problem())
         index.start()
         proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout, keepalive=cfg.keepalive,
                       write_timeout=cfg.limits.write_timeout, url_of=index.url_of, gone_after=cfg.gone_after)

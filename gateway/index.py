@@ -213,8 +213,7 @@ class OwnershipIndex:
         self.snapshot_at = 0.0
         self.healthy = False
         self.redis_url = redis_url
-        self.problem: Optional[str] = None  # why Redis last failed (`redis_problem`), None once it answers
-        self.problem_for_clients: Optional[str] = None
+        self.redis_error: Optional[BaseException] = None  # Redis's last failure, None once it answers
         self._said_down = False  # the operator was told Redis is unreachable, and not yet that it is back
         self.lookups = {"ok": 0, "timeout": 0, "error": 0}
         self.lookups_stretched = 0  # lookups given more time: the loop was busy or Redis busy answering others
@@ -268,19 +267,23 @@ class OwnershipIndex:
         self.lookups["ok"] += 1
         return Lookup("ok", cands, time.perf_counter() - t0)
 
+    def problem(self, for_clients: bool = False) -> Optional[str]:
+        """Why Redis last failed (`redis_problem`; None once it answers); ``for_clients`` leaves
+        out Redis's address (helper-67: a 503 showed its host and port)."""
+        if self.redis_error is None:
+            return None
+        return redis_problem(None if for_clients else self.redis_url, self.redis_error)
+
     def _set_healthy(self, ok: bool, err: Optional[BaseException] = None) -> None:
         """Record whether Redis answered; tell the operator once when it stops answering
         and once when it is back (under traffic a lookup notices first, so the refresh
         loop alone used to stay silent through an outage)."""
         self.healthy = ok
-        self.problem = None if ok else redis_problem(self.redis_url, err) if err is not None else self.problem
-        # The same without Redis's address, for API clients (helper-67: a 503 showed host and port)
-        self.problem_for_clients = None if ok else redis_problem(None, err) if err is not None else \
-            self.problem_for_clients
+        self.redis_error = None if ok else err or self.redis_error
         if not ok and not self._said_down:
             self._said_down = True
             log.warning("%s: routing on load, session affinity, this gateway's pending "
-                        "claims and where it last sent each prompt, over the last known backends", self.problem)
+                        "claims and where it last sent each prompt, over the last known backends", self.problem())
         elif ok and self._said_down:
             self._said_down = False
             log.info("Redis reachable again: routing on ownership")

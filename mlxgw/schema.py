@@ -30,6 +30,8 @@ from typing import Iterable, Optional, Sequence
 import msgpack
 import xxhash
 
+from .util import redact_url
+
 DEFAULT_NAMESPACE = "mlxgw"
 # A namespace is matched in SCAN patterns and wraps the model's cluster hash tag, so glob
 # characters, braces and whitespace would reach other namespaces' keys or split a model's.
@@ -256,13 +258,6 @@ def gateway_settings_value(block_size: int, tokenizer: str, at: float, skipped: 
 SERVED_BY = "X-Mlxgw-Served-By"
 
 
-def redact(url: str) -> str:
-    """``url`` with any password shown as ``***`` (`mlxgw.util.redact_url`)."""
-    from .util import redact_url
-
-    return redact_url(url)
-
-
 def url_error(url: str) -> Optional[str]:
     """Why ``url`` cannot be a backend's registered URL (None: it can): gateways need
     ``http://host[:port]`` or ``https://...``. helper-65: ``--url mac2.local:8100`` (no scheme)
@@ -276,12 +271,12 @@ def url_error(url: str) -> Optional[str]:
     except ValueError:
         ok = False
     if not ok:
-        return f"its URL {redact(url)!r} is not an http(s)://host:port URL"
+        return f"its URL {redact_url(url)!r} is not an http(s)://host:port URL"
     if u.hostname in ("0.0.0.0", "::"):  # helper-67: taken, and reachable from this machine only
         return (f"its URL {url!r} names a wildcard address, where nothing can be reached; give the address "
                 f"the gateways reach this machine at")
     if u.path not in ("", "/") or u.query or u.fragment or u.username or u.password:
-        url = redact(url)  # helper-67: a password in it was echoed into the log
+        url = redact_url(url)  # helper-67: a password in it was echoed into the log
         # helper-66: `--url http://host:8645/v1` registered, and the gateways' requests to
         # /v1/v1/... were 404s for every request routed there, never retried.
         return (f"its URL {url!r} has more than a scheme, host and port (the gateways add the API's "
