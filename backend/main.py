@@ -35,7 +35,6 @@ from .report import Reporter
 from .server import BackendConfig, make_app
 
 log = logging.getLogger("mlxgw.backend")
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                  "--host such as 0.0.0.0, the address this machine reaches Redis from, or "
                                  "127.0.0.1 when Redis is on this machine)")
     p.add_argument("--redis-url", type=redis_url_arg,
-                   default=os.environ.get("MLXGW_REDIS_URL", DEFAULT_REDIS_URL),
+                   default=os.environ.get("MLXGW_REDIS_URL", schema.DEFAULT_REDIS_URL),
                    help="Redis holding the ownership index and registry (default: env MLXGW_REDIS_URL, else redis://127.0.0.1:6379/0)")
     p.add_argument("--namespace", type=namespace_arg, default=schema.DEFAULT_NAMESPACE,
                    help="Redis key prefix shared with the gateways (default %(default)s; docs/redis-schema.md)")
@@ -610,7 +609,7 @@ async def _register(reporter, stopper, args) -> Optional[int]:
         except Exception as e:
             problem = redis_problem(args.redis_url, e)
             if not os.environ.get(PARENT_ENV):
-                given = args.redis_url != DEFAULT_REDIS_URL or os.environ.get("MLXGW_REDIS_URL")
+                given = args.redis_url != schema.DEFAULT_REDIS_URL or os.environ.get("MLXGW_REDIS_URL")
                 log.error("%s%s", problem, "" if given else (
                     " (no --redis-url or MLXGW_REDIS_URL was given, so this is the default: start redis-server "
                     "there, pass the URL of the Redis the gateways use, or run `mlxgw serve`, which starts one)"))

@@ -41,7 +41,7 @@ log = logging.getLogger("mlxgw.gateway")
 class GatewayConfig:
     """Gateway settings (``mlxgw gateway --help``)."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = schema.DEFAULT_REDIS_URL
     namespace: str = schema.DEFAULT_NAMESPACE
     block_size: int = schema.DEFAULT_BLOCK_SIZE
     lookup_deadline: float = 0.05  # seconds; `--lookup-deadline-ms` (docs/routing.md "Why 50 ms")

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", type=non_empty_arg)
     p.add_argument("--port", type=port_arg, default=8000)
     p.add_argument("--redis-url", type=redis_url_arg,
-                   default=os.environ.get("MLXGW_REDIS_URL", "redis://127.0.0.1:6379/0"))
+                   default=os.environ.get("MLXGW_REDIS_URL", schema.DEFAULT_REDIS_URL))
     p.add_argument("--namespace", type=namespace_arg, default=schema.DEFAULT_NAMESPACE)
     p.add_argument("--block-size", type=positive_int, default=schema.DEFAULT_BLOCK_SIZE)
     p.add_argument("--lookup-deadline-ms", type=non_negative_float, default=50.0,

@@ -32,6 +32,8 @@ import xxhash
 
 from .util import redact_url
 
+# Where every command looks for Redis when neither --redis-url nor MLXGW_REDIS_URL says.
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_NAMESPACE = "mlxgw"
 # A namespace is matched in SCAN patterns and wraps the model's cluster hash tag, so glob
 # characters, braces and whitespace would reach other namespaces' keys or split a model's.

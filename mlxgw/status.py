@@ -307,7 +307,7 @@ def connect(args) -> redis.Redis:
     else:
         f = serve_url_file()
         args.url_source = "serve" if f.exists() else "default"
-        args.redis_url = f.read_text().strip() if f.exists() else "redis://127.0.0.1:6379/0"
+        args.redis_url = f.read_text().strip() if f.exists() else schema.DEFAULT_REDIS_URL
     return redis_connect(args.redis_url, REPLY_TIMEOUT)
 
 
