@@ -105,7 +105,7 @@ def load(path: str) -> ServeConfig:
     """Read a TOML config.
 
     Raises:
-        OSError: unreadable file. ValueError: bad TOML or unknown keys.
+        OSError: unreadable file. ValueError: bad TOML, unknown keys, or a value `check_values` refuses.
     """
     try:
         data = tomllib.loads(Path(path).read_text())
@@ -148,6 +148,7 @@ def load(path: str) -> ServeConfig:
         if k == "policy" and v not in POLICIES:
             raise ValueError(f"{path} [routing]: policy must be one of {', '.join(POLICIES)}")
         cfg.routing[k] = v
+    check_values(cfg, path)
     return cfg
 
 
@@ -202,6 +203,43 @@ def _check_cache_dir(path: str, where: str) -> None:
         raise ValueError(f"{where}: cache_dir {d} cannot be used: {e.strerror or e}") from None
 
 
+def check_values(cfg: ServeConfig, where: str = "") -> None:
+    """Check each value of ``cfg`` on its own: its type, that it is finite and not below its
+    least value, sizes that parse, an empty Redis URL. `load` runs it on the file before flags
+    override anything (helper-66: `[gateway] port = "x"` passed while `--port` was given, and
+    failed once the flag was dropped); `validate` runs it on the merge.
+
+    Raises:
+        ValueError: naming the section (after ``where``, the file's path) and the key.
+    """
+    from gateway.route import RoutingConfig
+
+    from .util import positive_bytes
+
+    at = f"{where} " if where else ""
+    gateway = {k: getattr(cfg, k) for k in GATEWAY_KEYS + ("namespace",)}
+    _type_errors(ServeConfig, gateway, f"{at}[gateway]")
+    _range_errors(gateway, f"{at}[gateway]")
+    for k in ("max_in_flight", "max_connections"):  # None (left out): the gateway picks
+        v = getattr(cfg, k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"{at}[gateway]: {k} must be an integer, not {v!r}")
+    _type_errors(RoutingConfig, cfg.routing, f"{at}[routing]")
+    _range_errors(cfg.routing, f"{at}[routing]")
+    for name, size in [(f"{at}[gateway] max_body_bytes", cfg.max_body_bytes)] + \
+            [(f"{at}[[models]] {m.name or m.path or 'demo'} cache_bytes", m.cache_bytes) for m in cfg.models]:
+        try:
+            positive_bytes(size)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    if cfg.redis_url == "":
+        raise ValueError(f"{at}[redis] url is empty; leave it out for the embedded Redis")
+    for m in cfg.models:
+        m_at = f"{at}[[models]] {m.name or m.path or 'demo'}"
+        _type_errors(ModelConfig, vars(m), m_at)
+        _range_errors(vars(m), m_at)
+
+
 def validate(cfg: ServeConfig) -> None:
     """Check a config (file and flags merged) before anything starts.
 
@@ -212,33 +250,13 @@ def validate(cfg: ServeConfig) -> None:
             a ``cache_dir`` that cannot be made or written, ``disk_cache_bytes`` without one,
             ``max_inflight_share`` above 1, ``pin_by_reference`` without the shared layout.
     """
-    from gateway.route import RoutingConfig
-
     from .util import positive_bytes
 
-    gateway = {k: getattr(cfg, k) for k in GATEWAY_KEYS + ("namespace",)}
-    _type_errors(ServeConfig, gateway, "[gateway]")
-    _range_errors(gateway, "[gateway]")
-    for k in ("max_in_flight", "max_connections"):  # None (left out): the gateway picks
-        v = getattr(cfg, k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            raise ValueError(f"[gateway]: {k} must be an integer, not {v!r}")
-    _type_errors(RoutingConfig, cfg.routing, "[routing]")
-    _range_errors(cfg.routing, "[routing]")
-    for name, size in [("[gateway] max_body_bytes", cfg.max_body_bytes)] + \
-            [(f"[[models]] {m.name or m.path or 'demo'} cache_bytes", m.cache_bytes) for m in cfg.models]:
-        try:
-            positive_bytes(size)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
-    if cfg.redis_url == "":
-        raise ValueError("[redis] url is empty; leave it out for the embedded Redis")
+    check_values(cfg)
     ranges = [("[gateway] port", cfg.port, cfg.port)]
     names = set()
     for m in cfg.models:
         where = f"[[models]] {m.name or m.path or 'demo'}"
-        _type_errors(ModelConfig, vars(m), where)
-        _range_errors(vars(m), where)
         if m.name and m.name in names:
             raise ValueError(f"{where}: two models are named {m.name!r}")
         names.add(m.name)

@@ -116,7 +116,7 @@ def test_serve_exits_2_on_a_bad_value(tmp_path, capsys):
     p.write_text(BAD[0][0])
     # (argv, what stderr must say): each exits 2 with that line and no traceback.
     cases = [
-        (["serve", "--config", str(p)], "config: [[models]] a: backends must be an integer"),
+        (["serve", "--config", str(p)], f"config: {p} [[models]] a: backends must be an integer"),
         (["serve", "--backends", "0"], "argument --backends: must be at least 1, not 0"),
         (["serve", "--block-size", "0"], "argument --block-size: must be at least 1, not 0"),
         (["serve", "--cache-bytes=-5GB"], "'-5GB' must be more than 0 bytes"),
@@ -194,6 +194,11 @@ def test_serve_exits_2_on_a_bad_value(tmp_path, capsys):
                   f"must be 1-64 letters, digits or _ . : / - (no spaces, braces or glob characters), not {ns!r}"
                   if ns else "is empty"))
               for cmd, ns in (("serve", ""), ("gateway", "a b"), ("backend", "x*"), ("status", "{m}"), ("top", ""))]
+    # helper-66: a file value a flag overrides was not checked (it failed once the flag was dropped)
+    p2 = tmp_path / "overridden.toml"
+    p2.write_text('[gateway]\nport = "x"\n')
+    cases += [(["serve", "--config", str(p2), "--port", "9000"],
+               f"config: {p2} [gateway]: port must be an integer, not 'x'")]
     # The command line's own errors (argparse's) are checked in this process: ~40 interpreter
     # start-ups took 26 s of the test run. The rest run the real command, all at once.
     from mlxgw.cli import main
