@@ -45,6 +45,9 @@ log = logging.getLogger("mlxgw.gateway.index")
 
 EVENT_FLUSH_S = 0.02  # seconds routing events wait to share one pipeline
 EVENT_QUEUE_MAX = 10_000
+# Seconds /metrics shows a backend that left the registry (killed, stopped) with `backend_up` 0
+# before its series goes: longer than an alert's usual `for: 5m`.
+LEFT_SHOWN = 600.0
 
 
 def hiredis_packing(client: aioredis.Redis) -> bool:
@@ -233,6 +236,9 @@ class OwnershipIndex:
         self.expect: dict[str, tuple[int, str]] = {}
         self.incompatible: dict[str, dict[str, str]] = {}  # model -> backend id -> why (last refresh)
         self._settings_pruned_at = 0.0  # `_publish_settings`
+        # (model, id) -> when it left the registry (monotonic s), for `LEFT_SHOWN` s: /metrics keeps
+        # its `backend_up` at 0 that long, so an alert on `== 0` sees a killed backend.
+        self.left: dict[tuple[str, str], float] = {}
 
     def keys(self, model: str) -> schema.Keys:
         return schema.Keys(self.namespace, model)
@@ -444,8 +450,11 @@ class OwnershipIndex:
                 if was.epoch != c.epoch:
                     for listener in self.on_restart:
                         listener(b)
+        now = time.monotonic()
         for (m, b) in before.keys() - after.keys():
             log.warning("backend %s (%s) left the registry: stopped, or no heartbeat within its TTL", b, m)
+            self.left[(m, b)] = now
+        self.left = {mb: t for mb, t in self.left.items() if mb not in after and now - t < LEFT_SHOWN}
 
     async def registry(self, model: str) -> list[dict]:
         """Full registry records of a model's live backends (for status and the dashboard)."""

@@ -29,6 +29,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mlxgw import metric_buckets as B
 
+from .index import LEFT_SHOWN
+
 reqlog = logging.getLogger("mlxgw.requests")
 
 # No ``*_created`` series (as vLLM): they double the output and nobody charts them.
@@ -54,6 +56,10 @@ class _StateCollector:
             for c in cands:
                 ok = c.state == "ready" and not st.proxy.recently_failed(c.backend_id)
                 up.add_metric([model, c.backend_id], 1.0 if ok else 0.0)
+        now = time.monotonic()
+        for (model, b), t in sorted(st.index.left.items()):
+            if now - t < LEFT_SHOWN:
+                up.add_metric([model, b], 0.0)
         yield up
         run = GaugeMetricFamily("mlxgw:gateway_num_requests_running", "Requests this gateway is forwarding, per backend.",
                                 labels=["backend"])

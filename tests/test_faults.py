@@ -54,6 +54,10 @@ def test_killed_idle_backend_no_client_error(make_stack):
     metrics = urllib.request.urlopen(s.gateway.url + "/metrics", timeout=5).read().decode()
     running = [ln.split()[0] for ln in metrics.splitlines() if ln.startswith("mlxgw:gateway_num_requests_running{")]
     assert running == [f'mlxgw:gateway_num_requests_running{{backend="{survivor.name}"}}'], running
+    # Its `backend_up` stays, at 0, so an alert on `== 0` fires (it vanished with the record).
+    up = sorted(ln for ln in metrics.splitlines() if ln.startswith("mlxgw:backend_up{"))
+    assert up == sorted([f'mlxgw:backend_up{{backend="{owner}",model_name="demo-tiny"}} 0.0',
+                         f'mlxgw:backend_up{{backend="{survivor.name}",model_name="demo-tiny"}} 1.0']), up
 
 
 def test_dead_only_backend_gives_a_clear_503_and_one_warning(make_stack):
