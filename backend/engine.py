@@ -939,6 +939,10 @@ class MLXEngine(Engine):
         if self._save_prompt(live, tokens, kv):
             if self.prefill_save_pin:
                 self._pin_saved(waiters)
+            # Counted after the pins: /health (read from the event loop while this thread runs)
+            # never shows the save without the waiters' queued tokens it lowered (a test read
+            # prefill_saves 1 beside the waiter's whole prompt queued, CI run of session 40).
+            self.prefill_saves += 1
         elif self.prefill_handoff:
             self._hand_over(tokens, kv, waiters)
 
@@ -992,7 +996,6 @@ class MLXEngine(Engine):
             return False
         self.cache.trim_to(max_bytes=room, keep=entry)
         live.prompt_saved = True
-        self.prefill_saves += 1
         return True
 
     def _hand_over(self, tokens: list[int], kv, waiters: list[GenRequest]) -> None:

@@ -571,6 +571,9 @@ async def _check_own_url(url: str, backend_id: str, reporter: Optional[Reporter]
                     return None
                 what = (f"backend {served_by} answers there" if served_by
                         else f"something that is not an mlxgw backend answers there (HTTP {r.status})")
+    except aiohttp.ClientSSLError as e:  # helper-67: an https:// URL for this plain-http server
+        what = (f"no TLS connection can be made there (it serves plain http: an https:// URL needs a TLS "
+                f"proxy in front; {type(e).__name__})")
     except Exception as e:  # refused, unreachable, timed out
         what = f"nothing answers there from this machine ({type(e).__name__}: {e or 'no answer'})"
     msg = (f"backend {backend_id} registered the URL {url}, but {what}: gateways cannot reach it there; "

@@ -147,6 +147,9 @@ def _died_with_it(e: BaseException) -> bool:
 def _before_answer(e: BaseException) -> str:
     """A backend's failure before its answer, in the client's terms (helper-66: the 503 said
     ``ServerDisconnectedError``); the gateway's log adds the exception itself."""
+    if isinstance(e, aiohttp.ClientSSLError):  # helper-67: was "not listening there"
+        return ("no TLS connection at its registered URL (an https:// URL where it serves plain http, "
+                "or a certificate this machine does not trust)")
     if isinstance(e, aiohttp.ClientConnectorError):
         return "no connection at its registered URL (not listening there: stopped, restarting, or a wrong --url)"
     if isinstance(e, aiohttp.InvalidURL):

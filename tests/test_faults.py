@@ -1098,6 +1098,27 @@ def test_a_whole_answer_two_backends_died_computing_is_not_sent_to_a_third(make_
     assert get_json(third.url + "/health")["requests"] == before[third.name]
 
 
+def test_an_https_url_at_a_plain_http_backend_is_said_to_be_a_tls_failure(make_stack):
+    """helper-67: a backend registered as ``https://`` (it serves plain http) was explained as
+    "not listening there" in the 503 and the gateway's log; its own URL check said nothing answered."""
+    from mlxgw.harness import free_port
+
+    s = make_stack()
+    port = free_port()
+    b = s.add_backend("tls", port, "--engine", "sim", "--url", f"https://127.0.0.1:{port}")
+    g = s.add_gateway()
+    s.wait()
+    status, _, body = _ask(g.url, "hi")
+    msg = json.loads(body)["error"]["message"]
+    assert status == 503 and ("tls: no TLS connection at its registered URL (an https:// URL where it "
+                              "serves plain http, or a certificate this machine does not trust)") in msg, msg
+    deadline = time.time() + 30
+    while "gateways cannot reach it there" not in b.log_path.read_text() and time.time() < deadline:
+        time.sleep(0.2)
+    assert (f"backend tls registered the URL https://127.0.0.1:{port}, but no TLS connection can be made there "
+            "(it serves plain http: an https:// URL needs a TLS proxy in front") in b.log_path.read_text(), b.tail(5)
+
+
 def test_a_backend_url_gateways_cannot_use_is_refused_and_left_out(make_stack):
     """helper-65: a backend joined with `--url 127.0.0.1:PORT` (no scheme) registered, and every
     request routed to it was a 500 with a traceback in the gateway, never retried elsewhere. The
