@@ -1208,10 +1208,11 @@ def test_a_wrong_or_missing_redis_password_is_said_so(demo_model):
     none = red.url.replace(f":{red.password}@", "")
     s = Stack(red.url, demo_model)
     try:
-        for name, url, says in (("w", wrong, "refused the password in the URL"),
-                                ("n", none, "requires a password, and the URL has none"),
-                                ("d", red.url.rsplit("/", 1)[0] + "/99", "has no such database")):
-            b = s.add_backend(name, None, "--engine", "sim", "--redis-url", url)
+        cases = (("w", wrong, "refused the password in the URL"),
+                 ("n", none, "requires a password, and the URL has none"),
+                 ("d", red.url.rsplit("/", 1)[0] + "/99", "has no such database"))
+        started = [s.add_backend(name, None, "--engine", "sim", "--redis-url", url) for name, url, _ in cases]
+        for (name, url, says), b in zip(cases, started):  # started together: each exits at its first Redis call
             assert b.proc.wait(60) == 4, b.tail(10)
             shown = url.replace("not-the-password", "***").replace(red.password, "***")
             assert f"Redis at {shown} {says}" in b.tail(5), b.tail(10)
