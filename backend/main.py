@@ -24,7 +24,7 @@ from mlxgw.redis_client import redis_problem
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.stopping import PARENT_ENV, Stopper
 from mlxgw.util import (deadline, is_loopback, namespace_arg, non_empty_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, redis_url_arg,
-                        positive_int, share_arg, share_or_off_arg, size_arg, size_text)
+                        positive_int, seconds_arg, share_arg, share_or_off_arg, size_arg, size_text)
 
 from . import persist, sim
 from .cache import LAYOUTS, KVOps, PromptCache
@@ -111,8 +111,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(fifo), or the one with the fewest tokens to compute if fewer than the running one has "
                         "left (shorter-beside) and at most one prefill step (step-beside, the default); "
                         "docs/cache-policy.md")
-    p.add_argument("--heartbeat-interval", type=non_negative_float, default=schema.DEFAULT_HEARTBEAT_INTERVAL)
-    p.add_argument("--heartbeat-ttl", type=non_negative_float, default=schema.DEFAULT_HEARTBEAT_TTL)
+    p.add_argument("--heartbeat-interval", type=seconds_arg(MIN_HEARTBEAT_INTERVAL, MAX_HEARTBEAT_TTL / 2),
+                   default=schema.DEFAULT_HEARTBEAT_INTERVAL, help="seconds between registry heartbeats")
+    p.add_argument("--heartbeat-ttl", type=seconds_arg(2 * MIN_HEARTBEAT_INTERVAL, MAX_HEARTBEAT_TTL),
+                   default=schema.DEFAULT_HEARTBEAT_TTL,
+                   help="seconds the registry record outlives the last heartbeat (at least two intervals)")
     p.add_argument("--request-timeout", type=non_negative_float, default=600.0,
                    help="seconds a request may run (prefill + decode) before it is cancelled with a 504 / SSE error; "
                         "its prompt cache is still saved")
@@ -365,12 +368,12 @@ def heartbeat_error(interval: float, ttl: float) -> Optional[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run one backend until SIGINT/SIGTERM; returns the process exit code."""
-    from .engine import MLXEngine
-
     why = heartbeat_error(args.heartbeat_interval, args.heartbeat_ttl)
-    if why:
+    if why:  # before the engine's imports (seconds of them)
         log.error("%s", why)
         return 2
+    from .engine import MLXEngine
+
     if args.pin_by_reference and args.cache_layout != "shared":
         log.error("--pin-by-reference needs --cache-layout shared (pins reference the shared layout's segments)")
         return 2

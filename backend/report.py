@@ -241,8 +241,16 @@ class Reporter:
 
             h = await self._loop.run_in_executor(None, get_json, other.decode() + "/health", 1.0)
             if isinstance(h, dict) and h.get("backend") == self.backend_id:
+                import os
+
+                from mlxgw.stopping import PARENT_ENV
+
+                # Started by `mlxgw serve`, which names its backends itself and has no --id
+                # (helper-68): a second serve on one Redis needs its own key namespace.
+                fix = ("another `mlxgw serve` uses this Redis: give this serve another --namespace (or "
+                       "[redis] namespace)" if os.environ.get(PARENT_ENV) else "give this one another --id")
                 raise DuplicateBackend(f"backend id {self.backend_id!r} is in use by a live backend at "
-                                       f"{other.decode()}; give this one another --id")
+                                       f"{other.decode()}; {fix}")
         self.epoch = int(await self.redis.incr(self.keys.epoch_counter(self.backend_id)))
         await self.heartbeat()
         self._tasks = [

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from mlxgw import schema
 from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, overloaded, parse_openai
+from mlxgw.redis_client import is_setting_error
 
 from . import auth, dashboard, dialects, limits
 from .limits import LimitConfig
@@ -275,7 +276,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
                 "X-Mlxgw-Request-Id": rid,
             },
         )
-        for i, s in enumerate(ranked[: 1 + cfg.max_retries])
+        for i, s in enumerate(ranked)  # forward tries 1 + max_retries of them (`Attempt.free` aside)
     ]
     log.debug("route %s: %s (reason %s, lookup %s, %.2f ms)", rid, explain, reason, lk.status, route_ms)
     st.index.record_routed(
@@ -299,7 +300,8 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
     claim = st.pending.add(ranked[0].cand.backend_id, blocks)
     request[FORWARDED] = True
     try:
-        resp = await st.proxy.forward(request, attempts, path, payload, "application/x-msgpack", stream, transform)
+        resp = await st.proxy.forward(request, attempts, path, payload, "application/x-msgpack", stream, transform,
+                                      max_tries=1 + cfg.max_retries)
         if any(a.failed for a in attempts):
             # A 200 whose stream ended in an error event: an error all the same.
             outcome = "gateway_stopping" if any(a.stopped for a in attempts) else "backend_failed"
@@ -413,6 +415,12 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return await request.app[STATE].metrics.handler(request)
 
 
+class RedisRefused(Exception):
+    """Redis refused this gateway at start for a reason only another ``--redis-url`` mends
+    (`mlxgw.redis_client.is_setting_error`); `gateway.main` exits 4 with it, as a backend does.
+    Unreachable at start is not this: the gateway routes on load until Redis answers."""
+
+
 def make_app(cfg: GatewayConfig) -> web.Application:
     """Build the gateway app; tokenizers load and Redis connects in its cleanup context.
 
@@ -434,6 +442,9 @@ def make_app(cfg: GatewayConfig) -> web.Application:
             await index.refresh()
         except Exception as e:
             index.redis_error = e
+            if is_setting_error(e):  # a wrong password or database: waiting never mends it (helper-68)
+                await index.close()
+                raise RedisRefused(index.problem()) from None
             log.warning("at start: %s; routing on load until it answers", index.problem())
         index.start()
         proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout, keepalive=cfg.keepalive,

@@ -19,7 +19,7 @@ from mlxgw.stopping import EMBEDDED_REDIS_ENV, Stopper, shut_down_embedded_redis
 from mlxgw.util import (count, model_spec_arg, namespace_arg, non_empty_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, positive_int, redact_url,
                         redis_url_arg, size_arg)
 
-from .app import ADMISSION, STATE, GatewayConfig, make_app
+from .app import ADMISSION, STATE, GatewayConfig, RedisRefused, make_app
 from .connguard import GuardedRunner, auto_max_connections
 from .auth import AuthConfigError, check_exposure, read_keys
 from .limits import LimitConfig, auto_max_in_flight
@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="abandon the Redis lookup after this long and route on load (time in which Redis "
                         "answered other lookups or the gateway was too busy to read the answer does not "
                         "count; never past 1 s)")
-    p.add_argument("--max-retries", type=non_negative_int, default=2, help="other backends tried before the first byte")
+    p.add_argument("--max-retries", type=non_negative_int, default=2, help="other backends tried before the first byte (tries that reached no backend, a refused connection, not counted)")
     p.add_argument("--gateway-id", default=None, type=non_empty_arg,
                    help="name of this gateway in Redis (default: host:port); gateways publish in-flight load under it")
     p.add_argument("--janitor-grace", type=non_negative_float, default=300.0,
@@ -236,10 +236,16 @@ async def _serve(app: web.Application, cfg: GatewayConfig, host: str, port: int,
     that started it is gone (`mlxgw.stopping`), then shut down gracefully: no new connections,
     ``drain`` seconds for the answers in flight, then streams still running end with an error
     event (`Proxy.begin_drain`) and what is left is cancelled a second later.
-    Returns the exit code: 0, or 3 when the address cannot be bound."""
+    Returns the exit code: 0, 3 when the address cannot be bound, 4 when Redis refuses the
+    URL's password or database (`gateway.app.RedisRefused`)."""
     runner = GuardedRunner(app, cfg.limits.max_connections, counts=app[ADMISSION].rejected,
                            handler_cancellation=True, access_log=None, shutdown_timeout=drain + 1.0)
-    await runner.setup()
+    try:
+        await runner.setup()
+    except RedisRefused as e:
+        log.error("%s", e)
+        await runner.cleanup()
+        return 4
     try:
         await web.TCPSite(runner, host, port).start()
     except OSError as e:

@@ -101,6 +101,10 @@ class Attempt:
     client_gone: bool = False  # the client left during the answer (a write to it failed)
     stopped: bool = False  # its stream outlasted the gateway's drain at stop (`Proxy.begin_drain`)
     answered: bool = False  # the client got this backend's answer (a stream retried elsewhere: False)
+    # The request reached no backend: no connection (not listening, TLS refused) or another
+    # server answered at its URL. Such a try is not one of ``max_tries`` (helper-68: four
+    # registered URLs nothing listened on took every try, a 503 beside two idle backends).
+    free: bool = False
     # The backend's answer headers once they came (its X-Mlxgw-Cached-Tokens: the metrics count a
     # stream the client then left, when no response to the client is left to read them from).
     answer_headers: Optional[Mapping[str, str]] = None
@@ -421,8 +425,12 @@ class Proxy:
         content_type: str,
         stream: bool,
         transform: Optional[Transform] = None,
+        max_tries: Optional[int] = None,
     ) -> web.StreamResponse:
         """Send ``payload`` to the first attempt that answers; stream its answer back.
+
+        At most ``max_tries`` attempts (None: all) are tried, not counting those the request
+        never reached a backend on (`Attempt.free`): a failed one costs nothing there.
 
         ``transform`` (optional) rewrites the answer; without it the bytes
         pass through untouched. The attempt whose answer the client got is
@@ -448,6 +456,8 @@ class Proxy:
         died = 0  # backends that failed after taking this request (not refused, not hung)
         errs: list[str] = []  # each failed attempt's reason, in order (the 503 names them all)
         for i, a in enumerate(attempts):
+            if max_tries is not None and sum(b.tried and not b.free for b in attempts[:i]) >= max_tries:
+                break
             if died >= MAX_DEATHS:
                 # Not on more: a request that crashes backends (one that runs them out of memory,
                 # say) would take every one down in turn (helper-64's concern).
@@ -479,6 +489,7 @@ class Proxy:
                             errs.append(last_err)
                             self._misaddressed(a, who)
                             timed_out = False
+                            a.free = True
                             continue
                         if up.status >= 500 or up.status == 401:
                             if up.status == 401:
@@ -585,6 +596,7 @@ class Proxy:
                     isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
                     and not isinstance(e, aiohttp.ClientConnectorError)
                     and time.monotonic() - sent_at >= TOOK_IT_AFTER)
+                a.free = isinstance(e, aiohttp.ClientConnectorError)  # never connected
                 # The client hears the backend's id, not its address; the log has both.
                 last_err = f"{a.backend_id}: {what}"
                 errs.append(last_err)

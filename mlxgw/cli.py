@@ -116,6 +116,26 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _exit_past_teardown(code: int) -> int:
+    """End a backend process now with ``code``, past the interpreter's teardown: MLX's C++
+    threads met their static destructors there now and then ("terminate called without an
+    active exception", exit 134 instead of 4: helper-68, 3 of 17 backends refused by Redis).
+    The backend has stopped its engine, saved its caches and left Redis by then; logs and
+    standard streams are flushed first. Returns ``code`` (to the caller of `main`) only when a
+    thread other than this one still runs, which the normal exit waits for."""
+    import threading
+
+    if any(t is not threading.current_thread() and not t.daemon for t in threading.enumerate()):
+        return code
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def _main(argv: list[str] | None = None) -> int:
     argv = _negative_values(sys.argv[1:] if argv is None else argv)
     # Before anything imports mlx-lm (a backend; the demo model build in `serve` or a
@@ -146,7 +166,7 @@ def _main(argv: list[str] | None = None) -> int:
     if args.cmd == "backend":
         from backend import main as backend_main
 
-        return backend_main.run(args)
+        return _exit_past_teardown(backend_main.run(args))
     if args.cmd == "gateway":
         from gateway import main as gateway_main
 

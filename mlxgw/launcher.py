@@ -102,7 +102,13 @@ class Child:
 
 
 def port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
+    """Whether ``port`` can be bound at ``host``, in the host's own address family (helper-68:
+    an IPv4 socket could never bind ``::``, so `serve --host ::` always said the port was in use)."""
+    try:
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    except (OSError, UnicodeError):
+        return True  # a host that does not resolve: the gateway's own bind says so
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))

@@ -558,6 +558,11 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt
         ):
             req.prompt_ids = list(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            # helper-68: "must be an array of token ids" for an array of ids, one of them negative
+            bad = next(t for t in prompt if not 0 <= t < 2**32)
+            raise RequestError(f"'prompt' token ids must be from 0 to {2**32 - 1}, not {bad}", param="prompt")
         else:
             raise RequestError("'prompt' must be a non-empty string or array of token ids", param="prompt")
     return req

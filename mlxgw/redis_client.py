@@ -52,6 +52,18 @@ def connect_async(url: str, timeout: float, max_connections: int = 0, **kw) -> a
     return client
 
 
+def is_setting_error(e: BaseException) -> bool:
+    """Whether Redis refused for a reason only another URL mends (a refused or missing
+    password, no such database), not one waiting can (unreachable, slow): `redis_problem`
+    words both."""
+    low = str(e).lower()
+    return (isinstance(e, (redis.exceptions.AuthenticationError,
+                           getattr(redis.exceptions, "AuthenticationRequiredError", redis.exceptions.AuthenticationError)))
+            or any(w in low for w in ("noauth", "must be called with the client already authenticated",
+                                      "authentication required", "wrongpass", "invalid password",
+                                      "invalid username-password", "db index is out of range")))
+
+
 def redis_problem(url: Optional[str], e: BaseException) -> str:
     """One line on why Redis at ``url`` did not serve a client (``e``: the exception redis-py
     raised), for logs and errors: a refused or missing password is not "unreachable"
@@ -72,14 +84,17 @@ def redis_problem(url: Optional[str], e: BaseException) -> str:
         return f"{where} refused the password in the URL ({text})"
     if "db index is out of range" in low:
         return f"{where} has no such database (the /N at the end of the URL; {text})"
+    # redis-py's text of the failures below names the address ("Error 111 connecting to
+    # host:port"): kept for logs, left out for API clients (url None).
+    said = f": {text}" if url and text else ""
     if "protocol error" in low or isinstance(e, redis.exceptions.InvalidResponse):
-        return f"{where}: what answers there does not speak Redis's protocol (another server's port?): {text}"
+        return f"{where}: what answers there does not speak Redis's protocol (another server's port?){said}"
     if "ssl" in low or "wrong version number" in low:
-        return f"{where}: TLS failed (rediss:// to a Redis without TLS, or the other way round?): {text}"
+        return f"{where}: TLS failed (rediss:// to a Redis without TLS, or the other way round?){said}"
     if isinstance(e, redis.exceptions.TimeoutError):
         return (f"{where} did not answer in time (overloaded, stopped, or a rediss:// URL for a Redis "
-                f"without TLS?): {text or 'timeout'}")
+                f"without TLS?){said if url else ''}{': timeout' if url and not text else ''}")
     unreachable = f"Redis unreachable at {redact_url(url)}" if url else "Redis unreachable"
     if isinstance(e, redis.exceptions.ConnectionError) and ("refused" in low or "connecting to" in low):
-        return f"{unreachable}: {text}"
-    return f"{unreachable}: {type(e).__name__}: {text}" if text else f"{unreachable}: {type(e).__name__}"
+        return f"{unreachable}{said}" if url else f"{unreachable} (no connection: {type(e).__name__})"
+    return f"{unreachable}: {type(e).__name__}{said}"

@@ -163,6 +163,22 @@ def non_negative_float(s: str) -> float:
     return v
 
 
+def seconds_arg(lo: float, hi: float):
+    """An argparse type: a finite number of seconds from ``lo`` to ``hi``, said in those
+    words when it is not one (helper-68: `--heartbeat-interval nan` said "at least 0" where
+    the least is 0.1, and 0.05 was an error line two seconds into the start)."""
+    import argparse
+    import math
+
+    def parse(s: str) -> float:
+        v = _number_arg(s)
+        if not (math.isfinite(v) and lo <= v <= hi):
+            raise argparse.ArgumentTypeError(f"must be a finite number of seconds from {lo:g} to {hi:g}, not {s}")
+        return v
+
+    return parse
+
+
 def positive_float(s: str) -> float:
     """argparse type: a finite number above 0. Raises argparse.ArgumentTypeError otherwise."""
     import argparse

@@ -212,6 +212,16 @@ def test_integers_beyond_64_bits_are_refused_by_name():
     assert body["seed"] == 2**64 - 1
 
 
+def test_a_token_id_out_of_range_is_named():
+    """helper-68: `{"prompt": [-1, 5]}` was told the prompt must be an array of token ids."""
+    from mlxgw.protocol import RequestError, parse_openai
+
+    with pytest.raises(RequestError, match=r"^'prompt' token ids must be from 0 to 4294967295, not -1$"):
+        parse_openai({"prompt": [5, -1, 2**40]}, "text")
+    with pytest.raises(RequestError, match=r"^'prompt' must be a non-empty string or array of token ids$"):
+        parse_openai({"prompt": [5, "x"]}, "text")
+
+
 def test_backend_takes_packed_ids_and_refuses_torn_ones(stack1):
     """The gateway's forward (msgpack, ids packed by schema.token_bytes) straight to a backend."""
     import json

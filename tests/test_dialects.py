@@ -420,6 +420,12 @@ MALFORMED = [  # (path, body, param): each once crashed the conversion (500) or 
     ("/v1/messages", {"messages": [USER], "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": []}}, "tool_choice.type"),
     ("/v1/messages", {"messages": [USER], "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": {}}}, "tool_choice.type"),
     ("/v1/responses", {"input": "x", "tool_choice": {"type": []}}, "tool_choice"),
+    # helper-68: named text.format for a text that was no object; include unchecked; a chat tool's
+    # shape told only that the name was missing
+    ("/v1/responses", {"input": "x", "text": "x"}, "text"),
+    ("/v1/responses", {"input": "x", "include": "x"}, "include"),
+    ("/v1/responses", {"input": "x", "include": [5]}, "include"),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0]"),
 ]
 
 

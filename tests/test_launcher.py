@@ -240,6 +240,29 @@ def test_a_backend_started_under_nohup_outlives_sighup(make_stack):
     assert kept.proc.poll() is None and get_json(kept.url + "/health")["status"] == "ok"
 
 
+def test_a_port_is_checked_in_its_hosts_address_family():
+    """helper-68: `serve --host ::` always said its port was in use (an IPv4 socket cannot bind ::)."""
+    import pytest
+
+    from mlxgw.launcher import port_free
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as v4:
+        v4.bind(("127.0.0.1", 0))
+        v4.listen()
+        taken = v4.getsockname()[1]
+        assert port_free("127.0.0.1", taken) is False
+        assert port_free("127.0.0.1", free_port()) is True
+    try:
+        v6 = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        v6.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 on this machine")
+    with v6:
+        v6.listen()
+        assert port_free("::1", v6.getsockname()[1]) is False
+        assert port_free("::", free_port()) is True and port_free("::1", free_port()) is True
+
+
 def test_missing_model_path():
     r = _run(["serve", "--model", "/nonexistent/model", "--port", str(free_port())])
     assert r.returncode == 2 and "does not exist" in r.stderr

@@ -94,7 +94,20 @@ def convert_input(instructions, items) -> list[dict]:
 
 
 def convert_tools(tools) -> Optional[list[dict]]:
-    """Responses function tools -> chat tools; built-in tools (web_search, ...) ignored."""
+    """Responses function tools -> chat tools; built-in tools (web_search, ...) ignored.
+
+    Raises:
+        RequestError: as `function_tools`; a chat-shaped tool (``{"type": "function",
+            "function": {...}}``) is told the Responses shape is flat (helper-68: it read only
+            "'tools[0].name' must be a non-empty string").
+    """
+    if isinstance(tools, list):
+        for i, t in enumerate(tools):
+            if isinstance(t, dict) and t.get("type") == "function" and "name" not in t and isinstance(
+                    t.get("function"), dict):
+                raise RequestError(f"'tools[{i}]' is a chat completions tool: the Responses API's are flat, "
+                                   f"{{\"type\": \"function\", \"name\": ..., \"parameters\": ...}}",
+                                   param=f"tools[{i}]")
     return function_tools(tools, lambda t: t.get("type") == "function", "parameters")
 
 
@@ -128,6 +141,9 @@ def to_chat(body: dict) -> dict:
         if body.get(k) is not None:
             out[k] = body[k]
     optional_field(body, "store", (bool,), "a boolean")  # accepted and not used (stateless), but not any value
+    include = optional_field(body, "include", (list,), "an array of strings")  # none is produced; checked as OpenAI does
+    if include is not None and not all(isinstance(x, str) for x in include):
+        raise RequestError("'include' must be an array of strings", param="include")
     for k in ("reasoning", "metadata"):
         optional_field(body, k, (dict,), "an object")
     fmt = response_format(body.get("text"))
@@ -145,8 +161,10 @@ def response_format(text) -> Optional[dict]:
     """
     if text is None:
         return None
-    fmt = text.get("format") if isinstance(text, dict) else None
-    if not isinstance(text, dict) or not isinstance(fmt, (dict, type(None))):
+    if not isinstance(text, dict):  # helper-68: `"text": "x"` was said to be text.format's fault
+        raise RequestError("'text' must be an object (e.g. {\"format\": {\"type\": \"text\"}})", param="text")
+    fmt = text.get("format")
+    if not isinstance(fmt, (dict, type(None))):
         raise RequestError("'text.format' must be an object", param="text.format")
     kind = (fmt or {}).get("type", "text")
     if kind == "text":
