@@ -46,11 +46,20 @@ class RequestIdFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         rid = REQUEST_ID.get()
+        try:
+            text = record.getMessage()
+        except Exception:  # a bad format is the handler's to report, not the caller's to raise
+            return True
+        if text.startswith("Failed to parse tool call ("):
+            # In our words and under our name (helper-68 read "WARNING root: ... likely truncated
+            # mid-generation" on an answer whose model wrote a bad block unasked): the block is
+            # the answer's text (`backend.render.AnswerBuilder._parse_call`), not lost.
+            why = text[len("Failed to parse tool call ("):].split(")", 1)[0]
+            text = f"a tool-call block was not parsed ({why}); the client gets it as text"
+            record.name, record.levelno, record.levelname = "mlxgw.backend.render", logging.INFO, "INFO"
         if rid is not None:
-            try:
-                record.msg, record.args = f"{record.getMessage()} (request {rid})", ()
-            except Exception:  # a bad format is the handler's to report, not the caller's to raise
-                pass
+            text = f"{text} (request {rid})"
+        record.msg, record.args = text, ()
         return True
 
 
