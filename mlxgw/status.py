@@ -128,7 +128,8 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
 
     Returns ``id, state (``silent Ns`` once `SILENT_AFTER_BEATS` heartbeats were missed;
     ``left out`` when a live gateway does not route to it: ``left_out_by``, from `collect`),
-    silent, left_out, url, active, slots (decode slots, 0: not published), waiting (requests
+    ``url problem`` when its check of its own registered URL failed: ``url_problem``),
+    silent, left_out, unreachable, url, active, slots (decode slots, 0: not published), waiting (requests
     not yet in the batch), active_text (``active/slots``), queued (prefill tokens), entries,
     cache_mb (MiB), cache_use (bytes / budget, 0..1, 0 without a budget),
     evictions (entries the budget evicted since start), disk_mb (MiB of KV in the disk tier, cache rule 8;
@@ -147,11 +148,16 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
     active, queued = int(_f(rec, "active")), int(_f(rec, "queued_prefill_tokens"))
     slots = int(_f(rec, "decode_slots"))
     left_out = bool(rec.get("left_out_by"))
+    # Its own check found nothing, or something else, at its registered URL (helper-68: shown
+    # `ready` and counted live beside the line saying gateways cannot reach it).
+    unreachable = bool(rec.get("url_problem"))
     return {
         "id": rec.get("id", "?"),
-        "state": f"silent {age:.0f}s" if silent else ("left out" if left_out else rec.get("state", "?")),
+        "state": f"silent {age:.0f}s" if silent else ("left out" if left_out else
+                                                      "url problem" if unreachable else rec.get("state", "?")),
         "silent": silent,
         "left_out": left_out,
+        "unreachable": unreachable,
         "url": rec.get("url", "?"),
         "active": active,
         "slots": slots,
@@ -334,19 +340,21 @@ def unreachable(args, e: BaseException) -> int:
 
 def model_total(records: list[dict]) -> dict:
     """A model's figures over its backends: ``live`` (not silent, and routed to by the
-    gateways: not ``left out``), ``left_out`` (how many a gateway does not route to); sums over
+    gateways: not ``left out``, and no ``url problem``), ``left_out`` (how many a gateway does not
+    route to), ``unreachable`` (how many others have a URL problem); sums over
     the live ones of ``active``, ``slots``, ``waiting`` and ``queued`` (the capacity requests can
     use now: a silent backend's figures are stale and a left-out one gets no requests); sums
     over them all of ``entries``, ``cache_mb``, ``evictions``, ``prompt_tokens``, ``cached_tokens``,
     and ``hit_ratio``: cached over prompt tokens of them all (not the mean of their ratios)."""
     views = [backend_view(r) for r in records]
-    live = [v for v in views if not v["silent"] and not v["left_out"]]
+    live = [v for v in views if not (v["silent"] or v["left_out"] or v["unreachable"])]
     pt = sum(_f(r, "prompt_tokens") for r in records)
     ct = sum(_f(r, "cached_tokens") for r in records)
     out = {k: sum(v[k] for v in live) for k in ("active", "slots", "waiting", "queued")}
     out.update({k: sum(v[k] for v in views) for k in ("entries", "evictions", "disk_reads")})
     return {"live": len(live),
-            "left_out": sum(v["left_out"] for v in views), **out, "cache_mb": round(sum(v["cache_mb"] for v in views), 2),
+            "left_out": sum(v["left_out"] for v in views),
+            "unreachable": sum(v["unreachable"] and not v["left_out"] and not v["silent"] for v in views), **out, "cache_mb": round(sum(v["cache_mb"] for v in views), 2),
             "disk_mb": round(sum(v["disk_mb"] for v in views), 2),
             "prompt_tokens": int(pt), "cached_tokens": int(ct), "hit_ratio": round(ct / pt, 4) if pt else 0.0}
 
@@ -364,7 +372,8 @@ def _disk_cell(v: dict) -> str:
 def total_row(records: list[dict]) -> list[str]:
     """The ``total`` row of a model's status table (`model_total`)."""
     t = model_total(records)
-    live = f"{t['live']} live" + (f", {t['left_out']} left out" if t["left_out"] else "")
+    live = (f"{t['live']} live" + (f", {t['left_out']} left out" if t["left_out"] else "")
+            + (f", {t['unreachable']} url problem" if t["unreachable"] else ""))
     active = f"{t['active']}/{t['slots']}" if t["slots"] else str(t["active"])
     return ["total", live, "", active, str(t["queued"]), str(t["entries"]), f"{t['cache_mb']:.1f}",
             str(t["evictions"]), *([_disk_cell(t)] if has_disk_tier(records) else []), f"{t['hit_ratio']:.2f}", "", ""]

@@ -1182,6 +1182,9 @@ def test_a_backend_url_gateways_cannot_use_is_refused_and_left_out(make_stack):
                               s.namespace], capture_output=True, text=True, timeout=60).stdout
     assert f"backend lost registered the URL {nowhere}, but nothing answers there from this machine" in \
         " ".join(out.split()), out
+    # ... and its row says so, out of the live count (helper-68: `ready`, counted live)
+    cells = {c[0]: c[1] for c in ([x.strip() for x in ln.split("│")[1:3]] for ln in out.splitlines() if "│" in ln)}
+    assert (cells["lost"], cells["b0"], cells["total"]) == ("url problem", "ready", "1 live, 1 url problem"), out
     lost.stop()
     s.backends.remove(lost)
     # A record with such a URL (written by hand here, as an older backend would have) is left out.
