@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=non_empty_arg, help="model path or repo id (default: the demo model)")
     p.add_argument("--served-name", type=non_empty_arg, help="model name clients use (default: the model dir name)")
     p.add_argument("--port", type=port_arg, default=8100)
-    p.add_argument("--host", default="127.0.0.1", type=non_empty_arg, help="listen address (loopback by default)")
+    p.add_argument("--host", default="127.0.0.1", type=non_empty_arg, help="listen address (loopback by default; :: is IPv6 only, 0.0.0.0 IPv4 only (asyncio's binding, as nginx's [::]))")
     p.add_argument("--id", dest="backend_id", type=non_empty_arg, help="backend name, stable across restarts (default: host:port)")
     p.add_argument("--url", type=non_empty_arg, help="URL gateways reach this backend at (default: http://host:port; with a wildcard "
                                  "--host such as 0.0.0.0, the address this machine reaches Redis from, or "

@@ -32,7 +32,8 @@ log = logging.getLogger("mlxgw.gateway")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH", type=model_spec_arg,
                    help="a served model's tokenizer dir (repeatable); NAME defaults to the dir name")
-    p.add_argument("--host", default="127.0.0.1", type=non_empty_arg)
+    p.add_argument("--host", default="127.0.0.1", type=non_empty_arg,
+                   help="listen address (default %(default)s; :: is IPv6 only, 0.0.0.0 IPv4 only (asyncio's binding, as nginx's [::]))")
     p.add_argument("--port", type=port_arg, default=8000)
     p.add_argument("--redis-url", type=redis_url_arg,
                    default=os.environ.get("MLXGW_REDIS_URL", schema.DEFAULT_REDIS_URL))
@@ -222,8 +223,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
     app = make_app(cfg)
     lim = cfg.limits
-    log.info("gateway %s starting on %s:%d: Redis %s (namespace %s), models %s, at most %s in flight "
-             "and %s connections", cfg.gateway_id, args.host, args.port, redact_url(cfg.redis_url), cfg.namespace,
+    log.info("gateway %s starting on %s: Redis %s (namespace %s), models %s, at most %s in flight "
+             "and %s connections", cfg.gateway_id,
+             f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}",  # helper-68: ":::8743"
+             redact_url(cfg.redis_url), cfg.namespace,
              ", ".join(cfg.models) or "-", count(lim.max_in_flight, "request") if lim.max_in_flight else "unlimited requests", lim.max_connections or "unlimited")
     code = asyncio.run(_serve(app, cfg, args.host, args.port, args.drain_seconds))
     if code == 0:

@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-name", type=non_empty_arg, help="model name clients use (default: the dir name)")
     p.add_argument("--backends", type=positive_int, help="backend processes for the model (default 2)")
     p.add_argument("--redis-url", type=redis_url_arg, help="Redis URL; default: start a private embedded redis-server")
-    p.add_argument("--host", type=non_empty_arg, help="gateway listen address (default 127.0.0.1)")
+    p.add_argument("--host", type=non_empty_arg, help="gateway listen address (default 127.0.0.1; :: is IPv6 only, 0.0.0.0 IPv4 only (asyncio's binding, as nginx's [::]))")
     p.add_argument("--port", type=port_arg, help="gateway port (default 8000)")
     p.add_argument("--backend-port", type=port_arg, help="first backend port (default 8100)")
     p.add_argument("--cache-bytes", type=size_arg,
@@ -335,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
                     c.proc.kill()
         if embedded:
             embedded.stop()
-        _forget_url(redis_url, *previous)
+        _forget_url(redis_url, *previous, token=token)
         print("mlxgw stopped.", file=sys.stderr)
 
 
@@ -353,15 +353,16 @@ def _write_url(redis_url: str, token: str = "") -> None:
         _write_private(serve_token_file(), token)
 
 
-def _forget_url(redis_url: str, previous_url: str = "", previous_token: str = "") -> None:
-    """Take back the Redis URL and token this serve left, unless another serve replaced them
-    since: put back the ones it replaced if that Redis still answers (another serve of this
-    user still runs), else remove the files."""
+def _forget_url(redis_url: str, previous_url: str = "", previous_token: str = "", token: str = "") -> None:
+    """Take back the Redis URL and token (``token``, when it left one) this serve left, unless
+    another serve replaced them since: put back the ones it replaced if that Redis still
+    answers (another serve of this user still runs: on another Redis, or on this one under
+    another namespace, whose token helper-68 found removed), else remove the files."""
     f, t = serve_url_file(), serve_token_file()
     try:
-        if f.read_text().strip() != redis_url:
+        if f.read_text().strip() != redis_url or (token and t.exists() and t.read_text().strip() != token):
             return
-        if previous_url and previous_url != redis_url and _answers(previous_url):
+        if previous_url and (previous_url, previous_token) != (redis_url, token) and _answers(previous_url):
             _write_url(previous_url, previous_token)
             if not previous_token:
                 t.unlink(missing_ok=True)

@@ -325,6 +325,9 @@ def _validate_tools(tools) -> Optional[list]:
         p = f"tools[{i}]"
         if not isinstance(t, dict):
             raise RequestError(f"'{p}' must be an object", param=p)
+        if t.get("type", "function") != "function":  # helper-68: `"type": "bogus"` was rendered as a function
+            raise RequestError(f"'{p}.type' must be 'function' (the only chat tool type served), not "
+                               f"{json.dumps(t.get('type'))}", param=f"{p}.type")
         fn = t.get("function")
         if not isinstance(fn, dict):
             raise RequestError(f"'{p}.function' must be an object", param=f"{p}.function")

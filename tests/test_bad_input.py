@@ -65,6 +65,9 @@ CASES = [
      400, "tools[1].function.name", None),
     ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      400, "max_completion_tokens", None),
+    # helper-68: rendered to the template as a function tool
+    ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "bogus", "function": {"name": "f"}}]}, 400, "tools[0].type", None),
     ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, "temperature", None),
     ({"model": "demo-tiny", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
      400, "messages[0].content[0].text", None),

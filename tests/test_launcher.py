@@ -399,6 +399,11 @@ def test_a_stopping_serve_puts_back_the_url_of_one_still_running(redis_server):
         _write_url(redis_server.url, "third")  # a third serve replaced ours meanwhile: left alone
         _forget_url(mine, "", "")
         assert (f.read_text().strip(), t.read_text().strip()) == (redis_server.url, "third")
+        # helper-68: a second serve on the same Redis (another --namespace) took the first's
+        # token with it when it stopped
+        _write_url(redis_server.url, "second")
+        _forget_url(redis_server.url, redis_server.url, "third", token="second")
+        assert (f.read_text().strip(), t.read_text().strip()) == (redis_server.url, "third")
     finally:
         f.unlink(missing_ok=True)
         t.unlink(missing_ok=True)
