@@ -90,6 +90,14 @@ FORWARDED = web.RequestKey("mlxgw_forwarded", bool) if hasattr(web, "RequestKey"
 async def error_middleware(request: web.Request, handler):
     """Every error becomes a JSON error in the request's dialect, and every answer with an
     error status, ours or a backend's passed through, counts in ``errors``."""
+    if schema.FORWARDED_BY in request.headers:
+        # A gateway (this one or another) took this gateway for a backend: a backend registered
+        # its URL. That gateway hears so and retries elsewhere; it is no failure of this
+        # gateway's (helper-67: its refusals were counted in `errors` here).
+        gid = request.app[STATE].cfg.gateway_id
+        return dialects.error_response(request, RequestError(
+            f"this is mlxgw gateway {gid}, not a backend (a backend registered this gateway's URL)",
+            status=421, code="misaddressed", headers={schema.GATEWAY_ID: gid}))
     try:
         resp = await handler(request)
     except RequestError as e:
@@ -449,6 +457,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         index.start()
         proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout, keepalive=cfg.keepalive,
                       write_timeout=cfg.limits.write_timeout, url_of=index.url_of, gone_after=cfg.gone_after)
+        proxy.gateway_id = cfg.gateway_id
         await proxy.start()
         index.skipped = proxy.skipped
         app[STATE] = GatewayState(cfg, toks, index, proxy, strip=compile_patterns(cfg.strip_lines),

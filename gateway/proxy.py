@@ -132,6 +132,7 @@ KEEPALIVE = b": keepalive\n\n"
 #: The backend id a backend puts on every answer (``backend.server``): the gateway checks that the
 #: backend it meant answered, not another one at the same URL.
 SERVED_BY = schema.SERVED_BY
+FORWARDED_BY, GATEWAY_ID = schema.FORWARDED_BY, schema.GATEWAY_ID
 
 
 #: Backends a request may see fail after taking it before it is sent to no more (`Proxy.forward`).
@@ -251,6 +252,7 @@ class Proxy:
         self.keepalive = keepalive
         self.write_timeout = write_timeout
         self.connect_timeout = connect_timeout
+        self.gateway_id = "gateway"  # sent in `FORWARDED_BY`; `gateway.app` sets this gateway's id
         self.read_timeout = read_timeout
         self.session: Optional[aiohttp.ClientSession] = None
         self.inflight = InFlight()
@@ -445,7 +447,7 @@ class Proxy:
             GatewayStopping: the gateway's drain ended before the answer started (a whole,
                 non-streamed one included: it is sent only once read whole).
         """
-        headers = {"Content-Type": content_type}
+        headers = {"Content-Type": content_type, FORWARDED_BY: self.gateway_id}
         if self.internal_token:
             headers["Authorization"] = f"Bearer {self.internal_token}"
         last_err = None
@@ -483,7 +485,9 @@ class Proxy:
                             # path, or another server's port: every answer was its 404 or 400, never
                             # retried, helper-66): not its answer to give. Leaving the block closes the
                             # connection, which cancels any work there.
+                            gateway = up.headers.get(GATEWAY_ID)
                             who = (f"backend {served_by}" if served_by is not None
+                                   else f"mlxgw gateway {gateway}, not a backend," if gateway is not None
                                    else f"something that is not an mlxgw backend (HTTP {up.status})")
                             last_err = f"backend {a.backend_id}: its registered URL answers as {who}"
                             errs.append(last_err)

@@ -258,6 +258,11 @@ def gateway_settings_value(block_size: int, tokenizer: str, at: float, skipped: 
 # The header every backend answer carries with its backend id: a gateway that reached something
 # else at a backend's registered URL (another backend, another server) can tell.
 SERVED_BY = "X-Mlxgw-Served-By"
+# The header every request a gateway forwards carries, with the gateway's id: a gateway that
+# receives one was taken for a backend (a backend registered the gateway's URL) and answers
+# 421 naming itself in `GATEWAY_ID`, neither routing it nor counting it as its own failure.
+FORWARDED_BY = "X-Mlxgw-Forwarded-By"
+GATEWAY_ID = "X-Mlxgw-Gateway"
 
 
 def url_error(url: str) -> Optional[str]:
