@@ -487,7 +487,7 @@ class Proxy:
                             # connection, which cancels any work there.
                             gateway = up.headers.get(GATEWAY_ID)
                             who = (f"backend {served_by}" if served_by is not None
-                                   else f"mlxgw gateway {gateway}, not a backend," if gateway is not None
+                                   else f"mlxgw gateway {gateway} (not a backend)" if gateway is not None
                                    else f"something that is not an mlxgw backend (HTTP {up.status})")
                             last_err = f"backend {a.backend_id}: its registered URL answers as {who}"
                             errs.append(last_err)

@@ -1228,7 +1228,7 @@ def test_a_backend_url_gateways_cannot_use_is_refused_and_left_out(make_stack):
     # It says it is a gateway, and its refusal of its own forwarded request is no error of its
     # own (helper-67: counted in `errors`)
     gid = f"{socket.gethostname()}:{g.port}"  # the default --gateway-id
-    assert (f"backend elsewhere registered the URL {g.url}, where mlxgw gateway {gid}, not a backend, "
+    assert (f"backend elsewhere registered the URL {g.url}, where mlxgw gateway {gid} (not a backend) "
             "answers") in g.log_path.read_text()
     assert get_json(g.url + "/health")["errors"] == errors
     assert b0.proc.poll() is None
