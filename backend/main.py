@@ -114,8 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-interval", type=seconds_arg(MIN_HEARTBEAT_INTERVAL, MAX_HEARTBEAT_TTL / 2),
                    default=schema.DEFAULT_HEARTBEAT_INTERVAL, help="seconds between registry heartbeats")
     p.add_argument("--heartbeat-ttl", type=seconds_arg(2 * MIN_HEARTBEAT_INTERVAL, MAX_HEARTBEAT_TTL),
-                   default=schema.DEFAULT_HEARTBEAT_TTL,
-                   help="seconds the registry record outlives the last heartbeat (at least two intervals)")
+                   help=f"seconds the registry record outlives the last heartbeat (at least two intervals; "
+                        f"default {schema.DEFAULT_HEARTBEAT_TTL:g}, or two intervals when that is more)")
     p.add_argument("--request-timeout", type=non_negative_float, default=600.0,
                    help="seconds a request may run (prefill + decode) before it is cancelled with a 504 / SSE error; "
                         "its prompt cache is still saved")
@@ -368,6 +368,8 @@ def heartbeat_error(interval: float, ttl: float) -> Optional[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run one backend until SIGINT/SIGTERM; returns the process exit code."""
+    if args.heartbeat_ttl is None:  # helper-69: --heartbeat-interval 3 alone was refused for a TTL not given
+        args.heartbeat_ttl = max(schema.DEFAULT_HEARTBEAT_TTL, 2 * args.heartbeat_interval)
     why = heartbeat_error(args.heartbeat_interval, args.heartbeat_ttl)
     if why:  # before the engine's imports (seconds of them)
         log.error("%s", why)

@@ -109,16 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (130 when interrupted before a command
     installs its own signal handling: helper-66 saw a KeyboardInterrupt traceback from a
     gateway Ctrl-C'd while it loaded its tokenizers)."""
-    from .stopping import PARENT_ENV
-
-    if os.environ.get(PARENT_ENV):
-        # Started by `mlxgw serve`, which stops its children with SIGTERM: a terminal's Ctrl-C
-        # to the whole group during start-up printed "mlxgw: interrupted" from each child
-        # before serve's own "stopped" (helper-68). Once running, a child's `Stopper` takes
-        # SIGINT again (a Ctrl-C then drains it, as before).
-        import signal
-
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         return _main(argv)
     except KeyboardInterrupt:

@@ -257,9 +257,14 @@ def validate(cfg: ServeConfig) -> None:
     names = set()
     for m in cfg.models:
         where = f"[[models]] {m.name or m.path or 'demo'}"
-        if m.name and m.name in names:
-            raise ValueError(f"{where}: two models are named {m.name!r}")
-        names.add(m.name)
+        # The name serve gives it (mlxgw.launcher.run): helper-69's two tables without a name or
+        # path both served the demo model, started backends, then the gateway refused the name twice.
+        name = m.name or (Path(m.path.rstrip("/")).name if m.path else "demo-tiny")
+        if name in names:
+            raise ValueError(f"{where}: two models are named {name!r}" + (
+                "" if m.name else " (a [[models]] table names its model by its name, else its path's last "
+                                  "part, else the demo model's demo-tiny)"))
+        names.add(name)
         ranges.append((f"{where} backend ports", m.port, m.port + m.backends - 1))
         if m.cache_dir:
             _check_cache_dir(m.cache_dir, where)

@@ -101,6 +101,14 @@ class Child:
     probe_at: float = 0.0  # when `watch` asks it next
 
 
+def _local_base(host: str, port: int) -> str:
+    """``http://ADDRESS:PORT`` at which this machine reaches a server listening on ``host``: the
+    loopback of its family for a wildcard (helper-69: serve probed a gateway on ``::``, which
+    listens IPv6 only, at 127.0.0.1 and never saw it ready), else the host itself."""
+    addr = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{addr}]:{port}" if ":" in addr else f"http://{addr}:{port}"
+
+
 def port_free(host: str, port: int) -> bool:
     """Whether ``port`` can be bound at ``host``, in the host's own address family (helper-68:
     an IPv4 socket could never bind ``::``, so `serve --host ::` always said the port was in use)."""
@@ -290,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
         gw_cmd += ["--model", f"{m.name}={m.path}"]
     gw_cmd += gateway_security_flags(cfg)
     gw_env = {**env, EMBEDDED_REDIS_ENV: "1"} if embedded is not None else env
-    gateway = Child("gateway", gw_cmd, gw_env, f"http://127.0.0.1:{cfg.port}/health")
+    gateway = Child("gateway", gw_cmd, gw_env, f"{_local_base(cfg.host, cfg.port)}/health")
 
     stopping = False
 
@@ -540,7 +548,16 @@ def _restart_redis(redis) -> None:
 
 
 def _spawn(c: Child) -> None:
-    c.proc = subprocess.Popen(c.cmd, env=c.env)
+    # The child starts with SIGINT ignored (kept through exec) until its own handlers are in:
+    # a terminal's Ctrl-C reaches the whole process group, and one landing while a child's
+    # interpreter started printed tracebacks ("Fatal Python error: init_import_site", helper-69)
+    # or "mlxgw: interrupted" (helper-68). serve stops its children with SIGTERM.
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        c.proc = subprocess.Popen(c.cmd, env=c.env)
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
     c.started_at = time.time()
     c.next_start = 0.0
 
@@ -590,21 +607,23 @@ def _cli() -> str:
 
 
 def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None:
-    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    base = _local_base(cfg.host, cfg.port)
+    # helper-69: a serve under --namespace printed recipes that looked under the default one
+    ns = f" --namespace {cfg.namespace}" if cfg.namespace != config_mod.schema.DEFAULT_NAMESPACE else ""
     lines = [
         "",
         "mlxgw is ready",
-        f"  endpoint   http://{host}:{cfg.port}/v1   (OpenAI-compatible)",
-        f"  anthropic  http://{host}:{cfg.port}   (Anthropic SDK base URL: the SDK adds /v1)",
+        f"  endpoint   {base}/v1   (OpenAI-compatible)",
+        f"  anthropic  {base}   (Anthropic SDK base URL: the SDK adds /v1)",
         f"  models     {', '.join(m.name for m in cfg.models)}",
         f"  backends   {', '.join(c.name + ' ' + c.health_url.rsplit('/', 1)[0] for c in children)}"
         f"   ({', '.join(f'{m.name}: {m.decode_concurrency} decode slots each' for m in cfg.models)})",
         f"  redis      {redact_url(redis_url)}{' (embedded)' if embedded else ''}",
-        f"  dashboard  http://{host}:{cfg.port}/dashboard   metrics  http://{host}:{cfg.port}/metrics",
+        f"  dashboard  {base}/dashboard   metrics  {base}/metrics",
         f"  api keys   {_keys_summary(cfg)}",
-        f"  status     {_cli()} status | {_cli()} top   (read the Redis URL from {serve_url_file()})",
+        f"  status     {_cli()} status{ns} | {_cli()} top{ns}   (read the Redis URL from {serve_url_file()})",
         f"  join       MLXGW_INTERNAL_TOKEN=$(cat {serve_token_file()}) MLXGW_REDIS_URL=$(cat {serve_url_file()}) "
-        f"{_cli()} backend|gateway ...   (README, Commands)",
+        f"{_cli()} backend|gateway{ns} ...   (README, Commands)",
         "  stop       Ctrl-C" + ("   (the backends save their prompt caches first)"
                                   if any(m.cache_dir for m in cfg.models) else ""),
     ]

@@ -70,6 +70,9 @@ BAD = [  # (toml, message): each once reached a traceback, a child's argparse du
     ('[routing]\nload_weight = "high"\n', "[routing]: load_weight must be a number, not 'high'"),
     ('[gateway]\nkeepalive = true\n', "keepalive must be a number, not True"),
     ('[[models]]\nname = "a"\n[[models]]\nname = "a"\nport = 8200\n', "two models are named 'a'"),
+    # helper-69: both served the demo model; backends started, then the gateway refused the name twice
+    ('[[models]]\nbackends = 1\n[[models]]\nbackends = 1\nport = 8200\n', "two models are named 'demo-tiny'"),
+    ('[[models]]\npath = "/m/x"\n[[models]]\npath = "/n/x/"\nport = 8200\n', "two models are named 'x'"),
     ('[[models]]\nname = "a"\n[[models]]\nname = "b"\n', "(8100-8101) and [[models]] b backend ports (8100-8101) overlap"),
     ('[gateway]\nport = 8101\n', "[gateway] port (8101-8101) and [[models]] demo backend ports (8100-8101) overlap"),
     ('[[models]]\nname = "a"\nport = 65535\n', "65535-65536 is outside 1-65535"),
