@@ -170,16 +170,23 @@ TOKEN_REJECTED = ("rejected this gateway's internal token (start gateways and ba
                   "--internal-token / MLXGW_INTERNAL_TOKEN)")
 
 
+# A gateway with no token at all (helper-69: joined to a `mlxgw serve` stack without it, it was
+# told the backends "rejected this gateway's internal token", though it sent none).
+TOKEN_MISSING = ("refused a request without an internal token, and this gateway has none (start it with "
+                 "--internal-token / MLXGW_INTERNAL_TOKEN set to the backends' token; `mlxgw serve` leaves its "
+                 "token in the serve-internal-token file its summary names)")
+
+
 def unavailable_message(errs: list[str]) -> str:
     """The 503's reason from each failed attempt's, in order: backends that refused the
     internal token named together, the rest joined by ``; `` (helper-65: only the last
     backend was named, though the gateway had tried them all)."""
-    refused = [e.split(" ", 2)[1] for e in errs if e.startswith("backend ") and e.endswith(" " + TOKEN_REJECTED)]
-    out = [e for e in errs if not (e.startswith("backend ") and e.endswith(" " + TOKEN_REJECTED))]
-    if len(refused) > 1:
-        out.insert(0, f"backends {', '.join(refused)} {TOKEN_REJECTED}")
-    elif refused:
-        out.insert(0, f"backend {refused[0]} {TOKEN_REJECTED}")
+    out = list(errs)
+    for why in (TOKEN_MISSING, TOKEN_REJECTED):
+        refused = [e.split(" ", 2)[1] for e in out if e.startswith("backend ") and e.endswith(" " + why)]
+        out = [e for e in out if not (e.startswith("backend ") and e.endswith(" " + why))]
+        if refused:
+            out.insert(0, f"backend{'s' if len(refused) > 1 else ''} {', '.join(refused)} {why}")
     return "; ".join(out) or "no backend"
 
 
@@ -499,7 +506,7 @@ class Proxy:
                             if up.status == 401:
                                 # The backend refuses this gateway's internal token: a setup
                                 # error between the two, not the client's credentials.
-                                last_err = f"backend {a.backend_id} {TOKEN_REJECTED}"
+                                last_err = f"backend {a.backend_id} {TOKEN_REJECTED if self.internal_token else TOKEN_MISSING}"
                                 if a.backend_id not in self.token_rejected:  # once, until it takes the token
                                     log.error("%s; skipped until it accepts it (probed every second)", last_err)
                                 self.token_rejected[a.backend_id] = a.url

@@ -231,7 +231,9 @@ def test_a_gateway_without_the_internal_token_says_so_not_that_the_client_is_una
                                              "messages": [{"role": "user", "content": "hi"}]})):
             status, hdrs, raw = _post(g.url + path, body, key=KEYS["val"])
             assert status == 503, raw
-            assert "rejected this gateway's internal token" in raw.decode() and "MLXGW_INTERNAL_TOKEN" in raw.decode()
+            # helper-69: it was told the backends "rejected this gateway's internal token"; it has none
+            assert ("backend b0 refused a request without an internal token, and this gateway has none (start it "
+                    "with --internal-token / MLXGW_INTERNAL_TOKEN set to the backends' token") in raw.decode(), raw
             # Routed, so the routing headers say what was tried; no backend answered.
             assert len(hdrs["X-Mlxgw-Request-Id"]) == 32 and hdrs["X-Mlxgw-Route-Reason"] in ("prefix", "load")
             assert "X-Mlxgw-Backend" not in hdrs and hdrs["X-Mlxgw-Candidates"].startswith("b0:")
