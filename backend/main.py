@@ -23,7 +23,7 @@ from mlxgw.prompt import tokenizer_fingerprint
 from mlxgw.redis_client import redis_problem
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.stopping import PARENT_ENV, Stopper
-from mlxgw.util import (deadline, is_loopback, namespace_arg, non_empty_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, redis_url_arg,
+from mlxgw.util import (WILDCARD_LOOPBACK, deadline, http_base, is_loopback, namespace_arg, non_empty_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, redis_url_arg,
                         positive_int, seconds_arg, share_arg, share_or_off_arg, size_arg, size_text)
 
 from . import persist, sim
@@ -323,9 +323,8 @@ def advertised_url(host: str, port: int, redis_url: str, url: Optional[str] = No
     remote = not is_loopback(redis_host)
     if not url:
         h = host
-        if host in ("0.0.0.0", "::", ""):
-            # "::" listens on IPv6 only (asyncio sets IPV6_V6ONLY): 127.0.0.1 was not it (helper-67)
-            h = "::1" if host == "::" else "127.0.0.1"
+        if host in WILDCARD_LOOPBACK:
+            h = WILDCARD_LOOPBACK[host]
             if remote:
                 try:  # no packet is sent: connect() on UDP only picks the route
                     fam = socket.AF_INET6 if ":" in redis_host else socket.AF_INET
@@ -334,7 +333,7 @@ def advertised_url(host: str, port: int, redis_url: str, url: Optional[str] = No
                         h = so.getsockname()[0]
                 except OSError:
                     h = socket.gethostname()
-        url = f"http://{'[' + h + ']' if ':' in h else h}:{port}"
+        url = http_base(h, port)
     if remote and is_loopback(urlsplit(url).hostname or ""):
         return url, (f"registering {url} while Redis is on another machine ({redis_host}): gateways there "
                      "cannot reach this backend at a loopback address (a gateway's own backend at that port "
@@ -534,8 +533,8 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
     if not cfg.internal_token:
         # Where it listens, not the URL it registered (helper-66: a wildcard host was named as
         # 127.0.0.1, a wrong --url as a port nothing listened on).
-        where = (f"port {args.port} on any of this machine's addresses" if args.host in ("0.0.0.0", "::", "")
-                 else f"http://[{args.host}]:{args.port}" if ":" in args.host else f"http://{args.host}:{args.port}")
+        where = (f"port {args.port} on any of this machine's addresses" if args.host in WILDCARD_LOOPBACK
+                 else http_base(args.host, args.port))
         log.warning("backend %s has no internal token: anything that reaches %s can send it requests directly, "
                     "past the gateways' routing, keys and limits (mlxgw serve sets one; docs/security.md)",
                     cfg.backend_id, where)

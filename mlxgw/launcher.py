@@ -24,7 +24,7 @@ from typing import Optional
 
 from . import config as config_mod
 from .stopping import EMBEDDED_REDIS_ENV, PARENT_ENV, stop_signals
-from .util import (namespace_arg, non_empty_arg, non_negative_float, parse_bytes, port_arg, positive_int, redact_url, redis_url_arg, serve_token_file,
+from .util import (local_base_url, namespace_arg, non_empty_arg, non_negative_float, parse_bytes, port_arg, positive_int, redact_url, redis_url_arg, serve_token_file,
                    serve_url_file, share_or_off_arg, size_arg, size_text)
 
 #: Seconds serve waits for a backend with a --cache-dir to stop: it writes its prompt cache
@@ -99,14 +99,6 @@ class Child:
     started_at: float = 0.0
     answered_at: float = 0.0  # time.time() its health URL last answered (any status), or it started
     probe_at: float = 0.0  # when `watch` asks it next
-
-
-def _local_base(host: str, port: int) -> str:
-    """``http://ADDRESS:PORT`` at which this machine reaches a server listening on ``host``: the
-    loopback of its family for a wildcard (helper-69: serve probed a gateway on ``::``, which
-    listens IPv6 only, at 127.0.0.1 and never saw it ready), else the host itself."""
-    addr = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
-    return f"http://[{addr}]:{port}" if ":" in addr else f"http://{addr}:{port}"
 
 
 def port_free(host: str, port: int) -> bool:
@@ -298,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
         gw_cmd += ["--model", f"{m.name}={m.path}"]
     gw_cmd += gateway_security_flags(cfg)
     gw_env = {**env, EMBEDDED_REDIS_ENV: "1"} if embedded is not None else env
-    gateway = Child("gateway", gw_cmd, gw_env, f"{_local_base(cfg.host, cfg.port)}/health")
+    gateway = Child("gateway", gw_cmd, gw_env, f"{local_base_url(cfg.host, cfg.port)}/health")
 
     stopping = False
 
@@ -607,7 +599,7 @@ def _cli() -> str:
 
 
 def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None:
-    base = _local_base(cfg.host, cfg.port)
+    base = local_base_url(cfg.host, cfg.port)
     # helper-69: a serve under --namespace printed recipes that looked under the default one
     ns = f" --namespace {cfg.namespace}" if cfg.namespace != config_mod.schema.DEFAULT_NAMESPACE else ""
     lines = [

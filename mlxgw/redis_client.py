@@ -52,16 +52,26 @@ def connect_async(url: str, timeout: float, max_connections: int = 0, **kw) -> a
     return client
 
 
+def _refusal(e: BaseException) -> Optional[str]:
+    """What Redis refused in ``e``, when only another URL mends it: ``no_password`` (it needs
+    one), ``wrong_password``, ``no_database``; None otherwise (unreachable, slow, ...)."""
+    low = str(e).lower()
+    if isinstance(e, getattr(redis.exceptions, "AuthenticationRequiredError", ())) or "noauth" in low \
+            or "must be called with the client already authenticated" in low or "authentication required" in low:
+        return "no_password"
+    if isinstance(e, redis.exceptions.AuthenticationError) or "wrongpass" in low or "invalid password" in low \
+            or "invalid username-password" in low:
+        return "wrong_password"
+    if "db index is out of range" in low:
+        return "no_database"
+    return None
+
+
 def is_setting_error(e: BaseException) -> bool:
     """Whether Redis refused for a reason only another URL mends (a refused or missing
-    password, no such database), not one waiting can (unreachable, slow): `redis_problem`
-    words both."""
-    low = str(e).lower()
-    return (isinstance(e, (redis.exceptions.AuthenticationError,
-                           getattr(redis.exceptions, "AuthenticationRequiredError", redis.exceptions.AuthenticationError)))
-            or any(w in low for w in ("noauth", "must be called with the client already authenticated",
-                                      "authentication required", "wrongpass", "invalid password",
-                                      "invalid username-password", "db index is out of range")))
+    password, no such database: `_refusal`), not one waiting can (unreachable, slow):
+    `redis_problem` words both."""
+    return _refusal(e) is not None
 
 
 def redis_problem(url: Optional[str], e: BaseException) -> str:
@@ -76,13 +86,12 @@ def redis_problem(url: Optional[str], e: BaseException) -> str:
     text = str(e)
     where = f"Redis at {redact_url(url)}" if url else "Redis"
     low = text.lower()
-    if isinstance(e, getattr(redis.exceptions, "AuthenticationRequiredError", ())) or "noauth" in low \
-            or "must be called with the client already authenticated" in low or "authentication required" in low:
+    refusal = _refusal(e)
+    if refusal == "no_password":
         return f"{where} requires a password, and the URL has none (redis://:PASSWORD@host:port/0)"
-    if isinstance(e, redis.exceptions.AuthenticationError) or "wrongpass" in low or "invalid password" in low \
-            or "invalid username-password" in low:
+    if refusal == "wrong_password":
         return f"{where} refused the password in the URL ({text})"
-    if "db index is out of range" in low:
+    if refusal == "no_database":
         return f"{where} has no such database (the /N at the end of the URL; {text})"
     # redis-py's text of the failures below names the address ("Error 111 connecting to
     # host:port"): kept for logs, left out for API clients (url None).

@@ -353,6 +353,23 @@ class Tally:
             self.report(n)
 
 
+#: Wildcard listen address -> the loopback address of its family: ``::`` listens on IPv6 only
+#: (asyncio sets IPV6_V6ONLY), so 127.0.0.1 does not reach it (helper-67, helper-69).
+WILDCARD_LOOPBACK = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}
+
+
+def http_base(host: str, port: int) -> str:
+    """``http://HOST:PORT``, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def local_base_url(host: str, port: int) -> str:
+    """``http://ADDRESS:PORT`` at which this machine reaches a server listening on ``host``: the
+    loopback of its family for a wildcard (helper-69: serve probed a gateway on ``::``, which
+    listens IPv6 only, at 127.0.0.1 and never saw it ready), else the host itself."""
+    return http_base(WILDCARD_LOOPBACK.get(host, host), port)
+
+
 def is_loopback(host: str) -> bool:
     """True when listening on ``host`` is reachable from this machine only.
 

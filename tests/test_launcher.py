@@ -266,9 +266,9 @@ def test_a_port_is_checked_in_its_hosts_address_family():
 def test_serve_reaches_its_gateway_at_the_loopback_of_its_listen_family():
     """helper-69: `serve --host ::` probed the gateway at 127.0.0.1 (it listens IPv6 only) and
     never said it was ready; a gateway on one address of the machine is probed there."""
-    from mlxgw.launcher import _local_base
+    from mlxgw.util import local_base_url
 
-    assert [_local_base(h, 8000) for h in ("::", "0.0.0.0", "127.0.0.1", "10.1.2.3", "::1", "fe80::1")] == [
+    assert [local_base_url(h, 8000) for h in ("::", "0.0.0.0", "127.0.0.1", "10.1.2.3", "::1", "fe80::1")] == [
         "http://[::1]:8000", "http://127.0.0.1:8000", "http://127.0.0.1:8000", "http://10.1.2.3:8000",
         "http://[::1]:8000", "http://[fe80::1]:8000"]
 
