@@ -229,6 +229,8 @@ class OwnershipIndex:
         # Called with a backend id when it comes back under a new epoch (restarted: its memory
         # cache is gone unless it restored one), e.g. `gateway.pending.RecentRoutes.forget`.
         self.on_restart: list[Callable[[str], None]] = []
+        # Called with each new snapshot (model -> live backends), e.g. `gateway.proxy.Proxy.note_registry`.
+        self.on_snapshot: list[Callable[[dict[str, list[Candidate]]], None]] = []
         self._redis_id: Optional[bytes] = None  # `schema.redis_id_key` as last read
         self._kept: dict[tuple[str, str], tuple[Candidate, float]] = {}  # (model, id) -> (record, until)
         self.data_losses = 0
@@ -371,6 +373,8 @@ class OwnershipIndex:
         self._log_changes(self.snapshot, snap)
         self.snapshot = snap
         self.snapshot_at = time.time()
+        for listener in self.on_snapshot:
+            listener(snap)
         self._set_healthy(True)
 
     def _publish_settings(self, pipe) -> None:

@@ -172,9 +172,13 @@ TOKEN_REJECTED = ("rejected this gateway's internal token (start gateways and ba
 
 # A gateway with no token at all (helper-69: joined to a `mlxgw serve` stack without it, it was
 # told the backends "rejected this gateway's internal token", though it sent none).
-TOKEN_MISSING = ("refused a request without an internal token, and this gateway has none (start it with "
-                 "--internal-token / MLXGW_INTERNAL_TOKEN set to the backends' token; `mlxgw serve` leaves its "
-                 "token in the serve-internal-token file its summary names)")
+_GIVE_TOKEN = ("start it with --internal-token / MLXGW_INTERNAL_TOKEN set to the backends' token; `mlxgw serve` "
+               "leaves its token in the serve-internal-token file its summary names")
+TOKEN_MISSING = f"refused a request without an internal token, and this gateway has none ({_GIVE_TOKEN})"
+
+
+# The registry says a backend needs a token this gateway lacks (`Proxy.note_registry`).
+TOKEN_NEEDED = f"requires an internal token, and this gateway has none ({_GIVE_TOKEN})"
 
 
 def unavailable_message(errs: list[str]) -> str:
@@ -306,12 +310,30 @@ class Proxy:
     def skipped(self) -> dict[str, str]:
         """Backend id -> why this gateway skips it though it is live and compatible (published
         with the gateway's settings: the backend's log and ``mlxgw status`` show it)."""
-        out = {b: ("it refuses the gateway's internal token (start it with the same --internal-token / "
-                   "MLXGW_INTERNAL_TOKEN)") for b in self.token_rejected}
+        why = ("it refuses the gateway's internal token (start it with the same --internal-token / "
+               "MLXGW_INTERNAL_TOKEN)" if self.internal_token else
+               "it requires an internal token and the gateway has none (start the gateway with the backends' "
+               "--internal-token / MLXGW_INTERNAL_TOKEN)")
+        out = {b: why for b in self.token_rejected}
         out.update({b: (f"its registered URL {url} does not answer as it (start it with --url "
                         "http://<address>:<port>, an address the gateways reach it at)")
                     for b, url in self.misaddressed.items()})
         return out
+
+    def note_registry(self, snapshot: dict) -> None:
+        """Skip, from the registry snapshot on (model -> `schema.Candidate` list), every backend
+        that publishes ``auth: token`` while this gateway has no internal token, and say so once
+        per backend: its requests would be refused (helper-69: a gateway joined to a `mlxgw
+        serve` stack without the token heard nothing at start, then lost a try per backend).
+        The probe loop clears one that comes back taking requests without a token."""
+        if self.internal_token:
+            return
+        for cs in snapshot.values():
+            for c in cs:
+                if c.auth == "token" and c.backend_id not in self.token_rejected:
+                    log.error("backend %s %s; skipped until it accepts requests without one (probed every "
+                              "second)", c.backend_id, TOKEN_NEEDED)
+                    self.token_rejected[c.backend_id] = c.url
 
     def begin_drain(self, seconds: float) -> None:
         """The gateway is stopping: streams still running in ``seconds`` end with an error event

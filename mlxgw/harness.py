@@ -178,14 +178,16 @@ class Proc:
         self.start(self._env)
         return True
 
-    def wait_healthy(self, timeout: float = 120.0) -> None:
+    def wait_healthy(self, timeout: float = 120.0, status: int = 200) -> None:
+        """Wait until ``/health`` answers ``status`` (a gateway that knows it cannot serve answers
+        503). Raises RuntimeError if the process exits or ``timeout`` seconds pass first."""
         t0 = time.time()
         while time.time() - t0 < timeout:
             if self.proc.poll() is not None:
                 if self.restart_if_port_lost():
                     continue
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log: {self.log_path}\n" + self.tail())
-            if http.get_status(self.url + "/health") == 200:
+            if http.get_status(self.url + "/health") == status:
                 self.port_retries = 0  # a restart keeps this port (clients know it now)
                 return
             time.sleep(0.1)

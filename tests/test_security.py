@@ -222,10 +222,18 @@ def test_a_gateway_without_the_internal_token_says_so_not_that_the_client_is_una
     sec.env_extra = {k: v for k, v in saved.items() if k != "MLXGW_INTERNAL_TOKEN"}
     try:
         g = sec.add_gateway("--api-key-file", str(sec.key_file))
-        g.wait_healthy()
+        # The registry says b0 takes only requests with a token: /health says at once that this
+        # gateway cannot serve (503), and its log says why before any request (helper-69: nothing
+        # until the first request was refused).
+        g.wait_healthy(status=503)
     finally:
         sec.env_extra = saved
     try:
+        health = json.loads(_get(g.url + "/health", key=KEYS["val"])[2])
+        assert health["status"] == "token_rejected" and health["token_rejected"] == ["b0"], health
+        said = [ln for ln in g.log_path.read_text().splitlines() if "backend b0 requires an internal token" in ln]
+        assert len(said) == 1 and " ERROR " in said[0] and "this gateway has none (start it with --internal-token" \
+            in said[0], said
         for path, body in (("/v1/chat/completions", CHAT),
                            ("/v1/messages", {"model": "demo-tiny", "max_tokens": 2,
                                              "messages": [{"role": "user", "content": "hi"}]})):
