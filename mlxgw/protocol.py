@@ -565,7 +565,8 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
                                                          for t in prompt):
             # helper-68: "must be an array of token ids" for an array of ids, one of them negative
             bad = next(t for t in prompt if not 0 <= t < 2**32)
-            raise RequestError(f"'prompt' token ids must be from 0 to {2**32 - 1}, not {bad}", param="prompt")
+            # helper-69: not "from 0 to 4294967295": the model's vocabulary ends far sooner (gateway.limits names it)
+            raise RequestError(f"'prompt' holds token id {bad}, outside the vocabulary", param="prompt")
         else:
             raise RequestError("'prompt' must be a non-empty string or array of token ids", param="prompt")
     return req

@@ -477,9 +477,13 @@ def test_every_bad_field_gets_a_4xx_naming_it(sec, body, status, param):
 
 
 def test_completions_prompt_ids_outside_the_vocabulary(sec):
-    status, _, raw = _post(sec.gateways[1].url + "/v1/completions", {"model": "demo-tiny", "prompt": [1, 4_000_000]},
-                           key=KEYS["val"])
-    assert status == 400 and json.loads(raw)["error"]["param"] == "prompt"
+    for ids, msg in (([1, 4_000_000], "'prompt' holds token ids outside the vocabulary (0..3071)"),
+                     ([1, 2**32], "'prompt' holds token id 4294967296, outside the vocabulary"),
+                     ([1, -1], "'prompt' holds token id -1, outside the vocabulary")):
+        status, _, raw = _post(sec.gateways[1].url + "/v1/completions", {"model": "demo-tiny", "prompt": ids},
+                               key=KEYS["val"])
+        err = json.loads(raw)["error"]
+        assert status == 400 and (err["param"], err["message"]) == ("prompt", msg), raw
 
 
 def test_unknown_fields_are_ignored(sec):
