@@ -136,6 +136,20 @@ def _exit_past_teardown(code: int) -> int:
     os._exit(code)
 
 
+def _check_env_redis_url(p: argparse.ArgumentParser, chosen: str | None, argv: list[str]) -> None:
+    """Exit 2 naming ``MLXGW_REDIS_URL`` when the command would take a malformed URL from it
+    (argparse checks a default with the flag's type and blamed ``argument --redis-url``, which
+    the user never gave: helper-69). ``serve`` does not read the variable."""
+    env = os.environ.get("MLXGW_REDIS_URL")
+    given = any(a.startswith("--redis") for a in argv)  # the flag, or argparse's abbreviation of it
+    if not env or given or chosen not in ("gateway", "backend", "status", "top"):
+        return
+    try:
+        redis_url_arg(env)
+    except argparse.ArgumentTypeError as e:
+        p.error(f"the environment's MLXGW_REDIS_URL {e} (--redis-url overrides it)")
+
+
 def _main(argv: list[str] | None = None) -> int:
     argv = _negative_values(sys.argv[1:] if argv is None else argv)
     # Before anything imports mlx-lm (a backend; the demo model build in `serve` or a
@@ -151,6 +165,7 @@ def _main(argv: list[str] | None = None) -> int:
         if name == chosen:
             add(sp)
 
+    _check_env_redis_url(p, chosen, argv)
     args = p.parse_args(argv)
     if getattr(args, "redis_url", None) == "":
         # An unset variable expanded to nothing must not quietly mean "the default Redis"

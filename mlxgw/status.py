@@ -320,7 +320,8 @@ def connect(args) -> redis.Redis:
 def unreachable(args, e: BaseException) -> int:
     """Tell the operator which Redis did not answer and where its URL came from (`connect`),
     on stderr; with ``--json`` also on stdout, as ``{"error": {"type": "redis_unreachable",
-    "redis_url", "message", "hint"}}``, so a script reading stdout gets JSON either way.
+    "redis_url", "message", "hint"}}`` (``hint`` null when there is none), so a script reading
+    stdout gets JSON either way.
     Returns the exit code of ``status`` and ``top`` for it, 4."""
     if isinstance(e, redis.TimeoutError):  # connected, then no answer: not a wrong URL
         hint = (f"it accepted the connection but did not answer within {REPLY_TIMEOUT:g} s, twice: "
@@ -334,7 +335,7 @@ def unreachable(args, e: BaseException) -> int:
         print(f"({hint})", file=sys.stderr)
     if getattr(args, "json", False):
         print(json.dumps({"error": {"type": "redis_unreachable", "redis_url": redact_url(args.redis_url),
-                                    "message": str(e), "hint": hint}}, indent=2))
+                                    "message": str(e), "hint": hint or None}}, indent=2))
     return 4
 
 

@@ -225,6 +225,29 @@ def test_serve_exits_2_on_a_bad_value(tmp_path, capsys):
     assert len(by_parser) >= 25 and len(rest) >= 6
 
 
+def test_a_malformed_redis_url_in_the_environment_is_named_as_the_environment(monkeypatch, capsys):
+    """helper-69: MLXGW_REDIS_URL=127.0.0.1:6379 was refused as `argument --redis-url`, a flag
+    nobody gave. The flag still overrides the variable (then the flag's URL is used)."""
+    from mlxgw.cli import main
+
+    monkeypatch.setenv("MLXGW_REDIS_URL", "127.0.0.1:6379")
+    for cmd in ("gateway", "backend", "status", "top"):
+        with pytest.raises(SystemExit) as e:
+            main([cmd])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.splitlines()[-1] == (
+            "mlxgw: error: the environment's MLXGW_REDIS_URL must be a redis://, rediss:// or unix:// URL (e.g. "
+            "redis://127.0.0.1:6379/0), not '127.0.0.1:6379' (--redis-url overrides it)"), (cmd, err)
+    # the flag given: the variable is not read, so not blamed (Redis at port 1 does not answer: exit 4)
+    assert main(["status", "--redis-url", "redis://127.0.0.1:1/0"]) == 4
+    err = capsys.readouterr().err
+    assert err.startswith("Redis unreachable at redis://127.0.0.1:1/0") and "MLXGW_REDIS_URL" not in err, err
+    # --json with a URL given: no hint, so null (it was "")
+    assert main(["status", "--json", "--redis-url", "redis://127.0.0.1:1/0"]) == 4
+    out = json.loads(capsys.readouterr().out)["error"]
+    assert (out["type"], out["redis_url"], out["hint"]) == ("redis_unreachable", "redis://127.0.0.1:1/0", None), out
+
+
 def test_demo_model_into_a_bad_directory_says_why_without_a_traceback(tmp_path, capsys):
     """`mlxgw demo-model /proc/nope` ended in tempfile's traceback (helper-65)."""
     from mlxgw.cli import main
