@@ -187,10 +187,16 @@ def _main(argv: list[str] | None = None) -> int:
 
         return gateway_main.run(args)
     if args.cmd == "demo-model":
-        from .demo_model import VARIANTS, build_demo_model, ensure_demo_model
+        from .demo_model import VARIANTS, build_demo_model, ensure_demo_model, holds_demo_model
 
         if args.variant not in VARIANTS:
             p.error(f"unknown variant {args.variant!r}; one of {', '.join(VARIANTS)}")
+        if args.dir and holds_demo_model(args.dir, args.variant):
+            # helper-69: a second run failed "already exists"; like the cache's, it is kept
+            print(f"mlxgw demo-model: {args.dir} already holds the demo model {args.variant!r}; kept",
+                  file=sys.stderr)
+            print(Path(args.dir).expanduser().absolute())
+            return 0
         try:
             path = build_demo_model(args.dir, args.variant) if args.dir else ensure_demo_model(args.variant)
         except OSError as e:  # an existing or unwritable directory: say which, no traceback

@@ -515,6 +515,21 @@ def build_demo_model(out_dir: str | os.PathLike, variant: str = "tiny", seed: in
     return out
 
 
+def holds_demo_model(path: str | os.PathLike, variant: str = "tiny") -> bool:
+    """True when the directory ``path`` holds a built demo model ``variant``: its weights and
+    tokenizer files, and a ``config.json`` with the variant's settings (a build is complete or
+    absent, so these say it was built; every build of a variant is the same, seed 0).
+    Never raises: an unreadable or foreign directory is False."""
+    d = Path(path).expanduser()
+    try:
+        config = json.loads((d / "config.json").read_text(encoding="utf-8"))
+        files = all((d / f).is_file() for f in ("model.safetensors", "tokenizer.json"))
+    except (OSError, ValueError):
+        return False
+    want = VARIANTS.get(variant, {})
+    return bool(want) and files and isinstance(config, dict) and all(config.get(k) == v for k, v in want.items())
+
+
 def demo_model_dir(variant: str = "tiny") -> Path:
     """Return the cache path of ``variant``, built or not.
 

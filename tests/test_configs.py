@@ -261,6 +261,23 @@ def test_demo_model_into_a_bad_directory_says_why_without_a_traceback(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # no temporary directory left
 
 
+def test_demo_model_into_a_directory_holding_it_keeps_it(tmp_path, capsys):
+    """helper-69: `mlxgw demo-model DIR` a second time failed `already exists`; it keeps the
+    model there, as the cache's build does. Another variant's directory is still refused."""
+    from mlxgw.cli import main
+
+    out = tmp_path / "m"
+    assert main(["demo-model", str(out)]) == 0
+    assert capsys.readouterr().out == f"{out}\n"
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert main(["demo-model", str(out)]) == 0
+    got = capsys.readouterr()
+    assert got.out == f"{out}\n" and got.err == f"mlxgw demo-model: {out} already holds the demo model 'tiny'; kept\n"
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp  # not rebuilt
+    assert main(["demo-model", str(out), "--variant", "bench"]) == 1
+    assert f"cannot build into {out}: " in capsys.readouterr().err
+
+
 def test_ctrl_c_while_a_command_starts_is_no_traceback(demo_model):
     """helper-66: Ctrl-C on a starting `mlxgw serve` printed a gateway child's KeyboardInterrupt
     traceback (it was importing and loading its tokenizers). A SIGINT 0.3 s in, well before a
