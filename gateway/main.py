@@ -256,6 +256,8 @@ async def _serve(app: web.Application, cfg: GatewayConfig, host: str, port: int,
         await runner.cleanup()
         return 3
     stopper = Stopper(f"gateway on port {port}")
+    if STATE in app:  # a second stop signal ends the drain at once (helper-69: it was ignored)
+        stopper.on_again = app[STATE].proxy.end_drain
     try:
         await stopper.wait()
     finally:

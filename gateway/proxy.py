@@ -287,6 +287,7 @@ class Proxy:
         self._absent: dict[str, float] = {}  # backend id -> monotonic time first seen out of the registry
         self.stop_at: Optional[float] = None  # monotonic time streams still running end (begin_drain)
         self._drain = 0.0
+        self._hurried = False  # `end_drain`: a second stop signal ended the drain
         self._resource_error = ""  # the last EMFILE connect, for the log line
         self._resource_failures = Tally(lambda n: log.warning(  # one log line per 10 s, not one per request
             "out of open files or memory connecting to backends: %d request(s) answered 503 (last: %s)",
@@ -343,6 +344,22 @@ class Proxy:
         n = sum(reqs for reqs, _ in self.inflight.view().values())
         log.info("stopping: %d answer(s) in flight get up to %g s to finish (--drain-seconds)", n, seconds)
         asyncio.get_running_loop().call_later(seconds, self._stop_waiting)
+
+    def end_drain(self) -> None:
+        """A second stop signal during the drain: the answers still in flight end now, as at the
+        drain's end (streams with an error event naming the stop, the rest a 503)."""
+        if self.stop_at is None or time.monotonic() >= self.stop_at:
+            return
+        n = sum(reqs for reqs, _ in self.inflight.view().values())
+        log.warning("stopping now (a second stop signal): %d answer(s) in flight end without their drain", n)
+        self.stop_at = time.monotonic()
+        self._hurried = True
+        self._stop_waiting()
+
+    def _cut(self) -> str:
+        """Why an answer ended at the gateway's stop, after \"the answer\" or \"it\"."""
+        return ("was cut short by a second stop signal" if self._hurried
+                else f"outlasted its {self._drain:g}-s drain")
 
     def _stop_waiting(self) -> None:
         # Answers not yet being sent at the drain's end (a whole one being computed or read, a
@@ -601,7 +618,7 @@ class Proxy:
                 if a.stopped and isinstance(e, asyncio.TimeoutError):  # `_stop_waiting`: the drain is over
                     if out is None:
                         raise GatewayStopping(f"the gateway is stopping and the answer from backend "
-                                              f"{a.backend_id} outlasted its {self._drain:g}-s drain") from None
+                                              f"{a.backend_id} {self._cut()}") from None
                     # A stream's retry: its headers went out, so the stop is its error event.
                     try:
                         await self._fail_stream(request, out, a, self._why(GatewayStopping()), transform)
@@ -708,8 +725,7 @@ class Proxy:
             return None
         if isinstance(upstream_err, GatewayStopping):
             a.stopped = True
-            log.warning("answer from %s cut: the gateway is stopping and it outlasted the %g-s drain",
-                        a.backend_id, self._drain)
+            log.warning("answer from %s cut: the gateway is stopping and it %s", a.backend_id, self._cut())
         else:
             log.warning("backend %s failed %s: %s", a.backend_id,
                         "mid-answer" if a.first_byte_at else "before its first token", upstream_err)
@@ -746,7 +762,7 @@ class Proxy:
         if isinstance(e, BackendGone):
             return "it stopped heartbeating while silent (hung or stopped)"
         if isinstance(e, GatewayStopping):
-            return f"the gateway is stopping and the answer outlasted its {self._drain:g}-s drain"
+            return f"the gateway is stopping and the answer {self._cut()}"
         if isinstance(e, asyncio.TimeoutError):  # aiohttp's ServerTimeoutError is one too
             return f"it sent nothing for {self.read_timeout:g} s"
         return "its connection closed before the answer ended (the process stopped or restarted)"

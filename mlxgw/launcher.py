@@ -293,10 +293,15 @@ def run(args: argparse.Namespace) -> int:
     gateway = Child("gateway", gw_cmd, gw_env, f"{local_base_url(cfg.host, cfg.port)}/health")
 
     stopping = False
+    stops = 0  # stop signals taken; the 2nd and 3rd hurry the teardown (`_hurry`)
+    tearing_down = False
 
     def _stop(*_):
-        nonlocal stopping
+        nonlocal stopping, stops
         stopping = True
+        stops += 1
+        if tearing_down and stops > 1:
+            _hurry(stops, gateway, children)
 
     for sig in stop_signals():  # SIGHUP too (a closed terminal), unless started under nohup
         signal.signal(sig, _stop)
@@ -318,9 +323,15 @@ def run(args: argparse.Namespace) -> int:
         watch(children + [gateway], lambda: stopping, redis=embedded)
         return 0
     finally:
+        tearing_down = True
         for c in [gateway] + children:
             if c.proc and c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
+        if stops > 1:  # signalled again before the teardown began
+            _hurry(stops, gateway, children)
+        elif stops == 1 and cfg.drain_seconds > 0 and gateway.proc and gateway.proc.poll() is None:
+            print(f"mlxgw: stopping; answers in flight get up to {cfg.drain_seconds:g} s to finish (Ctrl-C again "
+                  "to end them now)", file=sys.stderr)
         # A backend with --cache-dir writes its prompt cache before it exits (backend.engine.SAVE_SECONDS).
         grace = SAVE_STOP_SECONDS if any(m.cache_dir for m in cfg.models) else 10
         for c in [gateway] + children:
@@ -337,6 +348,22 @@ def run(args: argparse.Namespace) -> int:
             embedded.stop()
         _forget_url(redis_url, *previous, token=token)
         print("mlxgw stopped.", file=sys.stderr)
+
+
+def _hurry(stops: int, gateway: Child, children: list[Child]) -> None:
+    """serve's teardown, signalled again (helper-69: a second Ctrl-C during the drain was
+    ignored without a word): the 2nd signal has the gateway end its drain now (a stop signal
+    again: `gateway.proxy.Proxy.end_drain`); the 3rd kills every child, caches unsaved."""
+    if stops == 2:
+        print("mlxgw: stopping now: the gateway ends its answers in flight (the backends still save their "
+              "caches; Ctrl-C once more to kill everything)", file=sys.stderr)
+        if gateway.proc and gateway.proc.poll() is None:
+            gateway.proc.send_signal(signal.SIGTERM)
+    elif stops == 3:
+        print("mlxgw: killing every process serve started", file=sys.stderr)
+        for c in [gateway] + children:
+            if c.proc and c.proc.poll() is None:
+                c.proc.kill()
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import threading
+from typing import Callable, Optional
 
 log = logging.getLogger("mlxgw")
 
@@ -51,21 +52,28 @@ def _exit_now(name: str) -> None:
 
 class Stopper:
     """An `asyncio.Event` (``stop``) set by `STOP_SIGNALS` or, when `PARENT_ENV` names a pid,
-    once this process's parent is no longer that pid (``orphaned`` is then True). Create it
-    inside the running loop; `close` ends the parent watch."""
+    once this process's parent is no longer that pid (``orphaned`` is then True). A stop signal
+    after that calls ``on_again`` (if set: the operator wants it stopped now, a second Ctrl-C).
+    Create it inside the running loop; `close` ends the parent watch."""
 
     def __init__(self, name: str):
         self.name = name
         self.stop = asyncio.Event()
         self.orphaned = False
+        self.on_again: Optional[Callable[[], None]] = None
         loop = asyncio.get_running_loop()
         for sig in stop_signals():
             try:
-                loop.add_signal_handler(sig, self.stop.set)
+                loop.add_signal_handler(sig, self._signalled)
             except (NotImplementedError, RuntimeError):  # pragma: no cover (Windows)
                 pass
         parent = os.environ.get(PARENT_ENV, "")
         self._task = loop.create_task(self._watch(int(parent))) if parent.isdigit() else None
+
+    def _signalled(self) -> None:
+        if self.stop.is_set() and self.on_again is not None:
+            self.on_again()
+        self.stop.set()
 
     async def _watch(self, parent: int) -> None:
         while not self.stop.is_set():
