@@ -370,11 +370,17 @@ def _disk_cell(v: dict) -> str:
     return f"{v['disk_mb']:.1f} / {v['disk_reads']}"
 
 
+def live_text(t: dict) -> str:
+    """``N live[, M left out][, K url problem]`` of a `model_total` (status's total row, top's
+    model line)."""
+    return (f"{t['live']} live" + (f", {t['left_out']} left out" if t["left_out"] else "")
+            + (f", {t['unreachable']} url problem" if t["unreachable"] else ""))
+
+
 def total_row(records: list[dict]) -> list[str]:
     """The ``total`` row of a model's status table (`model_total`)."""
     t = model_total(records)
-    live = (f"{t['live']} live" + (f", {t['left_out']} left out" if t["left_out"] else "")
-            + (f", {t['unreachable']} url problem" if t["unreachable"] else ""))
+    live = live_text(t)
     active = f"{t['active']}/{t['slots']}" if t["slots"] else str(t["active"])
     return ["total", live, "", active, str(t["queued"]), str(t["entries"]), f"{t['cache_mb']:.1f}",
             str(t["evictions"]), *([_disk_cell(t)] if has_disk_tier(records) else []), f"{t['hit_ratio']:.2f}", "", ""]

@@ -16,7 +16,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .status import REPLY_TIMEOUT, History, backend_view, collect, connect, console, event_line, unreachable
+from .status import (REPLY_TIMEOUT, History, backend_view, collect, connect, console, event_line, live_text, model_total,
+                     unreachable)
 from .redis_client import connect as redis_connect
 from .util import redact_url, serve_url_file
 
@@ -56,8 +57,10 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
     for m, d in data.items():
         views = sorted((backend_view(r, now) for r in d["backends"]), key=lambda v: v["load"], reverse=True)
         last = (hist.model_series(m) or [{}])[-1]
+        # helper-69: a backend with a URL problem (or left out, or silent) was counted as serving
+        t = model_total(d["backends"])
         parts.append(Text(
-            f"model {m}: {len(views)} backends, {sum(v['active'] for v in views)} active, "
+            f"model {m}: {len(views)} backends ({live_text(t)}), {t['active']} active, "
             f"{_fmt(last.get('rps'), '.2f')} req/s, token hit ratio {_fmt(last.get('hit_ratio'), '.2f')}, "
             f"{_fmt(last.get('gen_tps'), '.1f')} gen tok/s, TTFT {_fmt(last.get('ttft_ms'), '.1f')} ms"))
         t = Table(expand=False)

@@ -36,7 +36,8 @@ def test_top_live_against_stack(make_stack, redis_server):
     frames = stdout.split("mlxgw top  namespace")[1:]
     assert len(frames) == 4  # bounded: exactly --iterations frames
     # Even the first frame has measured rates (a baseline snapshot is taken before it), not "-".
-    assert re.search(r"model demo-tiny: 2 backends, \d+ active, \d+\.\d\d req/s, token hit ratio \d\.\d\d", frames[0])
+    assert re.search(r"model demo-tiny: 2 backends \(2 live\), \d+ active, \d+\.\d\d req/s, token hit ratio \d\.\d\d",
+                     frames[0])
     last = frames[-1]
     assert "model demo-tiny: 2 backends" in last
     rows = {ln.split("│")[1].strip(): ln for ln in last.splitlines() if ln.startswith("│")}
@@ -74,8 +75,18 @@ def test_top_sorts_by_load_and_rates_follow_counters(make_stack, redis_server):
     assert hist.model_series(s.model_name)[-1]["rps"] == 2.0
     con = Console(width=150, record=True)
     con.print(render(later, hist, s.namespace))
-    rows = [ln.split("│")[1].strip() for ln in con.export_text().splitlines() if ln.startswith("│")]
+    text = con.export_text()
+    rows = [ln.split("│")[1].strip() for ln in text.splitlines() if ln.startswith("│")]
     assert rows == ["b1", "b0"]
+    assert "model demo-tiny: 2 backends (2 live), 3 active, 2.00 req/s" in text, text
+    # helper-69: one whose check of its own URL failed was counted as serving
+    for x in later[s.model_name]["backends"]:
+        if x["id"] == "b1":
+            x["url_problem"] = "its registered URL http://127.0.0.1:1 refused the connection"
+    con = Console(width=150, record=True)
+    con.print(render(later, hist, s.namespace))
+    text = con.export_text()
+    assert "model demo-tiny: 2 backends (1 live, 1 url problem), 0 active" in text, text
     assert sparkline([0.0, 0.5, 1.0, None], hi=1.0) == "▁▅█ "
 
 
