@@ -460,6 +460,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         proxy.gateway_id = cfg.gateway_id
         await proxy.start()
         index.skipped = proxy.skipped
+        index.refused = proxy.refused
         index.on_snapshot.append(proxy.note_registry)
         proxy.note_registry(index.snapshot)  # the snapshot read at start
         app[STATE] = GatewayState(cfg, toks, index, proxy, strip=compile_patterns(cfg.strip_lines),

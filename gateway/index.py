@@ -208,6 +208,7 @@ class OwnershipIndex:
         # Backend id -> why this gateway skips it for reasons of its own (gateway.proxy: a refused
         # internal token, another backend at its URL), published with its settings.
         self.skipped: Callable[[], dict[str, str]] = dict
+        self.refused: Callable[[], dict[str, str]] = dict  # backends refusing its internal token
         self._refused_writes = Tally(lambda n: log.warning(
             "Redis refuses writes: its used memory is over its maxmemory (OOM, %d refusal(s)); lookups still "
             "work, but backends cannot publish saves or heartbeats, so the index goes stale and they show as "
@@ -391,7 +392,9 @@ class OwnershipIndex:
             key = self.keys(m).gateway_settings
             live = {c.backend_id for c in self.snapshot.get(m, ())}
             skipped = {b: why for b, why in self.skipped().items() if b in live}
-            pipe.hset(key, self.gateway_id, schema.gateway_settings_value(block_size, fingerprint, now, skipped))
+            refused = {b: why for b, why in self.refused().items() if b in live}
+            pipe.hset(key, self.gateway_id, schema.gateway_settings_value(block_size, fingerprint, now, skipped,
+                                                                          refused))
             if prune:
                 pipe.eval(schema.PRUNE_SETTINGS_LUA, 1, key, f"{now - schema.GATEWAY_SETTINGS_PRUNE:.3f}")
         if prune:

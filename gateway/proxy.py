@@ -309,17 +309,21 @@ class Proxy:
             await self.session.close()
 
     def skipped(self) -> dict[str, str]:
-        """Backend id -> why this gateway skips it though it is live and compatible (published
-        with the gateway's settings: the backend's log and ``mlxgw status`` show it)."""
+        """Backend id -> why this gateway skips it though it is live and compatible, for a reason
+        of the backend's (its URL answers as another), published with the gateway's settings:
+        the backend's log and ``mlxgw status`` show it."""
+        return {b: (f"its registered URL {url} does not answer as it (start it with --url "
+                    "http://<address>:<port>, an address the gateways reach it at)")
+                for b, url in self.misaddressed.items()}
+
+    def refused(self) -> dict[str, str]:
+        """Backend id -> why it refuses this gateway's requests (the internal token), published
+        with the gateway's settings apart from `skipped`: the wrong side may be the gateway's."""
         why = ("it refuses the gateway's internal token (start it with the same --internal-token / "
                "MLXGW_INTERNAL_TOKEN)" if self.internal_token else
                "it requires an internal token and the gateway has none (start the gateway with the backends' "
                "--internal-token / MLXGW_INTERNAL_TOKEN)")
-        out = {b: why for b in self.token_rejected}
-        out.update({b: (f"its registered URL {url} does not answer as it (start it with --url "
-                        "http://<address>:<port>, an address the gateways reach it at)")
-                    for b, url in self.misaddressed.items()})
-        return out
+        return {b: why for b in self.token_rejected}
 
     def note_registry(self, snapshot: dict) -> None:
         """Skip, from the registry snapshot on (model -> `schema.Candidate` list), every backend

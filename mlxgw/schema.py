@@ -243,15 +243,20 @@ return n
 """
 
 
-def gateway_settings_value(block_size: int, tokenizer: str, at: float, skipped: Optional[dict] = None) -> str:
+def gateway_settings_value(block_size: int, tokenizer: str, at: float, skipped: Optional[dict] = None,
+                           refused: Optional[dict] = None) -> str:
     """One gateway's `Keys.gateway_settings` entry: JSON ``{"block_size": tokens per block,
     "tokenizer": `mlxgw.prompt.tokenizer_fingerprint` of its tokenizer for the model, "at":
     unix seconds written}``, plus ``"skipped": {backend id: why}`` when the gateway skips live
-    backends for reasons of its own (one refuses its internal token, another backend answers
-    at one's URL: `gateway.proxy`)."""
+    backends for reasons of the backend's (another backend answers at one's URL) and
+    ``"refused": {backend id: why}`` for those that refuse its internal token (or need one it
+    lacks): which side is wrong, status tells from how many backends refuse it
+    (`left_out_reason`; `gateway.proxy`)."""
     d = {"block_size": int(block_size), "tokenizer": tokenizer, "at": round(at, 3)}
     if skipped:
         d["skipped"] = skipped
+    if refused:
+        d["refused"] = refused
     return json.dumps(d)
 
 
@@ -292,14 +297,21 @@ def url_error(url: str) -> Optional[str]:
 
 
 def left_out_reason(gateway: dict, gateway_id: str, backend_id: str, block_size: int,
-                    tokenizer: str) -> Optional[str]:
+                    tokenizer: str, refusals: bool = True) -> Optional[str]:
     """Why the gateway whose `gateway_settings_value` is ``gateway`` (decoded) does not route to
-    a backend (None: it does): `incompatibility`, or the gateway's own ``skipped`` reason. The
-    one rule of the backend's log, its ``/health`` ``left_out_by`` and ``mlxgw status``."""
+    a backend (None: it does): `incompatibility`, or the gateway's own ``skipped`` reason, or
+    (with ``refusals``) its ``refused`` one. The one rule of the backend's log, its ``/health``
+    ``left_out_by`` and ``mlxgw status`` (which passes ``refusals=False`` for a gateway that
+    every live backend refuses: that gateway's token is the wrong one, helper-70)."""
     why = incompatibility(int(gateway.get("block_size") or 0), str(gateway.get("tokenizer") or ""),
                           block_size, tokenizer, whose=f"gateway {gateway_id}'s")
-    skipped = gateway.get("skipped")
-    return why or (str(skipped[backend_id]) if isinstance(skipped, dict) and backend_id in skipped else None)
+    if why:
+        return why
+    for field in ("skipped", "refused") if refusals else ("skipped",):
+        d = gateway.get(field)
+        if isinstance(d, dict) and backend_id in d:
+            return str(d[backend_id])
+    return None
 
 
 def fresh_gateway_settings(raw: dict, now: float, fresh: float = GATEWAY_SETTINGS_FRESH) -> dict[str, dict]:

@@ -47,7 +47,8 @@ def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dic
         mistaken ``--served-name``, gone, drops out of status, top and the dashboard). ``gateways`` are
         the live gateways' published settings (`schema.fresh_gateway_settings`); each
         record gains ``left_out_by``: gateway id -> why that gateway does not route to it
-        (`schema.incompatibility`, the gateways' own rule).
+        (`schema.incompatibility`, the gateways' own rule), and ``refused_gateways`` maps each
+        gateway every live backend refuses to why (`refused_gateways`).
 
     Raises:
         redis.RedisError: Redis unreachable or failing.
@@ -75,9 +76,10 @@ def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dic
         for _ in listed[3 * i]:
             rec = next(records)
             if rec:
-                rec = schema.registry_record(rec)
-                rec["left_out_by"] = left_out_by(rec, gateways)
-                backends.append(rec)
+                backends.append(schema.registry_record(rec))
+        refused_by_all = refused_gateways(gateways, [str(b.get("id", "")) for b in backends])
+        for rec in backends:
+            rec["left_out_by"] = left_out_by(rec, gateways, refused_by_all)
         evs = []
         for _, f in listed[3 * i + 1]:
             try:
@@ -93,19 +95,35 @@ def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dic
         live = {b.get("id") for b in backends}
         silent = sorted(schema.as_str(x) for x in listed[3 * i] if schema.as_str(x) not in live)
         if backends or gateways:
-            out[m] = {"backends": backends, "gateways": gateways, "recent_events": evs, "silent": silent}
+            out[m] = {"backends": backends, "gateways": gateways, "recent_events": evs, "silent": silent,
+                      "refused_gateways": refused_by_all}
         elif silent and dead is not None:
             dead[m] = silent
     return out
 
 
-def left_out_by(rec: dict, gateways: dict[str, dict]) -> dict[str, str]:
+def refused_gateways(gateways: dict[str, dict], backend_ids: list[str]) -> dict[str, str]:
+    """Gateway id -> why, for each live gateway that every one of ``backend_ids`` (the model's
+    live backends, at least one) refuses (its settings' ``refused``, `schema.gateway_settings_value`):
+    that gateway's internal token is the wrong one, not theirs. helper-70: one gateway started
+    with a wrong token made status, top and the dashboard show every backend ``left out``
+    (``0 live``) while the other gateways served from them."""
+    out = {}
+    for gid, g in gateways.items():
+        refused = g.get("refused")
+        if backend_ids and isinstance(refused, dict) and all(b in refused for b in backend_ids):
+            out[gid] = str(refused[backend_ids[0]])
+    return out
+
+
+def left_out_by(rec: dict, gateways: dict[str, dict], refused_by_all: Optional[dict] = None) -> dict[str, str]:
     """Gateway id -> why that gateway does not route to the backend of registry record
-    ``rec`` (`schema.left_out_reason`); empty when every gateway does."""
+    ``rec`` (`schema.left_out_reason`); empty when every gateway does. A refused token counts
+    against the backend unless the gateway is in ``refused_by_all`` (`refused_gateways`)."""
     out = {}
     for gid, g in gateways.items():
         why = schema.left_out_reason(g, gid, str(rec.get("id", "")), int(_f(rec, "block_size")),
-                                     str(rec.get("tokenizer") or ""))
+                                     str(rec.get("tokenizer") or ""), refusals=gid not in (refused_by_all or {}))
         if why:
             out[gid] = why
     return out
@@ -440,6 +458,15 @@ def url_problem_lines(records: list[dict]) -> list[str]:
     return [str(r["url_problem"]) for r in records if r.get("url_problem")]
 
 
+def refused_gateway_lines(refused: dict[str, str]) -> list[str]:
+    """One line per gateway every live backend refuses (`refused_gateways`)."""
+    return [f"gateway {gid} is refused by every backend: "
+            + ("it has no internal token and they require one" if "has none" in why else
+               "its internal token is not theirs")
+            + " (start it with the backends' --internal-token / MLXGW_INTERNAL_TOKEN)"
+            for gid, why in sorted(refused.items())]
+
+
 def left_out_lines(records: list[dict]) -> list[str]:
     """One line per backend a live gateway does not route to, naming the gateways and why
     (``left_out_by``, from `collect`)."""
@@ -504,7 +531,7 @@ def run(args) -> int:
         if d.get("silent"):
             con.print(_silent_text(d["silent"]), markup=False, highlight=False, soft_wrap=True)
         for line in (disagreement(d["backends"]) + shared_url_lines(d["backends"]) + url_problem_lines(d["backends"])
-                     + left_out_lines(d["backends"])
+                     + refused_gateway_lines(d.get("refused_gateways") or {}) + left_out_lines(d["backends"])
                      + open_lines(d["backends"])):
             con.print(line, markup=False, highlight=False, soft_wrap=True)
         for e in d["recent_events"]:

@@ -739,6 +739,40 @@ def test_a_backend_that_refuses_the_token_is_skipped_until_it_takes_it(make_stac
     assert "1 live, 1 left out" in out, out
 
 
+def test_a_gateway_every_backend_refuses_is_the_one_status_flags(make_stack):
+    """helper-70: one gateway started with a wrong internal token made `mlxgw status`, top and the
+    dashboard show every backend `left out` ("0 live") while the right gateway served from them.
+    The gateway every live backend refuses is named instead; the backends stay live."""
+    s = make_stack(env_extra={"MLXGW_INTERNAL_TOKEN": INTERNAL_TOKEN})
+    for b in ("b0", "b1"):
+        s.add_backend(b, None, "--engine", "sim")
+    good = s.add_gateway()
+    s.env_extra = {"MLXGW_INTERNAL_TOKEN": "another-token"}
+    bad = s.add_gateway()
+    s.env_extra = {"MLXGW_INTERNAL_TOKEN": INTERNAL_TOKEN}
+    s.wait()
+    chat = {"model": "demo-tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    assert post(bad.url + "/v1/chat/completions", chat)[0] == 503
+    assert sorted(get_json(bad.url + "/health")["token_rejected"]) == ["b0", "b1"]
+    bad_id = bad.log_path.read_text().split("gateway ", 1)[1].split(" starting on", 1)[0]
+    status = [sys.executable, "-m", "mlxgw", "status", "--redis-url", s.redis_url, "--namespace", s.namespace]
+    deadline = time.time() + 10
+    while True:  # the bad gateway publishes its refusals with its settings, every second
+        data = json.loads(subprocess.run(status + ["--json"], capture_output=True, text=True, timeout=60).stdout)
+        if data["demo-tiny"]["refused_gateways"] or time.time() > deadline:
+            break
+        time.sleep(0.3)
+    d = data["demo-tiny"]
+    assert list(d["refused_gateways"]) == [bad_id], d
+    assert d["total"]["live"] == 2 and d["total"]["left_out"] == 0, d["total"]
+    assert {r["id"]: r["shown_state"] for r in d["backends"]} == {"b0": "ready", "b1": "ready"}
+    out = subprocess.run(status, capture_output=True, text=True, timeout=60).stdout
+    assert "2 live" in out and "left out" not in out, out
+    assert (f"gateway {bad_id} is refused by every backend: its internal token is not theirs (start it with the "
+            "backends' --internal-token / MLXGW_INTERNAL_TOKEN)") in " ".join(out.split()), out
+    assert post(good.url + "/v1/chat/completions", chat)[0] == 200
+
+
 def test_the_503_names_every_backend_that_refused_the_token(make_stack):
     """helper-65: a gateway with the wrong internal token named only the last backend it tried
     in its 503, though every one had refused it; its /health listed them all."""
