@@ -74,7 +74,8 @@ class _StateCollector:
         r.add_metric([], st.proxy.retries)
         yield r
         e = CounterMetricFamily("mlxgw:gateway_request_errors",
-                                "Requests answered with an OpenAI-style error by the gateway itself.")
+                                "Requests answered with an error (the gateway's own or a backend's 4xx/5xx passed "
+                                "through) or whose stream ended in a backend failure; /health errors.")
         e.add_metric([], st.counters.get("errors", 0))
         yield e
         adm = st.admission
@@ -129,7 +130,8 @@ class GatewayMetrics:
                                   "Request arrival to forward: parse, template, tokenize, hash, lookup, rank.",
                                   lab, buckets=B.OVERHEAD, registry=r)
         self.ttft = Histogram("mlxgw:gateway_time_to_first_token_seconds",
-                              "Request arrival to the first answer byte from the backend (streamed: first token).",
+                              "Request arrival to the first answer byte from the backend (streamed: the first event; "
+                              "not streamed: the whole answer).",
                               lab, buckets=B.TTFT, registry=r)
         self.e2e = Histogram("mlxgw:gateway_e2e_request_latency_seconds", "Request arrival to end of answer.",
                              lab, buckets=B.E2E, registry=r)
@@ -181,7 +183,10 @@ def request_done(m: GatewayMetrics, *, rid: str, model: str, prompt_tokens: int,
     ttft = (used.first_byte_at - t0) if used is not None and used.first_byte_at else None
     if resp is not None and resp.status >= 400 and outcome == "ok":
         outcome = f"http_{resp.status}"
-    decision = "fallback" if lookup.status != "ok" else ("prefix" if matched > 0 else "load")
+    # The gateway's choice, the first try (helper-70: classed by the backend that answered, a
+    # retry's, it disagreed with /health's routed_* counts, which class the choice).
+    chosen = int(attempts[0].headers.get("X-Mlxgw-Matched-Tokens", 0)) if attempts else 0
+    decision = "fallback" if lookup.status != "ok" else ("prefix" if chosen > 0 else "load")
 
     m.requests.labels(model, outcome).inc()
     m.decisions.labels(model, decision).inc()

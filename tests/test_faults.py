@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -859,6 +860,13 @@ def test_a_backend_registered_at_another_backends_url_is_skipped(make_stack):
     assert "X-Mlxgw-Served-By" not in answers[0][1]
     health = get_json(g.url + "/health")
     assert health["misaddressed"] == {"mac2-0": b0.url}, health
+    # The routing decision is the first choice's (a prefix on mac2-0), in /health and /metrics alike
+    # (helper-70: /metrics classed the retry's answer from b0 as `load`).
+    assert (health["routed_prefix"], health["routed_load"]) == (4, 0), health
+    metrics = urllib.request.urlopen(g.url + "/metrics", timeout=5).read().decode()
+    assert 'mlxgw:routing_decisions_total{model_name="demo-tiny",outcome="prefix"} 4.0' in metrics, [
+        ln for ln in metrics.splitlines() if "routing_decisions" in ln]
+    assert 'outcome="load"} 1.0' not in metrics
     assert g.log_path.read_text().count(f"backend mac2-0 registered the URL {b0.url}, where backend b0 answers") == 1
     out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", s.redis_url,
                           "--namespace", s.namespace], capture_output=True, text=True, timeout=60).stdout

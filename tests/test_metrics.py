@@ -138,6 +138,10 @@ def test_grafana_dashboard_charts_only_documented_metrics():
     assert {"mlxgw:time_to_first_token_seconds", "mlxgw:inter_token_latency_seconds", "mlxgw:prefix_cache_hits_total",
             "mlxgw:routing_decisions_total", "mlxgw:redis_lookup_duration_seconds", "mlxgw:gateway_degraded",
             "mlxgw:gateway_retries_total", "mlxgw:backend_up"} <= used
+    # Every gateway exports backend_up for every backend: a sum over them counted each backend once
+    # per gateway scraped (helper-70); the count takes each backend once.
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert "sum(max by (model_name, backend) (mlxgw:backend_up))" in exprs and "sum(mlxgw:backend_up)" not in exprs
 
 
 def test_prefill_rate_counts_each_step_not_the_whole_prompt(make_stack):
