@@ -110,10 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     installs its own signal handling: helper-66 saw a KeyboardInterrupt traceback from a
     gateway Ctrl-C'd while it loaded its tokenizers)."""
     try:
-        return _main(argv)
+        code = _main(argv)
+        sys.stdout.flush()  # here, so that a closed pipe is caught below, not at the interpreter's exit
+        return code
     except KeyboardInterrupt:
         print("mlxgw: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `mlxgw status --json | head -c 10` (helper-70: a traceback): the reader left, which is
+        # no error of ours to report; stdout goes to /dev/null so the exit's flush is quiet too
+        # (the recipe of Python's `signal` documentation).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _exit_past_teardown(code: int) -> int:

@@ -248,6 +248,24 @@ def test_a_malformed_redis_url_in_the_environment_is_named_as_the_environment(mo
     assert (out["type"], out["redis_url"], out["hint"]) == ("redis_unreachable", "redis://127.0.0.1:1/0", None), out
 
 
+def test_status_into_a_closed_pipe_is_no_traceback():
+    """helper-70: `mlxgw status --json | head -c 10` ended in a BrokenPipeError traceback. Its
+    stdout here is a pipe whose reader is already gone (status --json writes its JSON error there)."""
+    import os
+    import subprocess
+    import sys
+
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--json", "--redis-url", "redis://127.0.0.1:1/0"],
+                           stdout=w, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(w)
+    assert p.returncode == 1 and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+    assert p.stderr.startswith("Redis unreachable at redis://127.0.0.1:1/0"), p.stderr
+
+
 def test_demo_model_into_a_bad_directory_says_why_without_a_traceback(tmp_path, capsys):
     """`mlxgw demo-model /proc/nope` ended in tempfile's traceback (helper-65)."""
     from mlxgw.cli import main
