@@ -329,7 +329,9 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
                            code="backend_unavailable", headers={**route, "Retry-After": "1"})
     except GatewayStopping as e:
         outcome = "gateway_stopping"
-        route = {k: v for k, v in attempts[0].headers.items() if k not in UNANSWERED_DROP}
+        # A backend was computing it (the message names it): its headers, X-Mlxgw-Backend included
+        # (helper-70: left off as for a request no backend took).
+        route = dict(next((a for a in reversed(attempts) if a.tried), attempts[0]).headers)
         raise RequestError(f"{e}; send it again (another gateway, or this one once restarted, takes it)",
                            status=503, type="server_error", code="gateway_stopping",
                            headers={**route, "Retry-After": "1"})

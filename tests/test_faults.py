@@ -984,7 +984,7 @@ def test_a_stopping_gateway_ends_streams_that_outlast_its_drain_with_an_error_ev
             "model": "demo-tiny", "max_tokens": 200, "ignore_eos": True,
             "messages": [{"role": "user", "content": "go on, whole"}]}), {"Content-Type": "application/json"})
         r = c.getresponse()
-        out = (r.status, r.getheader("Retry-After"), json.loads(r.read()), time.time())
+        out = (r.status, r.getheader("Retry-After"), json.loads(r.read()), time.time(), r.getheader("X-Mlxgw-Backend"))
         c.close()
         return out
 
@@ -1003,13 +1003,14 @@ def test_a_stopping_gateway_ends_streams_that_outlast_its_drain_with_an_error_ev
         raw = head + resp.read()
         took = time.time() - t0
         conn.close()
-        status, retry_after, body, at = pending.result(timeout=30)
+        status, retry_after, body, at, backend = pending.result(timeout=30)
     events = _sse_events(raw)
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "gateway_stopping", events[-3:]
     assert "the gateway is stopping and the answer outlasted its 1.5-s drain" in events[-2]["error"]["message"]
     assert 1.0 < took < 6, took
     assert sum(1 for e in events[:-2] if e["choices"][0]["delta"].get("content")) >= 2  # it kept streaming meanwhile
-    assert (status, retry_after, body["error"]["code"]) == (503, "1", "gateway_stopping"), (status, body)
+    # the backend that was computing it is named, as in the message (helper-70: no X-Mlxgw-Backend)
+    assert (status, retry_after, body["error"]["code"], backend) == (503, "1", "gateway_stopping", "b0"), (status, body)
     assert body["error"]["message"].startswith(
         "the gateway is stopping and the answer from backend b0 outlasted its 1.5-s drain; send it again"), body
     assert 1.0 < at - t0 < 6, at - t0
