@@ -483,12 +483,22 @@ def _silent_text(ids: list) -> str:
             "and a gateway's janitor removes the others after its --janitor-grace): " + ", ".join(ids))
 
 
+#: `mlxgw status`'s exit code when no backend is registered under the namespace (nothing
+#: serves; helper-70: it was 0, as for a healthy cluster, so a script could not tell).
+NO_BACKENDS_EXIT = 3
+
+
 def run(args) -> int:
+    """Print the cluster (a table, or ``--json``). Returns 0; `NO_BACKENDS_EXIT` (3) when no
+    backend is registered under the namespace; 4 when Redis does not answer (`unreachable`)."""
     dead: dict = {}
     try:
-        data = collect(connect(args), args.namespace, dead=dead)
+        r = connect(args)
+        data = collect(r, args.namespace, dead=dead)
+        before = [] if data or dead else sorted(schema.as_str(x) for x in r.smembers(schema.models_key(args.namespace)))
     except redis.RedisError as e:
         return unreachable(args, e)
+    code = 0 if any(d["backends"] for d in data.values()) else NO_BACKENDS_EXIT
     if args.json:
         now = time.time()
         for d in data.values():
@@ -501,7 +511,7 @@ def run(args) -> int:
             data[m] = {"backends": [], "gateways": {}, "recent_events": [], "silent": ids,
                        "total": model_total([]), "disagreements": [], "open_backends": []}
         print(json.dumps(dict(sorted(data.items())), indent=2))
-        return 0
+        return code
     from rich.table import Table
 
     con = console()
@@ -509,7 +519,10 @@ def run(args) -> int:
               "default": "default"}[args.url_source]
     con.print(f"Redis {redact_url(args.redis_url)} (from {source})", markup=False, highlight=False, soft_wrap=True)
     if not data and not dead:
-        con.print(f"no models registered under namespace '{args.namespace}'")
+        # The models set outlives the backends (a clean stop leaves it): say what served before.
+        con.print(f"no live backend or gateway under namespace '{args.namespace}'"
+                  + (f" (models registered before: {', '.join(before)})" if before else ""),
+                  markup=False, highlight=False, soft_wrap=True)
     for m, ids in dead.items():
         con.print(f"model {m}: no live backend or gateway; {_silent_text(ids)}", markup=False, highlight=False,
                   soft_wrap=True)
@@ -536,4 +549,4 @@ def run(args) -> int:
             con.print(line, markup=False, highlight=False, soft_wrap=True)
         for e in d["recent_events"]:
             con.print(event_line(e), markup=False, highlight=False)
-    return 0
+    return code

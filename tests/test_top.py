@@ -179,9 +179,10 @@ def test_status_shows_a_model_whose_only_backend_died_with_that_backend_named(ma
         time.sleep(0.2)
     dead: dict = {}
     assert collect(connect(redis_server.url, 5), s.namespace, dead=dead) == {} and dead == {s.model_name: ["b0"]}
-    out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", redis_server.url,
-                          "--namespace", s.namespace], capture_output=True, text=True, timeout=60).stdout
-    assert "no models registered" not in out, out
+    st = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", redis_server.url,
+                         "--namespace", s.namespace], capture_output=True, text=True, timeout=60)
+    out = st.stdout
+    assert "no models registered" not in out and st.returncode == 3, (st.returncode, out)
     assert (f"model {s.model_name}: no live backend or gateway; no heartbeat past their TTL (silent: dead, stopped "
             "or cut off; one that resumes registers again, and a gateway's janitor removes the others after its "
             "--janitor-grace): b0") in out, out
@@ -190,6 +191,26 @@ def test_status_shows_a_model_whose_only_backend_died_with_that_backend_named(ma
     assert js == {s.model_name: {"backends": [], "gateways": {}, "recent_events": [], "silent": ["b0"],
                                  "total": model_total([]), "disagreements": [], "open_backends": []}}
     assert js[s.model_name]["total"]["live"] == 0
+
+
+def test_status_after_a_clean_stop_exits_3_naming_what_served_before(make_stack, redis_server):
+    """helper-70: after a clean stop, status said "no models registered" (the models set still
+    named the model) and exited 0, as for a healthy cluster: a script could not tell."""
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim")
+    b0.wait_healthy()
+    cmd = [sys.executable, "-m", "mlxgw", "status", "--redis-url", redis_server.url, "--namespace", s.namespace]
+    assert subprocess.run(cmd, capture_output=True, text=True, timeout=60).returncode == 0
+    b0.stop()
+    st = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert st.returncode == 3 and st.stdout.splitlines()[-1] == (
+        f"no live backend or gateway under namespace '{s.namespace}' (models registered before: {s.model_name})"), \
+        (st.returncode, st.stdout)
+    js = subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=60)
+    assert (js.returncode, json.loads(js.stdout)) == (3, {})
+    fresh = subprocess.run(cmd[:-1] + [s.namespace + "-none"], capture_output=True, text=True, timeout=60)
+    assert fresh.returncode == 3 and fresh.stdout.splitlines()[-1] == (
+        f"no live backend or gateway under namespace '{s.namespace}-none'"), fresh.stdout
 
 
 def test_top_keeps_polling_while_redis_is_down():
