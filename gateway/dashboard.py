@@ -71,23 +71,31 @@ class Dashboard:
     def payload(self) -> dict:
         """The JSON of ``/dashboard/data``.
 
+        While Redis does not answer, the backends are shown as of ``sampled_at`` (their ages not
+        growing), each state suffixed ``(N s ago; Redis unreachable)``.
+
         ``{"namespace", "sampled_at" (unix s), "interval", "redis": "ok" | error,
         "models": [{"name", "totals", "backends": [backend_view + "series"],
         "series": [History point]}], "events": [event + "model", newest first]}``
         """
-        now = time.time()
+        # Redis unreachable: the backends as of the last sample, not aged since (helper-70: every
+        # backend read `silent 5s` while it served; the silence was Redis's).
+        now = time.time() if self.error is None else self.sampled_at
         models, events = [], []
         for m, d in self.latest.items():
             views = sorted((backend_view(r, now) for r in d["backends"]), key=lambda v: v["load"], reverse=True)
+            ready = sum(v["state"] == "ready" for v in views)
             for v in views:
                 v["series"] = self.history.backend_series(m, v["id"])[-60:]
+                if self.error is not None:
+                    v["state"] += f" ({time.time() - self.sampled_at:.0f} s ago; Redis unreachable)"
             prompt = sum(float(r.get("prompt_tokens", 0) or 0) for r in d["backends"])
             cached = sum(float(r.get("cached_tokens", 0) or 0) for r in d["backends"])
             models.append({
                 "name": m,
                 "totals": {
                     "backends": len(views),
-                    "ready": sum(v["state"] == "ready" for v in views),
+                    "ready": ready,
                     "active": sum(v["active"] for v in views),
                     "requests": sum(v["requests"] for v in views),
                     "hits": sum(v["hits"] for v in views),

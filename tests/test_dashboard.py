@@ -81,3 +81,39 @@ def test_dashboard_renders_backends_and_hits_in_chromium(make_stack, redis_serve
     png = browser.screenshot(g + "/dashboard", LOG_DIR / "dashboard.png")
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_dashboard_keeps_the_last_sample_while_redis_is_down(make_stack, redis_server):
+    """helper-70: while Redis did not answer, every backend read `silent 5s` (its record aged
+    against the clock) though it served; the dashboard shows them as last sampled, and why."""
+    import asyncio
+
+    from gateway.dashboard import Dashboard
+    from mlxgw.harness import RedisServer
+
+    s = make_stack()
+    s.add_backend("b0", None, "--engine", "sim")
+    s.wait()
+    own = RedisServer()
+    own.start()
+    try:
+        async def go():
+            d = Dashboard(own.url, s.namespace)
+            d.redis = redis_server.client()  # sample the stack's Redis once, through this one's client
+            await d.sample()
+            assert d.error is None and d.latest[s.model_name]["backends"][0]["id"] == "b0"
+            d.redis = own.client()
+            own.stop()  # Redis gone
+            await d.sample()
+            d.sampled_at -= 6  # as if it had been gone 6 s (more than two heartbeats)
+            payload = d.payload()
+            d.redis.close()
+            return payload
+
+        p = asyncio.run(go())
+    finally:
+        own.stop()
+    assert p["redis"].startswith("ConnectionError"), p["redis"]
+    (m,) = p["models"]
+    assert m["totals"]["ready"] == 1, m["totals"]
+    assert m["backends"][0]["state"] == "ready (6 s ago; Redis unreachable)", m["backends"][0]["state"]
