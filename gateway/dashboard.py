@@ -22,7 +22,7 @@ from aiohttp import web
 from mlxgw.redis_client import connect
 from mlxgw.util import cancel_and_wait
 
-from mlxgw.status import History, backend_view, collect
+from mlxgw.status import History, _silent_text, backend_view, collect, problem_lines
 
 log = logging.getLogger("mlxgw.gateway.dashboard")
 
@@ -75,7 +75,7 @@ class Dashboard:
         growing), each state suffixed ``(N s ago; Redis unreachable)``.
 
         ``{"namespace", "sampled_at" (unix s), "interval", "redis": "ok" | error,
-        "models": [{"name", "totals", "backends": [backend_view + "series"],
+        "models": [{"name", "totals", "backends": [backend_view + "series"], "problems": [`problem_lines`],
         "series": [History point]}], "events": [event + "model", newest first]}``
         """
         # Redis unreachable: the backends as of the last sample, not aged since (helper-70: every
@@ -103,6 +103,9 @@ class Dashboard:
                     "cache_mb": round(sum(v["cache_mb"] for v in views), 2),
                 },
                 "backends": views,
+                # status's warning lines (a gateway every backend refuses, a URL problem, ...):
+                # the page showed none of them
+                "problems": problem_lines(d) + ([_silent_text(d["silent"])] if d.get("silent") else []),
                 "series": self.history.model_series(m),
             })
             events += [{**e, "model": m} for e in d["recent_events"]]

@@ -477,6 +477,15 @@ def left_out_lines(records: list[dict]) -> list[str]:
     return out
 
 
+def problem_lines(d: dict) -> list[str]:
+    """Every warning line of one model's `collect` entry ``d``, in status's order: settings the
+    backends disagree on, shared URLs, URL problems, gateways every backend refuses, backends
+    left out, backends open without the token (status's text and the dashboard show them)."""
+    b = d["backends"]
+    return (disagreement(b) + shared_url_lines(b) + url_problem_lines(b)
+            + refused_gateway_lines(d.get("refused_gateways") or {}) + left_out_lines(b) + open_lines(b))
+
+
 def _silent_text(ids: list) -> str:
     # "Silent", not "dead": a stopped (SIGSTOP) or swapping backend resumes and re-registers (helper-66).
     return ("no heartbeat past their TTL (silent: dead, stopped or cut off; one that resumes registers again, "
@@ -543,9 +552,7 @@ def run(args) -> int:
         con.print(t)
         if d.get("silent"):
             con.print(_silent_text(d["silent"]), markup=False, highlight=False, soft_wrap=True)
-        for line in (disagreement(d["backends"]) + shared_url_lines(d["backends"]) + url_problem_lines(d["backends"])
-                     + refused_gateway_lines(d.get("refused_gateways") or {}) + left_out_lines(d["backends"])
-                     + open_lines(d["backends"])):
+        for line in problem_lines(d):
             con.print(line, markup=False, highlight=False, soft_wrap=True)
         for e in d["recent_events"]:
             con.print(event_line(e), markup=False, highlight=False)

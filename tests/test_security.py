@@ -771,6 +771,16 @@ def test_a_gateway_every_backend_refuses_is_the_one_status_flags(make_stack):
     assert (f"gateway {bad_id} is refused by every backend: its internal token is not theirs (start it with the "
             "backends' --internal-token / MLXGW_INTERNAL_TOKEN)") in " ".join(out.split()), out
     assert post(good.url + "/v1/chat/completions", chat)[0] == 200
+    # The dashboard (of either gateway) counts both backends ready and shows the line too
+    dash = get_json(good.url + "/dashboard/data")
+    deadline = time.time() + 10
+    while not any(m["problems"] for m in dash["models"]) and time.time() < deadline:
+        time.sleep(0.3)
+        dash = get_json(good.url + "/dashboard/data")
+    (m,) = dash["models"]
+    assert m["totals"]["ready"] == 2 and m["problems"] == [
+        f"gateway {bad_id} is refused by every backend: its internal token is not theirs (start it with the "
+        "backends' --internal-token / MLXGW_INTERNAL_TOKEN)"], m
 
 
 def test_the_503_names_every_backend_that_refused_the_token(make_stack):
