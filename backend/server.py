@@ -22,7 +22,7 @@ from aiohttp import web
 
 from mlxgw import prompt as prompt_mod
 from mlxgw import schema
-from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, parse_openai
+from mlxgw.protocol import INTERNAL_FIELD, RequestError, context_exceeded, loads_body, parse_openai
 
 from .engine import Engine, GenEvent, GenParams, GenRequest
 from .render import AnswerBuilder, OpenAIRenderer, Piece
@@ -206,11 +206,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
     if pr.prompt_ids is not None and any(t >= len(engine.tokenizer) for t in ids):
         raise RequestError("prompt contains token ids outside the vocabulary", param="prompt")
     if len(ids) >= ctx:
-        raise RequestError(
-            f"prompt is {len(ids)} tokens; the model's context is {ctx} tokens",
-            param="messages" if kind == "chat" else "prompt",
-            code="context_length_exceeded",
-        )
+        raise context_exceeded(len(ids), ctx, "messages" if kind == "chat" else "prompt")
     max_tokens = min(pr.max_tokens or DEFAULT_MAX_TOKENS, ctx - len(ids))
     # Redis must reflect earlier saves before this request is answered.
     await reporter.settle()

@@ -20,7 +20,7 @@ import msgpack
 from aiohttp import web
 
 from mlxgw import schema
-from mlxgw.protocol import INTERNAL_FIELD, RequestError, loads_body, overloaded, parse_openai
+from mlxgw.protocol import INTERNAL_FIELD, RequestError, context_exceeded, loads_body, overloaded, parse_openai
 from mlxgw.redis_client import is_setting_error
 
 from . import auth, dashboard, dialects, limits
@@ -202,11 +202,7 @@ async def _route(request: web.Request, kind: str, path: str, body: Optional[dict
     else:
         ids, system_tokens = await st.tokenizers.encode(info, pr.prompt), 0
     if len(ids) >= info.context_length:
-        raise RequestError(
-            f"prompt is {len(ids)} tokens; the model's context is {info.context_length} tokens",
-            param="messages" if kind == "chat" else "prompt",
-            code="context_length_exceeded",
-        )
+        raise context_exceeded(len(ids), info.context_length, "messages" if kind == "chat" else "prompt")
     if pr.max_tokens is not None and len(ids) + pr.max_tokens > info.context_length:
         body["max_tokens"] = info.context_length - len(ids)
         body.pop("max_completion_tokens", None)
@@ -282,6 +278,10 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
                 # The next-ranked backends answer only when those before failed.
                 "X-Mlxgw-Route-Reason": reason if i == 0 else "retry",
                 "X-Mlxgw-Request-Id": rid,
+                # The ids the SDKs show (`_request_id`): openai reads x-request-id, anthropic request-id
+                # (helper-71: None in both).
+                "x-request-id": rid,
+                "request-id": rid,
             },
         )
         for i, s in enumerate(ranked)  # forward tries 1 + max_retries of them (`Attempt.free` aside)
@@ -358,13 +358,30 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
             route_s=route_ms / 1000, attempts=attempts, resp=resp, outcome=outcome))
 
 
+def _model_entry(info, anthropic: bool) -> dict:
+    """One model of ``/v1/models`` with its context length (tokens, prompt and answer together),
+    which agent tools need to compact a conversation in time (helper-71: never published):
+    OpenAI's shape plus vLLM's ``max_model_len``, or, for an Anthropic client (an
+    ``anthropic-version`` header), Anthropic's ``{"type": "model", "id", "display_name",
+    "created_at", "max_input_tokens", "max_tokens"}``."""
+    if anthropic:
+        return {"type": "model", "id": info.name, "display_name": info.name, "created_at": "1970-01-01T00:00:00Z",
+                "max_input_tokens": info.context_length - 1, "max_tokens": info.context_length - 1}
+    return {"id": info.name, "object": "model", "created": 0, "owned_by": "mlxgw", "max_model_len": info.context_length}
+
+
 async def handle_models(request: web.Request) -> web.Response:
     """This gateway's models (the ones it can tokenize for and route); a model only other
-    gateways serve is not listed: asked for here, it is a 404 (``/health`` ``not_served``)."""
+    gateways serve is not listed: asked for here, it is a 404 (``/health`` ``not_served``).
+    An Anthropic client (``anthropic-version`` header) gets Anthropic's list shape."""
     st = request.app[STATE]
-    names = set(st.tokenizers.models)
-    data = [{"id": n, "object": "model", "created": 0, "owned_by": "mlxgw"} for n in sorted(names)]
-    return web.json_response({"object": "list", "data": data, "models": [{"id": n, "name": n} for n in sorted(names)]})
+    infos = [st.tokenizers.models[n] for n in sorted(st.tokenizers.models)]
+    if "anthropic-version" in request.headers:
+        data = [_model_entry(i, True) for i in infos]
+        return web.json_response({"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+                                  "last_id": data[-1]["id"] if data else None})
+    return web.json_response({"object": "list", "data": [_model_entry(i, False) for i in infos],
+                              "models": [{"id": i.name, "name": i.name} for i in infos]})
 
 
 async def handle_model(request: web.Request) -> web.Response:
@@ -372,7 +389,7 @@ async def handle_model(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     if name not in st.tokenizers.models:
         raise RequestError(f"the model '{name}' does not exist", status=404, param="model", code="model_not_found")
-    return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "mlxgw"})
+    return web.json_response(_model_entry(st.tokenizers.models[name], "anthropic-version" in request.headers))
 
 
 async def handle_health(request: web.Request) -> web.Response:

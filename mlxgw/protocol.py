@@ -45,6 +45,7 @@ class RequestError(Exception):
         self.code = code
         self.type = type
         self.headers = headers
+        self.tokens: Optional[tuple[int, int]] = None  # (prompt, context) of a `context_exceeded`
 
     def body(self) -> dict:
         return {
@@ -55,6 +56,27 @@ class RequestError(Exception):
                 "code": self.code,
             }
         }
+
+
+def context_exceeded(prompt_tokens: int, context: int, param: str) -> RequestError:
+    """The 400 ``context_length_exceeded`` of a prompt of ``prompt_tokens`` tokens for a model
+    whose context is ``context`` tokens, in OpenAI's words ("This model's maximum context length
+    is N tokens. However, your messages resulted in M tokens."): agent tools and LiteLLM find
+    a context overflow by that sentence, not by the code (helper-71: ours matched none). The
+    Anthropic dialect says it in Anthropic's words (`anthropic_context_message`); ``prompt_tokens``
+    and ``context`` are kept on the error for that."""
+    what = "messages" if param == "messages" else "prompt"
+    err = RequestError(f"This model's maximum context length is {context} tokens. However, your {what} resulted "
+                       f"in {prompt_tokens} tokens. Please reduce the length of the {what}.",
+                       param=param, code="context_length_exceeded")
+    err.tokens = (prompt_tokens, context)
+    return err
+
+
+def anthropic_context_message(prompt_tokens: int, context: int) -> str:
+    """Anthropic's message for a prompt over the context ("prompt is too long: M tokens > N
+    maximum"), which Claude Code and other Anthropic clients match to compact the conversation."""
+    return f"prompt is too long: {prompt_tokens} tokens > {context} maximum"
 
 
 #: Prefix of the tool-call ids the backend gives (OpenAI's form); the Anthropic dialect swaps it for ``toolu_``.

@@ -151,6 +151,17 @@ def test_prompt_longer_than_context(stack1):
     status, err = _err(post(stack1.gateway.url + "/v1/chat/completions",
                             {"model": "demo-tiny", "messages": [{"role": "user", "content": text}]}))
     assert status == 400 and err["code"] == "context_length_exceeded"
+    # In the words agent tools and LiteLLM match a context overflow by (helper-71: ours matched none),
+    # OpenAI's here, Anthropic's under /v1/messages
+    import re
+
+    n = int(re.fullmatch(r"This model's maximum context length is 8192 tokens\. However, your messages resulted in "
+                         r"(\d+) tokens\. Please reduce the length of the messages\.", err["message"])[1])
+    assert n > 8192, err
+    status, body = post(stack1.gateway.url + "/v1/messages", {"model": "demo-tiny", "max_tokens": 4, "messages": [
+        {"role": "user", "content": text}]})[::2]
+    assert (status, json.loads(body)) == (400, {"type": "error", "error": {
+        "type": "invalid_request_error", "message": f"prompt is too long: {n} tokens > 8192 maximum"}}), body
 
 
 def test_still_serving_after_bad_input(stack1):

@@ -340,6 +340,24 @@ def test_errors_in_each_dialect(stack):
     assert r.status == 400 and json.loads(r.read())["type"] == "error"
 
 
+def test_models_give_the_context_and_answers_the_sdks_request_id(stack):
+    """helper-71: the context length was in no model listing (agents assume 200k and never
+    compact in time), the Anthropic SDK got OpenAI's shape, and both SDKs' `_request_id` was None."""
+    (m,) = _oai(stack).models.list().data
+    assert (m.id, m.model_extra["max_model_len"]) == ("demo-tiny", 8192), m
+    page = _ant(stack).models.list()
+    (a,) = page.data
+    assert (a.type, a.id, a.display_name, a.max_input_tokens, page.has_more) == ("model", "demo-tiny", "demo-tiny",
+                                                                                  8191, False), a
+    assert _ant(stack).models.retrieve("demo-tiny").max_input_tokens == 8191
+    r = _oai(stack).chat.completions.with_raw_response.create(
+        model="demo-tiny", max_tokens=1, messages=[{"role": "user", "content": "x"}])
+    rid = r.headers["X-Mlxgw-Request-Id"]
+    assert len(rid) == 32 and r.parse()._request_id == rid
+    msg = _ant(stack).messages.create(model="demo-tiny", max_tokens=1, messages=[{"role": "user", "content": "x"}])
+    assert len(msg._request_id) == 32, msg._request_id
+
+
 def test_response_format_json_schema_and_json_object(stack):
     """The openai SDK's structured outputs: the answer is JSON of the schema (constrained
     decoding; the demo model's random weights alone would write gibberish)."""

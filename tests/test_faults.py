@@ -809,7 +809,7 @@ def test_stream_retried_on_a_backend_that_refuses_it_gets_that_refusal_as_its_er
     conn.close()
     assert events[-1] == "[DONE]" and len(events) == 2, events
     assert events[0]["error"]["code"] == "context_length_exceeded", events
-    assert "the model's context is 300 tokens" in events[0]["error"]["message"], events
+    assert events[0]["error"]["message"].startswith("This model's maximum context length is 300 tokens. "), events
 
 
 def test_advertised_url_is_one_other_machines_can_reach():

@@ -10,6 +10,7 @@ seen for the configured secrets.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import select
 import socket
@@ -382,7 +383,9 @@ def test_prompt_of_10x_the_context_is_refused_before_routing(sec):
                            {"model": "demo-tiny", "messages": [{"role": "user", "content": text}]}, key=KEYS["val"])
     err = json.loads(raw)["error"]
     assert status == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages"
-    assert int(err["message"].split()[2]) > 10 * 8192
+    n = int(re.fullmatch(r"This model's maximum context length is 8192 tokens\. However, your messages resulted in "
+                         r"(\d+) tokens\. Please reduce the length of the messages\.", err["message"])[1])
+    assert n > 10 * 8192, err
     status, _, raw = _post(gw + "/v1/completions", {"model": "demo-tiny", "prompt": [5] * 90_000}, key=KEYS["val"])
     assert status == 400 and json.loads(raw)["error"]["code"] == "context_length_exceeded"
 

@@ -14,7 +14,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from mlxgw.protocol import RequestError
+from mlxgw.protocol import RequestError, anthropic_context_message
 
 from . import anthropic, responses
 
@@ -26,7 +26,8 @@ def error_response(request: web.Request, err: RequestError) -> web.Response:
     SDK parses it); OpenAI's ``{"error": {"message", "type", "param", "code"}}`` elsewhere.
     """
     if request.path.startswith("/v1/messages"):
-        body = anthropic.error_body(err.message, err.status)
+        # a context overflow in Anthropic's words (`mlxgw.protocol.context_exceeded`)
+        body = anthropic.error_body(anthropic_context_message(*err.tokens) if err.tokens else err.message, err.status)
     else:
         body = err.body()
         if request.path.startswith("/v1/responses"):
