@@ -307,7 +307,11 @@ def _validate_messages(messages) -> list:
                 raise RequestError(f"'{q}.function' must be an object", param=f"{q}.function")
             if not isinstance(fn.get("name"), str):
                 raise RequestError(f"'{q}.function.name' must be a string", param=f"{q}.function.name")
-            if fn.get("arguments") is not None and not isinstance(fn["arguments"], (str, dict)):
+            if fn.get("arguments") is None:
+                # as OpenAI's API; the chat template failed on it, naming jinja's Undefined (helper-71)
+                raise RequestError(f"'{q}.function.arguments' is required (a JSON string)",
+                                   param=f"{q}.function.arguments")
+            if not isinstance(fn["arguments"], (str, dict)):
                 raise RequestError(f"'{q}.function.arguments' must be a JSON string",
                                    param=f"{q}.function.arguments")
     return messages

@@ -310,6 +310,61 @@ def test_responses_stream_and_function_call(stack):
     assert json.loads(call.arguments)["city"] in ("Paris", "Oslo")
 
 
+PATCH_TOOL = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+              "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch" /(.|\\n)*/'}}
+
+
+def test_responses_custom_tools_are_offered_and_their_calls_come_back_as_custom_calls(stack):
+    """helper-71: a `custom` (freeform) tool, Codex's apply_patch, was dropped from the prompt, and
+    forcing it gave an ordinary message. It is offered as a function of one string `input`, and its
+    call comes back as a `custom_tool_call` item, streamed or not; its items go back in as input.
+    (The demo model's free strings never end, so the call itself comes from a forced chat call
+    whose `input` is bounded, the backend's real answer, through the dialect's transform.)"""
+    from openai.types.responses import Response
+
+    from gateway.dialects.responses import ResponsesTransform
+    from mlxgw.httpget import post
+
+    client = _oai(stack)
+    bare = client.responses.create(model="demo-tiny", input="Fix it", max_output_tokens=1)
+    offered = client.responses.create(model="demo-tiny", input="Fix it", max_output_tokens=1, tools=[PATCH_TOOL])
+    assert offered.usage.input_tokens > bare.usage.input_tokens + 10, (offered.usage, bare.usage)
+    forced = client.responses.create(model="demo-tiny", input="Fix it", tools=[PATCH_TOOL], max_output_tokens=20,
+                                     tool_choice={"type": "custom", "name": "apply_patch"})
+    assert forced.output[0].content[0].text.startswith('<tool_call>\n{"name": "apply_patch", "arguments": {"input": "')
+    patch = "*** Begin Patch\n*** End Patch"
+    chat = {"model": "demo-tiny", "max_tokens": 64, "messages": [{"role": "user", "content": "Fix it"}],
+            "tools": [{"type": "function", "function": {"name": "apply_patch", "parameters": {
+                "type": "object", "properties": {"input": {"type": "string", "enum": [patch]}}, "required": ["input"]}}}],
+            "tool_choice": {"type": "function", "function": {"name": "apply_patch"}}}
+    request = {"model": "demo-tiny", "tools": [PATCH_TOOL]}
+    status, _, body = post(stack.gateway.url + "/v1/chat/completions", chat)
+    assert status == 200, body
+    whole = Response.model_validate(ResponsesTransform(False, "demo-tiny", request).convert_full(json.loads(body)))
+    (call,) = whole.output
+    assert (call.type, call.name, call.input, whole.status) == ("custom_tool_call", "apply_patch", patch,
+                                                                "completed"), whole.output
+    assert re.fullmatch(r"ctc_[0-9a-f]{24}", call.id) and call.call_id.startswith("call_"), call
+    status, headers, raw = post(stack.gateway.url + "/v1/chat/completions", {**chat, "stream": True})
+    assert status == 200
+    t = ResponsesTransform(True, "demo-tiny", request)
+    t.begin(200, headers, {})
+    events = [json.loads(ln[6:]) for ln in (t.feed(raw) + t.end()).decode().splitlines() if ln.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    assert kinds[-5:] == ["response.output_item.added", "response.custom_tool_call_input.delta",
+                          "response.custom_tool_call_input.done", "response.output_item.done",
+                          "response.completed"], kinds
+    assert events[-4]["delta"] == events[-3]["input"] == patch
+    (scall,) = Response.model_validate(events[-1]["response"]).output
+    assert (scall.type, scall.input) == ("custom_tool_call", patch)
+    # The call and its output, sent back as input items, are the conversation's next turn.
+    turn2 = client.responses.create(model="demo-tiny", tools=[PATCH_TOOL], max_output_tokens=1, input=[
+        {"type": "message", "role": "user", "content": "Fix it"},
+        {"type": "custom_tool_call", "call_id": scall.call_id, "name": "apply_patch", "input": scall.input},
+        {"type": "custom_tool_call_output", "call_id": scall.call_id, "output": "Done!"}])
+    assert turn2.status == "incomplete" and turn2.usage.input_tokens > offered.usage.input_tokens + 10
+
+
 def test_errors_in_each_dialect(stack):
     with pytest.raises(anthropic.NotFoundError) as e:
         _ant(stack).messages.create(model="nope", max_tokens=4, messages=[{"role": "user", "content": "x"}])
@@ -327,10 +382,18 @@ def test_errors_in_each_dialect(stack):
     with pytest.raises(openai.BadRequestError) as e:
         _oai(stack).responses.create(model="demo-tiny", input="x", previous_response_id="resp_123")
     assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "unsupported_parameter"
+    for kw, param in (({"conversation": "conv_1"}, "conversation"), ({"background": True}, "background")):
+        with pytest.raises(openai.BadRequestError) as e:  # ignored, or answered at once, before (helper-71)
+            _oai(stack).responses.create(model="demo-tiny", input="x", **kw)
+        assert (e.value.body["param"], e.value.body["code"]) == (param, "unsupported_parameter"), e.value.body
     with pytest.raises(openai.BadRequestError) as e:  # the error names the Responses field, not ours
         _oai(stack).responses.create(model="demo-tiny", input="x", max_output_tokens="x")
     assert e.value.body["param"] == "max_output_tokens"
     assert e.value.body["message"] == "'max_output_tokens' must be an integer"
+    with pytest.raises(openai.BadRequestError) as e:  # named `response_format` before (helper-71)
+        _oai(stack).responses.create(model="demo-tiny", input="x", text={"format": {
+            "type": "json_schema", "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}})
+    assert e.value.body["param"] == "text.format", e.value.body
     with pytest.raises(openai.BadRequestError) as e:  # named `messages` before (helper-60)
         _oai(stack).responses.create(model="demo-tiny", input=words(9000, seed=5))
     assert (e.value.body["param"], e.value.body["code"]) == ("input", "context_length_exceeded")

@@ -461,6 +461,9 @@ VALIDATION = [
     ({"model": "demo-tiny", "messages": [{"role": "user", "content": [7]}]}, 400, "messages[0].content[0]"),
     ({"model": "demo-tiny", "messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": 1}]}]},
      400, "messages[0].tool_calls[0].function"),
+    # helper-71: "the chat template failed to render the messages: Object of type Undefined ..."
+    ({"model": "demo-tiny", "messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f"}}]}]}, 400, "messages[0].tool_calls[0].function.arguments"),
     ({"model": "demo-tiny", "messages": [{"role": "user", "content": "x", "name": 1}]}, 400, "messages[0].name"),
     (b'{"model":"demo-tiny","messages":[{"role":"user","content":"\\ud800"}]}', 400, None),
     (b'{"model":"demo-tiny","messages":[{"role":"user","content":"\xc3\x28"}]}', 400, None),

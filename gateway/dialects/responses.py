@@ -11,15 +11,21 @@ Shapes follow OpenAI's API reference ("Responses", "Streaming events"):
   clients send it), ``function_call_output`` -> ``tool`` message,
   ``reasoning`` dropped; ``developer`` messages stay (rendering makes them
   ``system`` ones for templates without that role);
-* ``tools``: ``function`` tools kept, built-in tool types ignored;
-* ``previous_response_id`` / ``item_reference``: 400, the gateway keeps no
-  state (send the whole conversation, as Codex does with ``store: false``);
+* ``tools``: ``function`` tools kept; ``custom`` (freeform) tools, such as Codex's
+  ``apply_patch``, become functions of one string parameter ``input`` (a grammar ``format``
+  goes into the description: the model is told it, not held to it), and their calls come
+  back as ``custom_tool_call`` items (``custom_tool_call`` / ``_output`` input items go the
+  other way); built-in tool types ignored;
+* ``previous_response_id`` / ``item_reference`` / ``conversation`` / ``background: true``:
+  400, the gateway keeps no state (send the whole conversation, as Codex does with
+  ``store: false``);
 * ``max_output_tokens`` -> ``max_tokens``; a length stop ends with status
   ``incomplete`` (``response.incomplete``), and so does the output item it cut.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Optional
 
@@ -77,7 +83,20 @@ def convert_input(instructions, items) -> list[dict]:
                 prev.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            if not isinstance(it.get("name"), str) or not it["name"]:
+                raise RequestError(f"'{p}.name' must be a non-empty string", param=f"{p}.name")
+            for key in ("input", "call_id"):
+                if not isinstance(it.get(key), str):
+                    raise RequestError(f"'{p}.{key}' must be a string", param=f"{p}.{key}")
+            call = {"id": it["call_id"], "type": "function",
+                    "function": {"name": it["name"], "arguments": json.dumps({CUSTOM_INPUT: it["input"]})}}
+            prev = out[-1] if out else None
+            if prev is not None and prev["role"] == "assistant":
+                prev.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             if not isinstance(it.get("call_id"), str):
                 raise RequestError(f"'{p}.call_id' must be a string", param=f"{p}.call_id")
             if it.get("output") is None:
@@ -93,8 +112,51 @@ def convert_input(instructions, items) -> list[dict]:
     return out
 
 
+#: The one parameter of the function a custom (freeform) tool is given to the model as.
+CUSTOM_INPUT = "input"
+
+
+def custom_tool_names(tools) -> set:
+    """Names of the ``custom`` (freeform) tools of a Responses request's ``tools``."""
+    return {t["name"] for t in tools if isinstance(t, dict) and t.get("type") == "custom"
+            and isinstance(t.get("name"), str)} if isinstance(tools, list) else set()
+
+
+def _custom_as_function(t: dict, i: int) -> dict:
+    """A ``custom`` tool as a flat Responses function tool of one string parameter (helper-71:
+    Codex's ``apply_patch`` was dropped, so the model never heard of it). Its grammar, if any,
+    is told in the description; the answer is not held to it."""
+    desc = t.get("description")
+    if desc is not None and not isinstance(desc, str):
+        raise RequestError(f"'tools[{i}].description' must be a string", param=f"tools[{i}].description")
+    fmt = t.get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise RequestError(f"'tools[{i}].format' must be an object", param=f"tools[{i}].format")
+    desc = desc or ""
+    if fmt and fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+        desc += f"\n\nThe input follows this {fmt.get('syntax') or ''} grammar:\n{fmt['definition']}"
+    return {"type": "function", "name": t.get("name"), "description": desc.strip(),
+            "parameters": {"type": "object", "properties": {CUSTOM_INPUT: {"type": "string"}},
+                           "required": [CUSTOM_INPUT], "additionalProperties": False}}
+
+
+def custom_input(arguments) -> str:
+    """A custom tool's ``input`` from its function call's ``arguments`` (JSON text or an
+    object): the ``input`` string, or the arguments as given when they hold none."""
+    args = arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return arguments
+    if isinstance(args, dict) and isinstance(args.get(CUSTOM_INPUT), str):
+        return args[CUSTOM_INPUT]
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)
+
+
 def convert_tools(tools) -> Optional[list[dict]]:
-    """Responses function tools -> chat tools; built-in tools (web_search, ...) ignored.
+    """Responses function tools -> chat tools; ``custom`` tools as functions of one string
+    (`_custom_as_function`); built-in tools (web_search, ...) ignored.
 
     Raises:
         RequestError: as `function_tools`; a chat-shaped tool (``{"type": "function",
@@ -108,16 +170,18 @@ def convert_tools(tools) -> Optional[list[dict]]:
                 raise RequestError(f"'tools[{i}]' is a chat completions tool: the Responses API's are flat, "
                                    f"{{\"type\": \"function\", \"name\": ..., \"parameters\": ...}}",
                                    param=f"tools[{i}]")
+        tools = [_custom_as_function(t, i) if isinstance(t, dict) and t.get("type") == "custom" else t
+                 for i, t in enumerate(tools)]
     return function_tools(tools, lambda t: t.get("type") == "function", "parameters")
 
 
 def convert_tool_choice(tc):
     if tc is None or tc in ("auto", "none", "required"):
         return tc
-    if isinstance(tc, dict) and tc.get("type") == "function":
+    if isinstance(tc, dict) and tc.get("type") in ("function", "custom"):
         if not isinstance(tc.get("name"), str):
-            raise RequestError("'tool_choice.name' must name a function", param="tool_choice.name")
-        return {"type": "function", "function": {"name": tc["name"]}}
+            raise RequestError(f"'tool_choice.name' must name a {tc['type']} tool", param="tool_choice.name")
+        return {"type": "function", "function": {"name": tc["name"]}}  # a custom tool is a function here
     if isinstance(tc, dict) and isinstance(tc.get("type"), str) and tc["type"]:
         return "auto"  # a built-in tool: not ours to force
     raise RequestError("'tool_choice' must be auto, none, required or a function", param="tool_choice")
@@ -132,6 +196,15 @@ def to_chat(body: dict) -> dict:
     if body.get("previous_response_id") is not None:
         raise RequestError("'previous_response_id' is not supported: this gateway is stateless; "
                            "send the whole conversation in 'input' (store: false)", param="previous_response_id",
+                           code="unsupported_parameter")
+    # Stateful features, refused like previous_response_id (helper-71: `conversation` was ignored
+    # with a 200, and `background: true` answered at once, its later retrieve a 404).
+    if body.get("conversation") is not None:
+        raise RequestError("'conversation' is not supported: this gateway is stateless; send the whole "
+                           "conversation in 'input' (store: false)", param="conversation", code="unsupported_parameter")
+    if body.get("background") not in (None, False):
+        raise RequestError("'background' responses are not supported: this gateway keeps no responses to poll; "
+                           "leave it out and wait for the answer (or stream it)", param="background",
                            code="unsupported_parameter")
     out = chat_request(body, lambda: convert_input(body.get("instructions"), body.get("input")),
                        lambda: convert_tools(body.get("tools")), convert_tool_choice)
@@ -189,8 +262,15 @@ def usage_of(prompt: int, cached: int, output: int) -> dict:
 
 def client_param(param: Optional[str]) -> Optional[str]:
     """An internal chat error's ``param`` as the Responses client named it: the whole prompt
-    (``messages``, e.g. context_length_exceeded) is its ``input``."""
-    return "input" if param == "messages" else param
+    (``messages``, e.g. context_length_exceeded) is its ``input``; ``response_format`` (and
+    its ``json_schema`` object, which Responses flattens) is its ``text.format`` (helper-71: a
+    backend's schema error named ``response_format``)."""
+    if param == "messages":
+        return "input"
+    if param and param.split(".", 1)[0] == "response_format":
+        rest = param[len("response_format"):]
+        return "text.format" + (rest[len(".json_schema"):] if rest.startswith(".json_schema") else rest)
+    return param
 
 
 class ResponsesTransform(ChatTransform):
@@ -204,6 +284,8 @@ class ResponsesTransform(ChatTransform):
         self.seq = 0
         self.items: list[dict] = []  # output items so far
         self.open: Optional[dict] = None  # the output item being streamed
+        self.custom = custom_tool_names(request.get("tools"))  # their calls are custom_tool_call items
+        self._custom_args = ""  # the open custom call's arguments (JSON) so far
 
     def _response(self, status: str, usage: Optional[dict] = None) -> dict:
         r = {"id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
@@ -241,6 +323,14 @@ class ResponsesTransform(ChatTransform):
                     + self._ev("response.content_part.done", item_id=it["id"], output_index=idx, content_index=0,
                                part=part)
                     + self._ev("response.output_item.done", output_index=idx, item=it))
+        if it["type"] == "custom_tool_call":
+            # Its input is a string inside the call's JSON arguments: told whole once they are complete.
+            it["input"] = custom_input(self._custom_args)
+            return (self._ev("response.custom_tool_call_input.delta", item_id=it["id"], output_index=idx,
+                             delta=it["input"])
+                    + self._ev("response.custom_tool_call_input.done", item_id=it["id"], output_index=idx,
+                               input=it["input"])
+                    + self._ev("response.output_item.done", output_index=idx, item=it))
         return (self._ev("response.function_call_arguments.done", item_id=it["id"], output_index=idx,
                          name=it["name"], arguments=it["arguments"])
                 + self._ev("response.output_item.done", output_index=idx, item=it))
@@ -266,11 +356,19 @@ class ResponsesTransform(ChatTransform):
 
     def on_tool_start(self, index: int, call_id: str, name: str) -> bytes:
         out = self._close()
-        self.open = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress", "call_id": call_id,
-                     "name": name, "arguments": ""}
+        if name in self.custom:
+            self._custom_args = ""
+            self.open = {"id": new_id("ctc_"), "type": "custom_tool_call", "status": "in_progress",
+                         "call_id": call_id, "name": name, "input": ""}
+        else:
+            self.open = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress", "call_id": call_id,
+                         "name": name, "arguments": ""}
         return out + self._ev("response.output_item.added", output_index=len(self.items), item=dict(self.open))
 
     def on_tool_args(self, index: int, fragment: str) -> bytes:
+        if self.open["type"] == "custom_tool_call":
+            self._custom_args += fragment
+            return b""
         self.open["arguments"] += fragment
         return self._ev("response.function_call_arguments.delta", item_id=self.open["id"],
                         output_index=len(self.items), delta=fragment)
@@ -299,6 +397,11 @@ class ResponsesTransform(ChatTransform):
                                             "logprobs": []}]})
         for tc in msg.get("tool_calls") or []:
             fn = tc.get("function") or {}
+            if fn.get("name") in self.custom:
+                self.items.append({"id": new_id("ctc_"), "type": "custom_tool_call", "status": "completed",
+                                   "call_id": tc.get("id"), "name": fn.get("name"),
+                                   "input": custom_input(fn.get("arguments", "{}"))})
+                continue
             self.items.append({"id": new_id("fc_"), "type": "function_call", "status": "completed",
                                "call_id": tc.get("id"), "name": fn.get("name"), "arguments": fn.get("arguments", "{}")})
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
