@@ -161,6 +161,34 @@ def test_count_tokens_is_the_real_prompt(stack, demo_model):
     assert n.input_tokens == len(want)
 
 
+def test_anthropic_tool_result_error_reaches_the_prompt(stack, demo_model):
+    """helper-71: `is_error` was dropped, so a failed tool read like a successful one. Chat
+    templates have no such flag: the result text says so, as the model's prompt shows."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(__import__("pathlib").Path(demo_model))
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                              "input": {"city": "Oslo"}}]}
+
+    def count(**extra):
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "city not found", **extra}
+        return _ant(stack).messages.count_tokens(model="demo-tiny", tools=ANTHROPIC_TOOLS, messages=[
+            {"role": "user", "content": "Weather?"}, call, {"role": "user", "content": [result]}]).input_tokens
+
+    def want(text):
+        return len(tok.apply_chat_template([
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "toolu_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": text}], tools=CHAT_TOOLS, add_generation_prompt=True))
+
+    assert count() == count(is_error=False) == want("city not found")
+    assert count(is_error=True) == want("Error: city not found") > count()
+    with pytest.raises(anthropic.BadRequestError) as e:
+        count(is_error="yes")
+    assert e.value.body["error"]["message"] == "'messages[2].content[0].is_error' must be a boolean"
+
+
 def test_anthropic_prefill_is_continued(stack, demo_model):
     """A trailing assistant message is Anthropic's prefill: the reply continues it, so the prompt
     ends inside that turn (transformers' ``continue_final_message``). It was closed as a turn of

@@ -131,8 +131,13 @@ def convert_messages(system, messages) -> list[dict]:
                 if t == "text":
                     text.append(part_text(b, q))
                 elif t == "tool_result":
+                    result = _tool_result_text(b.get("content"), f"{q}.content")
+                    # Chat templates have no error flag: the model is told in the text (helper-71: it
+                    # was dropped, so a failed tool read like a successful one).
+                    if optional_field(b, "is_error", (bool,), "a boolean", q) and not result.lower().startswith("error"):
+                        result = "Error: " + result
                     out.append({"role": "tool", "tool_call_id": optional_field(b, "tool_use_id", (str,), "a string", q),
-                                "content": _tool_result_text(b.get("content"), f"{q}.content")})
+                                "content": result})
                 else:
                     raise RequestError(f"user content block type '{t}' is not supported (text models)", param=f"{p}.content")
             if text or not any(b.get("type") == "tool_result" for b in blocks):
