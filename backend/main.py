@@ -24,7 +24,7 @@ from mlxgw.redis_client import redis_problem
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.stopping import PARENT_ENV, Stopper
 from mlxgw.util import (WILDCARD_LOOPBACK, deadline, http_base, is_loopback, namespace_arg, non_empty_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, redis_url_arg,
-                        positive_int, seconds_arg, share_arg, share_or_off_arg, size_arg, size_text)
+                        positive_int, seconds_arg, share_arg, share_or_off_arg, size_arg, size_text, temperature_arg)
 
 from . import persist, sim
 from .cache import LAYOUTS, KVOps, PromptCache
@@ -142,6 +142,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "it out when admitted (shared layout); off (default): a private copy from its arrival, KV "
                         "in flight that counts against --cache-bytes while it waits (docs/cache-policy.md: opt-in, "
                         "measured)")
+    p.add_argument("--default-temperature", type=temperature_arg, default=ModelConfig.default_temperature,
+                   help="sampling temperature of a request that gives none (default %(default)s: greedy, as "
+                        "mlx_lm.server's --temp; the OpenAI and Anthropic APIs default to 1.0, which agent tools "
+                        "that send none expect; 0 to 2)")
     p.add_argument("--max-inflight-share", type=share_or_off_arg, default=0.0,
                    help="admit a request only while the KV in flight plus its prompt's stays within this share of "
                         "--cache-bytes (unless nothing runs), so the rest stays the prompt cache's; 0 (default): no "
@@ -480,7 +484,7 @@ def run(args: argparse.Namespace) -> int:
     reporter.info = lambda: {**engine.stats(), **metrics.record_fields()}
     reporter.cache_figures = engine.cache_figures
     cfg = BackendConfig(backend_id, name, str(model_path), internal_token=args.internal_token,
-                        request_timeout=args.request_timeout)
+                        request_timeout=args.request_timeout, default_temperature=args.default_temperature)
     try:
         return asyncio.run(_serve(engine, reporter, cfg, args))
     finally:

@@ -79,6 +79,9 @@ class BackendConfig:
     max_body_bytes: int = 64 * 1024 * 1024
     request_timeout: float = 600.0
     internal_token: Optional[str] = None
+    # A request without `temperature` samples at this (0: greedy, mlx_lm.server's `--temp` default;
+    # the OpenAI and Anthropic APIs default to 1.0): `mlxgw backend --default-temperature`.
+    default_temperature: float = 0.0
 
 
 ENGINE = web.AppKey("engine", Engine)
@@ -197,6 +200,8 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
     if body is None:
         body = await read_body(request)
     internal = body.pop(INTERNAL_FIELD, None) or {}
+    if body.get("temperature") is None and cfg.default_temperature:
+        body["temperature"] = cfg.default_temperature
     pr = parse_openai(body, kind)
     if engine.failed or reporter.state != "ready":
         raise RequestError(f"backend not ready ({'failed' if engine.failed else reporter.state})",

@@ -43,6 +43,9 @@ class ModelConfig:
     # share of cache_bytes ("Admission by memory"; 0: off), and pin waiting requests' hits by reference.
     max_inflight_share: float = 0.0
     pin_by_reference: bool = False
+    # Sampling temperature of a request that gives none (0: greedy, as mlx_lm.server; the OpenAI and
+    # Anthropic APIs default to 1.0): `mlxgw backend --default-temperature`.
+    default_temperature: float = 0.0
     # Keep the prompt caches across restarts: backend i saves to and restores from
     # <cache_dir>/<name>-<i> (backend.persist); empty: not kept.
     cache_dir: str = ""
@@ -270,6 +273,9 @@ def validate(cfg: ServeConfig) -> None:
             _check_cache_dir(m.cache_dir, where)
         if m.max_inflight_share > 1:
             raise ValueError(f"{where}: max_inflight_share must be at most 1 (0: off), not {m.max_inflight_share!r}")
+        if m.default_temperature > 2:
+            raise ValueError(f"{where}: default_temperature must be from 0 to 2 (OpenAI's range), not "
+                             f"{m.default_temperature!r}")
         if m.pin_by_reference and m.cache_layout != "shared":
             raise ValueError(f"{where}: pin_by_reference needs cache_layout = \"shared\" (pins reference its segments)")
         if m.disk_cache_bytes:

@@ -420,7 +420,8 @@ def backend_model_flags(m: config_mod.ModelConfig) -> list[str]:
             "--decode-concurrency", str(m.decode_concurrency),
             "--cache-layout", m.cache_layout,
             "--pin-by-reference" if m.pin_by_reference else "--no-pin-by-reference",
-            *(["--max-inflight-share", str(m.max_inflight_share)] if m.max_inflight_share else [])]
+            *(["--max-inflight-share", str(m.max_inflight_share)] if m.max_inflight_share else []),
+            *(["--default-temperature", str(m.default_temperature)] if m.default_temperature else [])]
 
 
 def check_cache_dirs(models: list[config_mod.ModelConfig]) -> Optional[str]:

@@ -204,6 +204,17 @@ def share_or_off_arg(s: str) -> float:
     return v
 
 
+def temperature_arg(s: str) -> float:
+    """argparse type: a sampling temperature, a finite number from 0 to 2 (OpenAI's range).
+    Raises argparse.ArgumentTypeError otherwise (NaN included)."""
+    import argparse
+
+    v = _number_arg(s)
+    if not 0 <= v <= 2:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 2, not {s}")
+    return v
+
+
 _SIZE = re.compile(r"\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:E[+-]?\d+)?)\s*(?:([KMGT])(?:I?B)?|B)?\s*", re.IGNORECASE)
 _UNIT = {None: 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 

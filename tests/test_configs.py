@@ -416,6 +416,37 @@ def test_serve_passes_prefill_settings_to_the_backends(tmp_path):
         config.load(str(tmp_path / "d.toml"))
 
 
+def test_default_temperature_reaches_the_backends_and_samples(tmp_path, make_stack):
+    """helper-71: a request without `temperature` was always greedy (mlx_lm.server's default),
+    where the OpenAI and Anthropic APIs sample at 1.0, which agent tools sending none expect.
+    `[[models]] default_temperature` (backend `--default-temperature`) sets it; 0 stays the default."""
+    from mlxgw import launcher
+    from mlxgw.httpget import post
+
+    assert "--default-temperature" not in launcher.backend_model_flags(config.ModelConfig())
+    p = tmp_path / "c.toml"
+    p.write_text('[[models]]\nname = "m"\ndefault_temperature = 1.5\n')
+    cfg = config.load(str(p))
+    config.validate(cfg)
+    flags = launcher.backend_model_flags(cfg.models[0])
+    assert flags[flags.index("--default-temperature") + 1] == "1.5"
+    for bad, why in (("2.5", "from 0 to 2"), ("nan", "finite"), ("-1", "at least 0")):
+        p.write_text(f'[[models]]\ndefault_temperature = {bad}\n')
+        with pytest.raises(ValueError, match=why):
+            config.validate(config.load(str(p)))
+    s = make_stack()
+    b = s.add_backend("b0", None, "--default-temperature", "1.5")
+    b.wait_healthy()
+
+    def answers(**extra):
+        return {json.loads(post(b.url + "/v1/completions", {"model": "demo-tiny", "prompt": "once upon a time",
+                                                            "max_tokens": 8, **extra})[2])["choices"][0]["text"]
+                for _ in range(4)}
+
+    assert len(answers()) > 1  # sampled at 1.5
+    assert len(answers(temperature=0)) == 1  # a given temperature is kept: greedy
+
+
 def test_serve_passes_the_opt_in_admission_and_pin_settings(tmp_path):
     """``max_inflight_share`` / ``pin_by_reference`` per model, or serve's flags, reach each backend's
     command line (only `mlxgw backend` had them: a serve user could not turn them on); off by default."""
