@@ -79,6 +79,19 @@ def entry_sizes(b) -> list[int]:
     return sorted(e["tokens"] for e in get_json(b.url + "/internal/cache")["entries"])
 
 
+def new_entry_size(b, before: list[int], timeout: float = 10.0) -> int:
+    """The token count of the one entry saved since ``before`` (`entry_sizes`). Polled: the
+    request's end and its save are a step or two apart in the engine, so an idle backend
+    (`wait_idle`) may not have saved yet (a CI run on a loaded machine found none)."""
+    deadline = time.time() + timeout
+    while True:
+        new = [n for n in entry_sizes(b) if n not in before]
+        if new or time.time() > deadline:
+            (saved,) = new
+            return saved
+        time.sleep(0.05)
+
+
 def test_end_of_sequence(backend, tok):
     msgs = [{"role": "user", "content": words(60, seed=41)}]
     p1 = render_chat(tok, msgs).token_ids
@@ -125,7 +138,7 @@ def test_text_stop_sequence(backend, tok, stream):
     wait_idle(backend)
     # The stop text is seen after the third token; the cancel reaches the
     # engine a step or two later, and the KV of every decoded token is kept.
-    (saved,) = [n for n in entry_sizes(backend) if n not in before]
+    saved = new_entry_size(backend, before)
     k = saved - len(p1)
     assert 3 <= k <= 10
     msgs2 = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "go on"}]
@@ -231,7 +244,7 @@ def test_server_timeout_saves(backend, tok, stream):
         assert json.loads(raw)["error"]["code"] == "timeout"
         reply = None
     wait_idle(backend)
-    (saved,) = [n for n in entry_sizes(backend) if n not in before]
+    saved = new_entry_size(backend, before)
     generated = saved - len(p1)
     assert generated > 10  # decoding ran until the timeout and its KV was kept
     if reply is not None:  # the client saw part of the answer and continues from it
