@@ -48,6 +48,7 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.provenance import revision  # noqa: E402
 
 from bench import bare_hop  # noqa: E402
 from bench.overhead import PromptMaker, filler, loadavg, long_context_copy  # noqa: E402
@@ -239,7 +240,7 @@ def main(argv=None) -> int:
     stack = Stack(redis.url, str(model), block_size=64, lookup_deadline_ms=None)
     proxy = None
     res = {"command": "python bench/ab_gateways.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "base": rev, "load_before": loadavg(), "sequential": {}, "concurrent": {}}
+           "commit": revision(), "base": rev, "load_before": loadavg(), "sequential": {}, "concurrent": {}}
     try:
         backend = stack.add_backend("b0", None, "--engine", "sim", "--sim-speed", "1e9")
         gateways = {}

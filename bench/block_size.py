@@ -7,6 +7,7 @@ can lose (block size - 1).
     python bench/block_size.py
 """
 
+import argparse
 import statistics
 import sys
 import time
@@ -18,7 +19,10 @@ from mlxgw import schema  # noqa: E402
 from mlxgw.harness import RedisServer  # noqa: E402
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    # No options: --help says what it does (it ran the benchmark: helper-72).
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            epilog="Starts a private redis-server; prints a Markdown table.").parse_args(argv)
     srv = RedisServer().start()
     try:
         r = srv.client()

@@ -39,6 +39,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.provenance import revision  # noqa: E402
 
 from bench.replay_routers import pct  # noqa: E402
 from mlxgw.demo_model import ensure_demo_model  # noqa: E402
@@ -168,14 +169,14 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = "burst" + (f"-{args.label}" if args.label else "")
     (out / f"{stem}.md").write_text(body)
-    (out / f"{stem}.json").write_text(json.dumps({"command": cmd, "variants": {k: shlex.join(v) for k, v in
+    (out / f"{stem}.json").write_text(json.dumps({"command": cmd, "commit": revision(), "variants": {k: shlex.join(v) for k, v in
                                                                                variants.items()},
                                                   "src": srcs, "results": results}, indent=2))
     return 0
 
 
 def report(cmd: str, args, variants: dict, srcs: dict, results: dict) -> str:
-    lines = [f"# Burst: {args.conversations} second turns at once", "", f"Command: `{cmd}`", "",
+    lines = [f"# Burst: {args.conversations} second turns at once", "", f"Command: `{cmd}` (commit {revision()})", "",
              f"{args.backends} sim backends (speed {args.sim_speed:g}, room for every conversation), block size "
              f"{args.block_size}, first user messages of {args.prompt_words} words; {args.rounds} round(s), "
              "figures per round. The gateway's default lookup deadline (50 ms; 10 ms before session 27) unless a variant's flags say otherwise.", "",

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.provenance import revision  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from mlxgw import httpget  # noqa: E402
@@ -222,7 +223,7 @@ def main() -> int:
     tok = load_model_info("demo", model).tokenizer
     system = system_prompt(tok, args.system_tokens)
     cmd = "python bench/cache_policy.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    print(f"# {cmd}")
+    print(f"# {cmd} (commit {revision()})")
     print(f"model {model}; {args.sessions} sessions x {args.turns} turns; entries {args.entries}")
     rows = []
     for b in [x.strip() for x in args.budgets.split(",") if x.strip()]:
@@ -247,7 +248,7 @@ def main() -> int:
               f"({row['mlx_lm_server_vs_floor']:.3f}x floor)  [mlx_lm log lines {mlx['requests_logged']}, "
               f"same prompts {same_prompts}]", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"command": cmd, "rows": rows}, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps({"command": cmd, "commit": revision(), "rows": rows}, indent=2) + "\n")
     return 0
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.provenance import revision  # noqa: E402
 
 from backend import sim  # noqa: E402
 from backend.main import model_kv_bytes_per_token  # noqa: E402
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(tier_dir, ignore_errors=True)
     cmd = "python bench/disk_tier.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    md = (f"# Conversations back after eviction, with and without the disk tier\n\n`{cmd}`\n\nmodel {model_path}; "
+    md = (f"# Conversations back after eviction, with and without the disk tier\n\n`{cmd}` (commit {revision()})\n\nmodel {model_path}; "
           f"{args.conversations} conversations of {args.prompt_tokens} tokens (the first {args.opening_tokens} "
           f"shared), layout {args.cache_layout or 'default'}, memory for about {args.fits}; "
           f"{args.turns} later turns each (+{args.turn_tokens} tokens, one output token); {args.rounds} rounds "
@@ -202,7 +203,7 @@ def main(argv=None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "disk-tier.md").write_text(md)
-    (out / "disk-tier.json").write_text(json.dumps({"command": cmd, "rows": rows, "probes": probes}, indent=1))
+    (out / "disk-tier.json").write_text(json.dumps({"command": cmd, "commit": revision(), "rows": rows, "probes": probes}, indent=1))
     return 0
 
 

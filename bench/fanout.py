@@ -56,6 +56,7 @@ import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.provenance import revision  # noqa: E402
 
 from bench.replay import vocab_range  # noqa: E402
 from bench.replay_routers import _one, pct, sim_unit_flags  # noqa: E402
@@ -198,7 +199,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = "fanout" + (f"-{args.label}" if args.label else "")
     (out / f"{stem}.md").write_text(body)
-    (out / f"{stem}.json").write_text(json.dumps({"command": cmd, "args": vars(args),
+    (out / f"{stem}.json").write_text(json.dumps({"command": cmd, "commit": revision(), "args": vars(args),
                                                   "variants": {k: [shlex.join(g), shlex.join(b)]
                                                                for k, (g, b) in variants.items()},
                                                   "src": srcs, "results": results}, indent=2))
@@ -208,7 +209,7 @@ def main(argv=None) -> int:
 def report(cmd: str, args, variants: dict, srcs: dict, results: dict) -> str:
     ms = 1000.0
     lines = [f"# Fan-outs: {args.agents} agents x {args.fanouts} fan-outs of {args.fanout} calls", "",
-             f"Command: `{cmd}`", "",
+             f"Command: `{cmd}` (commit {revision()})", "",
              f"{args.backends} sim backends ({args.decode_concurrency or 'the default'} decode slots each unless a "
              f"variant says otherwise; speed {args.sim_speed:g}: multiply latencies by it for the cited M4 Max), "
              f"context {args.context_tokens} real tokens, tails {args.tail_tokens}, answers {args.output_tokens}, "

@@ -71,6 +71,7 @@ import msgpack
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.provenance import revision  # noqa: E402
 
 from bench import bare_hop  # noqa: E402
 from bench.replay_routers import SglangRouter  # noqa: E402
@@ -464,7 +465,7 @@ def main(argv=None) -> int:
         counts = {maker.count(PromptMaker.content(pi, i, w, args.seed + n)) for pi in (1, 4) for i in (0, 7, 123456)}
         plan[n] = {"words": w, "tokens": sorted(counts)}
         print(f"size {n}: {w} words -> {sorted(counts)} tokens", flush=True)
-    res = {"command": cmd, "config": {**vars(args), "model_copy": str(model)},
+    res = {"command": cmd, "commit": revision(), "config": {**vars(args), "model_copy": str(model)},
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                        "sglang_router": metadata.version("sglang-router"), "mlx_lm": metadata.version("mlx-lm"),
                        "transformers": metadata.version("transformers"), "tokenizers": metadata.version("tokenizers")},
@@ -538,7 +539,7 @@ def main(argv=None) -> int:
     res["total_seconds"] = time.time() - t_all
     md = tables(res)
     m = res["machine"]
-    head = (f"# Gateway overhead alone\n\nCommand: `{cmd}`\n\n"
+    head = (f"# Gateway overhead alone\n\nCommand: `{cmd}` (commit {revision()})\n\n"
             f"One sim backend (`--engine sim --sim-speed {args.sim_speed:g}`: a 32k-token prefill is modelled as "
             f"~20 µs), our gateway (block size {schema.DEFAULT_BLOCK_SIZE}, Redis lookup), sglang-router "
             f"{m['sglang_router']} `--policy cache_aware` (default thresholds), all on this machine "

@@ -42,6 +42,7 @@ import aiohttp
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.provenance import revision  # noqa: E402
 
 from bench.replay_routers import pct  # noqa: E402
 from mlxgw.demo_model import ensure_demo_model  # noqa: E402
@@ -222,13 +223,13 @@ def main(argv=None) -> int:
         head += (f" Beside {args.idle_clients} idle keep-alive clients ({idle['idle_answered']} answered first, "
                  f"{idle['idle_held']} connections then held idle, {idle['idle_closed_by_gateway']} of them closed "
                  f"by the gateway during the burst).")
-    body = f"# Overload ({label})\n\nCommand: `{cmd}`\n\n{head}\n\n{table(label, summary, extra)}\n"
+    body = f"# Overload ({label})\n\nCommand: `{cmd}` (commit {revision()})\n\n{head}\n\n{table(label, summary, extra)}\n"
     print(body)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "overload" + (f"-{args.label}" if args.label else "")
     (out / f"{stem}.md").write_text(body)
-    (out / f"{stem}.json").write_text(json.dumps({"command": cmd, "label": label, "summary": summary, **extra},
+    (out / f"{stem}.json").write_text(json.dumps({"command": cmd, "commit": revision(), "label": label, "summary": summary, **extra},
                                                  indent=2))
     return 0
 

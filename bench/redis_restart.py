@@ -32,6 +32,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.provenance import revision  # noqa: E402
 
 from bench.replay_routers import _one, add_sim_replay_args, load_sim_replay, sim_backend_flags, sim_unit_flags  # noqa: E402
 from mlxgw import schema  # noqa: E402
@@ -198,11 +199,11 @@ def main(argv=None) -> int:
     stem = Path(args.out_dir) / ("redis-restart" + (f"-{args.label}" if args.label else ""))
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".md").write_text(
-        f"# Redis restarted empty under load\n\nCommand: `{cmd}`" + (f" (code: {args.src})" if args.src else "")
+        f"# Redis restarted empty under load\n\nCommand: `{cmd}` (commit {revision()})" + (f" (code: {args.src})" if args.src else "")
         + f"\n\n{head}\n\n{table(passes)}\n\n{per_second}\n\n{tail}\n")
     for pa in passes:
         pa.pop("per_request")  # ~200 KB a pass: not kept
-    stem.with_suffix(".json").write_text(json.dumps({"command": cmd, "src": args.src, "passes": passes}, indent=2))
+    stem.with_suffix(".json").write_text(json.dumps({"command": cmd, "commit": revision(), "src": args.src, "passes": passes}, indent=2))
     return 0
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.provenance import revision  # noqa: E402
 
 from bench.trace import DEFAULT_TRACE, BlockMapper, load_trace, oracle_hits  # noqa: E402
 from mlxgw import httpget  # noqa: E402
@@ -168,7 +169,7 @@ def compare(args) -> int:
         args.gateway_args = f"{base} {flags or '--routing-policy ' + pol}".strip()
         runs[pol] = asyncio.run(replay(args))
     cmd = "python bench/replay.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    lines = [f"`{cmd}`", "", "| policy | errors | hit ratio | oracle | hit/oracle | max/mean share | per backend | wall s |",
+    lines = [f"`{cmd}` (commit {revision()})", "", "| policy | errors | hit ratio | oracle | hit/oracle | max/mean share | per backend | wall s |",
              "|---|---|---|---|---|---|---|---|"]
     for pol, r in runs.items():
         lines.append(
@@ -177,7 +178,7 @@ def compare(args) -> int:
             f"{', '.join(f'{k}: {v}' for k, v in r['per_backend'].items())} | {r['wall_seconds']:.1f} |")
     print("\n".join(lines))
     if args.out:
-        Path(args.out).write_text(json.dumps({"command": cmd, "runs": runs}, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps({"command": cmd, "commit": revision(), "runs": runs}, indent=2) + "\n")
     return 0 if all(r["errors"] == 0 for r in runs.values()) else 1
 
 

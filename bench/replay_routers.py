@@ -72,6 +72,7 @@ import numpy as np
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.provenance import revision  # noqa: E402
 
 from backend import sim as simmod  # noqa: E402
 from bench.replay import vocab_range  # noqa: E402
@@ -625,8 +626,8 @@ def table(res: dict) -> str:
     per-round comparisons and where our hits fell short of the pooled cache."""
     lines = []
     for b in res["budgets"]:
-        lines.append(f"\n**Cache budget {b['fraction']:g} x working set** ({b['per_backend_gb']:.2f} GB per backend, "
-                     f"{b['per_backend_gb'] * res['config']['backends']:.2f} GB in all)\n")
+        lines.append(f"\n**Cache budget {b['fraction']:g} x working set** ({b['per_backend_gb']:.2f} GiB per backend, "
+                     f"{b['per_backend_gb'] * res['config']['backends']:.2f} GiB in all)\n")
         lines.append("| router | hit ratio | hit/oracle | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | req/s "
                      "| max/mean load | added latency p50 (ms) | router CPU ms/request | budget evictions | disk reads "
                      "| disk GB written | errors |")
@@ -773,7 +774,7 @@ def main(argv=None) -> int:
     print(f"trace {args.trace}: {len(reqs)} requests over {span:.0f} s; oracle hit ratio {o_hit / o_total:.3f}")
     print(f"offered load at real speed on {args.backends} backends: {load:.2f}; compress {args.compress:g}x, "
           f"sim speed {speed:.1f}x (latencies x {speed:.1f} = the same unit on the cited hardware)")
-    print(f"KV working set {ws / 2**30:.1f} GB; token scale {scale:g}; our routing settings in sim ids: "
+    print(f"KV working set {ws / 2**30:.1f} GiB; token scale {scale:g}; our routing settings in sim ids: "
           f"{' '.join(sim_unit_flags(scale))}")
     budgets = [float(x) for x in args.budgets.split(",")]
     names = [x for x in args.routers.split(",") if x]
@@ -781,7 +782,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     res = {"config": {**vars(args), "sim_speed": speed, "token_scale": scale, "offered_load": load,
                       "working_set_gb": ws / 2**30},
-           "command": cmd, "oracle_ratio": o_hit / o_total, "budgets": [],
+           "command": cmd, "commit": revision(), "oracle_ratio": o_hit / o_total, "budgets": [],
            "stem": f"routers-{Path(args.trace).stem.split('_')[0]}-{args.requests}"}
     redis = RedisServer().start()
     t_all = time.time()
@@ -815,11 +816,11 @@ def main(argv=None) -> int:
     md = table(res)
     pngs = plots(res, out)
     head = (f"# Router replay: {Path(args.trace).name}, first {len(reqs)} requests\n\n"
-            f"Command: `{cmd}`\n\n"
+            f"Command: `{cmd}` (commit {revision()})\n\n"
             f"Oracle hit ratio {res['oracle_ratio']:.3f}; {args.backends} sim backends "
             f"(Qwen3-4B-Instruct-2507-4bit on M4 Max rates, docs/sim.md); trace time compressed "
             f"{args.compress:g}x; sim speed {speed:.1f}x (offered load {load:.2f} of capacity at real speed, "
-            f"target {args.target_load:g}); KV working set {ws / 2**30:.1f} GB; token scale {scale:g} (our "
+            f"target {args.target_load:g}); KV working set {ws / 2**30:.1f} GiB; token scale {scale:g} (our "
             f"gateway's token-denominated defaults converted to sim ids: `{' '.join(sim_unit_flags(scale))}`); "
             f"run took {res['total_seconds']:.0f} s.\n"
             f"Latencies are wall-clock ms on this machine; x {speed:.1f} gives ms on the cited hardware.\n")

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.provenance import revision  # noqa: E402
 
 from backend import sim  # noqa: E402
 from mlxgw.demo_model import ensure_demo_model  # noqa: E402
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(kv_dir, ignore_errors=True)
     cmd = "python bench/restart.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    md = (f"# Restarts with and without --cache-dir\n\n`{cmd}`\n\nmodel {model_path}; {args.conversations} "
+    md = (f"# Restarts with and without --cache-dir\n\n`{cmd}` (commit {revision()})\n\nmodel {model_path}; {args.conversations} "
           f"conversations of {args.prompt_tokens} tokens, next turn +{args.turn_tokens}; {args.rounds} rounds "
           f"(median, range over rounds)\n\n{table(rows)}\n")
     if probes:
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "restart.md").write_text(md)
-    (out / "restart.json").write_text(json.dumps({"command": cmd, "rows": rows, "probes": probes}, indent=1))
+    (out / "restart.json").write_text(json.dumps({"command": cmd, "commit": revision(), "rows": rows, "probes": probes}, indent=1))
     return 0
 
 

@@ -26,6 +26,7 @@ import aiohttp
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.provenance import revision  # noqa: E402
 
 from bench.replay_routers import _one, add_sim_replay_args, load_sim_replay, sim_backend_flags, sim_unit_flags  # noqa: E402
 from mlxgw import schema  # noqa: E402
@@ -124,12 +125,12 @@ def main(argv=None) -> int:
         st.stop()
         redis.cleanup()
     cmd = "python bench/soak.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    body = f"# Soak\n\nCommand: `{cmd}`\n\n{head}\n\n{table(samples)}\n"
+    body = f"# Soak\n\nCommand: `{cmd}` (commit {revision()})\n\n{head}\n\n{table(samples)}\n"
     print(body)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "soak.md").write_text(body)
-    (out / "soak.json").write_text(json.dumps({"command": cmd, "samples": samples}, indent=2))
+    (out / "soak.json").write_text(json.dumps({"command": cmd, "commit": revision(), "samples": samples}, indent=2))
     return 0 if all(r["status"] == 200 for r in rows) else 1
 
 

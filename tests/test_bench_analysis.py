@@ -7,6 +7,8 @@ so a format change there breaks this test rather than the benchmark's numbers.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from bench.placement_model import BlockLRU, SharedBlockLRU, follow, hit_ratio
@@ -331,3 +333,27 @@ def test_inflight_shares_of_each_backends_budget():
     rows = {0: {"backend": "a", "prompt": 16, "e2e": 2.0}, 1: {"backend": "a", "prompt": 16, "e2e": 1.0},
             2: {"backend": "b", "prompt": 16, "e2e": 0.5}, 3: {"backend": "b", "prompt": 16, "e2e": 1.0}}
     assert inflight_shares(reqs, rows, budget=0.5, compress=1.0, above=0.9) == {"a": (0.5, 2.0), "b": (0.375, 1.0)}
+
+
+def test_results_name_the_commit_they_ran(tmp_path):
+    """helper-72: the commits in the docs were written by hand; each results file now says which
+    checkout made it, and whether its tracked files had uncommitted changes."""
+    import re
+    import subprocess
+
+    from bench.provenance import ROOT, revision
+
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    assert re.fullmatch(re.escape(head) + r"( \+ uncommitted changes)?", revision()), revision()
+    # a tracked file changed (in a throwaway clone, so this checkout is left alone)
+    clone = tmp_path / "c"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    c_head = subprocess.run(["git", "-C", str(clone), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    assert revision(clone) == c_head
+    (clone / "README.md").write_text("changed\n")
+    (clone / "new-untracked-file").write_text("x\n")
+    revision.cache_clear()
+    assert revision(clone) == c_head + " + uncommitted changes"
+    assert revision(tmp_path) == "unknown"  # not a checkout
