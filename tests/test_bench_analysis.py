@@ -7,8 +7,6 @@ so a format change there breaks this test rather than the benchmark's numbers.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from bench.placement_model import BlockLRU, SharedBlockLRU, follow, hit_ratio
