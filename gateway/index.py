@@ -205,10 +205,10 @@ class OwnershipIndex:
         hiredis_packing(self.redis)
         self._lookup = self.redis.register_script(schema.LOOKUP_LUA)
         self.snapshot: dict[str, list[Candidate]] = {}  # model -> live backends
-        # Backend id -> why this gateway skips it for reasons of its own (gateway.proxy: a refused
-        # internal token, another backend at its URL), published with its settings.
+        # Backend id -> why this gateway skips it (gateway.proxy: another backend answers at its
+        # URL), and -> why it refuses this gateway (its internal token), published with its settings.
         self.skipped: Callable[[], dict[str, str]] = dict
-        self.refused: Callable[[], dict[str, str]] = dict  # backends refusing its internal token
+        self.refused: Callable[[], dict[str, str]] = dict
         self._refused_writes = Tally(lambda n: log.warning(
             "Redis refuses writes: its used memory is over its maxmemory (OOM, %d refusal(s)); lookups still "
             "work, but backends cannot publish saves or heartbeats, so the index goes stale and they show as "
