@@ -130,7 +130,8 @@ def auth_middleware(keys: list[str]):
         if kid is None:
             msg = "invalid API key" if k else "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
             # Raised, so the error middleware answers in the endpoint's dialect and logs it as refused.
-            raise RequestError(msg, status=401, type="authentication_error", code="invalid_api_key",
+            # OpenAI's own 401 has type invalid_request_error (helper-71); Anthropic's dialect types by status.
+            raise RequestError(msg, status=401, code="invalid_api_key",
                                headers={"WWW-Authenticate": "Bearer"})
         request[CALLER] = kid
         return await handler(request)

@@ -139,7 +139,7 @@ def test_health_is_open_and_everything_else_needs_a_key(sec):
     status, hdrs, raw = _post(gw + "/v1/chat/completions", CHAT)
     assert status == 401
     err = json.loads(raw)["error"]
-    assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_api_key"  # as OpenAI's API
     assert "missing API key" in err["message"]
     assert hdrs.get("WWW-Authenticate") == "Bearer"
     assert _get(gw + "/v1/models")[0] == 401
@@ -150,7 +150,7 @@ def test_health_is_open_and_everything_else_needs_a_key(sec):
     # A key is checked before the route: unknown paths do not reveal themselves.
     assert _post(gw + "/v1/nothing", {}, key=None)[0] == 401
     refused = [ln for ln in sec.gateways[0].log_path.read_text().splitlines() if " refused " in ln and "status=401" in ln]
-    assert any("path=/v1/nothing" in ln and "code=invalid_api_key" in ln and "type=authentication_error" in ln
+    assert any("path=/v1/nothing" in ln and "code=invalid_api_key" in ln and "type=invalid_request_error" in ln
                for ln in refused), refused
 
 
