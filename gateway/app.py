@@ -206,6 +206,8 @@ async def _route(request: web.Request, kind: str, path: str, body: Optional[dict
     if pr.max_tokens is not None and len(ids) + pr.max_tokens > info.context_length:
         body["max_tokens"] = info.context_length - len(ids)
         body.pop("max_completion_tokens", None)
+        if transform is not None:  # a length stop is then the context's (the Anthropic dialect says so)
+            transform.context_capped = True
 
     return await route_and_forward(request, st, info, body, ids, system_tokens, path, pr.stream, t0, transform)
 

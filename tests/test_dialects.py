@@ -189,6 +189,29 @@ def test_anthropic_tool_result_error_reaches_the_prompt(stack, demo_model):
     assert e.value.body["error"]["message"] == "'messages[2].content[0].is_error' must be a boolean"
 
 
+def test_anthropic_length_stop_at_the_context_is_model_context_window_exceeded(stack):
+    """helper-71: a max_tokens the gateway lowered to the context left ended with stop_reason
+    `max_tokens` after 20 of the 100 tokens asked; Anthropic's API says
+    `model_context_window_exceeded` then. A max_tokens of the client's own is still `max_tokens`."""
+    client = _ant(stack)
+    n_words, prompt = 4000, 0
+    for _ in range(6):  # a prompt within a few tokens of the 8192-token context
+        msgs = [{"role": "user", "content": words(n_words, seed=71)}]
+        prompt = client.messages.count_tokens(model="demo-tiny", messages=msgs).input_tokens
+        if 8150 <= prompt <= 8180:
+            break
+        n_words = max(1, n_words + (8165 - prompt) * n_words // prompt)
+    assert 8150 <= prompt <= 8180, prompt
+    capped = client.messages.create(model="demo-tiny", max_tokens=100, messages=msgs)
+    left = 8192 - prompt
+    assert capped.usage.output_tokens <= left
+    # a length stop here is the context's; an end-of-turn before it stays end_turn
+    assert (capped.stop_reason == "model_context_window_exceeded") == (capped.usage.output_tokens == left), capped
+    assert capped.stop_reason in ("model_context_window_exceeded", "end_turn"), capped
+    own = client.messages.create(model="demo-tiny", max_tokens=1, messages=msgs)
+    assert (own.stop_reason, own.usage.output_tokens) == ("max_tokens", 1), own
+
+
 def test_anthropic_prefill_is_continued(stack, demo_model):
     """A trailing assistant message is Anthropic's prefill: the reply continues it, so the prompt
     ends inside that turn (transformers' ``continue_final_message``). It was closed as a turn of

@@ -203,11 +203,16 @@ def to_chat(body: dict, count_only: bool = False) -> dict:
     return with_stream(out, body)
 
 
-def stop_of(finish_reason: Optional[str], stop: Optional[str]) -> tuple[str, Optional[str]]:
+def stop_of(finish_reason: Optional[str], stop: Optional[str], context_capped: bool = False) -> tuple[str, Optional[str]]:
     """Anthropic's (stop_reason, stop_sequence) from the chat finish reason and the stop
-    sequence the backend says ended the answer (``stop_sequence`` when one did)."""
+    sequence the backend says ended the answer (``stop_sequence`` when one did). A length stop
+    of a request whose ``max_tokens`` the gateway lowered to the context left
+    (``context_capped``) is Anthropic's ``model_context_window_exceeded``, not ``max_tokens``
+    (helper-71: the client read "the limit I asked for" after 20 of its 100 tokens)."""
     if (finish_reason or "stop") == "stop" and stop is not None:
         return "stop_sequence", stop
+    if finish_reason == "length" and context_capped:
+        return "model_context_window_exceeded", None
     return STOP_REASONS.get(finish_reason or "stop", "end_turn"), None
 
 
@@ -281,7 +286,7 @@ class MessagesTransform(ChatTransform):
         return self._delta({"type": "input_json_delta", "partial_json": fragment})
 
     def on_done(self) -> bytes:
-        reason, seq = stop_of(self.finish_reason, self.stop_string)
+        reason, seq = stop_of(self.finish_reason, self.stop_string, self.context_capped)
         usage = usage_of(self.prompt_tokens, self.cached_tokens, self.output_tokens)
         return (self._close()
                 + sse_event("message_delta", {"type": "message_delta",
@@ -308,7 +313,7 @@ class MessagesTransform(ChatTransform):
             content.append({"type": "tool_use", "id": tool_use_id(tc.get("id")), "name": fn.get("name"),
                             "input": args})
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-        reason, seq = stop_of(reason, stop_string(completion))
+        reason, seq = stop_of(reason, stop_string(completion), self.context_capped)
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": reason, "stop_sequence": seq,
                 "usage": usage_of(int(usage.get("prompt_tokens", 0)), cached, int(usage.get("completion_tokens", 0)))}

@@ -137,6 +137,9 @@ class ChatTransform:
         self.finish_reason: Optional[str] = None
         self.usage: Optional[dict] = None
         self.done = False
+        # Set by the gateway when it lowered the request's max_tokens to the context left
+        # (`gateway.app._route`): the Anthropic dialect's length stop is then the context's.
+        self.context_capped = False
 
     # -- gateway.proxy.Transform -------------------------------------------
     def begin(self, status: int, headers: Mapping[str, str], route: Mapping[str, str]) -> dict:
