@@ -236,7 +236,8 @@ class PromptCache:
         share_min_tokens: with ``"shared"``, the shortest common prefix an
             entry shares instead of holding its own copy, tokens (shorter
             ones would only add segments to concatenate); also the shortest
-            entry rule 8 writes to disk and the least gain of a disk read.
+            entry rule 8 writes to disk, the least gain of a disk read, and the
+            least reuse that counts as a use of an entry (its LRU recency).
         disk: rule 8's disk tier (`backend.disktier.DiskTier`), or None.
 
     Raises ValueError for ``max_entries < 1`` or an unknown layout.
@@ -314,7 +315,10 @@ class PromptCache:
         """Find the best entry for ``prompt`` and return a trimmed private copy.
 
         Returns a `CacheHit` with ``reused`` tokens (0 and ``kv=None`` on a
-        miss). The entry's recency is refreshed. With a disk tier (rule 8), an
+        miss). The entry's recency is refreshed when the hit reuses at least
+        ``share_min_tokens`` (a block): the chat template's opening tokens, which
+        every prompt shares, refreshed whichever entry served them, so an abandoned
+        conversation outlived active ones (helper-73). With a disk tier (rule 8), an
         entry there serving at least ``share_min_tokens`` more of the prompt than
         memory does is read instead: in this thread, or with ``defer`` by the
         tier's reader thread (the hit's ``read``; `finish_read` completes it).
@@ -358,8 +362,9 @@ class PromptCache:
             kv = self.ops.copy(e.kv)
             self.ops.trim(kv, len(e) - n)
             hit = CacheHit(kv, n, e.id, len(e))
-        self._touch(e)
-        e.hits += 1
+        if n >= self.share_min_tokens:  # a use (the backend's `hits` counter has the same floor)
+            self._touch(e)
+            e.hits += 1
         return hit
 
     def finish_read(self, hit: CacheHit) -> CacheHit:

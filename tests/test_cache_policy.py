@@ -122,7 +122,7 @@ def test_trimmable_drops_redundant_prefixes(model):
 
 def test_eviction_order(model):
     rec = Recorder()
-    c = PromptCache(max_entries=3, listener=rec)
+    c = PromptCache(max_entries=3, listener=rec, share_min_tokens=8)
     for i, kind in enumerate(["system", "assistant", "assistant"]):
         t = [1000 + i] + list(range(10, 20))
         c.insert(t, kv_for(model, t), kind)
@@ -142,6 +142,31 @@ def test_eviction_order(model):
     c.fetch([1002] + list(range(10, 20)) + [7])
     assert c.victim_used_at() == by_first[1002].used_at and by_first[1002].used_at >= by_first[2000].used_at
     assert PromptCache().victim_used_at() == 0.0 and PromptCache().kv_bytes_per_token() == 0.0
+
+
+def test_a_reuse_shorter_than_a_block_is_no_use_of_the_entry(model):
+    """helper-73: every prompt reuses the chat template's opening tokens from some entry, and
+    that refreshed the entry's LRU recency, so an abandoned conversation outlived the active
+    ones. Only a reuse of at least `share_min_tokens` (a block) counts as a use."""
+    rec = Recorder()
+    c = PromptCache(max_entries=3, listener=rec, share_min_tokens=8)
+    opening = [1, 2, 3, 4, 5]  # what every prompt starts with (a template's opening tokens)
+    for i in range(3):  # A, B, C: three conversations, oldest first
+        t = opening + [1000 + i] * 10
+        c.insert(t, kv_for(model, t))
+    a = {int(e.tokens[5]): e for e in c.entries()}[1000]
+    before = (a.last_used, a.used_at, a.hits)
+    hit = c.fetch(opening + [7] * 10)  # a new conversation: 5 tokens shared with the entries
+    assert hit.reused == 5 and (a.last_used, a.used_at, a.hits) == before
+    t = opening + [1003] * 10
+    c.insert(t, kv_for(model, t))
+    assert rec.evicted == [15] and sorted(int(e.tokens[5]) for e in c.entries()) == [1001, 1002, 1003]
+    # a reuse of a block or more is a use: B, then refreshed, outlives C
+    hit = c.fetch(opening + [1001] * 4)
+    assert hit.reused == 8  # at least one token left to prefill (mlx-lm PR 625)
+    t = opening + [1004] * 10
+    c.insert(t, kv_for(model, t))
+    assert sorted(int(e.tokens[5]) for e in c.entries()) == [1001, 1003, 1004]
 
 
 def test_branch_point_kept_when_its_last_entry_is_evicted(model):
