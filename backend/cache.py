@@ -71,12 +71,18 @@ import copy
 import functools
 import itertools
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 import numpy as np
+
+log = logging.getLogger("mlxgw.backend.cache")
+
+#: Seconds between two log lines about entries larger than the whole budget (`PromptCache.insert`).
+OVERSIZE_LOG_EVERY = 60.0
 
 CACHE_TYPES = ("assistant", "user", "system")
 LAYOUTS = ("whole", "shared")
@@ -273,6 +279,10 @@ class PromptCache:
         self.min_shared_tokens = min_shared_tokens
         self.shared_kept = 0  # rule 6: prefixes kept as their own entry
         self.evictions = 0  # entries evicted by the budgets (rule 5), since start
+        # Entries larger than the whole byte budget, never kept in memory (`insert`), since start;
+        # said in the log at most once a minute (`OVERSIZE_LOG_EVERY`).
+        self.oversize = 0
+        self._oversize_said = float("-inf")
         self.version = 0  # bumped by every new entry (a pinned lookup may be bettered)
         self.evicted_tokens = 0
         self._entries: dict[int, CacheEntry] = {}
@@ -454,6 +464,8 @@ class PromptCache:
         nbytes = self.ops.nbytes(kv)
         trimmable = self.ops.trimmable(kv)
         if nbytes > self.max_bytes:
+            self.oversize += 1
+            self._say_oversize(len(t), nbytes)
             self.save_to_disk(t, kv, cache_type, prompt_len)
             return None
 
@@ -724,6 +736,23 @@ class PromptCache:
         entries = list(self._entries.values())
         n = sum(len(e) for e in entries)
         return sum(e.nbytes for e in entries) / n if n else 0.0
+
+    def _say_oversize(self, tokens: int, nbytes: int) -> None:
+        """Log (at most once per `OVERSIZE_LOG_EVERY` s) that an entry of ``tokens`` tokens and
+        ``nbytes`` bytes of KV is larger than the whole byte budget: helper-73 sent a 7k-token
+        prompt three times past a 3 MB budget and saw three full prefills, no counter move
+        and no line."""
+        now = time.monotonic()
+        if now - self._oversize_said < OVERSIZE_LOG_EVERY:
+            return
+        self._oversize_said = now
+        from mlxgw.util import size_text
+
+        where = "written to the disk tier instead" if self.disk is not None else "so its next turn is computed again"
+        log.warning("a %d-token prompt's KV (%s) is larger than the whole prompt-cache budget (%s --cache-bytes): "
+                    "not kept in memory, %s; raise --cache-bytes to cache prompts this long (%d such so far: "
+                    "cache_oversize in /health)", tokens, size_text(nbytes), size_text(self.max_bytes), where,
+                    self.oversize)
 
     def _touch(self, e: CacheEntry) -> None:
         e.last_used = next(self._clock)

@@ -405,6 +405,7 @@ class MLXEngine(Engine):
             "prefill_handoffs": self.prefill_handoffs,
             "memory_waits": self.memory_waits,
             "shared_prefixes_kept": self.cache.shared_kept,
+            "cache_oversize": self.cache.oversize,  # entries larger than the whole budget: not cached
             "prompt_tokens": self.prompt_tokens_total,
             "cached_tokens": self.cached_tokens_total,
             "prefill_tokens": self.prefill_tokens_total,

@@ -477,13 +477,22 @@ def left_out_lines(records: list[dict]) -> list[str]:
     return out
 
 
+def oversize_lines(records: list[dict]) -> list[str]:
+    """One line per backend that met prompts larger than its whole cache budget (registry
+    ``cache_oversize``: never cached; helper-73 saw no sign of it anywhere)."""
+    return [f"backend {r.get('id', '?')}: {int(_f(r, 'cache_oversize'))} prompt(s) larger than its whole cache "
+            "budget were not kept in memory (raise --cache-bytes)" for r in records if _f(r, "cache_oversize") > 0]
+
+
 def problem_lines(d: dict) -> list[str]:
     """Every warning line of one model's `collect` entry ``d``, in status's order: settings the
     backends disagree on, shared URLs, URL problems, gateways every backend refuses, backends
-    left out, backends open without the token (status's text and the dashboard show them)."""
+    left out, backends open without the token, prompts too large for a backend's cache
+    (status's text and the dashboard show them)."""
     b = d["backends"]
     return (disagreement(b) + shared_url_lines(b) + url_problem_lines(b)
-            + refused_gateway_lines(d.get("refused_gateways") or {}) + left_out_lines(b) + open_lines(b))
+            + refused_gateway_lines(d.get("refused_gateways") or {}) + left_out_lines(b) + open_lines(b)
+            + oversize_lines(b))
 
 
 def _silent_text(ids: list) -> str:

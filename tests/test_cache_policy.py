@@ -413,6 +413,33 @@ def test_save_on_disconnect(make_stack):
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= min(prompt_len, r["usage"]["prompt_tokens"]) - 5
 
 
+def test_a_prompt_larger_than_the_budget_is_counted_and_said(make_stack, redis_server):
+    """helper-73: a prompt whose KV is larger than the whole --cache-bytes was never cached, and
+    nothing said so (no counter, no log line). `cache_oversize` counts it, the log says it once a
+    minute, and `mlxgw status` gives the backend a line."""
+    s = make_stack()
+    b = s.add_backend("b0", None, "--cache-bytes", "64K")  # 128 tokens of the demo model's KV
+    b.wait_healthy()
+    msgs = [{"role": "user", "content": words(300, seed=64)}]
+    for i in (1, 2):
+        out = _chat(b.url, msgs)
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and out["usage"]["prompt_tokens"] > 128
+        assert get_json(b.url + "/health")["cache_oversize"] == i
+    said = [ln for ln in b.log_path.read_text().splitlines() if "larger than the whole prompt-cache budget" in ln]
+    assert len(said) == 1 and "(64.0 KiB --cache-bytes): not kept in memory, so its next turn is computed again; " \
+        "raise --cache-bytes to cache prompts this long (1 such so far" in said[0], said
+    assert get_json(b.url + "/internal/cache")["entries"] == []
+    deadline = time.time() + 10
+    while True:  # the registry has the count with the next heartbeat
+        out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", redis_server.url, "--namespace",
+                              s.namespace], capture_output=True, text=True, timeout=60).stdout
+        if "2 prompt(s)" in out or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert ("backend b0: 2 prompt(s) larger than its whole cache budget were not kept in memory (raise "
+            "--cache-bytes)") in " ".join(out.split()), out
+
+
 def test_abandoned_request_is_saved_only_into_free_space(make_stack):
     """A request whose client went away never evicts another session's entry."""
     probe = make_stack()
