@@ -465,7 +465,8 @@ class MLXEngine(Engine):
             return
         left, age = self.restored.left, max(0.0, time.time() - self.restored.saved_at)
         log.info("restored the prompt cache from %s: %s, saved %s ago%s", self.cache_dir, self.restored.describe(),
-                 _age(age), f"; {left} older entries left out (over --cache-entries / --cache-bytes)" if left else "")
+                 _age(age), f"; {left} older entries left out (over --cache-entries / --cache-bytes; they stay in "
+                            "the save until this run saves its own, and are gone then)" if left else "")
         if self.restored.damaged:
             log.warning("%d saved prompt-cache entries in %s could not be read and were left out (%s)",
                         self.restored.damaged, self.cache_dir, self.restored.error)
@@ -538,6 +539,13 @@ class MLXEngine(Engine):
             return
         self._saved_state = state
         log.info("saved the prompt cache to %s: %s", self.cache_dir, out.describe())
+        left = self.restored.left if self.restored is not None else 0
+        if left:
+            # helper-73: restarted with a smaller budget, the older entries left out at start were
+            # dropped by the next save without a word (a disk tier does not take them either).
+            log.warning("this save replaced the one restored at start, whose %d older entries this run's "
+                        "--cache-bytes / --cache-entries left out: they are gone now", left)
+            self.restored.left = 0
 
     def _load(self) -> None:
         import mlx.core as mx

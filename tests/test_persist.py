@@ -271,11 +271,23 @@ def test_a_run_that_changed_nothing_keeps_the_save_whole(make_stack, tmp_path):
     small.stop()
     log = small.log_path.read_text()
     assert "restored the prompt cache from " in log and ": 1 entries (" in log and "saved " in log, log
-    assert "2 older entries left out (over --cache-entries / --cache-bytes)" in log, log
+    assert "2 older entries left out (over --cache-entries / --cache-bytes; " in log, log
     assert "prompt cache unchanged since it was restored: the save in " in log, log
     import json
 
     assert len(json.loads((tmp_path / "snapshot" / "manifest.json").read_text())["entries"]) == 3
+    # A run that does change its cache replaces the save, and the entries its budget left out go:
+    # said at its start and when its save drops them (helper-73: nothing said they would be lost).
+    small = s.add_backend("b0", b.port, "--engine", "sim", "--cache-dir", str(tmp_path), "--cache-entries", "1")
+    small.wait_healthy()
+    post(small.url + "/v1/completions", {"model": s.model_name, "prompt": [200] * 200, "max_tokens": 1})
+    small.stop()
+    log = small.log_path.read_text()
+    assert "2 older entries left out (over --cache-entries / --cache-bytes; they stay in the save until this run " \
+           "saves its own, and are gone then)" in log, log
+    assert ("this save replaced the one restored at start, whose 2 older entries this run's --cache-bytes / "
+            "--cache-entries left out: they are gone now") in log, log
+    assert len(json.loads((tmp_path / "snapshot" / "manifest.json").read_text())["entries"]) == 1
 
 
 def test_serve_refuses_a_cache_dir_in_use_and_names_saves_it_leaves(tmp_path, caplog):
