@@ -116,9 +116,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-ttl", type=seconds_arg(2 * MIN_HEARTBEAT_INTERVAL, MAX_HEARTBEAT_TTL),
                    help=f"seconds the registry record outlives the last heartbeat (at least two intervals; "
                         f"default {schema.DEFAULT_HEARTBEAT_TTL:g}, or two intervals when that is more)")
-    p.add_argument("--request-timeout", type=non_negative_float, default=600.0,
+    p.add_argument("--request-timeout", type=non_negative_float, default=ModelConfig.request_timeout,
                    help="seconds a request may run (prefill + decode) before it is cancelled with a 504 / SSE error; "
-                        "its prompt cache is still saved")
+                        "its prompt cache is still saved (default %(default)s; 0: no limit; [[models]] request_timeout "
+                        "under mlxgw serve)")
     p.add_argument("--cancel-prefill", action="store_true",
                    help="on client disconnect or timeout, stop a running prefill at once (default: finish the "
                         "prefill and save it, so the client's retry reuses the whole prompt)")

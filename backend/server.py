@@ -268,7 +268,10 @@ class GenerationTimeout(RequestError):
 async def _next_event(req: GenRequest, timeout: float) -> GenEvent:
     """The request's next engine event, or GenerationTimeout once ``timeout``
     seconds have passed since it was submitted (a server-side cancel: the
-    caller's ``finally`` cancels generation and the engine saves the cache)."""
+    caller's ``finally`` cancels generation and the engine saves the cache). A ``timeout``
+    of 0 is no limit (it timed every request out at once)."""
+    if timeout <= 0:
+        return await req.events.get()
     left = req.submitted_at + timeout - time.monotonic()
     try:
         return await asyncio.wait_for(req.events.get(), max(left, 0.0))

@@ -46,6 +46,9 @@ class ModelConfig:
     # Sampling temperature of a request that gives none (0: greedy, as mlx_lm.server; the OpenAI and
     # Anthropic APIs default to 1.0): `mlxgw backend --default-temperature`.
     default_temperature: float = 0.0
+    # Seconds a request may run on a backend (prefill + decode) before it is cancelled with a 504 /
+    # an SSE error, its prompt cache still saved: `mlxgw backend --request-timeout` (0: no limit).
+    request_timeout: float = 600.0
     # Keep the prompt caches across restarts: backend i saves to and restores from
     # <cache_dir>/<name>-<i> (backend.persist); empty: not kept.
     cache_dir: str = ""

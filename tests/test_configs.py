@@ -423,19 +423,23 @@ def test_default_temperature_reaches_the_backends_and_samples(tmp_path, make_sta
     from mlxgw import launcher
     from mlxgw.httpget import post
 
-    assert "--default-temperature" not in launcher.backend_model_flags(config.ModelConfig())
+    flags = launcher.backend_model_flags(config.ModelConfig())
+    assert "--default-temperature" not in flags and flags[flags.index("--request-timeout") + 1] == "600.0"
     p = tmp_path / "c.toml"
-    p.write_text('[[models]]\nname = "m"\ndefault_temperature = 1.5\n')
+    # helper-73: request_timeout could not be set under serve either
+    p.write_text('[[models]]\nname = "m"\ndefault_temperature = 1.5\nrequest_timeout = 30\n')
     cfg = config.load(str(p))
     config.validate(cfg)
     flags = launcher.backend_model_flags(cfg.models[0])
     assert flags[flags.index("--default-temperature") + 1] == "1.5"
+    assert flags[flags.index("--request-timeout") + 1] == "30"
     for bad, why in (("2.5", "from 0 to 2"), ("nan", "finite"), ("-1", "at least 0")):
         p.write_text(f'[[models]]\ndefault_temperature = {bad}\n')
         with pytest.raises(ValueError, match=why):
             config.validate(config.load(str(p)))
     s = make_stack()
-    b = s.add_backend("b0", None, "--default-temperature", "1.5")
+    # --request-timeout 0 is no limit (it timed every request out at once)
+    b = s.add_backend("b0", None, "--default-temperature", "1.5", "--request-timeout", "0")
     b.wait_healthy()
 
     def answers(**extra):
