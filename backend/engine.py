@@ -49,6 +49,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from mlxgw.util import count
+
 from . import persist
 from .cache import CacheHit, PromptCache, common_prefix, kv_trimmable
 from .metrics import BackendMetrics
@@ -524,7 +526,7 @@ class MLXEngine(Engine):
         if why:
             log.info("%s", why)
             return
-        log.info("saving the prompt cache (%d entries, %.1f MiB of KV) to %s%s", len(self.cache),
+        log.info("saving the prompt cache (%s, %.1f MiB of KV) to %s%s", count(len(self.cache), "entry", "entries"),
                  self.cache.nbytes / 2**20, self.cache_dir, " while idle" if when == "idle" else "")
         state = self._cache_state()
         try:

@@ -47,7 +47,7 @@ from typing import Optional
 
 import numpy as np
 
-from mlxgw.util import size_text
+from mlxgw.util import count, size_text
 
 from .cache import CACHE_TYPES, PromptCache, file_xxh3
 
@@ -124,7 +124,7 @@ class Outcome:
 
     def describe(self) -> str:
         mib = self.nbytes / 2**20
-        return (f"{self.entries} entries ({self.tokens:,} tokens, {mib:.1f} MiB of KV) in "
+        return (f"{count(self.entries, 'entry', 'entries')} ({self.tokens:,} tokens, {mib:.1f} MiB of KV) in "
                 f"{self.seconds:.2f} s")
 
 

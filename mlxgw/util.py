@@ -33,9 +33,10 @@ def redact_url(url: str) -> str:
     return url
 
 
-def count(n: int, noun: str) -> str:
-    """``"1 request"``, ``"3 requests"``: ``n`` and the noun, plural unless ``n`` is 1."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
+def count(n: int, noun: str, plural: str = "") -> str:
+    """``"1 request"``, ``"3 requests"``: ``n`` and the noun, plural unless ``n`` is 1
+    (``plural`` when it is not the noun and an s: ``count(2, "entry", "entries")``)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def _int_arg(s: str, lo: int, hi: Optional[int] = None) -> int:

@@ -222,11 +222,11 @@ def test_a_restarted_backend_serves_its_saved_prompts_again(make_stack, tmp_path
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     b.stop()
     log = b.log_path.read_text()
-    assert "saved the prompt cache to " in log and ": 1 entries (" in log, log[-2000:]
+    assert "saved the prompt cache to " in log and ": 1 entry (" in log, log[-2000:]
     b.start(s.env())
     b.wait_healthy()
     log = b.log_path.read_text()
-    assert "restored the prompt cache from " in log and ": 1 entries (" in log, log[-2000:]
+    assert "restored the prompt cache from " in log and ": 1 entry (" in log, log[-2000:]
     health = get_json(b.url + "/health")
     assert health["restored_entries"] == 1 and health["restored_tokens"] >= 300, health
     prompt = first["usage"]["prompt_tokens"]
@@ -270,7 +270,7 @@ def test_a_run_that_changed_nothing_keeps_the_save_whole(make_stack, tmp_path):
     small.wait_healthy()
     small.stop()
     log = small.log_path.read_text()
-    assert "restored the prompt cache from " in log and ": 1 entries (" in log and "saved " in log, log
+    assert "restored the prompt cache from " in log and ": 1 entry (" in log and "saved " in log, log
     assert "2 older entries left out (over --cache-entries / --cache-bytes; " in log, log
     assert "prompt cache unchanged since it was restored: the save in " in log, log
     import json
