@@ -419,8 +419,13 @@ def test_responses_custom_tools_are_offered_and_their_calls_come_back_as_custom_
 def test_errors_in_each_dialect(stack):
     with pytest.raises(anthropic.NotFoundError) as e:
         _ant(stack).messages.create(model="nope", max_tokens=4, messages=[{"role": "user", "content": "x"}])
-    assert e.value.body == {"type": "error", "error": {"type": "not_found_error",
-                                                       "message": "the model 'nope' does not exist"}}
+    body = dict(e.value.body)
+    rid = body.pop("request_id")  # in the body and the header, as Anthropic's API (helper-71: none)
+    assert body == {"type": "error", "error": {"type": "not_found_error", "message": "the model 'nope' does not exist"}}
+    assert len(rid) == 32 and e.value.request_id == rid
+    with pytest.raises(openai.NotFoundError) as oe:
+        _oai(stack).chat.completions.create(model="nope", max_tokens=1, messages=[{"role": "user", "content": "x"}])
+    assert len(oe.value.request_id) == 32
     with pytest.raises(anthropic.BadRequestError) as e:
         _ant(stack).messages.create(model="demo-tiny", max_tokens=4, messages=[{"role": "user", "content": "x"}],
                                     tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "missing"})

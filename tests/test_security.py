@@ -160,7 +160,7 @@ def test_anthropic_paths_answer_401_in_anthropic_dialect(sec):
                                                  "messages": [{"role": "user", "content": "hi"}]},
                            headers={"x-api-key": "sk-wrong", "anthropic-version": "2023-06-01"})
     body = json.loads(raw)
-    assert status == 401
+    assert status == 401 and len(body.pop("request_id")) == 32
     assert body == {"type": "error", "error": {"type": "authentication_error", "message": "invalid API key"}}
     client = anthropic.Anthropic(base_url=gw, api_key="sk-wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as ei:

@@ -10,6 +10,7 @@ See docs/api.md.
 
 from __future__ import annotations
 
+import uuid
 from typing import Awaitable, Callable
 
 from aiohttp import web
@@ -21,18 +22,25 @@ from . import anthropic, responses
 def error_response(request: web.Request, err: RequestError) -> web.Response:
     """``err`` as a JSON error in the dialect of ``request``'s endpoint, with its headers.
 
-    Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``, the type
-    from the status) under ``/v1/messages``, unknown sub-paths included (an Anthropic
+    Anthropic's shape (``{"type": "error", "error": {"type", "message"}, "request_id"}``, the
+    type from the status) under ``/v1/messages``, unknown sub-paths included (an Anthropic
     SDK parses it); OpenAI's ``{"error": {"message", "type", "param", "code"}}`` elsewhere.
+    Every error carries a request id in ``x-request-id`` and ``request-id`` (the SDKs'
+    ``request_id``; helper-71: None), the routed request's own when it was routed.
     """
+    headers = dict(err.headers or {})
+    rid = headers.get("request-id") or uuid.uuid4().hex
+    headers.setdefault("x-request-id", rid)
+    headers.setdefault("request-id", rid)
     if request.path.startswith("/v1/messages"):
         # a context overflow in Anthropic's words (`mlxgw.protocol.context_exceeded`)
         body = anthropic.error_body(anthropic_context_message(*err.tokens) if err.tokens else err.message, err.status)
+        body["request_id"] = rid  # as Anthropic's API puts it in the body too
     else:
         body = err.body()
         if request.path.startswith("/v1/responses"):
             body["error"]["param"] = responses.client_param(body["error"].get("param"))
-    return web.json_response(body, status=err.status, headers=err.headers)
+    return web.json_response(body, status=err.status, headers=headers)
 
 
 Route = Callable[..., Awaitable[web.StreamResponse]]
