@@ -16,7 +16,7 @@ from mlxgw import schema
 
 from mlxgw.rlimit import open_files_limit, raise_open_files_limit
 from mlxgw.stopping import EMBEDDED_REDIS_ENV, Stopper, shut_down_embedded_redis
-from mlxgw.util import (count, model_spec_arg, namespace_arg, non_empty_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, positive_int, redact_url,
+from mlxgw.util import (count, host_port, model_spec_arg, namespace_arg, non_empty_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, positive_int, redact_url,
                         redis_url_arg, size_arg)
 
 from .app import ADMISSION, STATE, GatewayConfig, RedisRefused, make_app
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     lim = cfg.limits
     log.info("gateway %s starting on %s: Redis %s (namespace %s), models %s, at most %s in flight "
              "and %s connections", cfg.gateway_id,
-             f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}",  # helper-68: ":::8743"
+             host_port(args.host, args.port),  # helper-68: ":::8743"
              redact_url(cfg.redis_url), cfg.namespace,
              ", ".join(cfg.models) or "-", count(lim.max_in_flight, "request") if lim.max_in_flight else "unlimited requests", lim.max_connections or "unlimited")
     code = asyncio.run(_serve(app, cfg, args.host, args.port, args.drain_seconds))

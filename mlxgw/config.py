@@ -233,7 +233,7 @@ def check_values(cfg: ServeConfig, where: str = "") -> None:
     _type_errors(RoutingConfig, cfg.routing, f"{at}[routing]")
     _range_errors(cfg.routing, f"{at}[routing]")
     for name, size in [(f"{at}[gateway] max_body_bytes", cfg.max_body_bytes)] + \
-            [(f"{at}[[models]] {m.name or m.path or 'demo'} cache_bytes", m.cache_bytes) for m in cfg.models]:
+            [(f"{at}{_label(m)} cache_bytes", m.cache_bytes) for m in cfg.models]:
         try:
             positive_bytes(size)
         except ValueError as e:
@@ -241,9 +241,20 @@ def check_values(cfg: ServeConfig, where: str = "") -> None:
     if cfg.redis_url == "":
         raise ValueError(f"{at}[redis] url is empty; leave it out for the embedded Redis")
     for m in cfg.models:
-        m_at = f"{at}[[models]] {m.name or m.path or 'demo'}"
+        m_at = f"{at}{_label(m)}"
         _type_errors(ModelConfig, vars(m), m_at)
         _range_errors(vars(m), m_at)
+
+
+def served_name(m: ModelConfig) -> str:
+    """The name `mlxgw serve` serves a ``[[models]]`` table's model under: its ``name``, else its
+    path's last part, else the demo model's ``demo-tiny``."""
+    return m.name or (Path(m.path.rstrip("/")).name if m.path else "demo-tiny")
+
+
+def _label(m: ModelConfig) -> str:
+    """How an error names a ``[[models]]`` table: as the file has it (its name, else its path)."""
+    return f"[[models]] {m.name or m.path or 'demo'}"
 
 
 def validate(cfg: ServeConfig) -> None:
@@ -262,10 +273,10 @@ def validate(cfg: ServeConfig) -> None:
     ranges = [("[gateway] port", cfg.port, cfg.port)]
     names = set()
     for m in cfg.models:
-        where = f"[[models]] {m.name or m.path or 'demo'}"
+        where = _label(m)
         # The name serve gives it (mlxgw.launcher.run): helper-69's two tables without a name or
         # path both served the demo model, started backends, then the gateway refused the name twice.
-        name = m.name or (Path(m.path.rstrip("/")).name if m.path else "demo-tiny")
+        name = served_name(m)
         if name in names:
             raise ValueError(f"{where}: two models are named {name!r}" + (
                 "" if m.name else " (a [[models]] table names its model by its name, else its path's last "

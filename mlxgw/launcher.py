@@ -216,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", e)
         return 6
     for m in cfg.models:
+        m.name = config_mod.served_name(m)
         if not m.path:
             from .demo_model import demo_model_dir, ensure_demo_model
 
@@ -224,13 +225,11 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(f"using the demo model built earlier: {demo_model_dir('tiny')}", file=sys.stderr)
             m.path = str(ensure_demo_model("tiny"))
-            m.name = m.name or "demo-tiny"
         from backend.main import looks_loadable
 
         if not looks_loadable(m.path):
             log.error("model path %s does not exist", m.path)
             return 2
-        m.name = m.name or Path(m.path.rstrip("/")).name
     err = check_cache_dirs(cfg.models)
     if err:
         log.error("%s", err)

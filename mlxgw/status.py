@@ -495,7 +495,8 @@ def problem_lines(d: dict) -> list[str]:
             + oversize_lines(b))
 
 
-def _silent_text(ids: list) -> str:
+def silent_text(ids: list) -> str:
+    """The line naming backends still listed whose record expired (status's text, the dashboard)."""
     # "Silent", not "dead": a stopped (SIGSTOP) or swapping backend resumes and re-registers (helper-66).
     return ("no heartbeat past their TTL (silent: dead, stopped or cut off; one that resumes registers again, "
             "and a gateway's janitor removes the others after its --janitor-grace): " + ", ".join(ids))
@@ -542,7 +543,7 @@ def run(args) -> int:
                   + (f" (models registered before: {', '.join(before)})" if before else ""),
                   markup=False, highlight=False, soft_wrap=True)
     for m, ids in dead.items():
-        con.print(f"model {m}: no live backend or gateway; {_silent_text(ids)}", markup=False, highlight=False,
+        con.print(f"model {m}: no live backend or gateway; {silent_text(ids)}", markup=False, highlight=False,
                   soft_wrap=True)
     now = time.time()
     for m, d in data.items():
@@ -560,7 +561,7 @@ def run(args) -> int:
             t.add_row(*total_row(d["backends"]))
         con.print(t)
         if d.get("silent"):
-            con.print(_silent_text(d["silent"]), markup=False, highlight=False, soft_wrap=True)
+            con.print(silent_text(d["silent"]), markup=False, highlight=False, soft_wrap=True)
         for line in problem_lines(d):
             con.print(line, markup=False, highlight=False, soft_wrap=True)
         for e in d["recent_events"]:

@@ -370,9 +370,14 @@ class Tally:
 WILDCARD_LOOPBACK = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}
 
 
+def host_port(host: str, port: int) -> str:
+    """``HOST:PORT``, an IPv6 address in brackets (``[::]:8000``, not ``:::8000``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def http_base(host: str, port: int) -> str:
     """``http://HOST:PORT``, an IPv6 address in brackets."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return "http://" + host_port(host, port)
 
 
 def local_base_url(host: str, port: int) -> str:

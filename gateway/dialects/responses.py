@@ -36,6 +36,17 @@ from .base import ChatTransform, chat_message, chat_request, function_tools, new
 ROLES = ("user", "assistant", "system", "developer")
 
 
+def _append_call(out: list[dict], call_id: str, name: str, arguments: str) -> None:
+    """One tool call (an input item) into ``out``: merged into the preceding assistant message,
+    as a chat client sends its calls, else as an assistant message of its own."""
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    prev = out[-1] if out else None
+    if prev is not None and prev["role"] == "assistant":
+        prev.setdefault("tool_calls", []).append(call)
+    else:
+        out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
 def convert_input(instructions, items) -> list[dict]:
     """``instructions`` + ``input`` -> OpenAI chat messages.
 
@@ -76,26 +87,14 @@ def convert_input(instructions, items) -> list[dict]:
             for key in ("arguments", "call_id"):  # both required, as in OpenAI's API
                 if not isinstance(it.get(key), str):
                     raise RequestError(f"'{p}.{key}' must be a string", param=f"{p}.{key}")
-            call = {"id": it["call_id"], "type": "function",
-                    "function": {"name": it["name"], "arguments": it["arguments"] or "{}"}}
-            prev = out[-1] if out else None
-            if prev is not None and prev["role"] == "assistant":
-                prev.setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            _append_call(out, it["call_id"], it["name"], it["arguments"] or "{}")
         elif kind == "custom_tool_call":
             if not isinstance(it.get("name"), str) or not it["name"]:
                 raise RequestError(f"'{p}.name' must be a non-empty string", param=f"{p}.name")
             for key in ("input", "call_id"):
                 if not isinstance(it.get(key), str):
                     raise RequestError(f"'{p}.{key}' must be a string", param=f"{p}.{key}")
-            call = {"id": it["call_id"], "type": "function",
-                    "function": {"name": it["name"], "arguments": json.dumps({CUSTOM_INPUT: it["input"]})}}
-            prev = out[-1] if out else None
-            if prev is not None and prev["role"] == "assistant":
-                prev.setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            _append_call(out, it["call_id"], it["name"], json.dumps({CUSTOM_INPUT: it["input"]}))
         elif kind in ("function_call_output", "custom_tool_call_output"):
             if not isinstance(it.get("call_id"), str):
                 raise RequestError(f"'{p}.call_id' must be a string", param=f"{p}.call_id")
