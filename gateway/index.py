@@ -383,11 +383,15 @@ class OwnershipIndex:
         (what a backend must match to be routed to), so a backend can tell its operator it is
         left out and ``mlxgw status`` can show it (neither knows the gateways' flags), and,
         every `schema.GATEWAY_SETTINGS_PRUNE` seconds, delete the entries of gateways gone
-        that long (`PRUNE_SETTINGS_LUA`)."""
+        that long (`PRUNE_SETTINGS_LUA`); add its models to the models set (helper-74: a model
+        no backend had registered yet was missing from `mlxgw status`)."""
         if not self.gateway_id:
             return
         now = time.time()
         prune = now - self._settings_pruned_at > schema.GATEWAY_SETTINGS_PRUNE
+        if self.expect:  # a model served before any backend registers is listed too (status, a
+            # backend's --served-name check); the janitor drops it once no gateway serves it
+            pipe.sadd(schema.models_key(self.namespace), *self.expect)
         for m, (block_size, fingerprint) in self.expect.items():
             key = self.keys(m).gateway_settings
             live = {c.backend_id for c in self.snapshot.get(m, ())}

@@ -490,9 +490,21 @@ def problem_lines(d: dict) -> list[str]:
     left out, backends open without the token, prompts too large for a backend's cache
     (status's text and the dashboard show them)."""
     b = d["backends"]
-    return (disagreement(b) + shared_url_lines(b) + url_problem_lines(b)
+    return (no_backend_lines(d) + disagreement(b) + shared_url_lines(b) + url_problem_lines(b)
             + refused_gateway_lines(d.get("refused_gateways") or {}) + left_out_lines(b) + open_lines(b)
             + oversize_lines(b))
+
+
+def no_backend_lines(d: dict) -> list[str]:
+    """The line for a model its live gateways serve while no backend is registered (helper-74:
+    status exited 3 under an empty table and no line said why)."""
+    if d["backends"] or d.get("silent"):
+        return []  # the silent line says what became of them
+    gws = sorted(d.get("gateways") or {})
+    one = len(gws) == 1
+    return [f"no backend registered for this model: {'gateway' if one else 'gateways'} "
+            f"{', '.join(gws)} {'answers' if one else 'answer'} 503 no_backend until one registers (`mlxgw backend` with this "
+            "--namespace and --served-name)"]
 
 
 def silent_text(ids: list) -> str:
@@ -559,7 +571,10 @@ def run(args) -> int:
         if len(d["backends"]) > 1:
             t.add_section()
             t.add_row(*total_row(d["backends"]))
-        con.print(t)
+        if d["backends"]:
+            con.print(t)
+        else:  # an empty table's header says nothing; the model's name heads its line instead
+            con.print(f"model {m}", markup=False, highlight=False)
         if d.get("silent"):
             con.print(silent_text(d["silent"]), markup=False, highlight=False, soft_wrap=True)
         for line in problem_lines(d):

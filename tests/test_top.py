@@ -280,3 +280,35 @@ def test_status_shows_each_backends_uptime_and_epoch():
     assert (v["up_s"], v["epoch"]) == (7.0, 5)
     assert [duration_text(x) for x in (None, 7, 125, 5400, 3 * 86400)] == ["?", "7s", "2m", "1.5h", "3.0d"]
     assert backend_view({"id": "old", "last_heartbeat": str(now)}, now)["up_s"] is None
+
+
+def test_status_names_a_gateway_waiting_for_backends(make_stack):
+    """helper-74: with only a gateway registered, status exited 3 under an empty table and no
+    line said that nothing serves the model."""
+    s = make_stack()
+    s.add_gateway().wait_healthy(status=503)  # no_backends
+    gid = None
+    deadline = time.time() + 15
+    cmd = [sys.executable, "-m", "mlxgw", "status", "--redis-url", s.redis_url, "--namespace", s.namespace]
+    while time.time() < deadline:
+        js = json.loads(subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=60).stdout)
+        if js.get(s.model_name, {}).get("gateways"):
+            gid = next(iter(js[s.model_name]["gateways"]))
+            break
+        time.sleep(0.3)
+    assert gid, "the gateway never published its settings"
+    st = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    lines = st.stdout.splitlines()
+    assert st.returncode == 3 and lines[-2:] == [
+        f"model {s.model_name}",
+        f"no backend registered for this model: gateway {gid} answers 503 no_backend until one registers "
+        "(`mlxgw backend` with this --namespace and --served-name)"], (st.returncode, st.stdout)
+    # And a backend whose --served-name is not the gateway's model is told so, though no backend
+    # serves the gateway's model yet (the models set did not name it: the check found nothing).
+    typo = s.add_backend("typo", None, "--engine", "sim", "--served-name", "typo-name")
+    typo.wait_healthy()
+    deadline = time.time() + 20
+    while time.time() < deadline and "no gateway serves model" not in typo.log_path.read_text():
+        time.sleep(0.5)
+    assert ("backend typo: no gateway serves model 'typo-name', so none routes to it; the gateways on this "
+            f"Redis serve '{s.model_name}' (is --served-name the gateway's model name?)") in typo.log_path.read_text()
