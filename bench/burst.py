@@ -18,7 +18,10 @@ fell back to load alone), and client latency. ``--variant NAME='FLAGS'`` adds a
 gateway with extra flags (``ref='--lookup-deadline-ms 2000'`` is the run where
 no lookup times out); ``--src NAME=DIR`` runs that variant's gateway from
 another checkout. Variants run one after another on fresh backends, in
-``--rounds`` interleaved rounds.
+``--rounds`` interleaved rounds. ``--cpu-hogs N`` runs N busy-looping processes
+through each variant's warm-up and burst, so Redis, the gateway and the backends
+wait for a core (a machine busy with other work; helper-70 saw lookups time out
+then); the warm-up's lookups are counted apart from the burst's.
 
     python bench/burst.py --conversations 300 --variant ref='--lookup-deadline-ms 2000'
 """
@@ -31,6 +34,7 @@ import json
 import random
 import re
 import shlex
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -83,6 +87,7 @@ async def run_variant(url: str, model: str, n: int, words: int, warm_concurrency
             async with sem:
                 return await _send(session, url, model, first_turn(i, words))
 
+        at_start = await _lookups(session, url)
         firsts = await asyncio.gather(*[warm(i) for i in range(n)])
         before = await _lookups(session, url)
         seconds = [
@@ -103,6 +108,7 @@ async def run_variant(url: str, model: str, n: int, words: int, warm_concurrency
         "home_share": home / max(1, len(ok)),
         "max_share": max(Counter(b["backend"] for b in ok).values(), default=0) / max(1, len(ok)),
         "lookups": {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)},
+        "warm_lookups": {k: before.get(k, 0) - at_start.get(k, 0) for k in set(before) | set(at_start)},
         "latency_p50_ms": pct(lat, 50), "latency_p99_ms": pct(lat, 99), "wall_s": wall,
     }
 
@@ -130,6 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--src", action="append", default=[], metavar="NAME=DIR",
                    help="run variant NAME's gateway from checkout DIR (e.g. the code before a change)")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--cpu-hogs", type=int, default=0, help="busy-looping processes beside each variant's run")
     p.add_argument("--label", default="", help="suffix of the output files")
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
@@ -153,8 +160,15 @@ def main(argv=None) -> int:
                     st.add_gateway(*flags,
                                    cwd=str(Path(srcs[name]).resolve()) if name in srcs else None)
                     st.wait()
-                    r = asyncio.run(run_variant(st.gateway.url, st.model_name, args.conversations,
-                                                args.prompt_words, args.warm_concurrency))
+                    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                            for _ in range(args.cpu_hogs)]
+                    try:
+                        r = asyncio.run(run_variant(st.gateway.url, st.model_name, args.conversations,
+                                                    args.prompt_words, args.warm_concurrency))
+                    finally:
+                        for h in hogs:
+                            h.kill()
+                            h.wait()
                 finally:
                     st.stop()
                 r["round"] = rnd + 1
@@ -179,17 +193,20 @@ def report(cmd: str, args, variants: dict, srcs: dict, results: dict) -> str:
     lines = [f"# Burst: {args.conversations} second turns at once", "", f"Command: `{cmd}` (commit {revision()})", "",
              f"{args.backends} sim backends (speed {args.sim_speed:g}, room for every conversation), block size "
              f"{args.block_size}, first user messages of {args.prompt_words} words; {args.rounds} round(s), "
+             + (f"{args.cpu_hogs} busy-looping processes beside each run; " if args.cpu_hogs else "") +
              "figures per round. The gateway's default lookup deadline (50 ms; 10 ms before session 27) unless a variant's flags say otherwise.", "",
              "| variant | flags | round | hit ratio | to first turn's backend | busiest backend's share | "
-             "lookups ok / timeout / error (stretched) | latency p50 / p99 (ms) | burst wall (s) | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "lookups ok / timeout / error (stretched) | warm-up lookups ok / timeout | latency p50 / p99 (ms) | "
+             "burst wall (s) | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, rows in results.items():
         flags = shlex.join(variants[name]) + (f" (from {srcs[name]})" if name in srcs else "")
         for r in rows:
-            lk = r["lookups"]
+            lk, wl = r["lookups"], r.get("warm_lookups", {})
             lines.append(
                 f"| {name} | {flags or '(defaults)'} | {r['round']} | {r['hit_ratio']:.3f} | {r['home_share']:.3f} | "
-                f"{r['max_share']:.3f} | {lk.get('ok', 0):.0f} / {lk.get('timeout', 0):.0f} / {lk.get('error', 0):.0f} | "
+                f"{r['max_share']:.3f} | {lk.get('ok', 0):.0f} / {lk.get('timeout', 0):.0f} / {lk.get('error', 0):.0f} "
+                f"({lk.get('stretched', 0):.0f}) | {wl.get('ok', 0):.0f} / {wl.get('timeout', 0):.0f} | "
                 f"{r['latency_p50_ms']:.0f} / {r['latency_p99_ms']:.0f} | {r['wall_s']:.2f} | "
                 f"{r['errors'] + r['warm_errors']} |")
     return "\n".join(lines) + "\n"
