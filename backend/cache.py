@@ -605,18 +605,23 @@ class PromptCache:
             self.evicted_tokens += len(victim)
         return n
 
-    def save_to_disk(self, tokens, kv, cache_type: str = "assistant", prompt_len: int = 0) -> Optional[CacheEntry]:
+    def save_to_disk(self, tokens, kv, cache_type: str = "assistant", prompt_len: int = 0, *, cuts=(),
+                     used_at: Optional[float] = None, hits: int = 0) -> Optional[CacheEntry]:
         """Rule 8: save ``kv`` (holding exactly ``tokens``) straight to the disk tier: an entry
-        larger than the whole memory budget, or one the engine keeps only if it fits in free
-        memory (an abandoned request's). Returns the tier entry; None without a tier, for a
-        non-trimmable KV or one shorter than ``share_min_tokens``, or when the write failed."""
+        larger than the whole memory budget, one the engine keeps only if it fits in free
+        memory (an abandoned request's), or a saved entry a restart's smaller memory budget
+        leaves out (`backend.persist.restore`; ``cuts``: its segment starts, ``used_at`` /
+        ``hits`` as saved). Most recently used in the tier. Returns the tier entry; None
+        without a tier, for a non-trimmable KV or one shorter than ``share_min_tokens``, or
+        when the write failed."""
         t = np.asarray(tokens, dtype=np.int32)
         if self.disk is None or len(t) < self.share_min_tokens or not self.ops.trimmable(kv):
             return None
         e = CacheEntry(tokens=t, kv=None, nbytes=self.ops.nbytes(kv), cache_type=cache_type, trimmable=True,
-                       id=next(self._ids), last_used=next(self._clock), used_at=time.time(),
+                       id=next(self._ids), last_used=next(self._clock),
+                       used_at=time.time() if used_at is None else used_at, hits=hits,
                        prompt_tokens=min(prompt_len, len(t)) if prompt_len else len(t))
-        return self._to_disk(e, kv)
+        return self._to_disk(e, kv, cuts)
 
     def _spill(self, victim: CacheEntry) -> None:
         """Rule 8: write ``victim`` (being evicted) to the disk tier, before it leaves memory,

@@ -432,9 +432,12 @@ class MLXEngine(Engine):
             self.load_error = e
             self._ready.set()
             return
+        # A disk tier kept at the last stop (backend.disktier) is announced first: the restore
+        # below may write into it (entries a smaller budget leaves out, spills), and the tier
+        # entries those writes replace must have been announced to be withdrawn.
+        self.cache.announce_disk()
         if self.cache_dir is not None:
             self._restore_cache()
-        self.cache.announce_disk()  # a disk tier kept at the last stop (backend.disktier)
         self._ready.set()
         try:
             self._loop()
@@ -466,9 +469,14 @@ class MLXEngine(Engine):
                      self.cache_dir)
             return
         left, age = self.restored.left, max(0.0, time.time() - self.restored.saved_at)
-        log.info("restored the prompt cache from %s: %s, saved %s ago%s", self.cache_dir, self.restored.describe(),
-                 _age(age), f"; {left} older entries left out (over --cache-entries / --cache-bytes; they stay in "
-                            "the save until this run saves its own, and are gone then)" if left else "")
+        moved = self.restored.to_disk
+        log.info("restored the prompt cache from %s: %s, saved %s ago%s%s", self.cache_dir, self.restored.describe(),
+                 _age(age),
+                 f"; {count(moved, 'older entry', 'older entries')} over --cache-entries / --cache-bytes moved into "
+                 "the disk tier" if moved else "",
+                 f"; {left} older entries left out (over --cache-entries / --cache-bytes"
+                 + (" and the disk tier's room" if self.cache.disk is not None else "")
+                 + "; they stay in the save until this run saves its own, and are gone then)" if left else "")
         if self.restored.damaged:
             log.warning("%d saved prompt-cache entries in %s could not be read and were left out (%s)",
                         self.restored.damaged, self.cache_dir, self.restored.error)

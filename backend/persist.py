@@ -117,7 +117,8 @@ class Outcome:
     tokens: int = 0
     nbytes: int = 0
     seconds: float = 0.0
-    left: int = 0  # restore: saved entries left out by this run's budgets
+    left: int = 0  # restore: saved entries left out by this run's budgets (neither restored nor moved)
+    to_disk: int = 0  # restore: saved entries the memory budgets left out, moved into the disk tier
     saved_at: float = 0.0  # restore: when the save was written (unix s)
     damaged: int = 0  # restore: entries left out because a file of theirs could not be read
     error: str = ""  # restore: the first such read error
@@ -357,6 +358,7 @@ def restore(cache: PromptCache, directory: Path, settings: dict) -> Optional[Out
     if manifest.get("fingerprint") != fingerprint(settings):
         raise ValueError(f"saved under other settings: {_differences(manifest.get('settings') or {}, settings)}")
     chosen, need = _choose(manifest, cache.max_entries, cache.max_bytes)
+    tried = set(chosen)  # the rest may go into the disk tier (`_left_to_disk`)
     segs, ents = manifest["segments"], manifest["entries"]
     # A file that cannot be read (truncated, deleted) costs only the entries whose KV it holds.
     parts, bad, errors = {}, set(), []
@@ -406,5 +408,51 @@ def restore(cache: PromptCache, directory: Path, settings: dict) -> Optional[Out
         out.tokens += len(e)
     cache.trim_to()  # byte counts recomputed from the arrays: within budget, whatever the manifest said
     out.nbytes = cache.nbytes
+    if cache.disk is not None and out.left:
+        out.to_disk = _left_to_disk(cache, snap, manifest, tried, sums)
+        out.left -= out.to_disk
     out.seconds = time.time() - t0
     return out
+
+
+def _left_to_disk(cache: PromptCache, snap: Path, manifest: dict, tried: set[int], sums: dict) -> int:
+    """Rule 8 at a restart with a smaller memory budget: the saved entries it left out go into
+    the disk tier (helper-73: the next save dropped them), the most recently used first while
+    the tier's budget holds them (each counted whole: shared parts are written once, so the
+    tier may hold a few more), written least recently used first so the tier's LRU order is
+    the save's. One entry's KV in memory at a time; an entry whose file cannot be read stays
+    out. Returns the entries moved."""
+    segs, ents = manifest["segments"], manifest["entries"]
+    pick, total = [], 0
+    for i in range(len(ents) - 1, -1, -1):
+        if i in tried:  # restored, or damaged
+            continue
+        e = ents[i]
+        size = sum(int(segs[j]["nbytes"]) for j in _chain(segs, e["seg"])) if "seg" in e else int(e["nbytes"])
+        if total + size <= cache.disk.max_bytes:
+            pick.append(i)
+            total += size
+    moved = 0
+    try:
+        z = np.load(_check(snap, "tokens.npz", sums))
+    except (OSError, ValueError):
+        return 0
+    with z:
+        for i in reversed(pick):
+            m = ents[i]
+            try:
+                tokens = z[f"e{i}"]
+                if "seg" in m:
+                    chain = sorted(_chain(segs, m["seg"]), key=lambda j: segs[j]["start"])
+                    pieces = [(cache.ops.load_parts(str(_check(snap, f"seg-{j}.safetensors", sums))),
+                               segs[j]["end"] - segs[j]["start"]) for j in chain]
+                    kv, cuts = cache.ops.join(pieces, int(m["tokens"])), [segs[j]["start"] for j in chain]
+                else:
+                    kv, cuts = cache.ops.load_kv(str(_check(snap, m["kv"], sums))), []
+                if len(tokens) != int(m["tokens"]):
+                    continue
+            except Exception:  # a file that cannot be read: that entry stays out, as at any restore
+                continue
+            moved += cache.save_to_disk(tokens, kv, m["cache_type"], int(m["prompt_tokens"]), cuts=cuts,
+                                        used_at=float(m["used_at"]), hits=int(m["hits"])) is not None
+    return moved

@@ -1047,3 +1047,37 @@ def test_a_full_disk_deletes_the_files_kept_for_the_last_manifest_first(tmp_path
     ops.full = True
     _save(c, _conv(2))  # conv 1 to disk: no space
     assert disk.failures == 1 and disk.doomed_bytes == 0 and not (tmp_path / "tier" / "tier-2.safetensors").exists()
+
+
+def test_a_restart_with_a_smaller_memory_budget_moves_the_entries_it_leaves_out_into_the_tier(tmp_path):
+    """helper-73: restarted with a smaller --cache-entries / --cache-bytes, the saved entries
+    left out of memory were lost at the next save though a disk tier had room: they go into
+    the tier now, the most recently used first while it has room, in the save's LRU order,
+    each one told to the listener once; a prompt of one of them is a disk hit."""
+    from backend import persist
+
+    fp = {"model_files": "abcd", "engine": "sim", "layout": "shared"}
+    c, _, _ = _cache(tmp_path / "a", "shared", memory_tokens=10_000)
+    system = list(range(100, 400))
+    convs = [system + list(range(1000 * k, 1000 * k + 50 + k)) for k in range(4)]
+    for t in convs:
+        _save(c, t)
+    persist.save(c, tmp_path / "save", fp)
+
+    r, disk, owners = _cache(tmp_path / "b", "shared", memory_tokens=10_000)
+    r.max_entries = 1
+    got = persist.restore(r, tmp_path / "save", fp)
+    assert (got.entries, got.to_disk, got.left) == (1, 3, 0)
+    assert _keys(r.entries()) == _keys([c.get(c.entries()[-1].id)])  # the newest in memory
+    assert [e.tokens.tolist() for e in sorted(disk.entries(), key=lambda e: e.last_used)] == convs[:3]
+    assert disk.nbytes == (300 + 50 + 51 + 52) * BPT  # the system prompt written once: cut at its segment
+    assert owners.held == Counter({tuple(t): 1 for t in convs}) and owners.gaps == 0
+    hit = r.fetch(convs[0] + [7, 8, 9])
+    assert (hit.reused, hit.entry_len) == (350, 350)
+
+    # A tier with room for two of the three: the two most recently used go, the oldest stays out.
+    r2, disk2, _ = _cache(tmp_path / "c", "shared", memory_tokens=10_000, disk_tokens=2 * 352)
+    r2.max_entries = 1
+    got = persist.restore(r2, tmp_path / "save", fp)
+    assert (got.entries, got.to_disk, got.left) == (1, 2, 1)
+    assert sorted(e.tokens.tolist() for e in disk2.entries()) == convs[1:3]

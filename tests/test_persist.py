@@ -350,3 +350,32 @@ def test_the_first_idle_save_waits_for_the_quiet_not_the_interval(tmp_path, demo
     cache.insert(list(range(500, 800)), sim.SimKV(300, timing), "user", prompt_len=300)
     eng._save_when_idle()  # changed, quiet, but within the interval of that save: not saved again
     assert eng._saved_state != eng._cache_state()
+
+
+def test_a_smaller_restart_moves_what_it_leaves_out_into_the_disk_tier(make_stack, tmp_path):
+    """helper-73: with a disk tier, the saved entries a smaller --cache-entries leaves out of
+    memory go into the tier at start (they were lost at the first save), owned in Redis once:
+    the gateway routes a prompt of one back to this backend, which reads it from the tier."""
+    s = make_stack()
+    tier = ["--disk-cache-dir", str(tmp_path / "tier"), "--disk-cache-bytes", "64MB"]
+    b = s.add_backend("b0", None, "--engine", "sim", "--cache-dir", str(tmp_path / "save"), *tier)
+    b.wait_healthy()
+    for i in range(3):
+        post(b.url + "/v1/completions", {"model": s.model_name, "prompt": [100 + i] * 200, "max_tokens": 1})
+    b.stop()
+    small = s.add_backend("b0", b.port, "--engine", "sim", "--cache-dir", str(tmp_path / "save"), *tier,
+                          "--cache-entries", "1")
+    s.add_gateway()
+    s.wait()
+    log = small.log_path.read_text()
+    assert ": 1 entry (" in log and "; 2 older entries over --cache-entries / --cache-bytes moved into the disk " \
+                                    "tier" in log and "left out" not in log, log
+    health = get_json(small.url + "/health")
+    assert (health["cache_entries"], health["disk_entries"]) == (1, 2), health
+    st, h, body = post(s.gateway.url + "/v1/completions", {"model": s.model_name, "prompt": [100] * 200,
+                                                           "max_tokens": 1})
+    import json
+
+    assert st == 200 and json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] == 199, body
+    assert h["X-Mlxgw-Backend"] == "b0" and int(h["X-Mlxgw-Matched-Tokens"]) >= 128, h
+    assert get_json(small.url + "/health")["disk_reads"] == 1
