@@ -352,19 +352,19 @@ def test_the_first_idle_save_waits_for_the_quiet_not_the_interval(tmp_path, demo
     assert eng._saved_state != eng._cache_state()
 
 
-def test_a_smaller_restart_moves_what_it_leaves_out_into_the_disk_tier(make_stack, tmp_path):
+@pytest.mark.parametrize("engine", [["--engine", "sim"], []], ids=["sim", "mlx"])
+def test_a_smaller_restart_moves_what_it_leaves_out_into_the_disk_tier(make_stack, tmp_path, engine):
     """helper-73: with a disk tier, the saved entries a smaller --cache-entries leaves out of
     memory go into the tier at start (they were lost at the first save), owned in Redis once:
     the gateway routes a prompt of one back to this backend, which reads it from the tier."""
     s = make_stack()
     tier = ["--disk-cache-dir", str(tmp_path / "tier"), "--disk-cache-bytes", "64MB"]
-    b = s.add_backend("b0", None, "--engine", "sim", "--cache-dir", str(tmp_path / "save"), *tier)
+    b = s.add_backend("b0", None, *engine, "--cache-dir", str(tmp_path / "save"), *tier)
     b.wait_healthy()
     for i in range(3):
         post(b.url + "/v1/completions", {"model": s.model_name, "prompt": [100 + i] * 200, "max_tokens": 1})
     b.stop()
-    small = s.add_backend("b0", b.port, "--engine", "sim", "--cache-dir", str(tmp_path / "save"), *tier,
-                          "--cache-entries", "1")
+    small = s.add_backend("b0", b.port, *engine, "--cache-dir", str(tmp_path / "save"), *tier, "--cache-entries", "1")
     s.add_gateway()
     s.wait()
     log = small.log_path.read_text()
