@@ -221,7 +221,8 @@ class Reporter:
 
     # -- asyncio side ----------------------------------------------------------
     async def start(self) -> None:
-        """Connect, take a new epoch, register, and start heartbeat and flusher.
+        """Connect, take a new epoch, publish the blocks of what is cached already (a
+        restored cache), register, and start heartbeat and flusher.
 
         Raises:
             redis.exceptions.ConnectionError: Redis unreachable at start (the
@@ -252,6 +253,10 @@ class Reporter:
                 raise DuplicateBackend(f"backend id {self.backend_id!r} is in use by a live backend at "
                                        f"{other.decode()}; {fix}")
         self.epoch = int(await self.redis.incr(self.keys.epoch_counter(self.backend_id)))
+        # The prompts restored from --cache-dir or a disk tier are owned before the backend is
+        # listed: a gateway that saw it listed first routed them on load (their flush waited for
+        # the flusher's first wake-up). Unlisted, these blocks are no gateway's candidate yet.
+        await self.flush()
         await self.heartbeat()
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
