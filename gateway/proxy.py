@@ -174,11 +174,11 @@ TOKEN_REJECTED = ("rejected this gateway's internal token (start gateways and ba
 # told the backends "rejected this gateway's internal token", though it sent none).
 _GIVE_TOKEN = ("start it with --internal-token / MLXGW_INTERNAL_TOKEN set to the backends' token; `mlxgw serve` "
                "leaves its token in the serve-internal-token file its summary names")
-TOKEN_MISSING = f"refused a request without an internal token, and this gateway has none ({_GIVE_TOKEN})"
+TOKEN_MISSING = f"refused a request without an internal token, and {schema.NO_TOKEN_MARK} ({_GIVE_TOKEN})"
 
 
 # The registry says a backend needs a token this gateway lacks (`Proxy.note_registry`).
-TOKEN_NEEDED = f"requires an internal token, and this gateway has none ({_GIVE_TOKEN})"
+TOKEN_NEEDED = f"requires an internal token, and {schema.NO_TOKEN_MARK} ({_GIVE_TOKEN})"
 
 
 def unavailable_message(errs: list[str]) -> str:

@@ -243,6 +243,11 @@ return n
 """
 
 
+#: Words every ``refused`` reason of a gateway that has no internal token at all contains
+#: (`gateway.proxy`'s messages), so status tells it from a wrong token (`refused_gateway_lines`).
+NO_TOKEN_MARK = "this gateway has none"
+
+
 def gateway_settings_value(block_size: int, tokenizer: str, at: float, skipped: Optional[dict] = None,
                            refused: Optional[dict] = None) -> str:
     """One gateway's `Keys.gateway_settings` entry: JSON ``{"block_size": tokens per block,

@@ -461,7 +461,7 @@ def url_problem_lines(records: list[dict]) -> list[str]:
 def refused_gateway_lines(refused: dict[str, str]) -> list[str]:
     """One line per gateway every live backend refuses (`refused_gateways`)."""
     return [f"gateway {gid} is refused by every backend: "
-            + ("it has no internal token and they require one" if "has none" in why else
+            + ("it has no internal token and they require one" if schema.NO_TOKEN_MARK in why else
                "its internal token is not theirs")
             + " (start it with the backends' --internal-token / MLXGW_INTERNAL_TOKEN)"
             for gid, why in sorted(refused.items())]
