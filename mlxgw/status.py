@@ -47,8 +47,11 @@ def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dic
         mistaken ``--served-name``, gone, drops out of status, top and the dashboard). ``gateways`` are
         the live gateways' published settings (`schema.fresh_gateway_settings`); each
         record gains ``left_out_by``: gateway id -> why that gateway does not route to it
-        (`schema.incompatibility`, the gateways' own rule), and ``refused_gateways`` maps each
-        gateway every live backend refuses to why (`refused_gateways`).
+        (`schema.incompatibility`, the gateways' own rule) and ``left_out``: whether every
+        gateway that routes to any of the model's backends leaves this one out;
+        ``refused_gateways`` maps each gateway every live backend refuses to why
+        (`refused_gateways`), ``stray_gateways`` each that routes to none of the backends
+        the others use (`stray_gateways`; neither counts in ``left_out_by``).
 
     Raises:
         redis.RedisError: Redis unreachable or failing.
@@ -80,6 +83,11 @@ def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dic
         refused_by_all = refused_gateways(gateways, [str(b.get("id", "")) for b in backends])
         for rec in backends:
             rec["left_out_by"] = left_out_by(rec, gateways, refused_by_all)
+        stray = stray_gateways(gateways, backends, refused_by_all)
+        routing = set(gateways) - set(refused_by_all) - set(stray)
+        for rec in backends:  # the odd gateway is named on its own line, not against each backend
+            rec["left_out_by"] = {g: w for g, w in rec["left_out_by"].items() if g not in stray}
+            rec["left_out"] = bool(rec["left_out_by"]) and set(rec["left_out_by"]) >= routing
         evs = []
         for _, f in listed[3 * i + 1]:
             try:
@@ -96,7 +104,7 @@ def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dic
         silent = sorted(schema.as_str(x) for x in listed[3 * i] if schema.as_str(x) not in live)
         if backends or gateways:
             out[m] = {"backends": backends, "gateways": gateways, "recent_events": evs, "silent": silent,
-                      "refused_gateways": refused_by_all}
+                      "refused_gateways": refused_by_all, "stray_gateways": stray}
         elif silent and dead is not None:
             dead[m] = silent
     return out
@@ -113,6 +121,21 @@ def refused_gateways(gateways: dict[str, dict], backend_ids: list[str]) -> dict[
         refused = g.get("refused")
         if backend_ids and isinstance(refused, dict) and all(b in refused for b in backend_ids):
             out[gid] = str(refused[backend_ids[0]])
+    return out
+
+
+def stray_gateways(gateways: dict[str, dict], backends: list[dict], refused_by_all: dict) -> dict[str, str]:
+    """Gateway id -> why, for each live gateway (not in ``refused_by_all``) that routes to none
+    of the model's live ``backends`` (each record's ``left_out_by`` names it) while another
+    gateway routes to at least one: that gateway's settings are the odd ones (helper-76: one
+    gateway started with another --block-size made status, top and the dashboard show every
+    backend ``left out``, ``0 live``, while the other gateway served from them)."""
+    others = set(gateways) - set(refused_by_all)
+    out = {}
+    for gid in sorted(others):
+        if backends and all(gid in (r.get("left_out_by") or {}) for r in backends) and any(
+                g != gid and g not in (r.get("left_out_by") or {}) for r in backends for g in others):
+            out[gid] = str(backends[0]["left_out_by"][gid])
     return out
 
 
@@ -165,7 +188,9 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
     budget = _f(rec, "cache_budget_bytes")
     active, queued = int(_f(rec, "active")), int(_f(rec, "queued_prefill_tokens"))
     slots = int(_f(rec, "decode_slots"))
-    left_out = bool(rec.get("left_out_by"))
+    # Left out when no gateway routes to it (`collect`'s ``left_out``); one that some gateway
+    # routes to serves, with a line naming the others.
+    left_out = bool(rec.get("left_out", rec.get("left_out_by")))
     # Its own check found nothing, or something else, at its registered URL (helper-68: shown
     # `ready` and counted live beside the line saying gateways cannot reach it).
     unreachable = bool(rec.get("url_problem"))
@@ -484,6 +509,13 @@ def oversize_lines(records: list[dict]) -> list[str]:
             "budget were not kept in memory (raise --cache-bytes)" for r in records if _f(r, "cache_oversize") > 0]
 
 
+def stray_gateway_lines(stray: dict[str, str]) -> list[str]:
+    """One line per gateway that routes to none of the backends the other gateways use
+    (`stray_gateways`)."""
+    return [f"gateway {gid} routes to none of this model's backends, which the other gateways use: {why}"
+            for gid, why in sorted(stray.items())]
+
+
 def problem_lines(d: dict) -> list[str]:
     """Every warning line of one model's `collect` entry ``d``, in status's order: settings the
     backends disagree on, shared URLs, URL problems, gateways every backend refuses, backends
@@ -491,7 +523,8 @@ def problem_lines(d: dict) -> list[str]:
     (status's text and the dashboard show them)."""
     b = d["backends"]
     return (no_backend_lines(d) + disagreement(b) + shared_url_lines(b) + url_problem_lines(b)
-            + refused_gateway_lines(d.get("refused_gateways") or {}) + left_out_lines(b) + open_lines(b)
+            + refused_gateway_lines(d.get("refused_gateways") or {})
+            + stray_gateway_lines(d.get("stray_gateways") or {}) + left_out_lines(b) + open_lines(b)
             + oversize_lines(b))
 
 

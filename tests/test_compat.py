@@ -186,3 +186,55 @@ def test_gateway_settings_age_out_and_are_pruned(redis_server):
     assert schema.incompatibility(16, "ab" * 8, 16, "ab" * 8) is None
     assert schema.incompatibility(16, "ab" * 8, 0, "") is None  # an older backend publishes neither
     assert schema.incompatibility(16, "", 32, "ab" * 8) == "block size 32, this gateway's is 16 (--block-size must match)"
+
+
+def test_a_gateway_with_odd_settings_does_not_leave_the_backends_out_of_status(make_stack):
+    """helper-76: one gateway started with another --block-size made `mlxgw status`, top and
+    the dashboard show every backend `left out` ("0 live") while the other gateway served from
+    them. That gateway is named on a line of its own; a backend counts as left out only when
+    no gateway routes to it."""
+    s = make_stack()
+    sim = ("--engine", "sim")
+    for b in ("b0", "b1"):
+        s.add_backend(b, None, *sim)
+    good = s.add_gateway()
+    s.wait()
+    odd = s.add_gateway("--block-size", str(s.block_size * 2))
+    odd.wait_healthy(status=503)  # no backend it routes to
+    gid = {g.name: f"{socket.gethostname()}:{g.port}" for g in (good, odd)}
+    status = [sys.executable, "-m", "mlxgw", "status", "--redis-url", s.redis_url, "--namespace", s.namespace]
+    why = f"block size {s.block_size}, gateway {gid[odd.name]}'s is {s.block_size * 2} (--block-size must match)"
+
+    def settled(want_gateways: int) -> dict:
+        deadline = time.time() + 15
+        while True:
+            d = json.loads(subprocess.run(status + ["--json"], capture_output=True, text=True, timeout=60).stdout)
+            d = d.get(s.model_name, {})
+            if len(d.get("gateways", {})) == want_gateways or time.time() > deadline:
+                return d
+
+    d = settled(2)
+    assert d["stray_gateways"] == {gid[odd.name]: why}, d
+    assert (d["total"]["live"], d["total"]["left_out"]) == (2, 0), d["total"]
+    assert {b["id"]: (b["left_out"], b["left_out_by"], b["shown_state"]) for b in d["backends"]} == {
+        "b0": (False, {}, "ready"), "b1": (False, {}, "ready")}, d
+    out = " ".join(subprocess.run(status, capture_output=True, text=True, timeout=60).stdout.split())
+    assert "2 live" in out and "left out" not in out, out
+    assert f"gateway {gid[odd.name]} routes to none of this model's backends, which the other gateways use: {why}" \
+        in out, out
+
+    # A backend that only the odd gateway routes to: each gateway now routes to one of them, none
+    # is stray, and every backend serves (a line names each gateway that skips one).
+    s.add_backend("b2", None, *sim, "--block-size", str(s.block_size * 2)).wait_healthy()
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        d = settled(2)
+        if len(d["backends"]) == 3:
+            break
+        time.sleep(0.3)
+    assert d["stray_gateways"] == {} and (d["total"]["live"], d["total"]["left_out"]) == (3, 0), d
+    assert {b["id"]: sorted(b["left_out_by"]) for b in d["backends"]} == {
+        "b0": [gid[odd.name]], "b1": [gid[odd.name]], "b2": [gid[good.name]]}, d
+    out = " ".join(subprocess.run(status, capture_output=True, text=True, timeout=60).stdout.split())
+    assert f"gateway {gid[good.name]} does not route to b2: block size {s.block_size * 2}" in out, out
+    assert "3 live" in out, out
