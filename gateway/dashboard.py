@@ -105,7 +105,7 @@ class Dashboard:
                 "backends": views,
                 # status's warning lines (a gateway every backend refuses, a URL problem, ...):
                 # the page showed none of them
-                "problems": problem_lines(d) + ([silent_text(d["silent"])] if d.get("silent") else []),
+                "problems": problem_lines(d, self.namespace) + ([silent_text(d["silent"])] if d.get("silent") else []),
                 "series": self.history.model_series(m),
             })
             events += [{**e, "model": m} for e in d["recent_events"]]

@@ -107,6 +107,9 @@ def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dic
                       "refused_gateways": refused_by_all, "stray_gateways": stray}
         elif silent and dead is not None:
             dead[m] = silent
+    served = sorted(m for m, d in out.items() if d["gateways"])
+    for d in out.values():  # for `no_gateway_lines`: what the gateways serve instead
+        d["served_by_gateways"] = served
     return out
 
 
@@ -516,13 +519,13 @@ def stray_gateway_lines(stray: dict[str, str]) -> list[str]:
             for gid, why in sorted(stray.items())]
 
 
-def problem_lines(d: dict) -> list[str]:
+def problem_lines(d: dict, namespace: str = "") -> list[str]:
     """Every warning line of one model's `collect` entry ``d``, in status's order: settings the
     backends disagree on, shared URLs, URL problems, gateways every backend refuses, backends
     left out, backends open without the token, prompts too large for a backend's cache
     (status's text and the dashboard show them)."""
     b = d["backends"]
-    return (no_backend_lines(d) + disagreement(b) + shared_url_lines(b) + url_problem_lines(b)
+    return (no_backend_lines(d) + no_gateway_lines(d, namespace) + disagreement(b) + shared_url_lines(b) + url_problem_lines(b)
             + refused_gateway_lines(d.get("refused_gateways") or {})
             + stray_gateway_lines(d.get("stray_gateways") or {}) + left_out_lines(b) + open_lines(b)
             + oversize_lines(b))
@@ -538,6 +541,23 @@ def no_backend_lines(d: dict) -> list[str]:
     return [f"no backend registered for this model: {'gateway' if one else 'gateways'} "
             f"{', '.join(gws)} {'answers' if one else 'answer'} 503 no_backend until one registers (`mlxgw backend` with this "
             "--namespace and --served-name)"]
+
+
+def no_gateway_lines(d: dict, namespace: str = "") -> list[str]:
+    """The line for a model with live backends that no live gateway serves (helper-76: status
+    showed them live and said nothing): a backend --served-name that is not the gateways'
+    model name when gateways serve other models (``served_by_gateways``), else no gateway
+    under this namespace at all (none started, or another --namespace)."""
+    if not d["backends"] or d.get("gateways"):
+        return []
+    served = d.get("served_by_gateways") or []
+    if served:
+        why = (f"the gateways here serve {', '.join(repr(m) for m in served)} (is the backends' --served-name "
+               "the gateways' model name?)")
+    else:
+        why = (f"no gateway runs under namespace {namespace!r}" if namespace else "no gateway runs under this namespace") + \
+              " (start `mlxgw gateway`, or is its --namespace another?)"
+    return [f"no live gateway serves this model, so nothing routes to its backends: {why}"]
 
 
 def silent_text(ids: list) -> str:
@@ -581,7 +601,8 @@ def run(args) -> int:
     con = console()
     source = {"flag": "--redis-url", "env": "MLXGW_REDIS_URL", "serve": str(serve_url_file()),
               "default": "default"}[args.url_source]
-    con.print(f"Redis {redact_url(args.redis_url)} (from {source})", markup=False, highlight=False, soft_wrap=True)
+    con.print(f"Redis {redact_url(args.redis_url)} (from {source}), namespace {args.namespace}", markup=False,
+              highlight=False, soft_wrap=True)
     if not data and not dead:
         # The models set outlives the backends (a clean stop leaves it): say what served before.
         con.print(f"no live backend or gateway under namespace '{args.namespace}'"
@@ -610,7 +631,7 @@ def run(args) -> int:
             con.print(f"model {m}", markup=False, highlight=False)
         if d.get("silent"):
             con.print(silent_text(d["silent"]), markup=False, highlight=False, soft_wrap=True)
-        for line in problem_lines(d):
+        for line in problem_lines(d, args.namespace):
             con.print(line, markup=False, highlight=False, soft_wrap=True)
         for e in d["recent_events"]:
             con.print(event_line(e), markup=False, highlight=False)

@@ -312,3 +312,30 @@ def test_status_names_a_gateway_waiting_for_backends(make_stack):
         time.sleep(0.5)
     assert ("backend typo: no gateway serves model 'typo-name', so none routes to it; the gateways on this "
             f"Redis serve '{s.model_name}' (is --served-name the gateway's model name?)") in typo.log_path.read_text()
+
+
+def test_status_says_when_no_gateway_serves_a_models_backends(make_stack):
+    """helper-76: backends with no live gateway (none started, another --namespace, or a
+    --served-name typo) showed as live in status with no line saying nothing routes to them."""
+    s = make_stack()
+    s.add_backend("b0", None, "--engine", "sim").wait_healthy()
+    status = [sys.executable, "-m", "mlxgw", "status", "--redis-url", s.redis_url, "--namespace", s.namespace]
+    st = subprocess.run(status, capture_output=True, text=True, timeout=60)
+    out = " ".join(st.stdout.split())
+    assert st.returncode == 0 and f"(from --redis-url), namespace {s.namespace}" in out, out
+    assert ("no live gateway serves this model, so nothing routes to its backends: no gateway runs under namespace "
+            f"'{s.namespace}' (start `mlxgw gateway`, or is its --namespace another?)") in out, out
+    # A gateway for the model: the line goes; a backend under a mistyped name gets it, naming the model served.
+    s.add_gateway()
+    s.wait()
+    s.add_backend("typo", None, "--engine", "sim", "--served-name", "demo-tinny").wait_healthy()
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        js = json.loads(subprocess.run(status + ["--json"], capture_output=True, text=True, timeout=60).stdout)
+        if "demo-tinny" in js and js[s.model_name]["gateways"]:
+            break
+        time.sleep(0.3)
+    out = " ".join(subprocess.run(status, capture_output=True, text=True, timeout=60).stdout.split())
+    assert out.count("no live gateway serves this model") == 1, out
+    assert ("no live gateway serves this model, so nothing routes to its backends: the gateways here serve "
+            f"'{s.model_name}' (is the backends' --served-name the gateways' model name?)") in out, out
