@@ -155,6 +155,7 @@ class Engine:
 
     tokenizer: Any = None
     context_length: int = 0
+    logits_size: int = 0  # tokens the model's logits cover (its config's vocab_size); 0: unknown
 
     def start(self) -> None:
         raise NotImplementedError
@@ -570,6 +571,7 @@ class MLXEngine(Engine):
         self.context_length = int(
             getattr(cfg, "max_position_embeddings", 0) or getattr(cfg, "context_length", 0) or 32768
         )
+        self.logits_size = int(getattr(cfg, "vocab_size", 0) or 0)
         self._stream = mx.default_stream(mx.default_device())
         self._bg = BatchGenerator(
             self.model,

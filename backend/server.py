@@ -226,7 +226,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
             max_tokens=max_tokens,
             temperature=pr.temperature,
             top_p=pr.top_p,
-            top_k=pr.top_k,
+            top_k=effective_top_k(pr.top_k, engine),
             min_p=pr.min_p,
             logit_bias=pr.logit_bias,
             repetition_penalty=pr.repetition_penalty,
@@ -302,6 +302,18 @@ async def _collect(req, renderer, builder, reporter, engine, timeout: float) -> 
     return web.json_response(renderer.full("".join(content), "".join(reasoning), calls, reason, usage,
                                            builder.stop_string),
                              headers={"X-Mlxgw-Cached-Tokens": str(req.cached)})
+
+
+def effective_top_k(top_k: int, engine) -> int:
+    """``top_k`` as the sampler takes it: 0 (no top-k) when it covers the whole vocabulary.
+    mlx-lm's sampler raises for a top_k of its logits' size or more (`apply_top_k`), inside
+    the batch step, which killed the engine thread and so the backend, and the gateway's retry
+    the next one (helper-75: one request with top_k 3072 took down both demo backends); the
+    real APIs take any value, and sampling from the top k of n <= k tokens is sampling from all."""
+    vocab = len(engine.tokenizer)
+    if engine.logits_size:
+        vocab = min(vocab, engine.logits_size)
+    return top_k if 0 < top_k < vocab else 0
 
 
 def _sse(obj: dict) -> bytes:

@@ -259,3 +259,26 @@ def test_backend_takes_packed_ids_and_refuses_torn_ones(stack1):
     assert status == 200 and json.loads(raw)["usage"]["prompt_tokens"] == len(ids)
     status, _, raw = send(schema.token_bytes(ids)[:-1])
     assert status == 400 and "multiple of 4 bytes" in json.loads(raw)["error"]["message"]
+
+
+def test_a_top_k_over_the_vocabulary_samples_from_all_and_the_backend_lives(stack1):
+    """helper-75: top_k at or above the vocabulary size (3072 here) with temperature > 0 raised
+    inside mlx-lm's sampler, in the batch step: the engine thread died, the backend exited and
+    the gateway's retry killed the next one. It means no top-k now, as in the real APIs."""
+    from mlxgw.httpget import get_json
+
+    before = get_json(stack1.backends[0].url + "/health")
+    chat = {"model": "demo-tiny", "max_tokens": 3, "temperature": 1, "messages": [{"role": "user", "content": "hi"}]}
+    for path, extra in (("/v1/chat/completions", {"top_k": 3072}), ("/v1/chat/completions", {"top_k": 10**6}),
+                        ("/v1/completions", {"top_k": 3072, "prompt": "hi"}),
+                        ("/v1/messages", {"top_k": 5000})):
+        body = {**chat, **extra}
+        if path == "/v1/completions":
+            body.pop("messages")
+        status, _, raw = post(stack1.gateway.url + path, body)
+        assert status == 200, (path, raw)
+        usage = json.loads(raw)["usage"]
+        assert usage.get("completion_tokens", usage.get("output_tokens")) == 3, raw
+    after = get_json(stack1.backends[0].url + "/health")
+    assert after["status"] == "ok" and after["pid"] == before["pid"], after
+    assert stack1.backends[0].proc.poll() is None
