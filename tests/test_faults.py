@@ -1287,3 +1287,50 @@ def test_a_wrong_or_missing_redis_password_is_said_so(demo_model):
     finally:
         s.stop()
         red.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses", "/v1/chat/completions"])
+def test_an_engine_failure_mid_stream_ends_the_clients_stream_as_a_failure(make_stack, path):
+    """helper-75: a backend whose engine thread died mid-stream wrote an error event and ended
+    its stream cleanly, so the gateway's Anthropic stream went on to `end_turn` and
+    `message_stop`, the Responses one to `response.completed` after `response.failed`, and the
+    request was logged and counted `ok`. The stream is cut as a killed backend's is now: the
+    client's stream ends at the gateway's backend_failed event, logged so."""
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim", "--sim-fail-after", "1")
+    s.add_gateway()
+    s.wait()
+    msgs = [{"role": "user", "content": words(50, seed=96)}]
+    body = {"/v1/messages": {"messages": msgs, "max_tokens": 4000},
+            "/v1/responses": {"input": msgs, "max_output_tokens": 4000},
+            "/v1/chat/completions": {"messages": msgs, "max_tokens": 4000}}[path]
+    conn, resp = _open_stream(s.gateway.url, path, {"model": "demo-tiny", "stream": True, **body})
+    assert resp.status == 200
+    head = b""
+    while not any(k in head for k in (b"content_block_delta", b"output_text.delta", b'"content": "')):
+        line = resp.readline()  # chunk-aware
+        assert line, head
+        head += line
+    status, _, raw = post(b0.url + "/v1/completions", {"prompt": [5, 6, 8], "max_tokens": 2}, timeout=10)
+    assert status >= 500 and b"Traceback" not in raw, raw
+    events = _sse_events(head + resp.read())
+    conn.close()
+    if path == "/v1/messages":
+        kinds = [e["type"] for e in events]
+        assert kinds[-1] == "error" and "message_delta" not in kinds and "message_stop" not in kinds, kinds
+        err = events[-1]["error"]
+    elif path == "/v1/responses":
+        kinds = [e["type"] for e in events]
+        assert kinds[-2:] == ["error", "response.failed"] and "response.completed" not in kinds, kinds
+        err = events[-1]["response"]["error"]
+        assert err["code"] == "backend_failed", err
+    else:
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "backend_failed", events[-3:]
+        assert not any(isinstance(e, dict) and (e.get("choices") or [{}])[0].get("finish_reason") for e in events)
+        err = events[-2]["error"]
+    assert err["message"].startswith("backend b0 failed mid-stream"), err
+    deadline = time.time() + 10
+    while "outcome=backend_failed" not in s.gateway.log_path.read_text() and time.time() < deadline:
+        time.sleep(0.2)
+    assert "outcome=backend_failed" in s.gateway.log_path.read_text()
+    assert b0.proc.wait(20) == 5
