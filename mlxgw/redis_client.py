@@ -54,7 +54,8 @@ def connect_async(url: str, timeout: float, max_connections: int = 0, **kw) -> a
 
 def _refusal(e: BaseException) -> Optional[str]:
     """What Redis refused in ``e``, when only another URL mends it: ``no_password`` (it needs
-    one), ``wrong_password``, ``no_database``; None otherwise (unreachable, slow, ...)."""
+    one), ``wrong_password``, ``no_database``, ``cluster`` (a Redis Cluster node: it answered
+    MOVED or CLUSTERDOWN); None otherwise (unreachable, slow, ...)."""
     low = str(e).lower()
     if isinstance(e, getattr(redis.exceptions, "AuthenticationRequiredError", ())) or "noauth" in low \
             or "must be called with the client already authenticated" in low or "authentication required" in low:
@@ -64,6 +65,8 @@ def _refusal(e: BaseException) -> Optional[str]:
         return "wrong_password"
     if "db index is out of range" in low:
         return "no_database"
+    if isinstance(e, (redis.exceptions.AskError, redis.exceptions.ClusterError)):  # MOVED, CLUSTERDOWN
+        return "cluster"
     return None
 
 
@@ -93,6 +96,9 @@ def redis_problem(url: Optional[str], e: BaseException) -> str:
         return f"{where} refused the password in the URL ({text})"
     if refusal == "no_database":
         return f"{where} has no such database (the /N at the end of the URL; {text})"
+    if refusal == "cluster":  # helper-76: it read "Redis unreachable ... MovedError"
+        return (f"{where} is a Redis Cluster node ({type(e).__name__}: {text}); mlxgw speaks to one Redis, "
+                "not to a Cluster (docs/redis-schema.md)")
     # redis-py's text of the failures below names the address ("Error 111 connecting to
     # host:port"): kept for logs, left out for API clients (url None).
     said = f": {text}" if url and text else ""

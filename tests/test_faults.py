@@ -1289,6 +1289,46 @@ def test_a_wrong_or_missing_redis_password_is_said_so(demo_model):
         red.stop()
 
 
+def test_a_redis_cluster_node_is_named_as_one(demo_model, tmp_path):
+    """helper-76: pointed at a Redis Cluster node, a backend exited "Redis unreachable ...
+    MovedError" and a gateway ran degraded with the same words, while the docs said Cluster
+    worked. Both say it is a Cluster node, which mlxgw does not speak to, and exit 4."""
+    import shutil
+
+    from mlxgw.harness import free_port
+    from mlxgw.redis_client import redis_problem
+
+    moved = redis_problem("redis://h:7001/0", __import__("redis").exceptions.MovedError("3999 10.0.0.2:7002"))
+    assert moved == ("Redis at redis://h:7001/0 is a Redis Cluster node (MovedError: 3999 10.0.0.2:7002); mlxgw "
+                     "speaks to one Redis, not to a Cluster (docs/redis-schema.md)"), moved
+    port = free_port()
+    node = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
+                             "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf"),
+                             "--dir", str(tmp_path), "--save", ""], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    s = Stack(url, demo_model)
+    try:
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                __import__("redis").Redis(port=port).ping()
+                break
+            except Exception:
+                time.sleep(0.1)
+        b = s.add_backend("b0", None, "--engine", "sim")
+        g = s.add_gateway()
+        says = f"Redis at {url} is a Redis Cluster node (ClusterDownError: Hash slot not served); mlxgw speaks to one"
+        for p in (b, g):
+            assert p.proc.wait(60) == 4, p.tail(10)
+            assert says in p.tail(5), p.tail(10)
+        s.backends.clear()
+        s.gateways.clear()
+    finally:
+        s.stop()
+        node.kill()
+        node.wait(10)
+
+
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses", "/v1/chat/completions"])
 def test_an_engine_failure_mid_stream_ends_the_clients_stream_as_a_failure(make_stack, path):
     """helper-75: a backend whose engine thread died mid-stream wrote an error event and ended
