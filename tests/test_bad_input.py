@@ -282,3 +282,14 @@ def test_a_top_k_over_the_vocabulary_samples_from_all_and_the_backend_lives(stac
     after = get_json(stack1.backends[0].url + "/health")
     assert after["status"] == "ok" and after["pid"] == before["pid"], after
     assert stack1.backends[0].proc.poll() is None
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+@pytest.mark.parametrize("model", [5, ["demo-tiny"]])
+def test_a_model_that_is_not_a_string_is_named_so(stack1, path, model):
+    """helper-75: on /v1/messages (and /v1/responses) a number or a list read "'model' is
+    required"; chat said "must be a string", which every dialect says now."""
+    body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "input": "hi"}
+    status, _, raw = post(stack1.gateway.url + path, body)
+    err = json.loads(raw)["error"]
+    assert (status, err["message"]) == (400, "'model' must be a string"), raw

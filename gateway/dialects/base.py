@@ -73,8 +73,10 @@ def chat_request(body: dict, messages, tools, convert_tool_choice) -> dict:
     from mlxgw.protocol import RequestError
 
     model = body.get("model")
-    if not isinstance(model, str):
+    if model is None:
         raise RequestError("'model' is required", param="model")
+    if not isinstance(model, str):  # helper-75: a number or a list read "'model' is required"
+        raise RequestError("'model' must be a string", param="model")
     out = {"model": model, "messages": messages()}
     tools = tools()
     tc = convert_tool_choice(body.get("tool_choice"))
