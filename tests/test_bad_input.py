@@ -293,3 +293,15 @@ def test_a_model_that_is_not_a_string_is_named_so(stack1, path, model):
     status, _, raw = post(stack1.gateway.url + path, body)
     err = json.loads(raw)["error"]
     assert (status, err["message"]) == (400, "'model' must be a string"), raw
+
+
+def test_an_anthropic_error_from_the_backend_carries_the_request_id(stack1):
+    """helper-75: an Anthropic-shaped error the backend raised (a tool schema it cannot compile)
+    had no request_id in its body, where the gateway's own errors have one, as Anthropic's do."""
+    body = {"model": "demo-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+            "tool_choice": {"type": "any"},
+            "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "frob"}}}}]}
+    status, headers, raw = post(stack1.gateway.url + "/v1/messages", body)
+    got = json.loads(raw)
+    assert status == 400 and got["type"] == "error" and "cannot constrain" in got["error"]["message"], raw
+    assert got["request_id"] == headers["request-id"] and len(got["request_id"]) == 32, (got, headers)

@@ -319,4 +319,7 @@ class MessagesTransform(ChatTransform):
                 "usage": usage_of(int(usage.get("prompt_tokens", 0)), cached, int(usage.get("completion_tokens", 0)))}
 
     def convert_error(self, err: dict, status: int) -> dict:
-        return error_body(err.get("message") or "error", status)
+        body = error_body(err.get("message") or "error", status)
+        if self.request_id:  # as the gateway's own errors (`error_response`; helper-75: a backend's had none)
+            body["request_id"] = self.request_id
+        return body

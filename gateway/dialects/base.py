@@ -142,10 +142,12 @@ class ChatTransform:
         # Set by the gateway when it lowered the request's max_tokens to the context left
         # (`gateway.app._route`): the Anthropic dialect's length stop is then the context's.
         self.context_capped = False
+        self.request_id = ""
 
     # -- gateway.proxy.Transform -------------------------------------------
     def begin(self, status: int, headers: Mapping[str, str], route: Mapping[str, str]) -> dict:
         self.status = status
+        self.request_id = route.get("request-id", "")  # the routed request's (Anthropic error bodies)
         self.prompt_tokens = int(route.get("X-Mlxgw-Prompt-Tokens", "0") or 0)
         self.cached_tokens = int(headers.get("X-Mlxgw-Cached-Tokens", "0") or 0)
         if status >= 400 or not headers.get("Content-Type", "").startswith("text/event-stream"):
