@@ -574,11 +574,13 @@ async def _check_own_url(url: str, backend_id: str, reporter: Optional[Reporter]
 
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-            async with session.get(url + "/health") as r:
-                served_by = r.headers.get(schema.SERVED_BY)
+            # Sent as a gateway's request is, so a gateway there names itself (its 421 `misaddressed`)
+            async with session.get(url + "/health", headers={schema.FORWARDED_BY: f"self-check of {backend_id}"}) as r:
+                served_by, gateway = r.headers.get(schema.SERVED_BY), r.headers.get(schema.GATEWAY_ID)
                 if served_by == backend_id:
                     return None
                 what = (f"backend {served_by} answers there" if served_by
+                        else f"mlxgw gateway {gateway} (not a backend) answers there" if gateway  # helper-76
                         else f"something that is not an mlxgw backend answers there (HTTP {r.status})")
     except aiohttp.ClientSSLError as e:  # helper-67: an https:// URL for this plain-http server
         what = (f"no TLS connection can be made there (it serves plain http: an https:// URL needs a TLS "

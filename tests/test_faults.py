@@ -1185,6 +1185,16 @@ def test_a_backend_url_gateways_cannot_use_is_refused_and_left_out(make_stack):
     assert (f"backend lost registered the URL {nowhere}, but nothing answers there from this machine "
             "(ClientConnectorError") in lost.log_path.read_text(), lost.tail(10)
     assert "registered the URL" not in b0.log_path.read_text()  # a backend at its own URL says nothing
+    # A gateway's URL: the gateway is named (helper-76: "something that is not an mlxgw backend")
+    at_gw = s.add_backend("at-gw", None, "--engine", "sim", "--url", s.gateway.url)
+    deadline = time.time() + 30
+    while "gateways cannot reach it there" not in at_gw.log_path.read_text() and time.time() < deadline:
+        time.sleep(0.2)
+    gid = f"{socket.gethostname()}:{s.gateway.port}"
+    assert (f"backend at-gw registered the URL {s.gateway.url}, but mlxgw gateway {gid} (not a backend) answers "
+            "there: gateways cannot reach it there") in at_gw.log_path.read_text(), at_gw.tail(10)
+    at_gw.stop()
+    s.backends.remove(at_gw)
     # ... and `mlxgw status`, where it showed `ready` like the others, says it too
     deadline, out = time.time() + 10, ""
     while "gateways cannot reach it there" not in out and time.time() < deadline:
