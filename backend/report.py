@@ -37,7 +37,7 @@ import redis
 import redis.asyncio as aioredis
 
 from mlxgw import schema
-from mlxgw.redis_client import connect_async
+from mlxgw.redis_client import connect_async, redis_problem, refusal_kind
 from mlxgw.util import cancel_and_wait, deadline
 
 from .cache import CacheEntry
@@ -130,6 +130,7 @@ class Reporter:
         self._unsure: set[str] = set()  # blocks whose last write may not have landed (a failed flush)
         self._events: list[dict] = []
         self._dirty = True  # needs a full re-publish
+        self._said_kind: Optional[str] = None  # the Redis refusal last logged (`refusal_kind`)
         self._registered = False
         self.taken_over: Optional[str] = None  # set once a later backend took this id (TakenOver)
         self._flush_lock = asyncio.Lock()
@@ -391,8 +392,13 @@ class Reporter:
             pipe.eval(schema.UPDATE_IF_LIVE_LUA, 1, self.keys.backend(self.backend_id), *args)
 
     def _mark_dirty(self, e: BaseException) -> None:
-        if not self._dirty:
-            log.warning("backend %s: Redis write failed (%s); will re-publish ownership", self.backend_id, e)
+        kind = refusal_kind(e)
+        if not self._dirty or (kind is not None and kind != self._said_kind):
+            # Said again when Redis comes back refusing (helper-76: restarted with another
+            # password, the log kept its "connection refused")
+            log.warning("backend %s: Redis write failed (%s); will re-publish ownership", self.backend_id,
+                        redis_problem(self.redis_url, e) if kind else e)
+            self._said_kind = kind
         self._dirty = True
         self.redis_ok = False
         self.write_failures += 1

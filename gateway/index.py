@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover
     HiredisRespSerializer, HIREDIS_AVAILABLE = None, False
 
 from mlxgw import schema
-from mlxgw.redis_client import connect_async, redis_problem
+from mlxgw.redis_client import connect_async, redis_problem, refusal_kind
 from mlxgw.schema import Candidate
 from mlxgw.util import Tally, cancel_and_wait, deadline
 
@@ -219,6 +219,7 @@ class OwnershipIndex:
         self.redis_url = redis_url
         self.redis_error: Optional[BaseException] = None  # Redis's last failure, None once it answers
         self._said_down = False  # the operator was told Redis is unreachable, and not yet that it is back
+        self._said_kind: Optional[str] = None  # the refusal last told (`refusal_kind`), None for unreachable
         self.lookups = {"ok": 0, "timeout": 0, "error": 0}
         self.lookups_stretched = 0  # lookups given more time: the loop was busy or Redis busy answering others
         self.pulse = RedisPulse()  # what `LookupDeadline` reads
@@ -289,8 +290,11 @@ class OwnershipIndex:
         loop alone used to stay silent through an outage)."""
         self.healthy = ok
         self.redis_error = None if ok else err or self.redis_error
-        if not ok and not self._said_down:
-            self._said_down = True
+        kind = refusal_kind(err) if err is not None else None
+        if not ok and (not self._said_down or (kind is not None and kind != self._said_kind)):
+            # Said again when Redis comes back refusing (helper-76: restarted with another
+            # password, the log kept its "connection refused")
+            self._said_down, self._said_kind = True, kind
             log.warning("%s: routing on load, session affinity, this gateway's pending "
                         "claims and where it last sent each prompt, over the last known backends", self.problem())
         elif ok and self._said_down:

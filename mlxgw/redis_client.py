@@ -52,7 +52,7 @@ def connect_async(url: str, timeout: float, max_connections: int = 0, **kw) -> a
     return client
 
 
-def _refusal(e: BaseException) -> Optional[str]:
+def refusal_kind(e: BaseException) -> Optional[str]:
     """What Redis refused in ``e``, when only another URL mends it: ``no_password`` (it needs
     one), ``wrong_password``, ``no_database``, ``cluster`` (a Redis Cluster node: it answered
     MOVED or CLUSTERDOWN); None otherwise (unreachable, slow, ...)."""
@@ -72,9 +72,9 @@ def _refusal(e: BaseException) -> Optional[str]:
 
 def is_setting_error(e: BaseException) -> bool:
     """Whether Redis refused for a reason only another URL mends (a refused or missing
-    password, no such database: `_refusal`), not one waiting can (unreachable, slow):
+    password, no such database: `refusal_kind`), not one waiting can (unreachable, slow):
     `redis_problem` words both."""
-    return _refusal(e) is not None
+    return refusal_kind(e) is not None
 
 
 def redis_problem(url: Optional[str], e: BaseException) -> str:
@@ -89,7 +89,7 @@ def redis_problem(url: Optional[str], e: BaseException) -> str:
     text = str(e)
     where = f"Redis at {redact_url(url)}" if url else "Redis"
     low = text.lower()
-    refusal = _refusal(e)
+    refusal = refusal_kind(e)
     if refusal == "no_password":
         return f"{where} requires a password, and the URL has none (redis://:PASSWORD@host:port/0)"
     if refusal == "wrong_password":

@@ -1384,3 +1384,41 @@ def test_an_engine_failure_mid_stream_ends_the_clients_stream_as_a_failure(make_
         time.sleep(0.2)
     assert "outcome=backend_failed" in s.gateway.log_path.read_text()
     assert b0.proc.wait(20) == 5
+
+
+def test_a_redis_back_with_another_password_is_said_so(demo_model, tmp_path):
+    """helper-76: Redis restarted with another password, and the gateway's and backends' logs
+    kept their last line, "connection refused", with no word of the password; the refusal is
+    told as soon as it comes, once."""
+    import shutil
+
+    from mlxgw.harness import free_port
+
+    port = free_port()
+
+    def redis_with(password):
+        return subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
+                                 "--requirepass", password, "--save", "", "--dir", str(tmp_path)],
+                                stdout=subprocess.DEVNULL)
+
+    node = redis_with("first")
+    url = f"redis://:first@127.0.0.1:{port}/0"
+    s = Stack(url, demo_model)
+    try:
+        b = s.add_backend("b0", None, "--engine", "sim")
+        g = s.add_gateway()
+        s.wait()
+        node.kill()
+        node.wait(10)
+        time.sleep(3)  # both notice it is gone (heartbeat 1 s here, refresh 1 s)
+        node = redis_with("second")
+        says = f"Redis at redis://:***@127.0.0.1:{port}/0 refused the password in the URL"
+        deadline = time.time() + 20
+        while time.time() < deadline and not all(says in p.log_path.read_text() for p in (b, g)):
+            time.sleep(0.3)
+        for p in (b, g):
+            assert p.log_path.read_text().count(says) == 1, p.tail(10)
+    finally:
+        s.stop()
+        node.kill()
+        node.wait(10)
