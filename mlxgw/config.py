@@ -30,6 +30,10 @@ class ModelConfig:
     path: str = ""  # empty: the demo model
     backends: int = 2
     port: int = 8100
+    # The backends' listen address: loopback reaches a gateway on this machine only; "0.0.0.0"
+    # lets gateways on other Macs reach them too (each then registers this Mac's address on the
+    # network to Redis, `backend.main.advertised_url`; the internal token guards them).
+    host: str = "127.0.0.1"
     cache_bytes: str = "2GB"
     cache_entries: int = 64
     min_hit_tokens: int = 1000
@@ -125,6 +129,8 @@ def load(path: str) -> ServeConfig:
     from backend.engine import PREFILL_ORDERS
 
     for m in models:
+        if not m.host.strip():
+            raise ValueError(f"{path} [[models]]: host must be an address to listen on (127.0.0.1, 0.0.0.0, ::)")
         if m.prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"{path} [[models]]: prefill_order must be one of {', '.join(PREFILL_ORDERS)}")
         if m.cache_layout not in LAYOUTS:

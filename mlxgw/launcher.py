@@ -242,9 +242,9 @@ def run(args: argparse.Namespace) -> int:
         warning = budget_warning(cfg.models)
         if warning:
             log.warning("%s", warning)
-    ports = [cfg.port] + [p for m in cfg.models for p in range(m.port, m.port + m.backends)]
-    for p in ports:
-        if not port_free(cfg.host if p == cfg.port else "127.0.0.1", p):
+    ports = [(cfg.host, cfg.port)] + [(m.host, p) for m in cfg.models for p in range(m.port, m.port + m.backends)]
+    for host, p in ports:
+        if not port_free(host, p):
             log.error("port %d is in use; pick another with --port / --backend-port", p)
             return 3
 
@@ -280,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
             cmd = py + ["backend", "--model", m.path, "--served-name", m.name, "--port", str(port),
                         "--id", f"{m.name}-{i}", "--namespace", cfg.namespace, "--block-size", str(cfg.block_size),
                         *backend_model_flags(m), *backend_cache_dir_flags(m, i)]
-            children.append(Child(f"{m.name}-{i}", cmd, env, f"http://127.0.0.1:{port}/health"))
+            children.append(Child(f"{m.name}-{i}", cmd, env, f"{local_base_url(m.host, port)}/health"))
     gw_cmd = py + ["gateway", "--host", cfg.host, "--port", str(cfg.port), "--namespace", cfg.namespace,
                    "--block-size", str(cfg.block_size)]
     for k, v in cfg.routing.items():
@@ -411,8 +411,8 @@ def _answers(url: str) -> bool:
 
 
 def backend_model_flags(m: config_mod.ModelConfig) -> list[str]:
-    """The backend flags of one ``[[models]]`` table's cache and prefill settings."""
-    return ["--cache-bytes", str(m.cache_bytes), "--cache-entries", str(m.cache_entries),
+    """The backend flags of one ``[[models]]`` table's listen address, cache and prefill settings."""
+    return ["--host", m.host, "--cache-bytes", str(m.cache_bytes), "--cache-entries", str(m.cache_entries),
             "--min-hit-tokens", str(m.min_hit_tokens), "--min-shared-tokens", str(m.min_shared_tokens),
             "--prefill-save" if m.prefill_save else "--no-prefill-save",
             "--prefill-concurrency", str(m.prefill_concurrency), "--prefill-order", m.prefill_order,

@@ -398,6 +398,22 @@ def test_serve_passes_every_shared_gateway_flag_on():
             assert got == v or (v.isdigit() and float(got) == float(v)) or (v, got) == ("2MiB", "2097152"), (f, got)
 
 
+def test_serve_passes_the_backends_listen_address(tmp_path):
+    """helper-76: serve's backends listened on loopback only, so a gateway on another Mac could
+    not reach them (configs/multi-mac.toml): `[[models]] host`, loopback by default."""
+    from mlxgw import launcher
+
+    assert launcher.backend_model_flags(config.ModelConfig())[:2] == ["--host", "127.0.0.1"]
+    p = tmp_path / "c.toml"
+    p.write_text('[[models]]\nname = "m"\nhost = "0.0.0.0"\n')
+    assert launcher.backend_model_flags(config.load(str(p)).models[0])[:2] == ["--host", "0.0.0.0"]
+    multi = config.load(str(Path(__file__).parent.parent / "configs" / "multi-mac.toml"))
+    assert multi.models[0].host == "0.0.0.0"
+    p.write_text('[[models]]\nname = "m"\nhost = " "\n')
+    with pytest.raises(ValueError, match="host must be an address to listen on"):
+        config.load(str(p))
+
+
 def test_serve_passes_prefill_settings_to_the_backends(tmp_path):
     from mlxgw import launcher
 
