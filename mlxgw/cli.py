@@ -23,7 +23,8 @@ def _logging(level: str) -> None:
 
 def _status_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--redis-url", type=redis_url_arg, default=os.environ.get("MLXGW_REDIS_URL"),
-                    help="default: the URL the last `mlxgw serve` wrote, else redis://127.0.0.1:6379/0")
+                    help="default: MLXGW_REDIS_URL, else the URL the last `mlxgw serve` wrote, else "
+                         "redis://127.0.0.1:6379/0")
     sp.add_argument("--namespace", type=namespace_arg, default="mlxgw")
 
 
