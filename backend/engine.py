@@ -327,6 +327,7 @@ class MLXEngine(Engine):
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self.load_error: Optional[BaseException] = None
         self.failed = False
+        self.batch_failures = 0  # batch steps that failed and were started again (`_fail_batch`)
         # Stats read by the heartbeat (plain ints: atomic enough under the GIL).
         self.active = 0
         self.queued_prefill_tokens = 0
@@ -404,6 +405,7 @@ class MLXEngine(Engine):
             "hits": self.hits,
             "misses": self.misses,
             "abandoned_saves_skipped": self.saves_skipped,
+            "batch_failures": self.batch_failures,  # failed batch steps, their requests ended (`_fail_batch`)
             "prefill_saves": self.prefill_saves,
             "prefill_handoffs": self.prefill_handoffs,
             "memory_waits": self.memory_waits,
@@ -561,7 +563,6 @@ class MLXEngine(Engine):
     def _load(self) -> None:
         import mlx.core as mx
         from mlx_lm import load
-        from mlx_lm.generate import BatchGenerator
         from mlx_lm.models.cache import make_prompt_cache
 
         self._mx = mx
@@ -573,14 +574,20 @@ class MLXEngine(Engine):
         )
         self.logits_size = int(getattr(cfg, "vocab_size", 0) or 0)
         self._stream = mx.default_stream(mx.default_device())
-        self._bg = BatchGenerator(
+        self._bg = self._new_batch()
+        self._init_loop_state()
+
+    def _new_batch(self):
+        """A new, empty mlx-lm ``BatchGenerator`` (at start, and after a failed step: `_fail_batch`)."""
+        from mlx_lm.generate import BatchGenerator
+
+        return BatchGenerator(
             self.model,
             completion_batch_size=self.decode_concurrency,
             prefill_batch_size=self.prefill_concurrency,
             prefill_step_size=self.prefill_step_size,
             stream=self._stream,
         )
-        self._init_loop_state()
 
     def _init_loop_state(self) -> None:
         """Per-run bookkeeping of the engine thread (also used by the simulated engine)."""
@@ -589,6 +596,26 @@ class MLXEngine(Engine):
         self._pending_cancel: set[str] = set()
         self._cancel_after_prefill: set[int] = set()
         self._waiting: deque[GenRequest] = deque()  # submitted, not yet admitted (FIFO)
+        self._failed_steps = 0  # batch steps failed in a row (`_fail_batch`)
+
+    def _fail_batch(self, e: Exception) -> None:
+        """A batch step raised: end the requests in the batch with an error and go on with a new,
+        empty batch, the prompt cache and the waiting requests kept. A request's own input that
+        mlx-lm fails on inside the step (helper-75: a top_k it refuses) ended the engine thread,
+        the backend, and its whole prompt cache, and the gateway's retry then the next backend's.
+        The entries the batch reused are private copies (`PromptCache.fetch`), so the cache is
+        whole. Two failed steps in a row end the engine as before (`_loop`)."""
+        log.error("a batch step failed (%s: %s): ending its %d requests with an error and starting a new batch; "
+                  "the prompt cache is kept (a second failure in a row ends the backend)", type(e).__name__, e,
+                  len(self._live), exc_info=True)
+        msg = f"the batch this request ran in failed ({type(e).__name__}: {e})"
+        for live in list(self._live.values()):
+            self._finish(live, "error", error=msg)
+        self.batch_failures += 1
+        self._live.clear()
+        self._by_rid.clear()
+        self._cancel_after_prefill.clear()
+        self._bg = self._new_batch()
 
     def _fail_all(self, msg: str) -> None:
         for live in list(getattr(self, "_live", {}).values()):
@@ -626,7 +653,14 @@ class MLXEngine(Engine):
             self._drain_cancels()
             self._admit_waiting()
             if self._live:
-                self._step()
+                try:
+                    self._step()
+                    self._failed_steps = 0
+                except Exception as e:
+                    self._failed_steps += 1
+                    if self._failed_steps > 1:  # twice in a row: the engine, not one request's input
+                        raise
+                    self._fail_batch(e)
             elif self._waiting:  # all held by disk reads under way: do not spin
                 time.sleep(0.001)
 
@@ -1069,7 +1103,7 @@ class MLXEngine(Engine):
         # Live requests' KV counts against the byte budget.
         self.cache.trim_to(max_bytes=self._cache_room())
 
-    def _finish(self, live: _Live, reason: str) -> None:
+    def _finish(self, live: _Live, reason: str, error: str = "") -> None:
         self._abandoned.discard(live.req.rid)
         self.active -= 1
         if live.prompt_left:
@@ -1077,4 +1111,4 @@ class MLXEngine(Engine):
             live.prompt_left = 0
         self._release(live.req)
         self.metrics.on_finish(live.req.rid, live.req.submitted_at, live.req.generated, reason)
-        live.req.emit(GenEvent("end", finish_reason=reason))
+        live.req.emit(GenEvent("end", finish_reason=reason, error=error or None))

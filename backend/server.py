@@ -357,10 +357,11 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
             ended = ev.kind == "end"
             final = ev.finish_reason if ended else None
             if ended and ev.finish_reason == "error":
-                # The engine thread died and this backend is exiting (code 5): the stream ends as a
-                # killed process's would, cut, so a gateway ends its client's stream with its
-                # backend_failed event and counts it so (helper-75: an error event and a clean
-                # end read as a finished answer: Anthropic end_turn, Responses completed).
+                # The batch it ran in failed, or the engine thread died and this backend is exiting
+                # (code 5): the stream ends as a killed process's would, cut, so a gateway ends its
+                # client's stream with its backend_failed event and counts it so (helper-75: an
+                # error event and a clean end read as a finished answer: Anthropic end_turn,
+                # Responses completed).
                 log.warning("request %s: stream cut: %s", req.rid, ev.error or "generation failed")
                 if request.transport is not None:
                     request.transport.abort()

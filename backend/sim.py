@@ -510,14 +510,21 @@ class SimEngine(MLXEngine):
         self.tokenizer = load_tokenizer(p)
         self.trimmable = True  # SimKV: a full-attention model
         self.context_length = read_context_length(p)
-        self._bg = SimBatchGenerator(
+        self._vocab = ordinary_vocab(self.tokenizer)
+        self._bg = self._new_batch()
+        self._init_loop_state()
+
+    def _new_batch(self) -> "SimBatchGenerator":
+        bg = SimBatchGenerator(
             self.timing,
-            ordinary_vocab(self.tokenizer),
+            self._vocab,
             completion_batch_size=self.decode_concurrency,
             prefill_batch_size=self.prefill_concurrency,
             prefill_step_size=self.prefill_step_size,
         )
-        self._init_loop_state()
+        if getattr(self, "_bg", None) is not None:  # a failed batch's: request numbers (and --sim-fail-after) go on
+            bg._uid = self._bg._uid
+        return bg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -645,16 +645,25 @@ def test_frozen_redis_does_not_hold_answers_and_the_gateway_says_so(demo_model):
 def test_a_backend_whose_engine_thread_died_withdraws_and_exits(make_stack):
     """helper-56: a backend whose engine thread died stayed registered, answering every request
     with an error, so each one routed there cost the gateway a retry. It now withdraws from
-    Redis and exits (code 5), for `mlxgw serve` to restart it; the gateway routes elsewhere."""
+    Redis and exits (code 5), for `mlxgw serve` to restart it; the gateway routes elsewhere.
+    One failed batch step ends only the requests in that batch (helper-75: a request's own
+    input took the backend and its prompt cache down); the second in a row ends the engine."""
     s = make_stack()
     b0 = s.add_backend("b0", None, "--engine", "sim", "--sim-fail-after", "1")
     s.add_backend("b1", None, "--engine", "sim")
     s.add_gateway()
     s.wait()
-    status, _, body = post(b0.url + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2}, timeout=10)
-    assert status == 200, body  # b0's first request is served; the next one kills its engine thread
+    status, _, body = post(b0.url + "/v1/completions", {"prompt": [5, 6, 7] * 30, "max_tokens": 2}, timeout=10)
+    assert status == 200, body  # b0's first request is served; every step past it fails (--sim-fail-after)
     status, _, body = post(b0.url + "/v1/completions", {"prompt": [5, 6, 8], "max_tokens": 2}, timeout=10)
     assert status >= 500 and b"Traceback" not in body, body
+    assert json.loads(body)["error"]["message"].startswith("the batch this request ran in failed (RuntimeError: "
+                                                           "simulated engine failure"), body
+    health = get_json(b0.url + "/health")  # still up, its prompt cache kept
+    assert b0.proc.poll() is None and (health["batch_failures"], health["cache_entries"]) == (1, 1), health
+    assert "a batch step failed (RuntimeError: simulated engine failure" in b0.log_path.read_text()
+    status, _, body = post(b0.url + "/v1/completions", {"prompt": [5, 6, 9], "max_tokens": 2}, timeout=10)
+    assert status >= 500 and b"Traceback" not in body, body  # a second failed step in a row: the engine
     assert b0.proc.wait(20) == 5
     log = b0.log_path.read_text()
     assert "engine thread died" in log and "withdrawing from Redis and exiting with code 5" in log, log[-2000:]
@@ -665,6 +674,47 @@ def test_a_backend_whose_engine_thread_died_withdraws_and_exits(make_stack):
     for i in range(3):
         status, h, body = _ask(s.gateway.url, words(50, seed=70 + i))
         assert status == 200 and h["X-Mlxgw-Backend"] == "b1", body
+
+
+def test_a_failed_batch_step_ends_its_requests_and_the_real_engine_goes_on(demo_model):
+    """The real mlx-lm engine, driven directly (the server no longer passes such a top_k, and
+    nothing else known fails a step): a request whose sampler raises inside the batch step
+    (mlx-lm refuses a top_k of the vocabulary's size there) is ended with an error, the engine
+    starts a new batch and serves the next request from the prompt cache the first one left."""
+    import asyncio
+
+    from backend.cache import PromptCache
+    from backend.engine import GenParams, GenRequest, MLXEngine
+
+    cache = PromptCache(max_entries=8, max_bytes=2**30, layout="shared", share_min_tokens=16, min_hit_tokens=32)
+    eng = MLXEngine(str(demo_model), cache, 2**30)
+    eng.start()
+    assert eng.wait_ready(120) and eng.load_error is None
+
+    async def ask(rid, prompt, **params):
+        req = GenRequest(rid=rid, prompt=prompt, params=GenParams(max_tokens=4, **params),
+                         loop=asyncio.get_running_loop(), events=asyncio.Queue())
+        eng.submit(req)
+        while True:
+            ev = await asyncio.wait_for(req.events.get(), 60)
+            if ev.kind == "end":
+                return ev, req
+
+    async def main():
+        first = await ask("a", list(range(100, 180)))
+        bad = await ask("b", list(range(200, 280)), temperature=1.0, top_k=10**6)
+        again = await ask("c", list(range(100, 180)) + [5])
+        return first, bad, again
+
+    try:
+        (first, _), (bad, _), (again, req) = asyncio.run(main())
+    finally:
+        eng.stop()
+    assert first.finish_reason == "length"
+    assert bad.finish_reason == "error" and bad.error.startswith(
+        "the batch this request ran in failed (ValueError: `top_k` has to be an integer"), bad
+    assert (again.finish_reason, req.cached) == ("length", 80)
+    assert (eng.batch_failures, eng.failed, eng.active, eng.queued_prefill_tokens) == (1, False, 0, 0)
 
 
 def test_a_second_backend_under_a_live_ones_id_is_refused(make_stack):
@@ -1341,11 +1391,12 @@ def test_a_redis_cluster_node_is_named_as_one(demo_model, tmp_path):
 
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses", "/v1/chat/completions"])
 def test_an_engine_failure_mid_stream_ends_the_clients_stream_as_a_failure(make_stack, path):
-    """helper-75: a backend whose engine thread died mid-stream wrote an error event and ended
-    its stream cleanly, so the gateway's Anthropic stream went on to `end_turn` and
-    `message_stop`, the Responses one to `response.completed` after `response.failed`, and the
-    request was logged and counted `ok`. The stream is cut as a killed backend's is now: the
-    client's stream ends at the gateway's backend_failed event, logged so."""
+    """helper-75: a backend whose engine failed mid-stream (the batch step raised) wrote an error
+    event and ended its stream cleanly, so the gateway's Anthropic stream went on to `end_turn`
+    and `message_stop`, the Responses one to `response.completed` after `response.failed`, and
+    the request was logged and counted `ok`. The stream is cut as a killed backend's is now:
+    the client's stream ends at the gateway's backend_failed event, logged so. The backend
+    itself goes on (one failed batch step)."""
     s = make_stack()
     b0 = s.add_backend("b0", None, "--engine", "sim", "--sim-fail-after", "1")
     s.add_gateway()
@@ -1383,7 +1434,7 @@ def test_an_engine_failure_mid_stream_ends_the_clients_stream_as_a_failure(make_
     while "outcome=backend_failed" not in s.gateway.log_path.read_text() and time.time() < deadline:
         time.sleep(0.2)
     assert "outcome=backend_failed" in s.gateway.log_path.read_text()
-    assert b0.proc.wait(20) == 5
+    assert b0.proc.poll() is None and get_json(b0.url + "/health")["batch_failures"] == 1
 
 
 def test_a_redis_back_with_another_password_is_said_so(demo_model, tmp_path):
