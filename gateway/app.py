@@ -495,8 +495,10 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         janitor = Janitor(index, grace=cfg.janitor_grace, interval=min(10.0, max(1.0, cfg.janitor_grace / 2)))
         janitor.start()
         yield
-        await janitor.close()
-        await publisher.close()
+        # Side by side: a task stuck in a redis-py call while cancelled costs its close up to
+        # `CANCEL_WAIT_SECONDS`, once in all rather than once per task (the janitor's and the
+        # publisher's, one after the other, took a stop past 15 s on a loaded machine).
+        await asyncio.gather(janitor.close(), publisher.close())
         await proxy.close()
         await index.close()
 
