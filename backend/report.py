@@ -255,9 +255,11 @@ class Reporter:
                                        f"{other.decode()}; {fix}")
         self.epoch = int(await self.redis.incr(self.keys.epoch_counter(self.backend_id)))
         # The prompts restored from --cache-dir or a disk tier are owned before the backend is
-        # listed: a gateway that saw it listed first routed them on load (their flush waited for
-        # the flusher's first wake-up). Unlisted, these blocks are no gateway's candidate yet.
-        await self.flush()
+        # listed: a gateway that saw it listed first routed them on load (their publication
+        # waited for the flusher's first wake-up). Unlisted, its blocks are no gateway's
+        # candidate yet (a failure here marks a re-publish, and the heartbeat then fails too).
+        async with self._flush_lock:
+            await self._republish()
         await self.heartbeat()
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
