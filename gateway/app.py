@@ -444,6 +444,11 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return await request.app[STATE].metrics.handler(request)
 
 
+class GatewayIdInUse(Exception):
+    """A live gateway publishes under this gateway's ``--gateway-id`` (`OwnershipIndex.id_in_use`);
+    `gateway.main` exits 2 with it, as a backend does for a live backend's ``--id``."""
+
+
 class RedisRefused(Exception):
     """Redis refused this gateway at start for a reason only another ``--redis-url`` mends
     (`mlxgw.redis_client.is_setting_error`); `gateway.main` exits 4 with it, as a backend does.
@@ -467,6 +472,13 @@ def make_app(cfg: GatewayConfig) -> web.Application:
             toks.add(name, path)
         index = OwnershipIndex(cfg.redis_url, cfg.namespace, cfg.lookup_deadline, cfg.gateway_id)
         index.expect = {name: (cfg.block_size, info.fingerprint) for name, info in toks.models.items()}
+        try:
+            taken = await index.id_in_use()
+        except Exception:  # Redis unreachable: the refresh below says so
+            taken = None
+        if taken:
+            await index.close()
+            raise GatewayIdInUse(taken)
         try:
             await index.refresh()
         except Exception as e:

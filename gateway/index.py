@@ -382,6 +382,36 @@ class OwnershipIndex:
             listener(snap)
         self._set_healthy(True)
 
+    async def id_in_use(self, wait: float = 2.5) -> Optional[str]:
+        """Why this gateway's id is taken (None: it is not): a live gateway publishes its
+        settings under it (helper-76: a second gateway given a live one's --gateway-id ran
+        silently, and the two overwrote each other's in-flight load and settings in Redis).
+        An entry written within `schema.GATEWAY_SETTINGS_FRESH` s may be this gateway's own
+        from before a restart: it is read again after ``wait`` seconds (the refresh writes
+        every second) and counts only if rewritten. Call before the first `refresh`."""
+        if not self.gateway_id or not self.expect:
+            return None
+        keys = [self.keys(m).gateway_settings for m in self.expect]
+
+        async def written() -> list[float]:
+            pipe = self.redis.pipeline(transaction=False)
+            for k in keys:
+                pipe.hget(k, self.gateway_id)
+            out = []
+            for raw in await pipe.execute():
+                d = schema.fresh_gateway_settings({self.gateway_id: raw}, time.time()) if raw else {}
+                out.append(float(d[self.gateway_id]["at"]) if d else 0.0)
+            return out
+
+        first = await written()
+        if not any(first):
+            return None
+        await asyncio.sleep(wait)
+        if any(b > a > 0 for a, b in zip(first, await written())):
+            return (f"gateway id {self.gateway_id!r} is in use by a live gateway on this Redis (namespace "
+                    f"{self.namespace}): give this one another --gateway-id")
+        return None
+
     def _publish_settings(self, pipe) -> None:
         """Queue on ``pipe`` this gateway's entry in each of its models' `Keys.gateway_settings`
         (what a backend must match to be routed to), so a backend can tell its operator it is

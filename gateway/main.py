@@ -19,7 +19,7 @@ from mlxgw.stopping import EMBEDDED_REDIS_ENV, Stopper, shut_down_embedded_redis
 from mlxgw.util import (count, host_port, model_spec_arg, namespace_arg, non_empty_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, positive_int, redact_url,
                         redis_url_arg, size_arg)
 
-from .app import ADMISSION, STATE, GatewayConfig, RedisRefused, make_app
+from .app import ADMISSION, STATE, GatewayConfig, GatewayIdInUse, RedisRefused, make_app
 from .connguard import GuardedRunner, auto_max_connections
 from .auth import AuthConfigError, check_exposure, read_keys
 from .limits import LimitConfig, auto_max_in_flight
@@ -239,12 +239,17 @@ async def _serve(app: web.Application, cfg: GatewayConfig, host: str, port: int,
     that started it is gone (`mlxgw.stopping`), then shut down gracefully: no new connections,
     ``drain`` seconds for the answers in flight, then streams still running end with an error
     event (`Proxy.begin_drain`) and what is left is cancelled a second later.
-    Returns the exit code: 0, 3 when the address cannot be bound, 4 when Redis refuses the
-    URL's password or database (`gateway.app.RedisRefused`)."""
+    Returns the exit code: 0, 2 when a live gateway uses its id (`gateway.app.GatewayIdInUse`),
+    3 when the address cannot be bound, 4 when Redis refuses the URL's password or database
+    (`gateway.app.RedisRefused`)."""
     runner = GuardedRunner(app, cfg.limits.max_connections, counts=app[ADMISSION].rejected,
                            handler_cancellation=True, access_log=None, shutdown_timeout=drain + 1.0)
     try:
         await runner.setup()
+    except GatewayIdInUse as e:
+        log.error("%s", e)
+        await runner.cleanup()
+        return 2
     except RedisRefused as e:
         log.error("%s", e)
         await runner.cleanup()

@@ -717,6 +717,26 @@ def test_a_failed_batch_step_ends_its_requests_and_the_real_engine_goes_on(demo_
     assert (eng.batch_failures, eng.failed, eng.active, eng.queued_prefill_tokens) == (1, False, 0, 0)
 
 
+def test_a_second_gateway_under_a_live_ones_id_is_refused(make_stack):
+    """helper-76: a gateway given a live gateway's --gateway-id ran silently, the two overwriting
+    each other's in-flight load and settings in Redis. It exits 2 naming the id; a gateway
+    restarted under its own id after a kill (its entry still fresh, but no longer written) starts."""
+    s = make_stack()
+    s.add_backend("b0", None, "--engine", "sim")
+    first = s.add_gateway("--gateway-id", "edge-1")
+    s.wait()
+    twin = s.add_gateway("--gateway-id", "edge-1")
+    assert twin.proc.wait(60) == 2, twin.tail(10)
+    assert (f"gateway id 'edge-1' is in use by a live gateway on this Redis (namespace {s.namespace}): give this "
+            "one another --gateway-id") in twin.tail(5), twin.tail(10)
+    s.gateways.remove(twin)
+    assert get_json(first.url + "/health")["status"] == "ok"
+    first.kill()
+    again = s.add_gateway("--gateway-id", "edge-1", port=first.port)
+    again.wait_healthy()
+    assert "in use" not in again.log_path.read_text().rsplit("starting on", 1)[1]  # (the log file twin had)
+
+
 def test_a_second_backend_under_a_live_ones_id_is_refused(make_stack):
     """A backend started with the --id of a live backend at another URL exits 2 naming it; it took
     the first one's place in the registry without a word, and the first kept running with no
