@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .status import (REPLY_TIMEOUT, History, backend_view, collect, connect, console, event_line, live_text, model_total,
-                     unreachable)
+                     problem_lines, silent_text, unreachable)
 from .redis_client import connect as redis_connect
 from .util import redact_url, serve_url_file
 
@@ -53,7 +53,7 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
     parts: list = [Text(f"mlxgw top  namespace {namespace}  {time.strftime('%H:%M:%S', time.localtime(now))}",
                         style="bold")]
     if not data:
-        parts.append(Text(f"no models registered under namespace '{namespace}'"))
+        parts.append(Text(f"no live backend or gateway under namespace '{namespace}'"))
     for m, d in data.items():
         views = sorted((backend_view(r, now) for r in d["backends"]), key=lambda v: v["load"], reverse=True)
         last = (hist.model_series(m) or [{}])[-1]
@@ -75,7 +75,12 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
                       sparkline([p["hit_ratio"] for p in s], hi=1.0),
                       f"{sparkline([p['gen_tps'] for p in s], width=10)} {_fmt(cur.get('gen_tps'), '.1f')}",
                       _fmt(cur.get("ttft_ms"), ".1f"), f"{v['age_s']:.1f}")
-        parts.append(t)
+        if views:
+            parts.append(t)
+        # status's warning lines (helper-77: top showed none: a gateway waiting for backends,
+        # backends no gateway serves, a gateway routing to none, why a backend is left out)
+        for line in problem_lines(d, namespace) + ([silent_text(d["silent"])] if d.get("silent") else []):
+            parts.append(Text(line, style="yellow"))
         for e in d["recent_events"]:
             parts.append(Text(event_line(e)))
     return Group(*parts)

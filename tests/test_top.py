@@ -303,6 +303,11 @@ def test_status_names_a_gateway_waiting_for_backends(make_stack):
         f"model {s.model_name}",
         f"no backend registered for this model: gateway {gid} answers 503 no_backend until one registers "
         "(`mlxgw backend` with this --namespace and --served-name)"], (st.returncode, st.stdout)
+    # top shows the same line (helper-77: it showed none of status's lines)
+    top = subprocess.run([sys.executable, "-m", "mlxgw", "top", "--redis-url", s.redis_url, "--namespace",
+                          s.namespace, "--iterations", "1"], capture_output=True, text=True, timeout=60)
+    assert top.returncode == 0 and f"no backend registered for this model: gateway {gid} answers 503" in \
+        " ".join(top.stdout.split()), top.stdout
     # And a backend whose --served-name is not the gateway's model is told so, though no backend
     # serves the gateway's model yet (the models set did not name it: the check found nothing).
     typo = s.add_backend("typo", None, "--engine", "sim", "--served-name", "typo-name")
