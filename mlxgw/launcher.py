@@ -262,8 +262,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         from .redis_client import connect, redis_problem
 
+        from . import schema
+
         try:
-            connect(redis_url, 2.0).ping()
+            # A key read, not PING alone: a Redis Cluster node answers PING and MOVED (or
+            # CLUSTERDOWN) for the keys (helper-77: serve then waited for its backends forever)
+            connect(redis_url, 2.0).smembers(schema.models_key(cfg.namespace))
         except Exception as e:
             log.error("%s", redis_problem(redis_url, e))
             return 4

@@ -19,7 +19,7 @@ import redis
 
 from . import schema
 from .redis_client import connect as redis_connect
-from .redis_client import redis_problem
+from .redis_client import redis_problem, refusal_kind
 from .util import redact_url, serve_url_file
 
 # Event data fields worth showing (block lists are long and meaningless to people).
@@ -365,11 +365,14 @@ def connect(args) -> redis.Redis:
 
 def unreachable(args, e: BaseException) -> int:
     """Tell the operator which Redis did not answer and where its URL came from (`connect`),
-    on stderr; with ``--json`` also on stdout, as ``{"error": {"type": "redis_unreachable",
+    on stderr; with ``--json`` also on stdout, as ``{"error": {"type": "redis_unreachable"``
+    (or ``"redis_refused"``: a password, database or Cluster node refused, `refusal_kind`)``,
     "redis_url", "message", "hint"}}`` (``hint`` null when there is none), so a script reading
     stdout gets JSON either way.
     Returns the exit code of ``status`` and ``top`` for it, 4."""
-    if isinstance(e, redis.TimeoutError):  # connected, then no answer: not a wrong URL
+    if refusal_kind(e):  # it answered, and refused the URL: the message says what to change
+        hint = ""
+    elif isinstance(e, redis.TimeoutError):  # connected, then no answer: not a wrong URL
         hint = (f"it accepted the connection but did not answer within {REPLY_TIMEOUT:g} s, twice: "
                 "overloaded, or stopped with SIGSTOP?")
     else:
@@ -380,8 +383,11 @@ def unreachable(args, e: BaseException) -> int:
     if hint:
         print(f"({hint})", file=sys.stderr)
     if getattr(args, "json", False):
-        print(json.dumps({"error": {"type": "redis_unreachable", "redis_url": redact_url(args.redis_url),
-                                    "message": str(e), "hint": hint or None}}, indent=2))
+        # A refusal (password, database, a Cluster node) is no outage (helper-77: "redis_unreachable")
+        kind = "redis_refused" if refusal_kind(e) else "redis_unreachable"  # noqa: SIM108
+        print(json.dumps({"error": {"type": kind, "redis_url": redact_url(args.redis_url),
+                                    "message": redis_problem(args.redis_url, e) if kind == "redis_refused" else str(e),
+                                    "hint": hint or None}}, indent=2))
     return 4
 
 

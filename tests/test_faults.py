@@ -1350,6 +1350,12 @@ def test_a_wrong_or_missing_redis_password_is_said_so(demo_model):
         assert "Redis at redis://:***@127.0.0.1:" in g.tail(5) and "refused the password in the URL" in g.tail(5)
         assert "not-the-password" not in g.log_path.read_text() and "Traceback" not in g.log_path.read_text()
         s.gateways.remove(g)
+        # status --json calls it a refusal, not an outage (helper-77: "redis_unreachable")
+        st = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--json", "--redis-url", wrong],
+                            capture_output=True, text=True, timeout=60)
+        err = json.loads(st.stdout)["error"]
+        assert st.returncode == 4 and (err["type"], err["hint"]) == ("redis_refused", None), st.stdout
+        assert "refused the password in the URL" in err["message"] and "not-the-password" not in st.stdout
         # Unreachable is another matter (waiting mends it): the gateway stays up, and its 503
         # says Redis is why (helper-66: "no live backend serves" with no word of Redis).
         from mlxgw.harness import free_port
@@ -1403,6 +1409,11 @@ def test_a_redis_cluster_node_is_named_as_one(demo_model, tmp_path):
             assert says in p.tail(5), p.tail(10)
         s.backends.clear()
         s.gateways.clear()
+        # serve checks it before starting anything (helper-77: it waited for its backends forever)
+        serve = subprocess.run([sys.executable, "-m", "mlxgw", "serve", "--redis-url", url, "--port", str(free_port()),
+                                "--backend-port", str(free_port()), "--backends", "1"],
+                               capture_output=True, text=True, timeout=120)
+        assert serve.returncode == 4 and says in serve.stderr, serve.stderr[-2000:]
     finally:
         s.stop()
         node.kill()
