@@ -630,6 +630,17 @@ def _cli() -> str:
     return str(script) if script.exists() else f"{sys.executable} -m mlxgw"
 
 
+def _registered_url(cfg, child: Child, redis_url: str) -> str:
+    """The URL backend ``child`` registers (`backend.main.advertised_url`, the backend's own rule),
+    not the loopback address serve probes it at (helper-77: a backend listening on 0.0.0.0
+    registered this machine's network address while the summary printed 127.0.0.1)."""
+    from backend.main import advertised_url
+
+    m = next((m for m in cfg.models if child.name.startswith(f"{m.name}-")), None)
+    port = int(child.health_url.rsplit(":", 1)[1].split("/", 1)[0])
+    return advertised_url(m.host if m is not None else "127.0.0.1", port, redis_url)[0]
+
+
 def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None:
     base = local_base_url(cfg.host, cfg.port)
     # helper-69: a serve under --namespace printed recipes that looked under the default one
@@ -640,7 +651,7 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
         f"  endpoint   {base}/v1   (OpenAI-compatible)",
         f"  anthropic  {base}   (Anthropic SDK base URL: the SDK adds /v1)",
         f"  models     {', '.join(m.name for m in cfg.models)}",
-        f"  backends   {', '.join(c.name + ' ' + c.health_url.rsplit('/', 1)[0] for c in children)}"
+        f"  backends   {', '.join(c.name + ' ' + _registered_url(cfg, c, redis_url) for c in children)}"
         f"   ({', '.join(f'{m.name}: {m.decode_concurrency} decode slots each' for m in cfg.models)})",
         f"  redis      {redact_url(redis_url)}{' (embedded)' if embedded else ''}",
         f"  dashboard  {base}/dashboard   metrics  {base}/metrics",

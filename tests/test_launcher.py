@@ -493,3 +493,19 @@ def test_watch_kills_and_restarts_a_child_that_stopped_answering(caplog, monkeyp
         for c in (hung, loading):
             c.proc.kill()
             c.proc.wait(10)
+
+
+def test_the_ready_summary_names_the_url_each_backend_registers():
+    """helper-77: backends on `host = "0.0.0.0"` with Redis elsewhere register this machine's
+    network address, while serve's summary printed the loopback address it probes them at."""
+    from mlxgw import config
+    from mlxgw.launcher import Child, _registered_url
+
+    cfg = config.ServeConfig(models=[config.ModelConfig(name="coder", host="0.0.0.0"),
+                                     config.ModelConfig(name="local")])
+    lan = Child("coder-1", [], {}, "http://127.0.0.1:9741/health")
+    here = Child("local-0", [], {}, "http://127.0.0.1:9750/health")
+    assert _registered_url(cfg, lan, "redis://127.0.0.1:6379/0") == "http://127.0.0.1:9741"  # Redis here: loopback
+    far = _registered_url(cfg, lan, "redis://:pw@192.0.2.7:6379/0")  # Redis on another machine
+    assert far.endswith(":9741") and not far.startswith(("http://127.", "http://[::1]")), far
+    assert _registered_url(cfg, here, "redis://:pw@192.0.2.7:6379/0") == "http://127.0.0.1:9750"
