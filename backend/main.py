@@ -24,7 +24,7 @@ from mlxgw.redis_client import redis_problem
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.stopping import PARENT_ENV, Stopper
 from mlxgw.util import (WILDCARD_LOOPBACK, deadline, http_base, is_loopback, namespace_arg, non_empty_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, redis_url_arg,
-                        positive_int, seconds_arg, share_arg, share_or_off_arg, size_arg, size_text, temperature_arg)
+                        count, positive_int, seconds_arg, share_arg, share_or_off_arg, size_arg, size_text, temperature_arg)
 
 from . import persist, sim
 from .cache import LAYOUTS, KVOps, PromptCache
@@ -527,14 +527,14 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
     mib = engine.cache.max_bytes / 2**20
     opt_in = "".join([f"; admits while the KV in flight stays within {args.max_inflight_share:g} of the budget"
                       if args.max_inflight_share else "", "; pins hits by reference" if args.pin_by_reference else ""])
-    log.info("backend %s registered at %s (model %s, epoch %d; prompt cache %s MiB, %d entries, %s layout; "
+    log.info("backend %s registered at %s (model %s, epoch %d; prompt cache %s MiB, %s, %s layout; "
              "%d decode slots%s)", cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch,
-             f"{mib:.0f}" if mib >= 10 else f"{mib:.3g}", engine.cache.max_entries, engine.cache.layout,
-             engine.decode_concurrency, opt_in)
+             f"{mib:.0f}" if mib >= 10 else f"{mib:.3g}", count(engine.cache.max_entries, "entry", "entries"),
+             engine.cache.layout, engine.decode_concurrency, opt_in)
     if engine.restored is not None:
-        log.info("backend %s: %d prompt-cache entries (%s tokens) restored from %s and published under epoch %d",
-                 cfg.backend_id, engine.restored.entries, f"{engine.restored.tokens:,}", engine.cache_dir,
-                 reporter.epoch)
+        log.info("backend %s: %s (%s tokens) restored from %s and published under epoch %d", cfg.backend_id,
+                 count(engine.restored.entries, "prompt-cache entry", "prompt-cache entries"),
+                 f"{engine.restored.tokens:,}", engine.cache_dir, reporter.epoch)
     if not cfg.internal_token:
         # Where it listens, not the URL it registered (helper-66: a wildcard host was named as
         # 127.0.0.1, a wrong --url as a port nothing listened on).

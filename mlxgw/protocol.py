@@ -555,7 +555,8 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         max_tokens=max_tokens,
         temperature=float(number_field(body, "temperature", 0.0, lo=0, hi=2)),  # OpenAI's range
         top_p=float(number_field(body, "top_p", 1.0, lo=0, hi=1)),
-        top_k=int(number_field(body, "top_k", 0, lo=0, integer=True)),
+        # -1 is vLLM's "no top-k", which clients written for it send (helper-77: a 400)
+        top_k=max(0, int(number_field(body, "top_k", 0, lo=-1, integer=True))),
         min_p=float(number_field(body, "min_p", 0.0, lo=0, hi=1)),
         repetition_penalty=float(number_field(body, "repetition_penalty", 0.0, lo=0, hi=10)),
         stop=stop,

@@ -270,6 +270,7 @@ def test_a_top_k_over_the_vocabulary_samples_from_all_and_the_backend_lives(stac
     before = get_json(stack1.backends[0].url + "/health")
     chat = {"model": "demo-tiny", "max_tokens": 3, "temperature": 1, "messages": [{"role": "user", "content": "hi"}]}
     for path, extra in (("/v1/chat/completions", {"top_k": 3072}), ("/v1/chat/completions", {"top_k": 10**6}),
+                        ("/v1/chat/completions", {"top_k": -1}),  # vLLM's "no top-k" (helper-77: a 400)
                         ("/v1/completions", {"top_k": 3072, "prompt": "hi"}),
                         ("/v1/messages", {"top_k": 5000})):
         body = {**chat, **extra}
