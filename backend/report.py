@@ -131,6 +131,7 @@ class Reporter:
         self._events: list[dict] = []
         self._dirty = True  # needs a full re-publish
         self._said_kind: Optional[str] = None  # the Redis refusal last logged (`refusal_kind`)
+        self.redis_problem: Optional[str] = None  # why Redis last failed (`redis_problem`), None once it answers
         self._registered = False
         self.taken_over: Optional[str] = None  # set once a later backend took this id (TakenOver)
         self._flush_lock = asyncio.Lock()
@@ -356,7 +357,7 @@ class Reporter:
             self._update_cache_figures(pipe)  # claims change blocks_owned too
             try:
                 registered = (await pipe.execute())[0]
-                self.redis_ok = True
+                self.redis_ok, self.redis_problem = True, None
                 self._slow = False
             except Exception as e:
                 # Some of these writes may have landed, some not (a pipeline cut off
@@ -403,6 +404,7 @@ class Reporter:
             self._said_kind = kind
         self._dirty = True
         self.redis_ok = False
+        self.redis_problem = redis_problem(None, e)  # for /health: no address (helper-77: no reason shown)
         self.write_failures += 1
 
     async def _republish(self) -> None:
@@ -445,7 +447,7 @@ class Reporter:
             self._mark_dirty(e)
             return
         self._dirty = False
-        self.redis_ok = True
+        self.redis_ok, self.redis_problem = True, None
         self._slow = False
         self.republishes += 1
         log.info("backend %s published ownership of %d blocks (epoch %d)", self.backend_id, len(blocks), self.epoch)
@@ -499,7 +501,7 @@ class Reporter:
             log.warning("backend %s: registry record was gone; re-publishing ownership", self.backend_id)
             self._dirty = True
         self._registered = True
-        self.redis_ok = True
+        self.redis_ok, self.redis_problem = True, None
 
     def _check_gateways(self, raw: dict, now: float) -> None:
         """Tell the operator, once per gateway and reason, that a live gateway of this model

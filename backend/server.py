@@ -411,6 +411,7 @@ async def handle_health(request: web.Request) -> web.Response:
         "epoch": reporter.epoch,
         "pid": os.getpid(),
         "redis": reporter.redis_ok,
+        "redis_problem": reporter.redis_problem,  # why it last failed; null while it answers
         **engine.stats(),
         # The cache settings of the registry record (`backend.main`), so an operator sees what is on.
         **{k: reporter.extra[k] for k in HEALTH_SETTINGS if k in reporter.extra},

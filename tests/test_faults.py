@@ -1500,6 +1500,9 @@ def test_a_redis_back_with_another_password_is_said_so(demo_model, tmp_path):
             time.sleep(0.3)
         for p in (b, g):
             assert p.log_path.read_text().count(says) == 1, p.tail(10)
+        health = get_json(b.url + "/health")  # the backend's /health says why too (helper-77: only "redis": false)
+        assert health["redis"] is False and health["redis_problem"].startswith(
+            "Redis refused the password in the URL (invalid username-password pair"), health
     finally:
         s.stop()
         node.kill()
