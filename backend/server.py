@@ -362,7 +362,12 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
                 # client's stream with its backend_failed event and counts it so (helper-75: an
                 # error event and a clean end read as a finished answer: Anthropic end_turn,
                 # Responses completed).
-                log.warning("request %s: stream cut: %s", req.rid, ev.error or "generation failed")
+                why = ev.error or "generation failed"
+                log.warning("request %s: stream cut: %s", req.rid, why)
+                try:  # the reason, for a gateway (`schema.FAILED_MARK`)
+                    await resp.write(schema.failed_comment(why, fatal=engine.failed))
+                except ConnectionResetError:
+                    pass
                 if request.transport is not None:
                     request.transport.abort()
                 return resp

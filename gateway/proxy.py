@@ -108,6 +108,8 @@ class Attempt:
     # The backend's answer headers once they came (its X-Mlxgw-Cached-Tokens: the metrics count a
     # stream the client then left, when no response to the client is left to read them from).
     answer_headers: Optional[Mapping[str, str]] = None
+    # Why the backend cut this stream, from its `schema.failed_comment`: (fatal, reason)
+    cut_why: Optional[tuple] = None
 
 
 class Transform(Protocol):
@@ -602,12 +604,12 @@ class Proxy:
                             a.answered = False
                             died += _died_with_it(err)
                             if failed is None:
-                                failed = (a, self._why(err))
-                            last_err = f"{a.backend_id}: {self._why(err)}"
+                                failed = (a, self._why(err, a))
+                            last_err = f"{a.backend_id}: {self._why(err, a)}"
                             errs.append(last_err)
                             continue
                         if err is not None:
-                            await self._fail_stream(request, out, a, self._why(err), transform)
+                            await self._fail_stream(request, out, a, self._why(err, a), transform)
                         elif transform is not None:
                             await self._write(request, out, transform.end())
                         await out.write_eof()
@@ -706,6 +708,8 @@ class Proxy:
                 break
             if chunk == b"":  # the backend's answer ended
                 break
+            if chunk and schema.FAILED_MARK in chunk:  # the backend is about to cut the stream: why
+                chunk, a.cut_why = schema.parse_failed_comment(chunk)
             if chunk:
                 tail = (tail + chunk)[-2:]
                 if prefill_open and b"data:" in chunk:
@@ -730,9 +734,13 @@ class Proxy:
         if isinstance(upstream_err, GatewayStopping):
             a.stopped = True
             log.warning("answer from %s cut: the gateway is stopping and it %s", a.backend_id, self._cut())
+        elif a.cut_why is not None and not a.cut_why[0]:
+            # A failed batch step: the backend goes on, so its circuit stays closed
+            log.warning("backend %s cut the answer: %s", a.backend_id, a.cut_why[1])
         else:
             log.warning("backend %s failed %s: %s", a.backend_id,
-                        "mid-answer" if a.first_byte_at else "before its first token", upstream_err)
+                        "mid-answer" if a.first_byte_at else "before its first token",
+                        a.cut_why[1] if a.cut_why else upstream_err)
             self._trip(a.backend_id, a.url)
         if tail != b"\n\n":
             # Ends the half-sent event (a transform drops an unfinished data event; raw bytes sent are sent).
@@ -761,8 +769,12 @@ class Proxy:
         await self._write(request, out, transform.end() if transform is not None else b"data: [DONE]\n\n")
         await out.write_eof()
 
-    def _why(self, e: BaseException) -> str:
-        """A stream's backend failure in the client's terms (not an aiohttp class name)."""
+    def _why(self, e: BaseException, a: Optional[Attempt] = None) -> str:
+        """A stream's backend failure in the client's terms (not an aiohttp class name); the
+        reason the backend gave before it cut the stream (``a.cut_why``) when it gave one."""
+        if a is not None and a.cut_why is not None and not isinstance(e, GatewayStopping):
+            fatal, why = a.cut_why
+            return f"{why}" + ("; its engine failed and it is restarting" if fatal else "")
         if isinstance(e, BackendGone):
             return "it stopped heartbeating while silent (hung or stopped)"
         if isinstance(e, GatewayStopping):

@@ -265,6 +265,29 @@ def gateway_settings_value(block_size: int, tokenizer: str, at: float, skipped: 
     return json.dumps(d)
 
 
+# The SSE comment a backend writes, with the reason on its line, just before it cuts a stream
+# whose request failed inside the engine (a failed batch step, a dead engine thread): the
+# gateway then ends its client's stream with that reason, and opens no circuit for a failed
+# batch (the backend goes on). Clients never see it (the gateway drops it).
+FAILED_MARK = b": mlxgw-failed "
+
+
+def failed_comment(why: str, fatal: bool) -> bytes:
+    """`FAILED_MARK`'s comment: ``fatal`` when the backend is exiting (its engine thread died)."""
+    return FAILED_MARK + (b"fatal " if fatal else b"batch ") + " ".join(why.split()).encode() + b"\n\n"
+
+
+def parse_failed_comment(chunk: bytes) -> tuple[bytes, Optional[tuple[bool, str]]]:
+    """``chunk`` without a `failed_comment` in it, and that comment's ``(fatal, why)`` (None: none)."""
+    at = chunk.find(FAILED_MARK)
+    if at < 0:
+        return chunk, None
+    end = chunk.find(b"\n\n", at)
+    end = len(chunk) if end < 0 else end + 2
+    kind, _, why = chunk[at + len(FAILED_MARK):end].decode("utf-8", "replace").strip().partition(" ")
+    return chunk[:at] + chunk[end:], (kind == "fatal", why)
+
+
 # The header every backend answer carries with its backend id: a gateway that reached something
 # else at a backend's registered URL (another backend, another server) can tell.
 SERVED_BY = "X-Mlxgw-Served-By"

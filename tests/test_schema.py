@@ -124,3 +124,17 @@ def test_event_roundtrip():
     d = schema.decode_event({k.encode(): (v.encode() if isinstance(v, str) else v) for k, v in f.items()})
     assert d["type"] == "saved" and d["backend"] == "b0" and d["epoch"] == "3"
     assert d["data"] == {"tokens": 5, "blocks": 1}
+
+
+def test_the_failed_comment_is_found_in_any_chunk_and_taken_out():
+    """A backend's reason for cutting a stream (`schema.failed_comment`) may arrive glued to the
+    data before it: the gateway takes it out whole and keeps the rest."""
+    from mlxgw import schema
+
+    c = schema.failed_comment("the batch failed (ValueError: x\nspread over lines)", fatal=False)
+    assert c == b": mlxgw-failed batch the batch failed (ValueError: x spread over lines)\n\n"
+    assert schema.parse_failed_comment(b'data: {"a": 1}\n\n' + c) == (
+        b'data: {"a": 1}\n\n', (False, "the batch failed (ValueError: x spread over lines)"))
+    assert schema.parse_failed_comment(schema.failed_comment("engine failure", fatal=True)) == (
+        b"", (True, "engine failure"))
+    assert schema.parse_failed_comment(b"data: [DONE]\n\n") == (b"data: [DONE]\n\n", None)
