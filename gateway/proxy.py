@@ -709,7 +709,8 @@ class Proxy:
             if chunk == b"":  # the backend's answer ended
                 break
             if chunk and schema.FAILED_MARK in chunk:  # the backend is about to cut the stream: why
-                chunk, a.cut_why = schema.parse_failed_comment(chunk)
+                chunk, why = schema.parse_failed_comment(chunk, at_line_start=tail[-1:] == b"\n")
+                a.cut_why = why or a.cut_why
             if chunk:
                 tail = (tail + chunk)[-2:]
                 if prefill_open and b"data:" in chunk:

@@ -277,9 +277,14 @@ def failed_comment(why: str, fatal: bool) -> bytes:
     return FAILED_MARK + (b"fatal " if fatal else b"batch ") + " ".join(why.split()).encode() + b"\n\n"
 
 
-def parse_failed_comment(chunk: bytes) -> tuple[bytes, Optional[tuple[bool, str]]]:
-    """``chunk`` without a `failed_comment` in it, and that comment's ``(fatal, why)`` (None: none)."""
+def parse_failed_comment(chunk: bytes, at_line_start: bool = True) -> tuple[bytes, Optional[tuple[bool, str]]]:
+    """``chunk`` without a `failed_comment` in it, and that comment's ``(fatal, why)`` (None: none).
+    Only a mark at the start of a line counts (JSON in a data line holds no raw newline, so a
+    model that writes the mark's words in its answer cuts nothing); ``at_line_start``: whether
+    ``chunk`` itself starts a line."""
     at = chunk.find(FAILED_MARK)
+    while at >= 0 and not (chunk[at - 1:at] == b"\n" if at else at_line_start):
+        at = chunk.find(FAILED_MARK, at + 1)
     if at < 0:
         return chunk, None
     end = chunk.find(b"\n\n", at)

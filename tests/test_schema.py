@@ -138,3 +138,9 @@ def test_the_failed_comment_is_found_in_any_chunk_and_taken_out():
     assert schema.parse_failed_comment(schema.failed_comment("engine failure", fatal=True)) == (
         b"", (True, "engine failure"))
     assert schema.parse_failed_comment(b"data: [DONE]\n\n") == (b"data: [DONE]\n\n", None)
+    # The mark's words inside an answer (a data line's JSON) cut nothing; nor at a chunk's start
+    # that continues a line
+    said = b'data: {"content": ": mlxgw-failed batch x"}\n\n'
+    assert schema.parse_failed_comment(said) == (said, None)
+    assert schema.parse_failed_comment(b': mlxgw-failed batch x"}\n\n', at_line_start=False)[1] is None
+    assert schema.parse_failed_comment(said + c)[1] == (False, "the batch failed (ValueError: x spread over lines)")
