@@ -76,6 +76,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     redis_url: Optional[str] = None
+    redis_port: Optional[int] = None  # the embedded Redis's port (no redis_url); None: a free one
     namespace: str = schema.DEFAULT_NAMESPACE
     block_size: int = schema.DEFAULT_BLOCK_SIZE
     routing: dict = field(default_factory=dict)  # RoutingConfig fields (gateway/route.py)
@@ -145,9 +146,9 @@ def load(path: str) -> ServeConfig:
             raise ValueError(f"{path} [gateway]: unknown key {k!r}")
         setattr(cfg, k, v)
     for k, v in rd.items():
-        if k not in ("url", "namespace"):
+        if k not in ("url", "namespace", "port"):
             raise ValueError(f"{path} [redis]: unknown key {k!r}")
-        setattr(cfg, "redis_url" if k == "url" else k, v)
+        setattr(cfg, {"url": "redis_url", "port": "redis_port"}.get(k, k), v)
     why = schema.namespace_error(cfg.namespace) if isinstance(cfg.namespace, str) else "namespace must be a string"
     if why:
         raise ValueError(f"{path} [redis]: {why}")
@@ -277,6 +278,13 @@ def validate(cfg: ServeConfig) -> None:
 
     check_values(cfg)
     ranges = [("[gateway] port", cfg.port, cfg.port)]
+    if cfg.redis_port is not None:  # helper-69, -76, -77: the embedded Redis's port could not be chosen
+        if isinstance(cfg.redis_port, bool) or not isinstance(cfg.redis_port, int) or not 0 < cfg.redis_port < 65536:
+            raise ValueError(f"[redis] port must be a port number (1-65535), not {cfg.redis_port!r}")
+        if cfg.redis_url:
+            raise ValueError("[redis] port / --redis-port is the embedded Redis's; with [redis] url / --redis-url "
+                             "the URL names the port")
+        ranges.append(("[redis] port", cfg.redis_port, cfg.redis_port))
     names = set()
     for m in cfg.models:
         where = _label(m)
@@ -317,7 +325,7 @@ def validate(cfg: ServeConfig) -> None:
 
 def apply_flags(cfg: ServeConfig, args) -> ServeConfig:
     """Override ``cfg`` with the flags the user gave (None means not given)."""
-    for flag, attr in (("host", "host"), ("port", "port"), ("redis_url", "redis_url"),
+    for flag, attr in (("host", "host"), ("port", "port"), ("redis_url", "redis_url"), ("redis_port", "redis_port"),
                        ("namespace", "namespace"), ("block_size", "block_size"),
                        *((k, k) for k in GATEWAY_KEYS[3:])):
         v = getattr(args, flag, None)

@@ -42,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-name", type=non_empty_arg, help="model name clients use (default: the dir name)")
     p.add_argument("--backends", type=positive_int, help="backend processes for the model (default 2)")
     p.add_argument("--redis-url", type=redis_url_arg, help="Redis URL; default: start a private embedded redis-server")
+    p.add_argument("--redis-port", type=port_arg, help="the embedded redis-server's port (default: a free one)")
     p.add_argument("--host", type=non_empty_arg, help="gateway listen address (default 127.0.0.1; :: is IPv6 only, 0.0.0.0 IPv4 only (asyncio's binding, as nginx's [::]))")
     p.add_argument("--port", type=port_arg, help="gateway port (default 8000)")
     p.add_argument("--backend-port", type=port_arg, help="first backend port (default 8100)")
@@ -243,9 +244,12 @@ def run(args: argparse.Namespace) -> int:
         if warning:
             log.warning("%s", warning)
     ports = [(cfg.host, cfg.port)] + [(m.host, p) for m in cfg.models for p in range(m.port, m.port + m.backends)]
+    if cfg.redis_port is not None and not cfg.redis_url:
+        ports.append(("127.0.0.1", cfg.redis_port))
     for host, p in ports:
         if not port_free(host, p):
-            log.error("port %d is in use; pick another with --port / --backend-port", p)
+            log.error("port %d is in use; pick another with --port / --backend-port%s", p,
+                      " / --redis-port" if p == cfg.redis_port else "")
             return 3
 
     embedded = None
@@ -254,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         from .redis_embed import EmbeddedRedis
 
         try:
-            embedded = EmbeddedRedis().start()
+            embedded = EmbeddedRedis(port=cfg.redis_port).start()
         except FileNotFoundError as e:
             log.error("%s", e)
             return 4

@@ -398,6 +398,22 @@ def test_serve_passes_every_shared_gateway_flag_on():
             assert got == v or (v.isdigit() and float(got) == float(v)) or (v, got) == ("2MiB", "2097152"), (f, got)
 
 
+def test_the_embedded_redis_port_can_be_chosen(tmp_path):
+    """helper-69, -76, -77: serve's embedded Redis took a free port and nothing could pin it:
+    `[redis] port` / `--redis-port`, for the embedded Redis only."""
+    p = tmp_path / "c.toml"
+    p.write_text("[redis]\nport = 6390\n")
+    cfg = config.load(str(p))
+    assert cfg.redis_port == 6390 and cfg.redis_url is None
+    config.validate(cfg)
+    for text, says in (('[redis]\nport = 6390\nurl = "redis://h:6379/0"\n', "the URL names the port"),
+                       ("[redis]\nport = 70000\n", "must be a port number"),
+                       ("[gateway]\nport = 6390\n[redis]\nport = 6390\n", "overlap")):
+        p.write_text(text)
+        with pytest.raises(ValueError, match=says):
+            config.validate(config.load(str(p)))
+
+
 def test_serve_passes_the_backends_listen_address(tmp_path):
     """helper-76: serve's backends listened on loopback only, so a gateway on another Mac could
     not reach them (configs/multi-mac.toml): `[[models]] host`, loopback by default."""

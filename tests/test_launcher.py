@@ -27,12 +27,13 @@ def _run(args, timeout=60):
 def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
     port = free_port()
     bport = free_port_run(2, avoid=(port,))
+    rport = next(p for p in iter(free_port, None) if p not in (port, bport, bport + 1))
     log = open(tmp_path / "serve.log", "wb")
     # The shipped offline config (2 backends of the demo model); flags override its ports.
     demo_toml = Path(__file__).parent.parent / "configs" / "demo.toml"
     kv = tmp_path / "kv"
     p = subprocess.Popen(MLXGW + ["serve", "--config", str(demo_toml), "--port", str(port), "--backend-port", str(bport),
-                                  "--cache-dir", str(kv)], stdout=log, stderr=subprocess.STDOUT)
+                                  "--cache-dir", str(kv), "--redis-port", str(rport)], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 120
         h = None
@@ -76,6 +77,8 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
         # `mlxgw status` finds this stack's embedded Redis through the file serve leaves
         # (in the tests' own cache dir, never the user's: tests/conftest.py) ...
         assert serve_url_file().read_text().startswith("redis://")
+        # ... on the port asked for (helper-69, -76, -77: it could not be chosen)
+        assert serve_url_file().read_text().strip().endswith(f"@127.0.0.1:{rport}/0"), serve_url_file().read_text()
         assert serve_url_file().parent == Path(os.environ["MLXGW_CACHE_DIR"]) and Path.home() not in serve_url_file().parents
         # ... and its internal token beside it, readable only by the user, so a gateway or backend
         # can join this stack by hand (helper-48 had to restart serve with a token of its own).
