@@ -22,7 +22,7 @@ from aiohttp import web
 from mlxgw.redis_client import connect
 from mlxgw.util import cancel_and_wait
 
-from mlxgw.status import History, backend_view, collect, problem_lines, silent_text
+from mlxgw.status import History, backend_view, collect, problem_lines
 
 log = logging.getLogger("mlxgw.gateway.dashboard")
 
@@ -105,7 +105,7 @@ class Dashboard:
                 "backends": views,
                 # status's warning lines (a gateway every backend refuses, a URL problem, ...):
                 # the page showed none of them
-                "problems": problem_lines(d, self.namespace) + ([silent_text(d["silent"])] if d.get("silent") else []),
+                "problems": problem_lines(d, self.namespace),
                 "series": self.history.model_series(m),
             })
             events += [{**e, "model": m} for e in d["recent_events"]]

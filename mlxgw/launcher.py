@@ -99,6 +99,7 @@ class Child:
     next_start: float = 0.0
     started_at: float = 0.0
     answered_at: float = 0.0  # time.time() its health URL last answered (any status), or it started
+    url: str = ""  # a backend's: the URL it registers (`backend.main.advertised_url`), for the summary
     probe_at: float = 0.0  # when `watch` asks it next
 
 
@@ -281,6 +282,8 @@ def run(args: argparse.Namespace) -> int:
     # embedded Redis, which nobody else would.
     env = {**os.environ, "MLXGW_REDIS_URL": redis_url, "MLXGW_INTERNAL_TOKEN": token, PARENT_ENV: str(os.getpid())}
     py = [sys.executable, "-m", "mlxgw"]
+    from backend.main import advertised_url
+
     children: list[Child] = []
     for m in cfg.models:
         for i in range(m.backends):
@@ -288,7 +291,10 @@ def run(args: argparse.Namespace) -> int:
             cmd = py + ["backend", "--model", m.path, "--served-name", m.name, "--port", str(port),
                         "--id", f"{m.name}-{i}", "--namespace", cfg.namespace, "--block-size", str(cfg.block_size),
                         *backend_model_flags(m), *backend_cache_dir_flags(m, i)]
-            children.append(Child(f"{m.name}-{i}", cmd, env, f"{local_base_url(m.host, port)}/health"))
+            # The URL it registers, not the loopback address serve probes it at (helper-77: a
+            # backend on 0.0.0.0 registered this machine's network address, the summary said 127.0.0.1)
+            children.append(Child(f"{m.name}-{i}", cmd, env, f"{local_base_url(m.host, port)}/health",
+                                  url=advertised_url(m.host, port, redis_url)[0]))
     gw_cmd = py + ["gateway", "--host", cfg.host, "--port", str(cfg.port), "--namespace", cfg.namespace,
                    "--block-size", str(cfg.block_size)]
     for k, v in cfg.routing.items():
@@ -634,17 +640,6 @@ def _cli() -> str:
     return str(script) if script.exists() else f"{sys.executable} -m mlxgw"
 
 
-def _registered_url(cfg, child: Child, redis_url: str) -> str:
-    """The URL backend ``child`` registers (`backend.main.advertised_url`, the backend's own rule),
-    not the loopback address serve probes it at (helper-77: a backend listening on 0.0.0.0
-    registered this machine's network address while the summary printed 127.0.0.1)."""
-    from backend.main import advertised_url
-
-    m = next((m for m in cfg.models if child.name.startswith(f"{m.name}-")), None)
-    port = int(child.health_url.rsplit(":", 1)[1].split("/", 1)[0])
-    return advertised_url(m.host if m is not None else "127.0.0.1", port, redis_url)[0]
-
-
 def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None:
     base = local_base_url(cfg.host, cfg.port)
     # helper-69: a serve under --namespace printed recipes that looked under the default one
@@ -655,7 +650,7 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
         f"  endpoint   {base}/v1   (OpenAI-compatible)",
         f"  anthropic  {base}   (Anthropic SDK base URL: the SDK adds /v1)",
         f"  models     {', '.join(m.name for m in cfg.models)}",
-        f"  backends   {', '.join(c.name + ' ' + _registered_url(cfg, c, redis_url) for c in children)}"
+        f"  backends   {', '.join(c.name + ' ' + c.url for c in children)}"
         f"   ({', '.join(f'{m.name}: {m.decode_concurrency} decode slots each' for m in cfg.models)})",
         f"  redis      {redact_url(redis_url)}{' (embedded)' if embedded else ''}",
         f"  dashboard  {base}/dashboard   metrics  {base}/metrics",

@@ -370,7 +370,8 @@ def unreachable(args, e: BaseException) -> int:
     "redis_url", "message", "hint"}}`` (``hint`` null when there is none), so a script reading
     stdout gets JSON either way.
     Returns the exit code of ``status`` and ``top`` for it, 4."""
-    if refusal_kind(e):  # it answered, and refused the URL: the message says what to change
+    refused = refusal_kind(e) is not None
+    if refused:  # it answered, and refused the URL: the message says what to change
         hint = ""
     elif isinstance(e, redis.TimeoutError):  # connected, then no answer: not a wrong URL
         hint = (f"it accepted the connection but did not answer within {REPLY_TIMEOUT:g} s, twice: "
@@ -384,9 +385,9 @@ def unreachable(args, e: BaseException) -> int:
         print(f"({hint})", file=sys.stderr)
     if getattr(args, "json", False):
         # A refusal (password, database, a Cluster node) is no outage (helper-77: "redis_unreachable")
-        kind = "redis_refused" if refusal_kind(e) else "redis_unreachable"  # noqa: SIM108
-        print(json.dumps({"error": {"type": kind, "redis_url": redact_url(args.redis_url),
-                                    "message": redis_problem(args.redis_url, e) if kind == "redis_refused" else str(e),
+        print(json.dumps({"error": {"type": "redis_refused" if refused else "redis_unreachable",
+                                    "redis_url": redact_url(args.redis_url),
+                                    "message": redis_problem(args.redis_url, e) if refused else str(e),
                                     "hint": hint or None}}, indent=2))
     return 4
 
@@ -526,12 +527,13 @@ def stray_gateway_lines(stray: dict[str, str]) -> list[str]:
 
 
 def problem_lines(d: dict, namespace: str = "") -> list[str]:
-    """Every warning line of one model's `collect` entry ``d``, in status's order: settings the
-    backends disagree on, shared URLs, URL problems, gateways every backend refuses, backends
+    """Every warning line of one model's `collect` entry ``d``, in status's order: backends whose
+    record expired (`silent_text`), no backend or no gateway, settings the backends disagree on, shared URLs, URL problems, gateways every backend refuses, backends
     left out, backends open without the token, prompts too large for a backend's cache
     (status's text and the dashboard show them)."""
     b = d["backends"]
-    return (no_backend_lines(d) + no_gateway_lines(d, namespace) + disagreement(b) + shared_url_lines(b) + url_problem_lines(b)
+    return (([silent_text(d["silent"])] if d.get("silent") else []) + no_backend_lines(d)
+            + no_gateway_lines(d, namespace) + disagreement(b) + shared_url_lines(b) + url_problem_lines(b)
             + refused_gateway_lines(d.get("refused_gateways") or {})
             + stray_gateway_lines(d.get("stray_gateways") or {}) + left_out_lines(b) + open_lines(b)
             + oversize_lines(b))
@@ -635,8 +637,6 @@ def run(args) -> int:
             con.print(t)
         else:  # an empty table's header says nothing; the model's name heads its line instead
             con.print(f"model {m}", markup=False, highlight=False)
-        if d.get("silent"):
-            con.print(silent_text(d["silent"]), markup=False, highlight=False, soft_wrap=True)
         for line in problem_lines(d, args.namespace):
             con.print(line, markup=False, highlight=False, soft_wrap=True)
         for e in d["recent_events"]:

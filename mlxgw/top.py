@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .status import (REPLY_TIMEOUT, History, backend_view, collect, connect, console, event_line, live_text, model_total,
-                     problem_lines, silent_text, unreachable)
+                     problem_lines, unreachable)
 from .redis_client import connect as redis_connect
 from .util import redact_url, serve_url_file
 
@@ -79,7 +79,7 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
             parts.append(t)
         # status's warning lines (helper-77: top showed none: a gateway waiting for backends,
         # backends no gateway serves, a gateway routing to none, why a backend is left out)
-        for line in problem_lines(d, namespace) + ([silent_text(d["silent"])] if d.get("silent") else []):
+        for line in problem_lines(d, namespace):
             parts.append(Text(line, style="yellow"))
         for e in d["recent_events"]:
             parts.append(Text(event_line(e)))

@@ -72,6 +72,8 @@ def test_serve_embedded_redis_two_backends_and_clean_stop(demo_model, tmp_path):
             time.sleep(0.1)
         out = (tmp_path / "serve.log").read_text()
         assert "mlxgw is ready" in out and f"http://127.0.0.1:{port}/v1" in out
+        # the URLs the backends registered (loopback: Redis is on this machine)
+        assert f"  backends   demo-tiny-0 http://127.0.0.1:{bport}, demo-tiny-1 http://127.0.0.1:{bport + 1}" in out
         # The demo_model fixture built it: serve says it reuses that one (and where it is).
         assert f"using the demo model built earlier: {demo_model}" in out and "building the demo model" not in out
         # `mlxgw status` finds this stack's embedded Redis through the file serve leaves
@@ -498,17 +500,19 @@ def test_watch_kills_and_restarts_a_child_that_stopped_answering(caplog, monkeyp
             c.proc.wait(10)
 
 
-def test_the_ready_summary_names_the_url_each_backend_registers():
+def test_the_ready_summary_names_the_url_each_backend_registers(capsys):
     """helper-77: backends on `host = "0.0.0.0"` with Redis elsewhere register this machine's
-    network address, while serve's summary printed the loopback address it probes them at."""
+    network address, while serve's summary printed the loopback address it probes them at.
+    serve gives each backend child the URL it registers (`backend.main.advertised_url`, tested
+    in test_faults) and the summary prints that."""
+    from backend.main import advertised_url
     from mlxgw import config
-    from mlxgw.launcher import Child, _registered_url
+    from mlxgw.launcher import Child, _summary
 
-    cfg = config.ServeConfig(models=[config.ModelConfig(name="coder", host="0.0.0.0"),
-                                     config.ModelConfig(name="local")])
-    lan = Child("coder-1", [], {}, "http://127.0.0.1:9741/health")
-    here = Child("local-0", [], {}, "http://127.0.0.1:9750/health")
-    assert _registered_url(cfg, lan, "redis://127.0.0.1:6379/0") == "http://127.0.0.1:9741"  # Redis here: loopback
-    far = _registered_url(cfg, lan, "redis://:pw@192.0.2.7:6379/0")  # Redis on another machine
+    cfg = config.ServeConfig(models=[config.ModelConfig(name="coder", host="0.0.0.0")])
+    far = advertised_url("0.0.0.0", 9741, "redis://:pw@192.0.2.7:6379/0")[0]  # Redis on another machine
     assert far.endswith(":9741") and not far.startswith(("http://127.", "http://[::1]")), far
-    assert _registered_url(cfg, here, "redis://:pw@192.0.2.7:6379/0") == "http://127.0.0.1:9750"
+    _summary(cfg, "redis://:pw@192.0.2.7:6379/0", False,
+             [Child("coder-1", [], {}, "http://127.0.0.1:9741/health", url=far)])
+    line = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("  backends"))
+    assert line.startswith(f"  backends   coder-1 {far}   ("), line
