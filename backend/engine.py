@@ -74,6 +74,8 @@ PREFILL_ORDERS = ("fifo", "shorter-beside", "step-beside")
 # Measured side by side in session 17 (docs/cache-policy.md): lower TTFT p50 than fifo on both traces,
 # lower p99 on the synthetic one, the conversation p99 level (-1% / +4%).
 DEFAULT_PREFILL_ORDER = "step-beside"
+# What a -inf logprob reads in an answer (vLLM's value; JSON has no infinity).
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
@@ -87,6 +89,14 @@ class GenParams:
     min_p: float = 0.0
     logit_bias: Optional[dict[int, float]] = None
     repetition_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_context_size: int = 20  # tokens each penalty looks back over (mlx-lm's processors)
+    presence_context_size: int = 20
+    frequency_context_size: int = 20
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    logprobs: Optional[int] = None  # None: none; else the alternatives per token (0 to 20)
     seed: Optional[int] = None
     processors: list = field(default_factory=list)  # extra logits processors (e.g. backend.toolchoice)
     ignore_eos: bool = False  # vLLM's extension: end-of-sequence tokens do not stop the answer
@@ -99,13 +109,18 @@ class GenEvent:
     kind:
         ``"start"``: prefill begins; ``cached`` tokens were reused.
         ``"progress"``: ``done``/``total`` prompt tokens processed.
-        ``"token"``: one generated ``token`` with its detokenized ``text``.
+        ``"token"``: one generated ``token`` with its detokenized ``text``; when the request
+        asked for logprobs (`GenParams.logprobs`), ``logprob`` (the token's natural log
+        probability) and ``top`` (the likeliest tokens as ``(id, logprob)``, most likely
+        first); an end-of-sequence token has neither (it is not part of the answer).
         ``"end"``: ``finish_reason`` in {"stop", "length", "cancelled", "error"}.
     """
 
     kind: str
     token: int = -1
     text: str = ""
+    logprob: Optional[float] = None
+    top: Optional[list] = None
     finish_reason: Optional[str] = None
     cached: int = 0
     done: int = 0
@@ -258,6 +273,8 @@ class MLXEngine(Engine):
             this often, seconds, when the cache changed (`_save_when_idle`);
             0: only at the stop.
     """
+
+    _xtc_keep: Optional[list] = None  # `_xtc_special_tokens`, worked out once
 
     def __init__(
         self,
@@ -886,8 +903,13 @@ class MLXEngine(Engine):
             cut = req.system_tokens - hit.reused
             segments = [rest[:cut], rest[cut:]]
             save_system_at = req.system_tokens
-        sampler = make_sampler(p.temperature, p.top_p, p.min_p, 1, p.top_k)
-        processors = make_logits_processors(p.logit_bias, p.repetition_penalty or None) + list(p.processors)
+        sampler = make_sampler(p.temperature, p.top_p, p.min_p, 1, p.top_k, p.xtc_probability, p.xtc_threshold,
+                               self._xtc_special_tokens() if p.xtc_probability else None)
+        processors = make_logits_processors(
+            p.logit_bias, p.repetition_penalty or None, p.repetition_context_size,
+            p.presence_penalty or None, p.presence_context_size,
+            p.frequency_penalty or None, p.frequency_context_size,
+        ) + list(p.processors)
         stop = StopSequences([]) if p.ignore_eos else make_stop_sequences(self.tokenizer, [])
         (uid,) = self._bg.insert_segments(
             segments=[segments],
@@ -966,12 +988,41 @@ class MLXEngine(Engine):
                 if r.finish_reason is not None:
                     live.detok.finalize()
                 text = live.detok.last_segment
-            req.emit(GenEvent("token", token=r.token, text=text))
+            ev = GenEvent("token", token=r.token, text=text)
+            if req.params.logprobs is not None and r.finish_reason != "stop":
+                ev.logprob, ev.top = self._token_logprobs(r, req.params.logprobs)
+            req.emit(ev)
             if r.finish_reason is not None:
                 del self._live[r.uid]
                 self._by_rid.pop(req.rid, None)
                 self._save(live, list(r.all_tokens), r.prompt_cache)
                 self._finish(live, r.finish_reason)
+
+    def _token_logprobs(self, r, n: int) -> tuple[float, list]:
+        """The sampled token's logprob and the ``n`` likeliest ``(id, logprob)``, most likely
+        first, from mlx-lm's step response (``r.logprobs``: the vocabulary's log-softmax after
+        the logits processors, before temperature: what mlx_lm.server reports). A token masked
+        out (-inf) reads -9999.0, vLLM's convention (JSON has no infinity). A response without
+        logprobs (the sim's: its tokens are certain) gives 0.0 and the token alone."""
+        lp = getattr(r, "logprobs", None)
+        if lp is None:
+            return 0.0, [(r.token, 0.0)][:n]
+        mx = self._mx
+        value = max(float(lp[r.token].item()), LOGPROB_FLOOR)
+        if n <= 0:
+            return value, []
+        n = min(n, lp.shape[-1])
+        idx = mx.argpartition(-lp, kth=n - 1)[:n]
+        pairs = zip(idx.tolist(), lp[idx].tolist())
+        return value, sorted(((i, max(v, LOGPROB_FLOOR)) for i, v in pairs), key=lambda p: -p[1])
+
+    def _xtc_special_tokens(self) -> list[int]:
+        """Tokens XTC sampling never excludes: the newline and end-of-sequence tokens
+        (mlx_lm.server's choice)."""
+        if self._xtc_keep is None:
+            self._xtc_keep = list(self.tokenizer.encode("\n", add_special_tokens=False)) + sorted(
+                self.tokenizer.eos_token_ids)
+        return self._xtc_keep
 
     def _share_prompt(self, uid: int, live: _Live, waiters: list[GenRequest]) -> None:
         """Give ``waiters`` (waiting requests that reuse it) the prompt KV of a running

@@ -9,6 +9,7 @@ match cancels generation, which still saves the prompt cache.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -17,6 +18,7 @@ from typing import Optional
 
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.server import ToolCallFormatter
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, _byte_decoder
 
 from mlxgw.protocol import CALL_ID_PREFIX, new_id
 
@@ -160,13 +162,66 @@ class AnswerBuilder:
         return "length" if engine_reason == "length" else "stop"
 
 
-class OpenAIRenderer:
-    """Builds OpenAI JSON objects for one answer (chat or text completion)."""
+class TokenText:
+    """One token's text and UTF-8 bytes, as OpenAI's logprobs entries give them (``token``,
+    ``bytes``), worked out once per token id.
 
-    def __init__(self, kind: str, model: str, stream: bool):
+    The bytes come from the vocabulary the way mlx-lm's streaming detokenizer reads it (GPT-2
+    byte-level BPE, SentencePiece with byte tokens ``<0xNN>``; other tokenizers decode the id
+    alone), so a token holding part of a character has its own bytes, and its text the
+    replacement character, as OpenAI's and vLLM's do.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        detok = getattr(tokenizer, "_detokenizer", None)
+        self._map = getattr(detok, "tokenmap", None)
+        self._bpe = isinstance(detok, BPEStreamingDetokenizer)
+        self._spm = isinstance(detok, SPMStreamingDetokenizer)
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token: int) -> tuple[str, bytes]:
+        got = self._cache.get(token)
+        if got is None:
+            got = self._cache[token] = self._lookup(token)
+        return got
+
+    def _lookup(self, token: int) -> tuple[str, bytes]:
+        if self._map is not None and token < len(self._map) and (self._bpe or self._spm):
+            v = self._map[token]
+            if self._bpe:
+                dec = _byte_decoder()
+                raw = b"".join(bytes([dec[c]]) if c in dec else c.encode("utf-8") for c in v)
+            else:
+                raw = v.replace("\u2581".encode("utf-8"), b" ")
+        else:
+            raw = self.tokenizer.decode([token]).encode("utf-8")
+        return raw.decode("utf-8", "replace"), raw
+
+
+@functools.lru_cache(maxsize=8)
+def token_text(tokenizer) -> TokenText:
+    """The `TokenText` of ``tokenizer`` (one per loaded model)."""
+    return TokenText(tokenizer)
+
+
+class OpenAIRenderer:
+    """Builds OpenAI JSON objects for one answer (chat or text completion).
+
+    ``logprobs`` is the request's: None for none, else how many alternatives each token lists;
+    the answer's ``logprobs`` then come from the engine's token events (`GenEvent.logprob`,
+    ``top``) in OpenAI's chat shape (``content``: ``token``, ``logprob``, ``bytes``,
+    ``top_logprobs``) or its legacy completions shape (``tokens``, ``token_logprobs``,
+    ``top_logprobs``, ``text_offset``).
+    """
+
+    def __init__(self, kind: str, model: str, stream: bool, logprobs: Optional[int] = None, tokenizer=None):
         self.kind = kind
         self.model = model
         self.stream = stream
+        self.logprobs = logprobs
+        self._text = token_text(tokenizer) if logprobs is not None else None
+        self._offset = 0  # characters of answer the legacy ``text_offset`` has counted
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         if kind == "chat":
@@ -176,6 +231,32 @@ class OpenAIRenderer:
 
     def _base(self) -> dict:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
+
+    def _logprobs(self, events) -> Optional[dict]:
+        """The ``logprobs`` of a choice holding ``events``' tokens; None when the request asked
+        for none (or, in a stream, for a chunk with no token of its own)."""
+        if self.logprobs is None or (self.stream and not events):
+            return None
+        text = self._text
+        if self.kind == "chat":
+            def item(tok, lp):
+                s, b = text(tok)
+                return {"token": s, "logprob": lp, "bytes": list(b)}
+            return {"content": [dict(item(ev.token, ev.logprob), top_logprobs=[item(t, v) for t, v in ev.top or ()])
+                                for ev in events], "refusal": None}
+        # Legacy completions: each position's alternatives as {text: logprob}, the sampled token
+        # always among them (OpenAI: up to logprobs + 1 entries).
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for ev in events:
+            s = text(ev.token)[0]
+            out["tokens"].append(s)
+            out["token_logprobs"].append(ev.logprob)
+            alts = {text(t)[0]: v for t, v in ev.top or ()}
+            alts.setdefault(s, ev.logprob)
+            out["top_logprobs"].append(alts)
+            out["text_offset"].append(self._offset)
+            self._offset += len(s)
+        return out
 
     @staticmethod
     def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -195,7 +276,8 @@ class OpenAIRenderer:
         return [choice]
 
     def chunk(self, piece: Piece, finish_reason: Optional[str] = None, first: bool = False,
-              stop_reason: Optional[str] = None) -> dict:
+              stop_reason: Optional[str] = None, lps=()) -> dict:
+        """One stream chunk; ``lps``: the token events whose logprobs it carries."""
         out = self._base()
         if self.kind == "chat":
             delta = {}
@@ -208,28 +290,30 @@ class OpenAIRenderer:
             if piece.tool_calls:
                 delta["tool_calls"] = piece.tool_calls
             out["choices"] = self._choice({"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                           "logprobs": None}, stop_reason)
+                                           "logprobs": self._logprobs(lps)}, stop_reason)
         else:
             out["choices"] = self._choice({"index": 0, "text": piece.content, "finish_reason": finish_reason,
-                                           "logprobs": None}, stop_reason)
+                                           "logprobs": self._logprobs(lps)}, stop_reason)
         return out
 
-    def stream_chunks(self, piece: Piece, first: bool = False) -> list[dict]:
+    def stream_chunks(self, piece: Piece, first: bool = False, lps=()) -> list[dict]:
         """The chunks of one step; each tool call becomes a header chunk then an arguments chunk.
 
         OpenAI's streamed shape: a call's first delta carries ``index``,
         ``id``, ``type`` and ``function.name`` (arguments ``""``); later
         deltas carry the same ``index`` and ``arguments`` fragments. mlx-lm
         parses a call when it is complete, so its arguments come in one fragment.
+        The step's token logprobs (``lps``) go with its first chunk.
         """
         calls = piece.tool_calls
-        out = [self.chunk(Piece(piece.content, piece.reasoning), None, first=first)] if (
+        out = [self.chunk(Piece(piece.content, piece.reasoning), None, first=first, lps=lps)] if (
             piece.content or piece.reasoning or first or not calls) else []
         for tc in calls:
             fn = tc.get("function") or {}
             head = {"index": tc.get("index", 0), "id": tc.get("id"), "type": "function",
                     "function": {"name": fn.get("name"), "arguments": ""}}
-            out.append(self.chunk(Piece(tool_calls=[head]), None, first=first and not out))
+            out.append(self.chunk(Piece(tool_calls=[head]), None, first=first and not out,
+                                  lps=() if out else lps))
             if fn.get("arguments"):
                 out.append(self.chunk(Piece(tool_calls=[{"index": head["index"],
                                                          "function": {"arguments": fn["arguments"]}}])))
@@ -242,7 +326,7 @@ class OpenAIRenderer:
         return out
 
     def full(self, content: str, reasoning: str, tool_calls: list, finish_reason: str, usage: dict,
-             stop_reason: Optional[str] = None) -> dict:
+             stop_reason: Optional[str] = None, lps=()) -> dict:
         out = self._base()
         if self.kind == "chat":
             msg = {"role": "assistant", "content": content or (None if tool_calls else "")}
@@ -251,9 +335,9 @@ class OpenAIRenderer:
             if tool_calls:
                 msg["tool_calls"] = tool_calls
             out["choices"] = self._choice({"index": 0, "message": msg, "finish_reason": finish_reason,
-                                           "logprobs": None}, stop_reason)
+                                           "logprobs": self._logprobs(lps)}, stop_reason)
         else:
             out["choices"] = self._choice({"index": 0, "text": content, "finish_reason": finish_reason,
-                                           "logprobs": None}, stop_reason)
+                                           "logprobs": self._logprobs(lps)}, stop_reason)
         out["usage"] = usage
         return out

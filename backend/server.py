@@ -230,6 +230,14 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
             min_p=pr.min_p,
             logit_bias=pr.logit_bias,
             repetition_penalty=pr.repetition_penalty,
+            presence_penalty=pr.presence_penalty,
+            frequency_penalty=pr.frequency_penalty,
+            repetition_context_size=pr.repetition_context_size,
+            presence_context_size=pr.presence_context_size,
+            frequency_context_size=pr.frequency_context_size,
+            xtc_probability=pr.xtc_probability,
+            xtc_threshold=pr.xtc_threshold,
+            logprobs=pr.logprobs,
             seed=pr.seed,
             ignore_eos=pr.ignore_eos,
             processors=constrained_processors(engine.tokenizer, pr.tools, pr.tool_choice, pr.json_schema),
@@ -238,7 +246,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
         loop=loop,
         events=asyncio.Queue(),
     )
-    renderer = OpenAIRenderer(kind, pr.model or cfg.model_name, pr.stream)
+    renderer = OpenAIRenderer(kind, pr.model or cfg.model_name, pr.stream, pr.logprobs, engine.tokenizer)
     builder = AnswerBuilder(engine.tokenizer, pr.tools, pr.stop, pr.stream)
     engine.submit(req)
     finished = False
@@ -280,11 +288,13 @@ async def _next_event(req: GenRequest, timeout: float) -> GenEvent:
 
 
 async def _collect(req, renderer, builder, reporter, engine, timeout: float) -> web.Response:
-    content, reasoning, calls = [], [], []
+    content, reasoning, calls, lps = [], [], [], []
     reason = None
     while True:
         ev = await _next_event(req, timeout)
         if ev.kind == "token" or ev.kind == "end":
+            if ev.logprob is not None and not builder.stopped:
+                lps.append(ev)
             piece = builder.feed(ev.text, ev.finish_reason if ev.kind == "end" else None)
             content.append(piece.content)
             reasoning.append(piece.reasoning)
@@ -300,7 +310,7 @@ async def _collect(req, renderer, builder, reporter, engine, timeout: float) -> 
     await reporter.settle()
     usage = renderer.usage(len(req.prompt), req.generated, req.cached)
     return web.json_response(renderer.full("".join(content), "".join(reasoning), calls, reason, usage,
-                                           builder.stop_string),
+                                           builder.stop_string, lps),
                              headers={"X-Mlxgw-Cached-Tokens": str(req.cached)})
 
 
@@ -330,6 +340,7 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
         }
     )
     ended = False
+    lps = []  # token events whose logprobs have not been sent yet
     try:
         first = True
         reason = None
@@ -371,18 +382,21 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
                 if request.transport is not None:
                     request.transport.abort()
                 return resp
+            if ev.logprob is not None and not builder.stopped:
+                lps.append(ev)  # sent with the next chunk that carries text (a stop string's may be held back)
             piece = builder.feed(ev.text, final)
             if builder.stopped and reason is None:
                 reason = "stop"
                 engine.cancel(req.rid)
             if piece.content or piece.reasoning or piece.tool_calls or first:
-                for obj in renderer.stream_chunks(piece, first=first):
+                for obj in renderer.stream_chunks(piece, first=first, lps=lps):
                     await resp.write(_sse(obj))
                 first = False
+                lps = []
             if ev.kind == "end":
                 reason = builder.finish_reason(ev.finish_reason)
                 await reporter.settle()
-                await resp.write(_sse(renderer.chunk(Piece(), reason, stop_reason=builder.stop_string)))
+                await resp.write(_sse(renderer.chunk(Piece(), reason, stop_reason=builder.stop_string, lps=lps)))
                 if pr.include_usage:
                     usage = renderer.usage(len(req.prompt), req.generated, req.cached)
                     await resp.write(_sse(renderer.usage_chunk(usage)))

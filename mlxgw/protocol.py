@@ -129,6 +129,17 @@ class ParsedRequest:
     seed: Optional[int] = None
     logit_bias: Optional[dict[int, float]] = None
     repetition_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # mlx_lm.server's extensions: how many of the latest tokens each penalty looks at (mlx-lm's
+    # processors; 20 is its default), and XTC sampling ("exclude top choices").
+    repetition_context_size: int = 20
+    presence_context_size: int = 20
+    frequency_context_size: int = 20
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    # None: no logprobs; else how many alternatives each generated token lists (0 to 20).
+    logprobs: Optional[int] = None
     template_kwargs: dict = field(default_factory=dict)
     user: Optional[str] = None
     prompt_cache_key: Optional[str] = None
@@ -497,10 +508,8 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
     n = number_field(body, "n", 1, lo=1, integer=True)
     if n != 1:
         raise RequestError("'n' must be 1: one choice per request is supported", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        number_field(body, name, 0.0, lo=-2, hi=2)
     if kind == "text":  # the legacy API's logprobs is a count (0-5); echo, suffix, best_of are not done here
-        number_field(body, "logprobs", 0, lo=0, hi=5, integer=True)
+        logprobs = number_field(body, "logprobs", None, lo=0, hi=5, integer=True)
         if optional_field(body, "echo", (bool,), "a boolean"):
             raise RequestError("'echo' is not supported: the answer never repeats the prompt", param="echo")
         if optional_field(body, "suffix", (str,), "a string"):
@@ -508,8 +517,13 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         if number_field(body, "best_of", 1, lo=1, integer=True) != 1:
             raise RequestError("'best_of' must be 1: one completion per request is supported", param="best_of")
     else:
-        optional_field(body, "logprobs", (bool,), "a boolean")
-    number_field(body, "top_logprobs", 0, lo=0, hi=20, integer=True)
+        top = number_field(body, "top_logprobs", None, lo=0, hi=20, integer=True)
+        if optional_field(body, "logprobs", (bool,), "a boolean"):
+            logprobs = top or 0
+        elif top:  # OpenAI's and vLLM's rule: the alternatives come with the tokens' own logprobs
+            raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        else:
+            logprobs = None
     optional_field(body, "parallel_tool_calls", (bool,), "a boolean")
     json_schema = _response_format(body)
     tc = body.get("tool_choice")
@@ -559,6 +573,15 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         top_k=max(0, int(number_field(body, "top_k", 0, lo=-1, integer=True))),
         min_p=float(number_field(body, "min_p", 0.0, lo=0, hi=1)),
         repetition_penalty=float(number_field(body, "repetition_penalty", 0.0, lo=0, hi=10)),
+        presence_penalty=float(number_field(body, "presence_penalty", 0.0, lo=-2, hi=2)),  # OpenAI's range
+        frequency_penalty=float(number_field(body, "frequency_penalty", 0.0, lo=-2, hi=2)),
+        # At least 1: mlx-lm's processors take the last n tokens as ``tokens[-n:]``, all of them for 0.
+        repetition_context_size=number_field(body, "repetition_context_size", 20, lo=1, integer=True),
+        presence_context_size=number_field(body, "presence_context_size", 20, lo=1, integer=True),
+        frequency_context_size=number_field(body, "frequency_context_size", 20, lo=1, integer=True),
+        xtc_probability=float(number_field(body, "xtc_probability", 0.0, lo=0, hi=1)),
+        xtc_threshold=float(number_field(body, "xtc_threshold", 0.1, lo=0, hi=0.5)),
+        logprobs=logprobs,
         stop=stop,
         seed=seed,
         logit_bias=lb,

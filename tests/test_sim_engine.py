@@ -119,6 +119,10 @@ def test_sim_sglang_endpoints(make_stack):
         urllib.request.urlopen(bad, timeout=10)
     assert ei.value.code == 400
     assert json.loads(ei.value.read())["error"]["param"] == "input_ids"
+    # logprobs: the sim's tokens are certain (logprob 0), the sampled token the one alternative
+    lp = _post(sim.url + "/v1/completions", {"prompt": ids, "max_tokens": 3, "logprobs": 2})["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [0.0, 0.0, 0.0]
+    assert lp["top_logprobs"] == [{t: 0.0} for t in lp["tokens"]] and len(lp["tokens"]) == 3
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,199 @@
+"""Sampling options mlx_lm.server applies and we used to accept and drop: logprobs and
+top_logprobs (OpenAI's chat and legacy shapes), presence/frequency penalties with their
+context sizes, XTC. Each checked against the demo model run in this process, through a real
+gateway and backend."""
+
+import json
+
+import mlx.core as mx
+import openai
+import pytest
+from mlx_lm import load
+
+from backend.render import TokenText
+from mlxgw.harness import Stack
+from mlxgw.httpget import post
+from texts import words
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server, demo_model):
+    s = Stack(redis_server.url, demo_model)
+    try:
+        s.add_backend("b0")
+        s.add_gateway()
+        s.wait()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def model(demo_model):
+    return load(demo_model)
+
+
+def _logprobs(model, ids: list[int], processed=None) -> mx.array:
+    """The next token's log-softmax after ``ids``, of the logits ``processed`` returns."""
+    m, _ = model
+    logits = m(mx.array([ids]))[0, -1].astype(mx.float32)
+    if processed is not None:
+        logits = processed(logits)
+    return logits - mx.logsumexp(logits)
+
+
+def _top(lp: mx.array, n: int) -> list[tuple[int, float]]:
+    order = mx.argsort(-lp).tolist()[:n]
+    return [(i, lp[i].item()) for i in order]
+
+
+def _prompt(model, seed: int) -> list[int]:
+    return model[1].encode(words(40, seed=seed), add_special_tokens=False)
+
+
+def _completion(stack, **body) -> dict:
+    status, _, raw = post(stack.gateway.url + "/v1/completions",
+                          {"model": "demo-tiny", "temperature": 0, "ignore_eos": True, **body})
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def test_legacy_logprobs_are_the_models(stack, model):
+    ids = _prompt(model, 1)
+    text = TokenText(model[1])
+    got = _completion(stack, prompt=ids, max_tokens=3, logprobs=3)["choices"][0]
+    lp = got["logprobs"]
+    top = _top(_logprobs(model, ids), 3)
+    # Greedy: the first token is the likeliest one, with the model's own logprob.
+    assert lp["tokens"][0] == text(top[0][0])[0]
+    assert lp["token_logprobs"][0] == pytest.approx(top[0][1], abs=2e-3)
+    assert lp["top_logprobs"][0] == pytest.approx({text(i)[0]: v for i, v in top}, abs=2e-3)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
+    assert all(len(alts) <= 4 and lp["tokens"][k] in alts for k, alts in enumerate(lp["top_logprobs"]))
+    lengths = [len(t) for t in lp["tokens"]]
+    assert lp["text_offset"] == [0, lengths[0], lengths[0] + lengths[1]]
+    # The answer is its tokens' text (the detokenizer drops a leading space of the answer).
+    joined = "".join(lp["tokens"])
+    assert got["text"] in (joined, joined[1:])
+
+    # logprobs 0: the sampled token alone at each position; none asked: null
+    zero = _completion(stack, prompt=ids, max_tokens=2, logprobs=0)["choices"][0]["logprobs"]
+    assert zero["tokens"] == lp["tokens"][:2]
+    assert [list(a) for a in zero["top_logprobs"]] == [[t] for t in lp["tokens"][:2]]
+    assert _completion(stack, prompt=ids, max_tokens=2)["choices"][0]["logprobs"] is None
+
+
+def test_chat_logprobs_streamed_and_not(stack, model):
+    client = openai.OpenAI(base_url=stack.gateway.url + "/v1", api_key="unused", max_retries=0)
+    msgs = [{"role": "user", "content": words(30, seed=2)}]
+    kw = dict(model="demo-tiny", messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+              extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    entries = full.choices[0].logprobs.content
+    assert len(entries) == full.usage.completion_tokens == 6
+    for e in entries:
+        assert len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        # greedy: the sampled token is the likeliest
+        assert (e.token, e.bytes) == (e.top_logprobs[0].token, e.top_logprobs[0].bytes)
+        assert e.logprob == e.top_logprobs[0].logprob <= 0
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+    joined = b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace")
+    assert full.choices[0].message.content in (joined, joined[1:])
+
+    streamed, content = [], ""
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+        if chunk.choices and chunk.choices[0].delta.content:
+            content += chunk.choices[0].delta.content
+    assert content == full.choices[0].message.content
+    assert [e.token for e in streamed] == [e.token for e in entries]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=2e-3)
+
+    plain = client.chat.completions.create(model="demo-tiny", messages=msgs, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_stop_string_ends_the_logprobs_too(stack, model):
+    """Tokens the engine made after a stop string matched are not part of the answer."""
+    ids = _prompt(model, 3)
+    first = _completion(stack, prompt=ids, max_tokens=8, logprobs=0)["choices"][0]
+    toks = first["logprobs"]["tokens"]
+    stop = toks[3].strip() or toks[3]
+    cut = next(k for k, t in enumerate(toks) if stop in t)
+    got = _completion(stack, prompt=ids, max_tokens=8, logprobs=0, stop=[stop])["choices"][0]
+    assert got["finish_reason"] == "stop"
+    assert got["logprobs"]["tokens"] == toks[:cut + 1]
+
+
+def _greedy(model, ids: list[int], n: int, penalise=None) -> tuple[list[int], list[float]]:
+    """``n`` greedy tokens after ``ids`` and their logprobs, ``penalise(logits, context)``
+    applied to each step's logits (the context: prompt and tokens generated so far)."""
+    ids, out, lps = list(ids), [], []
+    for _ in range(n):
+        lp = _logprobs(model, ids, (lambda x: penalise(x, ids)) if penalise else None)
+        t = mx.argmax(lp).item()
+        out.append(t)
+        lps.append(lp[t].item())
+        ids.append(t)
+    return out, lps
+
+
+@pytest.mark.parametrize("field, penalty", [("presence", 1.5), ("frequency", 0.75)])
+def test_penalties_are_applied_over_their_context(stack, model, field, penalty):
+    """presence/frequency_penalty subtract from the logits of the ids among the last n tokens
+    (prompt and answer; mlx-lm's processors: once per id, or once per occurrence),
+    n = ``*_context_size``. The answer and its logprobs are those of greedy decoding with the
+    penalty worked out here; the prompt is one whose unpenalised answer differs."""
+    n = 6
+
+    def penalise(logits, context):
+        window = context[-n:]
+        for i in (set(window) if field == "presence" else window):
+            logits[i] -= penalty
+        return logits
+
+    for seed in range(10, 30):  # a prompt the penalty changes (the demo model often repeats itself)
+        ids = _prompt(model, seed)
+        want, want_lps = _greedy(model, ids, 8, penalise)
+        if want != _greedy(model, ids, 8)[0]:
+            break
+    else:
+        raise AssertionError("no prompt of 20 whose greedy answer the penalty changes")
+    got = _completion(stack, prompt=ids, max_tokens=8, logprobs=0,
+                      **{f"{field}_penalty": penalty, f"{field}_context_size": n})["choices"][0]["logprobs"]
+    text = TokenText(model[1])
+    assert got["tokens"] == [text(t)[0] for t in want]
+    assert got["token_logprobs"] == pytest.approx(want_lps, abs=2e-3)
+
+
+def test_xtc_excludes_the_top_choices(stack, model):
+    """XTC at probability 1 and threshold 0 removes every token but the least likely one, except
+    the newline and end-of-sequence tokens it never removes (mlx-lm's ``apply_xtc``): the first
+    token is one of those, where sampling from all 3,072 would almost never be."""
+    ids = _prompt(model, 5)
+    tok = model[1]
+    lp = _logprobs(model, ids)
+    keep = {mx.argmin(lp).item(), *tok.encode("\n", add_special_tokens=False), *tok.eos_token_ids}
+    seen = set()
+    for seed in range(3):
+        got = _completion(stack, prompt=ids, max_tokens=1, temperature=1.0, xtc_probability=1.0, xtc_threshold=0.0,
+                          seed=seed, logprobs=0)["choices"][0]["logprobs"]
+        seen.add(got["tokens"][0])
+    assert seen <= {TokenText(tok)(i)[0] for i in keep}, (seen, keep)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"top_logprobs": 2}, "top_logprobs"),  # OpenAI's rule: only with logprobs true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"presence_penalty": -2.5}, "presence_penalty"),
+    ({"frequency_context_size": 0}, "frequency_context_size"),
+    ({"xtc_threshold": 0.6}, "xtc_threshold"),  # mlx-lm's sampler raises above 0.5, inside the batch step
+    ({"xtc_probability": 2}, "xtc_probability"),
+])
+def test_bad_sampling_options_are_400(stack, body, param):
+    status, _, raw = post(stack.gateway.url + "/v1/chat/completions",
+                          {"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"}], **body})
+    assert status == 400, raw
+    assert json.loads(raw)["error"]["param"] == param
