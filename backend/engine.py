@@ -39,6 +39,7 @@ import itertools
 import logging
 import math
 import queue
+import random
 import shutil
 import threading
 import time
@@ -74,6 +75,7 @@ PREFILL_ORDERS = ("fifo", "shorter-beside", "step-beside")
 # Measured side by side in session 17 (docs/cache-policy.md): lower TTFT p50 than fifo on both traces,
 # lower p99 on the synthetic one, the conversation p99 level (-1% / +4%).
 DEFAULT_PREFILL_ORDER = "step-beside"
+_ENTROPY = random.SystemRandom()  # reseeds MLX's shared random state after a seeded request's draw
 # What a -inf logprob reads in an answer (vLLM's value; JSON has no infinity).
 LOGPROB_FLOOR = -9999.0
 
@@ -163,6 +165,31 @@ class GenRequest:
         """Thread-safe: hand an event to the request's asyncio queue."""
         if self.loop is not None and self.events is not None:
             self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+
+
+def seeded_sampler(sampler, seed: int):
+    """``sampler`` drawing from its own random stream, started from ``seed`` (any integer): the
+    same seed gives the same answer whatever else is in the batch, as far as the batch leaves
+    the logits the same.
+
+    mlx-lm's samplers draw from MLX's one global random state, which a batch shares; mlx_lm.server
+    makes a seeded request reproducible by running it alone, unbatched. Here each call reseeds
+    the global state from the request's own sequence (MLX takes the key when an op is made, not
+    when it runs), then reseeds it at random for the rest of the batch, whose requests asked for
+    no particular stream.
+    """
+    import mlx.core as mx
+
+    own = random.Random(seed)
+
+    def sample(logprobs):
+        mx.random.seed(own.getrandbits(64))
+        try:
+            return sampler(logprobs)
+        finally:
+            mx.random.seed(_ENTROPY.getrandbits(64))
+
+    return sample
 
 
 class Engine:
@@ -905,6 +932,8 @@ class MLXEngine(Engine):
             save_system_at = req.system_tokens
         sampler = make_sampler(p.temperature, p.top_p, p.min_p, 1, p.top_k, p.xtc_probability, p.xtc_threshold,
                                self._xtc_special_tokens() if p.xtc_probability else None)
+        if p.seed is not None and p.temperature > 0:
+            sampler = seeded_sampler(sampler, p.seed)
         processors = make_logits_processors(
             p.logit_bias, p.repetition_penalty or None, p.repetition_context_size,
             p.presence_penalty or None, p.presence_context_size,

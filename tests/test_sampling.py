@@ -197,3 +197,21 @@ def test_bad_sampling_options_are_400(stack, body, param):
                           {"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"}], **body})
     assert status == 400, raw
     assert json.loads(raw)["error"]["param"] == param
+
+
+def test_seed_makes_sampling_reproducible(stack, model):
+    """A ``seed`` draws the request's tokens from its own random stream (mlx_lm.server makes a
+    seeded request reproducible by running it alone; we keep batching): the same seed gives the
+    same answer, alone or beside another request, and another seed another answer."""
+    import concurrent.futures
+
+    ids = _prompt(model, 6)
+    body = dict(prompt=ids, max_tokens=12, temperature=1.0)
+    first = _completion(stack, seed=7, **body)["choices"][0]["text"]
+    assert _completion(stack, seed=7, **body)["choices"][0]["text"] == first
+    assert _completion(stack, seed=8, **body)["choices"][0]["text"] != first
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        other = pool.submit(_completion, stack, prompt=_prompt(model, 7), max_tokens=40, temperature=1.0)
+        beside = pool.submit(_completion, stack, seed=7, **body)
+        assert beside.result()["choices"][0]["text"] == first
+        assert other.result()["usage"]["completion_tokens"] == 40
