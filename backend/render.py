@@ -64,9 +64,12 @@ class AnswerBuilder:
         stop: text stop sequences.
         streaming: tool calls get an ``index`` when streaming.
         initial_state: ``"normal"`` or ``"reasoning"``.
+        one_call: the request's ``parallel_tool_calls`` is false: the answer ends with its first
+            tool call (what follows is dropped and `ended` says to stop generating).
     """
 
-    def __init__(self, tokenizer, tools, stop: list[str], streaming: bool, initial_state="normal"):
+    def __init__(self, tokenizer, tools, stop: list[str], streaming: bool, initial_state="normal",
+                 one_call: bool = False):
         self.sm = make_text_state_machine(tokenizer, [])
         self.state = self.sm.make_state(initial_state)
         self.prev = initial_state
@@ -80,13 +83,23 @@ class AnswerBuilder:
         self.tool_text = ""
         self.made_tool_call = False
         self.stopped = False
+        self.one_call = one_call
+        self.call_made = False  # with ``one_call``: the call is made, the answer is over
         # The stop sequence that ended the answer; set only with ``stopped``, so the finish
         # reason is then always "stop".
         self.stop_string: Optional[str] = None
 
+    @property
+    def ended(self) -> bool:
+        """The answer is complete (a stop string, or the one call ``one_call`` allows): the
+        server cancels the rest of the generation, which still saves the prompt cache."""
+        return self.stopped or self.call_made
+
     def feed(self, text: str, final: Optional[str] = None) -> Piece:
         """Consume decoded text; ``final`` is the engine's finish reason when ending."""
         out = Piece()
+        if self.call_made:
+            return out
         if final == "stop":
             self.state, _ = TextStateMachine.discard(self.state)
             segments = [(self.state[0], "")]
@@ -103,6 +116,8 @@ class AnswerBuilder:
             elif st == "normal":
                 if self.prev == "tool":
                     out.tool_calls += self._parse_call(closed=True)
+                    if self.one_call and out.tool_calls:
+                        break  # the answer ends with this call: nothing after it counts
                 self.buf += t
             self.prev = st
         if final is not None and self.prev == "tool" and self.tool_text:
@@ -111,7 +126,12 @@ class AnswerBuilder:
         # finish_reason "tool_calls" with no call in it (Anthropic: stop_reason "tool_use"
         # without a tool_use block).
         self.made_tool_call = self.made_tool_call or bool(out.tool_calls)
-        out.content = self._release(final is not None)
+        if self.one_call and out.tool_calls:
+            # parallel_tool_calls false (Anthropic: disable_parallel_tool_use): at most one call,
+            # as OpenAI's API answers; the text before it stays, held-back text included.
+            out.tool_calls = out.tool_calls[:1]
+            self.call_made = True
+        out.content = self._release(final is not None or self.call_made)
         return out
 
     def _parse_call(self, closed: bool) -> list:
@@ -157,6 +177,8 @@ class AnswerBuilder:
     def finish_reason(self, engine_reason: str) -> str:
         if self.stopped:
             return "stop"
+        if self.call_made:  # the one call allowed is complete, whatever ended the generation
+            return "tool_calls"
         if engine_reason in ("stop", "cancelled") and self.made_tool_call:
             return "tool_calls"
         return "length" if engine_reason == "length" else "stop"

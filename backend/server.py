@@ -247,7 +247,8 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
         events=asyncio.Queue(),
     )
     renderer = OpenAIRenderer(kind, pr.model or cfg.model_name, pr.stream, pr.logprobs, engine.tokenizer)
-    builder = AnswerBuilder(engine.tokenizer, pr.tools, pr.stop, pr.stream)
+    builder = AnswerBuilder(engine.tokenizer, pr.tools, pr.stop, pr.stream,
+                            one_call=not pr.parallel_tool_calls)
     engine.submit(req)
     finished = False
     try:
@@ -293,13 +294,13 @@ async def _collect(req, renderer, builder, reporter, engine, timeout: float) -> 
     while True:
         ev = await _next_event(req, timeout)
         if ev.kind == "token" or ev.kind == "end":
-            if ev.logprob is not None and not builder.stopped:
+            if ev.logprob is not None and not builder.ended:
                 lps.append(ev)
             piece = builder.feed(ev.text, ev.finish_reason if ev.kind == "end" else None)
             content.append(piece.content)
             reasoning.append(piece.reasoning)
             calls.extend(piece.tool_calls)
-            if builder.stopped and reason is None:
+            if builder.ended and reason is None:
                 reason = "stop"
                 engine.cancel(req.rid)
             if ev.kind == "end":
@@ -382,10 +383,10 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
                 if request.transport is not None:
                     request.transport.abort()
                 return resp
-            if ev.logprob is not None and not builder.stopped:
+            if ev.logprob is not None and not builder.ended:
                 lps.append(ev)  # sent with the next chunk that carries text (a stop string's may be held back)
             piece = builder.feed(ev.text, final)
-            if builder.stopped and reason is None:
+            if builder.ended and reason is None:
                 reason = "stop"
                 engine.cancel(req.rid)
             if piece.content or piece.reasoning or piece.tool_calls or first:

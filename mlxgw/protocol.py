@@ -140,6 +140,7 @@ class ParsedRequest:
     xtc_threshold: float = 0.1
     # None: no logprobs; else how many alternatives each generated token lists (0 to 20).
     logprobs: Optional[int] = None
+    parallel_tool_calls: bool = True  # false: at most one tool call per answer
     template_kwargs: dict = field(default_factory=dict)
     user: Optional[str] = None
     prompt_cache_key: Optional[str] = None
@@ -524,7 +525,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
             raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         else:
             logprobs = None
-    optional_field(body, "parallel_tool_calls", (bool,), "a boolean")
+    parallel = optional_field(body, "parallel_tool_calls", (bool,), "a boolean")
     json_schema = _response_format(body)
     tc = body.get("tool_choice")
     if tc is not None and not (isinstance(tc, dict) or tc in ("none", "auto", "required")):
@@ -582,6 +583,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         xtc_probability=float(number_field(body, "xtc_probability", 0.0, lo=0, hi=1)),
         xtc_threshold=float(number_field(body, "xtc_threshold", 0.1, lo=0, hi=0.5)),
         logprobs=logprobs,
+        parallel_tool_calls=parallel is not False,
         stop=stop,
         seed=seed,
         logit_bias=lb,

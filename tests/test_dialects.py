@@ -663,3 +663,25 @@ def test_long_prefill_stream_sends_keepalives_before_first_token(redis_server, d
         assert max(gaps) < 1.0, f"silence of {max(gaps):.2f}s before the first token"
     finally:
         s.stop()
+
+
+def test_one_tool_call_asked_in_each_dialect_reaches_the_backend():
+    """Anthropic's ``tool_choice.disable_parallel_tool_use`` and the Responses API's
+    ``parallel_tool_calls: false`` become the chat request's ``parallel_tool_calls: false``
+    (the backend then ends the answer at its first call: test_render); they were dropped."""
+    from gateway.dialects import anthropic as a, responses as r
+    from mlxgw.protocol import RequestError
+
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    msgs = [{"role": "user", "content": "hi"}]
+    one = a.to_chat({"model": "m", "max_tokens": 4, "messages": msgs, "tools": tools,
+                     "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}})
+    assert one["parallel_tool_calls"] is False and one["tool_choice"] == "auto"
+    assert "parallel_tool_calls" not in a.to_chat({"model": "m", "max_tokens": 4, "messages": msgs, "tools": tools,
+                                                   "tool_choice": {"type": "auto"}})
+    with pytest.raises(RequestError) as e:
+        a.to_chat({"model": "m", "max_tokens": 4, "messages": msgs, "tools": tools,
+                   "tool_choice": {"type": "any", "disable_parallel_tool_use": "yes"}})
+    assert e.value.param == "tool_choice.disable_parallel_tool_use"
+    assert r.to_chat({"model": "m", "input": "hi", "parallel_tool_calls": False})["parallel_tool_calls"] is False
+    assert "parallel_tool_calls" not in r.to_chat({"model": "m", "input": "hi", "parallel_tool_calls": True})

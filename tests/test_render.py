@@ -53,6 +53,27 @@ def test_tool_call_is_parsed_and_never_shown_as_text(tok):
     assert re.fullmatch(r"call_[0-9a-f]{24}", call["id"]), call["id"]
 
 
+@pytest.mark.parametrize("one_call", [False, True])
+def test_parallel_tool_calls_false_ends_the_answer_at_its_first_call(tok, one_call):
+    """``parallel_tool_calls: false`` (Anthropic's ``disable_parallel_tool_use``) was accepted and
+    not applied: an answer with two calls returned both. Now the first call ends the answer: later
+    text and calls are dropped, text held back before the call (a stop string's hold) is kept, and
+    the builder says so (``ended``) so the server stops generating."""
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("a", "b")]
+    b = AnswerBuilder(tok, tools, ["STOP"], streaming=True, one_call=one_call)
+    pieces = ["Let me ", "see.", "<tool_call>", '\n{"name": "a", "arguments": {}}\n', "</tool_call>", "\nand ",
+              "<tool_call>", '\n{"name": "b", "arguments": {}}\n', "</tool_call>", " done"]
+    content, _, calls = run(b, pieces + [""], final="cancelled" if one_call else "stop")
+    if one_call:
+        assert [c["function"]["name"] for c in calls] == ["a"]
+        assert content == "Let me see."
+        assert b.ended and b.finish_reason("cancelled") == "tool_calls" and b.finish_reason("length") == "tool_calls"
+    else:
+        assert [c["function"]["name"] for c in calls] == ["a", "b"]
+        assert content == "Let me see.\nand  done"
+        assert not b.ended and b.finish_reason("stop") == "tool_calls"
+
+
 def test_a_tool_call_id_the_model_wrote_is_kept():
     """Kimi K2 writes its own call ids and its template renders them back next turn, so the
     backend keeps them (mlx-lm's real kimi_k2 parser); calls without one get ``call_<hex>``."""

@@ -176,6 +176,9 @@ def to_chat(body: dict, count_only: bool = False) -> dict:
     """
     out = chat_request(body, lambda: convert_messages(body.get("system"), body.get("messages")),
                        lambda: convert_tools(body.get("tools")), convert_tool_choice)
+    tc = body.get("tool_choice")
+    if isinstance(tc, dict) and optional_field(tc, "disable_parallel_tool_use", (bool,), "a boolean", "tool_choice"):
+        out["parallel_tool_calls"] = False  # at most one tool_use block, as Anthropic's API answers
     last = out["messages"][-1]
     if last["role"] == "assistant" and last["content"] and not last.get("tool_calls"):
         # Anthropic's prefill: the reply continues the final assistant message (helper-60: it

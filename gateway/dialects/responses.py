@@ -212,6 +212,8 @@ def to_chat(body: dict) -> dict:
     for k in ("temperature", "top_p"):
         if body.get(k) is not None:
             out[k] = body[k]
+    if optional_field(body, "parallel_tool_calls", (bool,), "a boolean") is False:
+        out["parallel_tool_calls"] = False
     optional_field(body, "store", (bool,), "a boolean")  # accepted and not used (stateless), but not any value
     include = optional_field(body, "include", (list,), "an array of strings")  # none is produced; checked as OpenAI does
     if include is not None and not all(isinstance(x, str) for x in include):
@@ -288,7 +290,7 @@ class ResponsesTransform(ChatTransform):
 
     def _response(self, status: str, usage: Optional[dict] = None) -> dict:
         r = {"id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
-             "output": self.items, "parallel_tool_calls": True, "tool_choice": self.request.get("tool_choice", "auto"),
+             "output": self.items, "parallel_tool_calls": self.request.get("parallel_tool_calls") is not False, "tool_choice": self.request.get("tool_choice", "auto"),
              "tools": self.request.get("tools") or [], "temperature": self.request.get("temperature"),
              "top_p": self.request.get("top_p"), "max_output_tokens": self.request.get("max_output_tokens"),
              "previous_response_id": None, "instructions": self.request.get("instructions"),
