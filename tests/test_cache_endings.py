@@ -79,13 +79,19 @@ def entry_sizes(b) -> list[int]:
     return sorted(e["tokens"] for e in get_json(b.url + "/internal/cache")["entries"])
 
 
-def new_entry_size(b, before: list[int], timeout: float = 10.0) -> int:
-    """The token count of the one entry saved since ``before`` (`entry_sizes`). Polled: the
+def entry_keys(b) -> set[tuple[int, int]]:
+    """Each entry as (id, tokens): a save is told by a pair not seen before, not by its size
+    (a full run found none: the saved entry's size was that of an older entry)."""
+    return {(e["id"], e["tokens"]) for e in get_json(b.url + "/internal/cache")["entries"]}
+
+
+def new_entry_size(b, before: set[tuple[int, int]], timeout: float = 10.0) -> int:
+    """The token count of the one entry saved since ``before`` (`entry_keys`). Polled: the
     request's end and its save are a step or two apart in the engine, so an idle backend
     (`wait_idle`) may not have saved yet (a CI run on a loaded machine found none)."""
     deadline = time.time() + timeout
     while True:
-        new = [n for n in entry_sizes(b) if n not in before]
+        new = [n for k, n in entry_keys(b) - before]
         if new or time.time() > deadline:
             (saved,) = new
             return saved
@@ -122,7 +128,7 @@ def test_max_tokens(backend, tok):
 def test_text_stop_sequence(backend, tok, stream):
     msgs = [{"role": "user", "content": words(60, seed=43 + stream)}]
     p1 = render_chat(tok, msgs).token_ids
-    before = entry_sizes(backend)
+    before = entry_keys(backend)
     body = {"messages": msgs, "max_tokens": 50, "logit_bias": {str(THE): 100}, "stop": [" the the"], "stream": stream}
     status, _, raw = post(backend.url + "/v1/chat/completions", body)
     assert status == 200
@@ -225,7 +231,7 @@ def test_server_timeout_saves(backend, tok, stream):
     msgs = [{"role": "user", "content": words(60, seed=45 + stream)}]
     p1 = render_chat(tok, msgs).token_ids
     body = {"messages": msgs, "max_tokens": 7000, "logit_bias": {str(THE): 100}, "stream": stream}
-    before = entry_sizes(backend)
+    before = entry_keys(backend)
     t0 = time.time()
     status, _, raw = post(backend.url + "/v1/chat/completions", body, timeout=30)
     elapsed = time.time() - t0
