@@ -308,7 +308,9 @@ class OpenAIRenderer:
             if piece.content:
                 delta["content"] = piece.content
             if piece.reasoning:
-                delta["reasoning_content"] = piece.reasoning
+                # Both names: mlx_lm.server (0.32) and vLLM write ``reasoning``, DeepSeek's API and
+                # the clients written for it (and for vLLM before) read ``reasoning_content``.
+                delta["reasoning"] = delta["reasoning_content"] = piece.reasoning
             if piece.tool_calls:
                 delta["tool_calls"] = piece.tool_calls
             out["choices"] = self._choice({"index": 0, "delta": delta, "finish_reason": finish_reason,
@@ -353,7 +355,7 @@ class OpenAIRenderer:
         if self.kind == "chat":
             msg = {"role": "assistant", "content": content or (None if tool_calls else "")}
             if reasoning:
-                msg["reasoning_content"] = reasoning
+                msg["reasoning"] = msg["reasoning_content"] = reasoning  # both names: see `chunk`
             if tool_calls:
                 msg["tool_calls"] = tool_calls
             out["choices"] = self._choice({"index": 0, "message": msg, "finish_reason": finish_reason,

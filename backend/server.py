@@ -291,9 +291,12 @@ async def _next_event(req: GenRequest, timeout: float) -> GenEvent:
 async def _collect(req, renderer, builder, reporter, engine, timeout: float) -> web.Response:
     content, reasoning, calls, lps = [], [], [], []
     reason = None
+    kept = 0  # tokens of the answer: none the engine made after it ended (`builder.ended`)
     while True:
         ev = await _next_event(req, timeout)
         if ev.kind == "token" or ev.kind == "end":
+            if ev.kind == "token" and not builder.ended:
+                kept += 1
             if ev.logprob is not None and not builder.ended:
                 lps.append(ev)
             piece = builder.feed(ev.text, ev.finish_reason if ev.kind == "end" else None)
@@ -309,7 +312,7 @@ async def _collect(req, renderer, builder, reporter, engine, timeout: float) -> 
                 reason = builder.finish_reason(ev.finish_reason)
                 break
     await reporter.settle()
-    usage = renderer.usage(len(req.prompt), req.generated, req.cached)
+    usage = renderer.usage(len(req.prompt), kept, req.cached)
     return web.json_response(renderer.full("".join(content), "".join(reasoning), calls, reason, usage,
                                            builder.stop_string, lps),
                              headers={"X-Mlxgw-Cached-Tokens": str(req.cached)})
@@ -342,6 +345,10 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
     )
     ended = False
     lps = []  # token events whose logprobs have not been sent yet
+    # Tokens of the answer. Not ``req.generated``: the engine may make a token or two after a
+    # stop string or the one tool call allowed ended it, before the cancel reaches it
+    # (helper-78: completion_tokens 10 or 11 for the same request, 10 tokens of answer).
+    kept = 0
     try:
         first = True
         reason = None
@@ -383,6 +390,8 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
                 if request.transport is not None:
                     request.transport.abort()
                 return resp
+            if ev.kind == "token" and not builder.ended:
+                kept += 1
             if ev.logprob is not None and not builder.ended:
                 lps.append(ev)  # sent with the next chunk that carries text (a stop string's may be held back)
             piece = builder.feed(ev.text, final)
@@ -399,7 +408,7 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
                 await reporter.settle()
                 await resp.write(_sse(renderer.chunk(Piece(), reason, stop_reason=builder.stop_string, lps=lps)))
                 if pr.include_usage:
-                    usage = renderer.usage(len(req.prompt), req.generated, req.cached)
+                    usage = renderer.usage(len(req.prompt), kept, req.cached)
                     await resp.write(_sse(renderer.usage_chunk(usage)))
                 break
         await resp.write(b"data: [DONE]\n\n")

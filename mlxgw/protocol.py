@@ -509,8 +509,18 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
     n = number_field(body, "n", 1, lo=1, integer=True)
     if n != 1:
         raise RequestError("'n' must be 1: one choice per request is supported", param="n")
+    for name, what in (("adapters", "LoRA adapters per request"), ("draft_model", "a draft model per request")):
+        if body.get(name) is not None:  # mlx_lm.server's extensions: ignoring them would answer from another model
+            raise RequestError(f"'{name}' is not supported: {what} (a backend serves the one model it loaded)",
+                               param=name, code="unsupported_parameter")
+    # -1: mlx_lm.server's "none" (its default, which clients written for it send)
+    top = number_field(body, "top_logprobs", None, lo=-1, hi=20, integer=True)
+    top = None if top == -1 else top
     if kind == "text":  # the legacy API's logprobs is a count (0-5); echo, suffix, best_of are not done here
-        logprobs = number_field(body, "logprobs", None, lo=0, hi=5, integer=True)
+        if isinstance(body.get("logprobs"), bool):  # mlx_lm.server's form, with top_logprobs as the count
+            logprobs = (top or 0) if body["logprobs"] else None
+        else:
+            logprobs = number_field(body, "logprobs", None, lo=0, hi=5, integer=True)
         if optional_field(body, "echo", (bool,), "a boolean"):
             raise RequestError("'echo' is not supported: the answer never repeats the prompt", param="echo")
         if optional_field(body, "suffix", (str,), "a string"):
@@ -518,7 +528,6 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         if number_field(body, "best_of", 1, lo=1, integer=True) != 1:
             raise RequestError("'best_of' must be 1: one completion per request is supported", param="best_of")
     else:
-        top = number_field(body, "top_logprobs", None, lo=0, hi=20, integer=True)
         if optional_field(body, "logprobs", (bool,), "a boolean"):
             logprobs = top or 0
         elif top:  # OpenAI's and vLLM's rule: the alternatives come with the tokens' own logprobs

@@ -33,6 +33,18 @@ def test_reasoning_is_separated_from_content(tok):
     assert (content.strip(), reasoning.strip(), calls) == ("Hello there", "I should say hi", [])
 
 
+def test_reasoning_goes_out_under_both_names():
+    """mlx_lm.server and vLLM name it ``reasoning``, DeepSeek's API ``reasoning_content`` (helper-78:
+    a client moving from mlx_lm.server found only the second)."""
+    from backend.render import OpenAIRenderer, Piece
+
+    r = OpenAIRenderer("chat", "m", stream=True)
+    delta = r.chunk(Piece(reasoning="why"))["choices"][0]["delta"]
+    assert delta["reasoning"] == delta["reasoning_content"] == "why"
+    msg = OpenAIRenderer("chat", "m", stream=False).full("hi", "why", [], "stop", {})["choices"][0]["message"]
+    assert (msg["content"], msg["reasoning"], msg["reasoning_content"]) == ("hi", "why", "why")
+
+
 def test_reasoning_opened_by_the_template(tok):
     b = AnswerBuilder(tok, None, [], streaming=False, initial_state="reasoning")
     content, reasoning, _ = run(b, ["thinking", " more", "</think>", "done", ""])

@@ -81,6 +81,15 @@ def test_legacy_logprobs_are_the_models(stack, model):
     assert zero["tokens"] == lp["tokens"][:2]
     assert [list(a) for a in zero["top_logprobs"]] == [[t] for t in lp["tokens"][:2]]
     assert _completion(stack, prompt=ids, max_tokens=2)["choices"][0]["logprobs"] is None
+    # mlx_lm.server's form (helper-78: a 400 "must be an integer"): a boolean, top_logprobs the count
+    as_bool = _completion(stack, prompt=ids, max_tokens=3, logprobs=True, top_logprobs=3)["choices"][0]["logprobs"]
+    assert as_bool["tokens"] == lp["tokens"] and [list(a) for a in as_bool["top_logprobs"]] == [list(a) for a in
+                                                                                               lp["top_logprobs"]]
+    assert as_bool["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=2e-3)
+    as_bool = _completion(stack, prompt=ids, max_tokens=2, logprobs=True, top_logprobs=-1)["choices"][0]["logprobs"]
+    assert as_bool["tokens"] == zero["tokens"] and [list(a) for a in as_bool["top_logprobs"]] == [[t] for t in
+                                                                                                 zero["tokens"]]
+    assert _completion(stack, prompt=ids, max_tokens=2, logprobs=False)["choices"][0]["logprobs"] is None
 
 
 def test_chat_logprobs_streamed_and_not(stack, model):
@@ -122,9 +131,18 @@ def test_stop_string_ends_the_logprobs_too(stack, model):
     toks = first["logprobs"]["tokens"]
     stop = toks[3].strip() or toks[3]
     cut = next(k for k, t in enumerate(toks) if stop in t)
-    got = _completion(stack, prompt=ids, max_tokens=8, logprobs=0, stop=[stop])["choices"][0]
-    assert got["finish_reason"] == "stop"
-    assert got["logprobs"]["tokens"] == toks[:cut + 1]
+    for _ in range(4):  # the engine may make a token past the stop before its cancel lands: not counted
+        out = _completion(stack, prompt=ids, max_tokens=8, logprobs=0, stop=[stop])
+        got = out["choices"][0]
+        assert got["finish_reason"] == "stop"
+        assert got["logprobs"]["tokens"] == toks[:cut + 1]
+        # helper-78: completion_tokens was 10 or 11 at random for 10 tokens of answer
+        assert out["usage"]["completion_tokens"] == cut + 1
+    status, _, raw = post(stack.gateway.url + "/v1/completions",
+                          {"model": "demo-tiny", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                           "stop": [stop], "stream": True, "stream_options": {"include_usage": True}})
+    chunks = [json.loads(ln[6:]) for ln in raw.decode().splitlines() if ln.startswith("data: {")]
+    assert status == 200 and chunks[-1]["usage"]["completion_tokens"] == cut + 1
 
 
 def _greedy(model, ids: list[int], n: int, penalise=None) -> tuple[list[int], list[float]]:
@@ -191,6 +209,9 @@ def test_xtc_excludes_the_top_choices(stack, model):
     ({"frequency_context_size": 0}, "frequency_context_size"),
     ({"xtc_threshold": 0.6}, "xtc_threshold"),  # mlx-lm's sampler raises above 0.5, inside the batch step
     ({"xtc_probability": 2}, "xtc_probability"),
+    ({"top_logprobs": -2, "logprobs": True}, "top_logprobs"),
+    ({"adapters": "my-lora"}, "adapters"),  # mlx_lm.server's; ignored, the answer came from another model
+    ({"draft_model": "small"}, "draft_model"),
 ])
 def test_bad_sampling_options_are_400(stack, body, param):
     status, _, raw = post(stack.gateway.url + "/v1/chat/completions",
