@@ -200,6 +200,9 @@ class TokenText:
         self._map = getattr(detok, "tokenmap", None)
         self._bpe = isinstance(detok, BPEStreamingDetokenizer)
         self._spm = isinstance(detok, SPMStreamingDetokenizer)
+        # mlx-lm's BPE and (by default) SentencePiece detokenizers drop the space an answer's
+        # first text starts with, so the answer's text is one character shorter than its tokens'.
+        self.trims_leading_space = self._bpe or (self._spm and getattr(detok, "trim_space", False))
         self._cache: dict[int, tuple[str, bytes]] = {}
 
     def __call__(self, token: int) -> tuple[str, bytes]:
@@ -277,6 +280,8 @@ class OpenAIRenderer:
             alts.setdefault(s, ev.logprob)
             out["top_logprobs"].append(alts)
             out["text_offset"].append(self._offset)
+            if self._offset == 0 and text.trims_leading_space and s.startswith(" "):
+                s = s[1:]  # offsets index the answer's text, which starts without that space
             self._offset += len(s)
         return out
 

@@ -70,11 +70,25 @@ def test_legacy_logprobs_are_the_models(stack, model):
     assert lp["top_logprobs"][0] == pytest.approx({text(i)[0]: v for i, v in top}, abs=2e-3)
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
     assert all(len(alts) <= 4 and lp["tokens"][k] in alts for k, alts in enumerate(lp["top_logprobs"]))
-    lengths = [len(t) for t in lp["tokens"]]
-    assert lp["text_offset"] == [0, lengths[0], lengths[0] + lengths[1]]
-    # The answer is its tokens' text (the detokenizer drops a leading space of the answer).
+    # The answer is its tokens' text, but for the leading space mlx-lm's detokenizer drops; the
+    # offsets index the answer (helper-78: one character off after such a first token).
     joined = "".join(lp["tokens"])
     assert got["text"] in (joined, joined[1:])
+    lengths = [len(t) for t in lp["tokens"]]
+    lengths[0] -= len(joined) - len(got["text"])
+    assert lp["text_offset"] == [0, lengths[0], lengths[0] + lengths[1]]
+    assert all(got["text"][o:].startswith(t.lstrip() if k == 0 else t)
+               for k, (o, t) in enumerate(zip(lp["text_offset"], lp["tokens"])))
+
+    # An answer whose first token starts with a space: the text lacks it, the offsets follow the text.
+    spaced = next((p for p in (_prompt(model, k) for k in range(20, 80))
+                   if text(mx.argmax(_logprobs(model, p)).item())[0].startswith(" ")), None)
+    assert spaced is not None, "no prompt of 60 whose answer starts with a space"
+    sp = _completion(stack, prompt=spaced, max_tokens=3, logprobs=0)["choices"][0]
+    assert sp["logprobs"]["tokens"][0].startswith(" ") and not sp["text"].startswith(" ")
+    assert sp["logprobs"]["text_offset"][1] == len(sp["logprobs"]["tokens"][0]) - 1
+    assert all(sp["text"][o:].startswith(t.lstrip() if k == 0 else t)
+               for k, (o, t) in enumerate(zip(sp["logprobs"]["text_offset"], sp["logprobs"]["tokens"])))
 
     # logprobs 0: the sampled token alone at each position; none asked: null
     zero = _completion(stack, prompt=ids, max_tokens=2, logprobs=0)["choices"][0]["logprobs"]
