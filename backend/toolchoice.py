@@ -103,6 +103,18 @@ def json_grammar(schema: dict) -> str:
     return f"start: answer\nanswer: %json {_compact(schema)}"
 
 
+def constraint_grammar(kind: str, value) -> str:
+    """A lark grammar (llguidance dialect) of vLLM's ``guided_json`` (``kind`` "json": a JSON
+    value of the schema), ``guided_choice`` ("choice": one of the strings, verbatim) or
+    ``guided_regex`` ("regex": text the whole pattern matches, Rust regex syntax, as vLLM's
+    llguidance and xgrammar back ends take it)."""
+    if kind == "json":
+        return json_grammar(value)
+    if kind == "choice":
+        return "start: " + " | ".join(json.dumps(c) for c in value)
+    return "start: /" + value.replace("/", "\\/") + "/"
+
+
 def _reason(error: str) -> str:
     """llguidance's compile error without its position and grammar dump: ``at 3(8): failed
     to compile JSON schema: Invalid type: x\n 1 | start: <[3066]> ...`` -> ``Invalid type: x``.
@@ -157,15 +169,22 @@ class GrammarMask:
         return mx.where(mx.array(allowed), logits, -mx.inf)
 
 
-def constrained_processors(tokenizer, tools, tool_choice, json_schema: Optional[dict] = None) -> list:
+def constrained_processors(tokenizer, tools, tool_choice, json_schema: Optional[dict] = None,
+                           constraint: Optional[tuple] = None) -> list:
     """The logits processors a request needs: a forced tool call (``tool_choice``), else a
-    JSON answer (``json_schema``, from ``response_format``), else none ([]).
+    JSON answer (``json_schema``, from ``response_format`` or vLLM's ``guided_json``), else
+    vLLM's choice or regex (``constraint``: ``(kind, value, param)``,
+    `mlxgw.protocol.structured_output`), else none ([]).
 
     Raises:
-        RequestError: 400 for an impossible ``tool_choice`` or a schema llguidance refuses.
+        RequestError: 400 for an impossible ``tool_choice``, or a schema or regex llguidance refuses.
     """
     fns = forced_tools(tools, tool_choice)
     if not fns:
+        if constraint is not None:
+            kind, value, param = constraint
+            what = {"json": "this JSON schema", "choice": "one of these choices"}.get(kind, "this regular expression")
+            return [GrammarMask(tokenizer, constraint_grammar(kind, value), what, param)]
         if json_schema is None:
             return []
         return [GrammarMask(tokenizer, json_grammar(json_schema), "this JSON schema", "response_format")]

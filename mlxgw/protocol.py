@@ -145,6 +145,9 @@ class ParsedRequest:
     user: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     json_schema: Optional[dict] = None  # from response_format: the answer must be JSON of this schema
+    # vLLM's guided_json / guided_choice / guided_regex (`structured_output`): (kind, value, param),
+    # kind "json" (a schema), "choice" (a list of strings) or "regex"; compiled by backend.toolchoice
+    constraint: Optional[tuple] = None
     ignore_eos: bool = False  # vLLM's extension: generate past end-of-sequence tokens, to max_tokens or a stop string
 
 
@@ -396,6 +399,70 @@ def _response_format(body: dict) -> Optional[dict]:
     raise RequestError("'response_format.type' must be text, json_object or json_schema", param="response_format.type")
 
 
+# vLLM's structured-output fields: its older top-level names, and (vLLM 0.10 on) the keys of its
+# ``structured_outputs`` object. Grammars are refused: vLLM's are EBNF/GBNF, not llguidance's lark.
+_GUIDED = {"guided_json": "json", "guided_choice": "choice", "guided_regex": "regex"}
+_GUIDED_REFUSED = ("guided_grammar", "structural_tag")
+
+
+def structured_output(body: dict, json_schema: Optional[dict]) -> tuple[Optional[dict], Optional[tuple]]:
+    """The answer's constraint from vLLM's structured-output fields beside ``response_format``'s
+    ``json_schema``: (``json_schema``, None) when there are none, else (None,
+    ``(kind, value, param)``) with kind ``"json"`` (a JSON schema), ``"choice"`` (the answer is
+    one of the strings) or ``"regex"`` (it matches the pattern), ``param`` the client's field.
+
+    Clients written for vLLM send ``guided_json`` / ``guided_choice`` / ``guided_regex`` (or
+    vLLM 0.10's ``structured_outputs: {"json"|"choice"|"regex": ...}``); ignored, as before,
+    the answer came out unconstrained.
+
+    Raises:
+        RequestError: 400 for more than one constraint, a grammar (``guided_grammar``,
+            ``structured_outputs.grammar``: another grammar language than ours), or a value of
+            the wrong type.
+    """
+    found = []
+    for name, kind in _GUIDED.items():
+        if body.get(name) is not None:
+            found.append((kind, body[name], name))
+    so = optional_field(body, "structured_outputs", (dict,), "an object")
+    for key, v in (so or {}).items():
+        if v is None or v is False:
+            continue
+        if key in ("json", "choice", "regex"):
+            found.append((key, v, f"structured_outputs.{key}"))
+        elif key in ("grammar", "structural_tag", "json_object"):
+            if key == "json_object":
+                found.append(("json", {"type": "object"}, "structured_outputs.json_object"))
+            else:
+                raise RequestError(f"'structured_outputs.{key}' is not supported: send a JSON schema, a choice or a "
+                                   "regex", param=f"structured_outputs.{key}", code="unsupported_parameter")
+    for name in _GUIDED_REFUSED:
+        if body.get(name) is not None:
+            raise RequestError(f"'{name}' is not supported: send a JSON schema (response_format), guided_choice or "
+                               "guided_regex", param=name, code="unsupported_parameter")
+    if not found:
+        return json_schema, None
+    if len(found) > 1 or json_schema is not None:
+        names = [p for _, _, p in found] + (["response_format"] if json_schema is not None else [])
+        raise RequestError(f"only one constraint on the answer may be given, not {', '.join(names)}", param=names[-1])
+    kind, v, param = found[0]
+    if kind == "json":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError:
+                v = None
+        if not isinstance(v, dict):
+            raise RequestError(f"'{param}' must be a JSON schema (an object, or a string of one)", param=param)
+        return None, (kind, v, param)
+    if kind == "choice":
+        if not (isinstance(v, list) and v and all(isinstance(c, str) and c for c in v)):
+            raise RequestError(f"'{param}' must be a non-empty array of non-empty strings", param=param)
+    elif not (isinstance(v, str) and v):
+        raise RequestError(f"'{param}' must be a non-empty string (a regular expression)", param=param)
+    return None, (kind, v, param)
+
+
 def optional_field(body: dict, name: str, types, what: str, where: str = ""):
     """``body[name]`` when absent/None or of ``types``; else a 400 naming the field
     (``where.name`` when ``where``, the path of ``body`` in the request, is given)."""
@@ -535,7 +602,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         else:
             logprobs = None
     parallel = optional_field(body, "parallel_tool_calls", (bool,), "a boolean")
-    json_schema = _response_format(body)
+    json_schema, constraint = structured_output(body, _response_format(body))
     tc = body.get("tool_choice")
     if tc is not None and not (isinstance(tc, dict) or tc in ("none", "auto", "required")):
         raise RequestError("'tool_choice' must be 'none', 'auto', 'required' or an object", param="tool_choice")
@@ -600,6 +667,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         user=user,
         prompt_cache_key=pck,
         json_schema=json_schema,
+        constraint=constraint,
         ignore_eos=ignore_eos,
     )
     if kind == "chat":

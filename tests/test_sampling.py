@@ -250,3 +250,47 @@ def test_seed_makes_sampling_reproducible(stack, model):
         beside = pool.submit(_completion, stack, seed=7, **body)
         assert beside.result()["choices"][0]["text"] == first
         assert other.result()["usage"]["completion_tokens"] == 40
+
+
+def test_vllm_structured_outputs_constrain_the_answer(stack):
+    """vLLM's guided_json / guided_choice / guided_regex and its newer ``structured_outputs``
+    object (clients written for vLLM send them) were ignored: the demo model's random weights
+    answered gibberish. Now each constrains the answer as response_format does."""
+    import re
+
+    def answer(**extra):
+        status, _, raw = post(stack.gateway.url + "/v1/chat/completions",
+                              {"model": "demo-tiny", "messages": [{"role": "user", "content": words(12, seed=8)}],
+                               "max_tokens": 40, "temperature": 1.0, **extra})
+        assert status == 200, raw
+        out = json.loads(raw)["choices"][0]
+        return out["message"]["content"], out["finish_reason"]
+
+    for seed in range(3):
+        assert answer(guided_choice=["yes", "no", "maybe later"], seed=seed) in (
+            ("yes", "stop"), ("no", "stop"), ("maybe later", "stop"))
+        text, reason = answer(guided_regex=r"[0-9]{3}-[a-z]{2}/x", seed=seed)
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}/x", text) and reason == "stop", text
+        text, _ = answer(structured_outputs={"choice": ["left", "right"]}, seed=seed)
+        assert text in ("left", "right")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    for form in (schema, json.dumps(schema)):
+        text, reason = answer(guided_json=form)
+        assert reason == "stop" and list(json.loads(text)) == ["n"] and isinstance(json.loads(text)["n"], int), text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_regex"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),  # llguidance's compile error, named
+    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),  # vLLM's GBNF: not our grammar language
+    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar"),
+])
+def test_bad_structured_outputs_are_400(stack, body, param):
+    status, _, raw = post(stack.gateway.url + "/v1/chat/completions",
+                          {"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"}], **body})
+    assert status == 400, raw
+    assert json.loads(raw)["error"]["param"] == param
