@@ -32,7 +32,7 @@ from .disktier import BRANCH_SHARE, MAX_CHAIN, DiskTier
 from .engine import DEFAULT_PREFILL_ORDER, PREFILL_ORDERS
 from .metrics import BackendMetrics
 from .report import Reporter
-from .server import BackendConfig, make_app
+from .server import BackendConfig, make_app, sampling_defaults
 
 log = logging.getLogger("mlxgw.backend")
 
@@ -143,10 +143,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "it out when admitted (shared layout); off (default): a private copy from its arrival, KV "
                         "in flight that counts against --cache-bytes while it waits (docs/cache-policy.md: opt-in, "
                         "measured)")
+    p.add_argument("--sampling-defaults", choices=("model", "none"), default=ModelConfig.sampling_defaults,
+                   help="what a request that sets no temperature, top_p, top_k, min_p or repetition_penalty "
+                        "samples with: 'model' (default), the values in the model's generation_config.json, what "
+                        "its authors recommend and vLLM applies; 'none', greedy, as mlx_lm.server")
     p.add_argument("--default-temperature", type=temperature_arg, default=ModelConfig.default_temperature,
-                   help="sampling temperature of a request that gives none (default %(default)s: greedy, as "
-                        "mlx_lm.server's --temp; the OpenAI and Anthropic APIs default to 1.0, which agent tools "
-                        "that send none expect; 0 to 2)")
+                   help="sampling temperature of a request that gives none, over the model's (0 to 2; 0 is "
+                        "greedy, mlx_lm.server's --temp; the OpenAI and Anthropic APIs default to 1.0)")
     p.add_argument("--max-inflight-share", type=share_or_off_arg, default=0.0,
                    help="admit a request only while the KV in flight plus its prompt's stays within this share of "
                         "--cache-bytes (unless nothing runs), so the rest stays the prompt cache's; 0 (default): no "
@@ -485,7 +488,8 @@ def run(args: argparse.Namespace) -> int:
     reporter.info = lambda: {**engine.stats(), **metrics.record_fields()}
     reporter.cache_figures = engine.cache_figures
     cfg = BackendConfig(backend_id, name, str(model_path), internal_token=args.internal_token,
-                        request_timeout=args.request_timeout, default_temperature=args.default_temperature)
+                        request_timeout=args.request_timeout,
+                        sampling=sampling_defaults(model_path, args.sampling_defaults, args.default_temperature))
     try:
         return asyncio.run(_serve(engine, reporter, cfg, args))
     finally:
@@ -531,6 +535,11 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
              "%d decode slots%s)", cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch,
              f"{mib:.0f}" if mib >= 10 else f"{mib:.3g}", count(engine.cache.max_entries, "entry", "entries"),
              engine.cache.layout, engine.decode_concurrency, opt_in)
+    log.info("backend %s: a request that sets no sampling gets %s", cfg.backend_id,
+             ", ".join(f"{k} {v:g}" for k, v in cfg.sampling.items()) + (
+                 " (the model's generation_config.json; --sampling-defaults none for greedy)"
+                 if args.sampling_defaults == "model" and cfg.sampling != {"temperature": args.default_temperature}
+                 else "") if cfg.sampling else "greedy decoding (temperature 0)")
     if engine.restored is not None:
         log.info("backend %s: %s (%s tokens) restored from %s and published under epoch %d", cfg.backend_id,
                  count(engine.restored.entries, "prompt-cache entry", "prompt-cache entries"),

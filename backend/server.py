@@ -11,10 +11,12 @@ import asyncio
 import contextvars
 import json
 import logging
+import math
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import msgpack
@@ -79,9 +81,51 @@ class BackendConfig:
     max_body_bytes: int = 64 * 1024 * 1024
     request_timeout: float = 600.0
     internal_token: Optional[str] = None
-    # A request without `temperature` samples at this (0: greedy, mlx_lm.server's `--temp` default;
-    # the OpenAI and Anthropic APIs default to 1.0): `mlxgw backend --default-temperature`.
-    default_temperature: float = 0.0
+    # What a request that sets none of these samples with (`sampling_defaults`): the model's
+    # generation_config.json, and `mlxgw backend --default-temperature` over it; empty: greedy.
+    sampling: dict = field(default_factory=dict)
+
+
+#: generation_config.json keys taken as a request's sampling defaults, with the range each must be in
+#: (transformers' names are the request fields' names).
+SAMPLING_KEYS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, None), "min_p": (0.0, 1.0),
+                 "repetition_penalty": (0.0, 10.0)}
+
+
+def sampling_defaults(model_path, mode: str = "model", temperature: Optional[float] = None) -> dict:
+    """The sampling a request that sets none gets: with ``mode`` "model", the values of
+    `SAMPLING_KEYS` in the model's ``generation_config.json`` (what its authors recommend, and
+    what vLLM applies by default, ``--generation-config auto``), none when it says
+    ``do_sample: false``; with "none", nothing (greedy, as mlx_lm.server, which reads only the
+    end-of-sequence ids there). ``temperature`` (``--default-temperature``), when given, wins.
+    A value out of range or of the wrong type is left out with a warning. Returns
+    ``{field: value}``; empty means greedy."""
+    out = {}
+    path = Path(str(model_path)).expanduser() / "generation_config.json"
+    if mode == "model" and path.is_file():
+        try:
+            gc = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            log.warning("%s not read (%s): requests that set no sampling are greedy", path, e)
+            gc = {}
+        if isinstance(gc, dict) and gc.get("do_sample") is not False:
+            for k, (lo, hi) in SAMPLING_KEYS.items():
+                v = gc.get(k)
+                if v is None:
+                    continue
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= lo and (
+                    hi is None or v <= hi) and (k != "top_k" or float(v).is_integer())
+                if ok:
+                    out[k] = int(v) if k == "top_k" else float(v)
+                else:
+                    log.warning("%s: %s %r left out (not from %s to %s)", path, k, v, lo, hi if hi is not None else "any")
+            if out.get("repetition_penalty") == 1.0:
+                del out["repetition_penalty"]  # transformers' "none"; mlx-lm would still run the processor
+    if temperature is not None:
+        out["temperature"] = temperature
+    if out.get("temperature") == 0:
+        out = {"temperature": 0.0}  # greedy: the other values change nothing
+    return out
 
 
 ENGINE = web.AppKey("engine", Engine)
@@ -200,8 +244,9 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
     if body is None:
         body = await read_body(request)
     internal = body.pop(INTERNAL_FIELD, None) or {}
-    if body.get("temperature") is None and cfg.default_temperature:
-        body["temperature"] = cfg.default_temperature
+    for k, v in cfg.sampling.items():
+        if body.get(k) is None:
+            body[k] = v
     pr = parse_openai(body, kind)
     if engine.failed or reporter.state != "ready":
         raise RequestError(f"backend not ready ({'failed' if engine.failed else reporter.state})",
@@ -447,6 +492,7 @@ async def handle_health(request: web.Request) -> web.Response:
         **{k: reporter.extra[k] for k in HEALTH_SETTINGS if k in reporter.extra},
         # Gateways of this model that do not route here, and why (Reporter._check_gateways).
         "left_out_by": reporter.left_out_by,
+        "sampling_defaults": request.app[CONFIG].sampling,  # what a request setting none samples with
     }
     return web.json_response(body, status=200 if ok else 503)
 

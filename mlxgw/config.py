@@ -47,9 +47,12 @@ class ModelConfig:
     # share of cache_bytes ("Admission by memory"; 0: off), and pin waiting requests' hits by reference.
     max_inflight_share: float = 0.0
     pin_by_reference: bool = False
-    # Sampling temperature of a request that gives none (0: greedy, as mlx_lm.server; the OpenAI and
-    # Anthropic APIs default to 1.0): `mlxgw backend --default-temperature`.
-    default_temperature: float = 0.0
+    # What a request that sets no sampling gets: "model", its generation_config.json (as vLLM);
+    # "none", greedy (as mlx_lm.server): `mlxgw backend --sampling-defaults`.
+    sampling_defaults: str = "model"
+    # Sampling temperature of a request that gives none, over the model's (0: greedy; the OpenAI and
+    # Anthropic APIs default to 1.0): `mlxgw backend --default-temperature`; None: the model's.
+    default_temperature: Optional[float] = None
     # Seconds a request may run on a backend (prefill + decode) before it is cancelled with a 504 /
     # an SSE error, its prompt cache still saved: `mlxgw backend --request-timeout` (0: no limit).
     request_timeout: float = 600.0
@@ -301,7 +304,12 @@ def validate(cfg: ServeConfig) -> None:
             _check_cache_dir(m.cache_dir, where)
         if m.max_inflight_share > 1:
             raise ValueError(f"{where}: max_inflight_share must be at most 1 (0: off), not {m.max_inflight_share!r}")
-        if m.default_temperature > 2:
+        if m.sampling_defaults not in ("model", "none"):
+            raise ValueError(f"{where}: sampling_defaults must be \"model\" or \"none\", not {m.sampling_defaults!r}")
+        t = m.default_temperature
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))):
+            raise ValueError(f"{where}: default_temperature must be a number, not {t!r}")
+        if m.default_temperature is not None and m.default_temperature > 2:
             raise ValueError(f"{where}: default_temperature must be from 0 to 2 (OpenAI's range), not "
                              f"{m.default_temperature!r}")
         if m.pin_by_reference and m.cache_layout != "shared":

@@ -434,7 +434,8 @@ def backend_model_flags(m: config_mod.ModelConfig) -> list[str]:
             "--cache-layout", m.cache_layout,
             "--pin-by-reference" if m.pin_by_reference else "--no-pin-by-reference",
             *(["--max-inflight-share", str(m.max_inflight_share)] if m.max_inflight_share else []),
-            *(["--default-temperature", str(m.default_temperature)] if m.default_temperature else []),
+            *(["--default-temperature", str(m.default_temperature)] if m.default_temperature is not None else []),
+            "--sampling-defaults", m.sampling_defaults,
             "--request-timeout", str(m.request_timeout)]
 
 

@@ -465,10 +465,20 @@ def test_default_temperature_reaches_the_backends_and_samples(tmp_path, make_sta
     flags = launcher.backend_model_flags(cfg.models[0])
     assert flags[flags.index("--default-temperature") + 1] == "1.5"
     assert flags[flags.index("--request-timeout") + 1] == "30"
-    for bad, why in (("2.5", "from 0 to 2"), ("nan", "finite"), ("-1", "at least 0")):
+    for bad, why in (("2.5", "from 0 to 2"), ("nan", "finite"), ("-1", "at least 0"), ('"hot"', "must be a number")):
         p.write_text(f'[[models]]\ndefault_temperature = {bad}\n')
         with pytest.raises(ValueError, match=why):
             config.validate(config.load(str(p)))
+    # sampling_defaults: the model's generation_config.json by default (backend.server.sampling_defaults)
+    assert flags[flags.index("--sampling-defaults") + 1] == "model"
+    p.write_text('[[models]]\nsampling_defaults = "none"\n')
+    cfg = config.load(str(p))
+    config.validate(cfg)
+    none_flags = launcher.backend_model_flags(cfg.models[0])
+    assert none_flags[none_flags.index("--sampling-defaults") + 1] == "none"
+    p.write_text('[[models]]\nsampling_defaults = "greedy"\n')
+    with pytest.raises(ValueError, match='sampling_defaults must be "model" or "none"'):
+        config.validate(config.load(str(p)))
     s = make_stack()
     # --request-timeout 0 is no limit (it timed every request out at once)
     b = s.add_backend("b0", None, "--default-temperature", "1.5", "--request-timeout", "0")

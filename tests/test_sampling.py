@@ -294,3 +294,49 @@ def test_bad_structured_outputs_are_400(stack, body, param):
                           {"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"}], **body})
     assert status == 400, raw
     assert json.loads(raw)["error"]["param"] == param
+
+
+def test_sampling_defaults_come_from_the_models_generation_config(tmp_path, redis_server, demo_model):
+    """A request that sets no sampling got greedy decoding whatever the model's authors recommend
+    (mlx_lm.server reads only the end-of-sequence ids in generation_config.json); vLLM applies the
+    file's values, and so do we now, field by field; ``--sampling-defaults none`` keeps greedy and
+    ``--default-temperature`` wins over the file."""
+    from pathlib import Path
+
+    model = tmp_path / "demo-tiny"
+    model.mkdir()
+    for f in Path(demo_model).iterdir():
+        if f.name != "generation_config.json":
+            (model / f.name).symlink_to(f)
+    gc = json.loads((Path(demo_model) / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(
+        {**gc, "temperature": 1.0, "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.0, "min_p": "x"}))
+    s = Stack(redis_server.url, str(model))
+    try:
+        b = s.add_backend("b0")
+        plain = s.add_backend("b1", None, "--sampling-defaults", "none")
+        hot = s.add_backend("b2", None, "--default-temperature", "0.5")
+        for p in (b, plain, hot):
+            p.wait_healthy()
+        from mlxgw.httpget import get_json
+
+        # repetition_penalty 1.0 is transformers' "none"; a min_p that is not a number is left out
+        assert get_json(b.url + "/health")["sampling_defaults"] == {"temperature": 1.0, "top_p": 0.9, "top_k": 5}
+        assert get_json(plain.url + "/health")["sampling_defaults"] == {}
+        assert get_json(hot.url + "/health")["sampling_defaults"] == {"temperature": 0.5, "top_p": 0.9, "top_k": 5}
+        assert "min_p 'x' left out" in b.log_path.read_text()
+
+        def text(p, **kw):
+            status, _, raw = post(p.url + "/v1/completions", {"model": "demo-tiny", "prompt": words(30, seed=9),
+                                                              "max_tokens": 12, "ignore_eos": True, **kw})
+            assert status == 200, raw
+            return json.loads(raw)["choices"][0]["text"]
+
+        greedy = text(b, temperature=0)
+        sampled = text(b, seed=4)
+        assert sampled == text(b, seed=4, temperature=1.0, top_p=0.9, top_k=5) != greedy
+        assert text(b, seed=4, top_k=1) == greedy  # a field the request sets wins, the rest still filled
+        assert text(plain, seed=4) == greedy
+        assert text(hot, seed=4) == text(hot, seed=4, temperature=0.5, top_p=0.9, top_k=5)
+    finally:
+        s.stop()
