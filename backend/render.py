@@ -90,6 +90,12 @@ class AnswerBuilder:
         self.stop_string: Optional[str] = None
 
     @property
+    def held(self) -> int:
+        """Characters fed and not yet out: text that may start a stop string or a marker
+        (mlx-lm's state machine buffer), and an open tool call's text."""
+        return len(self.state[3] or "") + len(self.buf) + len(self.tool_text)
+
+    @property
     def ended(self) -> bool:
         """The answer is complete (a stop string, or the one call ``one_call`` allows): the
         server cancels the rest of the generation, which still saves the prompt cache."""

@@ -390,7 +390,11 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
         }
     )
     ended = False
-    lps = []  # token events whose logprobs have not been sent yet
+    # Token events whose logprobs have not been sent, each with where its text ends in the decoded
+    # stream (``fed`` characters so far): an entry goes out with the chunk that carries the last of
+    # its token's text, so a stop string's held-back text holds its tokens' entries too (helper-79).
+    lps: list = []
+    fed = 0
     # Tokens of the answer. Not ``req.generated``: the engine may make a token or two after a
     # stop string or the one tool call allowed ended it, before the cancel reaches it
     # (helper-78: completion_tokens 10 or 11 for the same request, 10 tokens of answer).
@@ -439,20 +443,24 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
             if ev.kind == "token" and not builder.ended:
                 kept += 1
             if ev.logprob is not None and not builder.ended:
-                lps.append(ev)  # sent with the next chunk that carries text (a stop string's may be held back)
+                lps.append((fed + len(ev.text), ev))
+            fed += len(ev.text)
             piece = builder.feed(ev.text, final)
             if builder.ended and reason is None:
                 reason = "stop"
                 engine.cancel(req.rid)
             if piece.content or piece.reasoning or piece.tool_calls or first:
-                for obj in renderer.stream_chunks(piece, first=first, lps=lps):
+                out = fed - builder.held  # characters of the stream sent (or dropped: markers, a stop's tail)
+                ready = [e for end, e in lps if end <= out or builder.ended]
+                lps = [(end, e) for end, e in lps if not (end <= out or builder.ended)]
+                for obj in renderer.stream_chunks(piece, first=first, lps=ready):
                     await resp.write(_sse(obj))
                 first = False
-                lps = []
             if ev.kind == "end":
                 reason = builder.finish_reason(ev.finish_reason)
                 await reporter.settle()
-                await resp.write(_sse(renderer.chunk(Piece(), reason, stop_reason=builder.stop_string, lps=lps)))
+                await resp.write(_sse(renderer.chunk(Piece(), reason, stop_reason=builder.stop_string,
+                                                     lps=[e for _, e in lps])))
                 if pr.include_usage:
                     usage = renderer.usage(len(req.prompt), kept, req.cached)
                     await resp.write(_sse(renderer.usage_chunk(usage)))

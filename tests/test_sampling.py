@@ -138,6 +138,32 @@ def test_chat_logprobs_streamed_and_not(stack, model):
     assert plain.choices[0].logprobs is None
 
 
+def test_streamed_logprobs_keep_pace_with_the_text(stack, model):
+    """A chunk carries the entries of the tokens whose text it completes: text held back while it
+    could start a stop string holds back its tokens' entries (helper-79: entries ran ahead of the
+    text, '' with [' Load'], then 'L' with ['.a'])."""
+    status, _, raw = post(stack.gateway.url + "/v1/completions",
+                          {"model": "demo-tiny", "prompt": _prompt(model, 11), "max_tokens": 10, "temperature": 0,
+                           "ignore_eos": True, "logprobs": 0, "stop": ["\u0001 never written"], "stream": True})
+    assert status == 200
+    steps, text, toks = [], "", []
+    for ln in raw.decode().splitlines():
+        if ln.startswith("data: {"):
+            for ch in json.loads(ln[6:])["choices"]:
+                text += ch["text"]
+                toks += (ch["logprobs"] or {}).get("tokens", [])
+                steps.append((text, "".join(toks)))
+    joined = steps[-1][1]
+    trim = joined[:1] == " " and not text.startswith(" ")  # the detokenizer drops the answer's leading space
+    assert len(toks) == 10 and text == (joined[1:] if trim else joined)
+    held = 0
+    for t, j in steps:
+        j = j[1:] if trim and j else j
+        assert t.startswith(j), (t, j)  # never an entry before its text
+        held = max(held, len(t) - len(j))
+    assert held < 30  # and not all at the end
+
+
 def test_stop_string_ends_the_logprobs_too(stack, model):
     """Tokens the engine made after a stop string matched are not part of the answer."""
     ids = _prompt(model, 3)
