@@ -209,28 +209,93 @@ def body_too_large(max_bytes: Optional[int] = None) -> RequestError:
                         "(or [gateway] max_body_bytes)", status=413, code="body_too_large")
 
 
-async def receive_body(request: web.Request, max_bytes: int, timeout: float) -> bytes:
-    """The whole request body (aiohttp keeps it: later ``request.read()`` calls return it).
+#: The request body as `receive_body` read and decoded it.
+BODY = web.RequestKey("mlxgw_body", bytes) if hasattr(web, "RequestKey") else "mlxgw_body"
+
+#: Set on an app whose server runs with aiohttp's ``auto_decompress`` off (gateway.main): its
+#: handlers get bodies still coded, which `receive_body` decodes.
+DECODE_BODIES = web.AppKey("mlxgw_decode_bodies", bool)
+
+#: Content codings a request body may come in (RFC 9110 8.4.1; x-gzip is gzip's old name).
+CONTENT_CODINGS = ("gzip", "x-gzip", "deflate", "br", "zstd")
+
+
+def _decompressor(coding: str, data: bytes):
+    """aiohttp's own decompressor for one content coding (the gateway's server runs with
+    ``auto_decompress`` off: `decode_body`)."""
+    from aiohttp import compression_utils as cu
+
+    if coding in ("gzip", "x-gzip"):
+        return cu.ZLibDecompressor(encoding="gzip")
+    if coding == "deflate":  # as aiohttp reads it: a raw deflate stream (no zlib header) too
+        return cu.ZLibDecompressor(encoding="deflate", suppress_deflate_header=bool(data) and data[0] & 0xF != 8)
+    if coding == "br":
+        return cu.BrotliDecompressor()
+    return cu.ZSTDDecompressor()
+
+
+def decode_body(raw: bytes, content_encoding: Optional[str], max_bytes: int) -> bytes:
+    """``raw`` with its ``Content-Encoding`` codings undone, last applied first.
+
+    The gateway decodes bodies itself, after reading them whole, where aiohttp decoded them as
+    they arrived: a body its coding does not match then failed inside aiohttp's reader, and
+    after the 400 the connection was reset under the client (its next request on it failed)
+    with a traceback in the log (helper-79).
 
     Raises:
-        RequestError: 413 ``body_too_large`` over ``max_bytes``; 408 ``body_timeout`` when
-            it has not all arrived within ``timeout`` seconds; 400 ``invalid_body`` when aiohttp
-            cannot read it (a gzip or deflate ``Content-Encoding`` the body does not match: it
-            was a 500, helper-60).
+        RequestError: 415 ``unsupported_encoding`` for a coding not in `CONTENT_CODINGS`
+            (RFC 9110: an unknown coding was read as if there were none); 400 ``invalid_body``
+            when the body does not decode; 413 ``body_too_large`` when it decodes to more
+            than ``max_bytes``.
     """
+    codings = [c.strip().lower() for c in (content_encoding or "").split(",")]
+    codings = [c for c in codings if c and c != "identity"]
+    for c in codings:
+        if c not in CONTENT_CODINGS:
+            raise RequestError(f"Content-Encoding {c!r} is not supported (gzip, deflate, br, zstd)", status=415,
+                               code="unsupported_encoding")
+    body = raw
+    for c in reversed(codings):
+        try:
+            body = _decompressor(c, body).decompress_sync(body, max_length=max_bytes + 1)
+        except Exception as e:  # noqa: BLE001 - zlib.error, brotli.error, ZstdError: the body is not that coding
+            raise RequestError(f"the request body could not be read (Can not decode content-encoding: {c}: "
+                               f"{type(e).__name__}); check its Content-Encoding header",
+                               status=400, code="invalid_body") from None
+        if len(body) > max_bytes:
+            raise body_too_large(max_bytes)
+    return body
+
+
+async def receive_body(request: web.Request, max_bytes: int, timeout: float) -> bytes:
+    """The whole request body, its content codings undone (`decode_body`); kept on the
+    request (``request[BODY]``), so a second call returns it.
+
+    Raises:
+        RequestError: 413 ``body_too_large`` over ``max_bytes`` (sent or decoded); 408
+            ``body_timeout`` when it has not all arrived within ``timeout`` seconds; 400
+            ``invalid_body`` when it does not decode as its ``Content-Encoding`` says (it
+            was a 500, helper-60); 415 for a coding we do not know.
+    """
+    if BODY in request:
+        return request[BODY]
     if request.content_length is not None and request.content_length > max_bytes:
         raise body_too_large(max_bytes)
     try:
         async with deadline(timeout):
-            return await request.read()
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise body_too_large(max_bytes)
     except asyncio.TimeoutError:
         raise RequestError("request body not received in time", status=408, code="body_timeout")
     except web.RequestPayloadError as e:
         why = str(getattr(e.__cause__, "message", None) or getattr(e, "message", None) or e).strip()
-        raise RequestError(f"the request body could not be read ({why}); check its Content-Encoding header",
-                           status=400, code="invalid_body")
+        raise RequestError(f"the request body could not be read ({why})", status=400, code="invalid_body")
+    body = raw
+    if request.app.get(DECODE_BODIES):
+        body = decode_body(raw, request.headers.get("Content-Encoding"), max_bytes)
+    request[BODY] = body
+    return body
 
 
 def limits_middleware(cfg: LimitConfig, max_body_bytes: int):

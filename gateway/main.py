@@ -22,7 +22,7 @@ from mlxgw.util import (count, host_port, model_spec_arg, namespace_arg, non_emp
 from .app import ADMISSION, STATE, GatewayConfig, GatewayIdInUse, RedisRefused, make_app
 from .connguard import GuardedRunner, auto_max_connections
 from .auth import AuthConfigError, check_exposure, read_keys
-from .limits import LimitConfig, auto_max_in_flight
+from .limits import DECODE_BODIES, LimitConfig, auto_max_in_flight
 from .route import POLICIES, RoutingConfig
 from .stability import DEFAULT_STRIP, compile_patterns
 
@@ -242,8 +242,11 @@ async def _serve(app: web.Application, cfg: GatewayConfig, host: str, port: int,
     Returns the exit code: 0, 2 when a live gateway uses its id (`gateway.app.GatewayIdInUse`),
     3 when the address cannot be bound, 4 when Redis refuses the URL's password or database
     (`gateway.app.RedisRefused`)."""
+    # auto_decompress off: request bodies are decoded whole by gateway.limits.decode_body.
+    app[DECODE_BODIES] = True
     runner = GuardedRunner(app, cfg.limits.max_connections, counts=app[ADMISSION].rejected,
-                           handler_cancellation=True, access_log=None, shutdown_timeout=drain + 1.0)
+                           handler_cancellation=True, access_log=None, shutdown_timeout=drain + 1.0,
+                           auto_decompress=False)
     try:
         await runner.setup()
     except GatewayIdInUse as e:
