@@ -123,8 +123,8 @@ def sampling_defaults(model_path, mode: str = "model", temperature: Optional[flo
                 del out["repetition_penalty"]  # transformers' "none"; mlx-lm would still run the processor
     if temperature is not None:
         out["temperature"] = temperature
-    if out.get("temperature") == 0:
-        out = {"temperature": 0.0}  # greedy: the other values change nothing
+    if out.get("temperature") == 0:  # greedy: the sampler's filters change nothing (a penalty still does)
+        out = {k: v for k, v in out.items() if k not in ("top_p", "top_k", "min_p")}
     return out
 
 

@@ -169,6 +169,23 @@ class GrammarMask:
         return mx.where(mx.array(allowed), logits, -mx.inf)
 
 
+def _refuse_control_text(tokenizer, texts: list[str], param: str) -> None:
+    """A choice or a pattern's literal text holding an added token's text (``<|im_end|>``,
+    ``<tool_call>``): the tokenizer reads that text as the control token, which llguidance's
+    mask offers and its parser then refuses, so the answer stopped there, silently short of the
+    pattern (helper-79: ``a<|im_start|>b`` answered ``a``).
+
+    Raises:
+        RequestError: 400 naming ``param`` and the token.
+    """
+    added = getattr(tokenizer._tokenizer, "added_tokens_decoder", {}) or {}
+    for t in added.values():
+        text = str(getattr(t, "content", t))
+        if len(text) > 1 and any(text in x for x in texts):
+            raise RequestError(f"'{param}' holds {text!r}, the text of one of the model's control tokens, which "
+                               "cannot be written as text: the answer could not match it", param=param)
+
+
 def constrained_processors(tokenizer, tools, tool_choice, json_schema: Optional[dict] = None,
                            constraint: Optional[tuple] = None) -> list:
     """The logits processors a request needs: a forced tool call (``tool_choice``), else a
@@ -184,6 +201,9 @@ def constrained_processors(tokenizer, tools, tool_choice, json_schema: Optional[
         if constraint is not None:
             kind, value, param = constraint
             what = {"json": "this JSON schema", "choice": "one of these choices"}.get(kind, "this regular expression")
+            if kind != "json":
+                _refuse_control_text(tokenizer, value if kind == "choice" else [re.sub(r"\\(.)", r"\1", value)],
+                                     param)
             return [GrammarMask(tokenizer, constraint_grammar(kind, value), what, param)]
         if json_schema is None:
             return []

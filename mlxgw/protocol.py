@@ -403,6 +403,8 @@ def _response_format(body: dict) -> Optional[dict]:
 # ``structured_outputs`` object. Grammars are refused: vLLM's are EBNF/GBNF, not llguidance's lark.
 _GUIDED = {"guided_json": "json", "guided_choice": "choice", "guided_regex": "regex"}
 _GUIDED_REFUSED = ("guided_grammar", "structural_tag")
+# vLLM's tuning options beside the constraint: accepted, no effect here (llguidance's defaults).
+_SO_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
 def structured_output(body: dict, json_schema: Optional[dict]) -> tuple[Optional[dict], Optional[tuple]]:
@@ -426,16 +428,19 @@ def structured_output(body: dict, json_schema: Optional[dict]) -> tuple[Optional
             found.append((kind, body[name], name))
     so = optional_field(body, "structured_outputs", (dict,), "an object")
     for key, v in (so or {}).items():
-        if v is None or v is False:
+        if v is None or key in _SO_OPTIONS:
             continue
         if key in ("json", "choice", "regex"):
             found.append((key, v, f"structured_outputs.{key}"))
-        elif key in ("grammar", "structural_tag", "json_object"):
-            if key == "json_object":
+        elif key == "json_object":
+            if optional_field(so, key, (bool,), "a boolean", "structured_outputs"):
                 found.append(("json", {"type": "object"}, "structured_outputs.json_object"))
-            else:
-                raise RequestError(f"'structured_outputs.{key}' is not supported: send a JSON schema, a choice or a "
-                                   "regex", param=f"structured_outputs.{key}", code="unsupported_parameter")
+        elif key in ("grammar", "structural_tag"):
+            raise RequestError(f"'structured_outputs.{key}' is not supported: send a JSON schema, a choice or a "
+                               "regex", param=f"structured_outputs.{key}", code="unsupported_parameter")
+        else:  # a typo'd key constrained nothing, silently (helper-79)
+            raise RequestError(f"'structured_outputs.{key}' is not a structured-output field (json, choice, regex, "
+                               "json_object)", param=f"structured_outputs.{key}")
     for name in _GUIDED_REFUSED:
         if body.get(name) is not None:
             raise RequestError(f"'{name}' is not supported: send a JSON schema (response_format), guided_choice or "
@@ -588,6 +593,8 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
             logprobs = (top or 0) if body["logprobs"] else None
         else:
             logprobs = number_field(body, "logprobs", None, lo=0, hi=5, integer=True)
+        if top and logprobs is None:  # as on chat (helper-79: silently no logprobs)
+            raise RequestError("'top_logprobs' needs 'logprobs' (a count, or true)", param="top_logprobs")
         if optional_field(body, "echo", (bool,), "a boolean"):
             raise RequestError("'echo' is not supported: the answer never repeats the prompt", param="echo")
         if optional_field(body, "suffix", (str,), "a string"):

@@ -685,3 +685,17 @@ def test_one_tool_call_asked_in_each_dialect_reaches_the_backend():
     assert e.value.param == "tool_choice.disable_parallel_tool_use"
     assert r.to_chat({"model": "m", "input": "hi", "parallel_tool_calls": False})["parallel_tool_calls"] is False
     assert "parallel_tool_calls" not in r.to_chat({"model": "m", "input": "hi", "parallel_tool_calls": True})
+
+
+def test_anthropic_output_format_is_a_json_answer(stack2):
+    """Anthropic's structured outputs (``output_format`` json_schema) were ignored: the demo model's
+    random weights answered gibberish; now the answer is JSON of the schema (helper-79)."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    client = anthropic.Anthropic(base_url=stack2.gateway.url, api_key="unused", max_retries=0)
+    msg = client.messages.create(model="demo-tiny", max_tokens=30, messages=[{"role": "user", "content": "hi"}],
+                                 extra_body={"output_format": {"type": "json_schema", "schema": schema}})
+    assert isinstance(json.loads(msg.content[0].text)["ok"], bool) and msg.stop_reason == "end_turn"
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model="demo-tiny", max_tokens=5, messages=[{"role": "user", "content": "hi"}],
+                               extra_body={"output_format": {"type": "json_schema"}})

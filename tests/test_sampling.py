@@ -104,6 +104,9 @@ def test_legacy_logprobs_are_the_models(stack, model):
     assert as_bool["tokens"] == zero["tokens"] and [list(a) for a in as_bool["top_logprobs"]] == [[t] for t in
                                                                                                  zero["tokens"]]
     assert _completion(stack, prompt=ids, max_tokens=2, logprobs=False)["choices"][0]["logprobs"] is None
+    status, _, raw = post(stack.gateway.url + "/v1/completions",
+                          {"model": "demo-tiny", "prompt": ids, "max_tokens": 2, "top_logprobs": 3})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "top_logprobs"  # as on chat (was ignored)
 
 
 def test_chat_logprobs_streamed_and_not(stack, model):
@@ -313,7 +316,13 @@ def test_vllm_structured_outputs_constrain_the_answer(stack):
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),  # llguidance's compile error, named
     ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),  # vLLM's GBNF: not our grammar language
+    # a control token's text cannot be written as text: the answer stopped short (helper-79)
+    ({"guided_regex": r"a<\|im_start\|>b"}, "guided_regex"),
+    ({"guided_choice": ["x<|im_end|>y", "z"]}, "guided_choice"),
+    ({"guided_regex": "<tool_call>.*"}, "guided_regex"),
     ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"choise": ["a"]}}, "structured_outputs.choise"),  # a typo constrained nothing
+    ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object"),
 ])
 def test_bad_structured_outputs_are_400(stack, body, param):
     status, _, raw = post(stack.gateway.url + "/v1/chat/completions",
@@ -344,12 +353,22 @@ def test_sampling_defaults_come_from_the_models_generation_config(tmp_path, redi
         hot = s.add_backend("b2", None, "--default-temperature", "0.5")
         for p in (b, plain, hot):
             p.wait_healthy()
+        # greedy over the file keeps a penalty, which changes greedy answers too (helper-79: dropped)
+        model2 = tmp_path / "penalised"
+        model2.mkdir()
+        for f in model.iterdir():
+            (model2 / f.name).symlink_to(f.resolve()) if f.name != "generation_config.json" else None
+        (model2 / "generation_config.json").write_text(json.dumps({**gc, "top_k": 20, "repetition_penalty": 1.5}))
+        s2 = Stack(redis_server.url, str(model2), namespace=s.namespace + "x")
+        cold = s2.add_backend("b3", None, "--default-temperature", "0")
+        cold.wait_healthy()
         from mlxgw.httpget import get_json
 
         # repetition_penalty 1.0 is transformers' "none"; a min_p that is not a number is left out
         assert get_json(b.url + "/health")["sampling_defaults"] == {"temperature": 1.0, "top_p": 0.9, "top_k": 5}
         assert get_json(plain.url + "/health")["sampling_defaults"] == {}
         assert get_json(hot.url + "/health")["sampling_defaults"] == {"temperature": 0.5, "top_p": 0.9, "top_k": 5}
+        assert get_json(cold.url + "/health")["sampling_defaults"] == {"temperature": 0.0, "repetition_penalty": 1.5}
         assert "min_p 'x' left out" in b.log_path.read_text()
 
         def text(p, **kw):
@@ -364,5 +383,8 @@ def test_sampling_defaults_come_from_the_models_generation_config(tmp_path, redi
         assert text(b, seed=4, top_k=1) == greedy  # a field the request sets wins, the rest still filled
         assert text(plain, seed=4) == greedy
         assert text(hot, seed=4) == text(hot, seed=4, temperature=0.5, top_p=0.9, top_k=5)
+        assert text(cold) == text(cold, temperature=0, repetition_penalty=1.5)
     finally:
         s.stop()
+        if "s2" in locals():
+            s2.stop()

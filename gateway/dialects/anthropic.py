@@ -176,6 +176,12 @@ def to_chat(body: dict, count_only: bool = False) -> dict:
     """
     out = chat_request(body, lambda: convert_messages(body.get("system"), body.get("messages")),
                        lambda: convert_tools(body.get("tools")), convert_tool_choice)
+    of = optional_field(body, "output_format", (dict,), "an object")
+    if of is not None:  # Anthropic's structured outputs: a JSON answer of the schema, as response_format
+        if of.get("type") != "json_schema" or not isinstance(of.get("schema"), dict):
+            raise RequestError("'output_format' must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                               param="output_format")
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": of["schema"]}}
     tc = body.get("tool_choice")
     if isinstance(tc, dict) and optional_field(tc, "disable_parallel_tool_use", (bool,), "a boolean", "tool_choice"):
         out["parallel_tool_calls"] = False  # at most one tool_use block, as Anthropic's API answers
