@@ -186,28 +186,25 @@ def _refuse_control_text(tokenizer, texts: list[str], param: str) -> None:
                                "cannot be written as text: the answer could not match it", param=param)
 
 
-def constrained_processors(tokenizer, tools, tool_choice, json_schema: Optional[dict] = None,
-                           constraint: Optional[tuple] = None) -> list:
-    """The logits processors a request needs: a forced tool call (``tool_choice``), else a
-    JSON answer (``json_schema``, from ``response_format`` or vLLM's ``guided_json``), else
-    vLLM's choice or regex (``constraint``: ``(kind, value, param)``,
-    `mlxgw.protocol.structured_output`), else none ([]).
+def constrained_processors(tokenizer, tools, tool_choice, constraint: Optional[tuple] = None) -> list:
+    """The logits processors a request needs: a forced tool call (``tool_choice``), else the
+    answer's ``constraint`` (``(kind, value, param)``, `mlxgw.protocol.structured_output`: a
+    JSON schema from ``response_format`` or vLLM's ``guided_json``, a choice or a regex), else
+    none ([]).
 
     Raises:
-        RequestError: 400 for an impossible ``tool_choice``, or a schema or regex llguidance refuses.
+        RequestError: 400 for an impossible ``tool_choice``, or a schema or regex llguidance
+            refuses, or a choice or pattern holding a control token's text.
     """
     fns = forced_tools(tools, tool_choice)
     if not fns:
-        if constraint is not None:
-            kind, value, param = constraint
-            what = {"json": "this JSON schema", "choice": "one of these choices"}.get(kind, "this regular expression")
-            if kind != "json":
-                _refuse_control_text(tokenizer, value if kind == "choice" else [re.sub(r"\\(.)", r"\1", value)],
-                                     param)
-            return [GrammarMask(tokenizer, constraint_grammar(kind, value), what, param)]
-        if json_schema is None:
+        if constraint is None:
             return []
-        return [GrammarMask(tokenizer, json_grammar(json_schema), "this JSON schema", "response_format")]
+        kind, value, param = constraint
+        what = {"json": "this JSON schema", "choice": "one of these choices"}.get(kind, "this regular expression")
+        if kind != "json":
+            _refuse_control_text(tokenizer, value if kind == "choice" else [re.sub(r"\\(.)", r"\1", value)], param)
+        return [GrammarMask(tokenizer, constraint_grammar(kind, value), what, param)]
     parser = getattr(tokenizer, "tool_parser", None)
     module = getattr(parser, "__module__", "") or ""
     if not module.endswith(".json_tools") or not tokenizer.tool_call_start:

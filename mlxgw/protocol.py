@@ -144,9 +144,9 @@ class ParsedRequest:
     template_kwargs: dict = field(default_factory=dict)
     user: Optional[str] = None
     prompt_cache_key: Optional[str] = None
-    json_schema: Optional[dict] = None  # from response_format: the answer must be JSON of this schema
-    # vLLM's guided_json / guided_choice / guided_regex (`structured_output`): (kind, value, param),
-    # kind "json" (a schema), "choice" (a list of strings) or "regex"; compiled by backend.toolchoice
+    # What the answer must be (`structured_output`): (kind, value, param), kind "json" (a schema:
+    # response_format, guided_json), "choice" (a list of strings) or "regex"; param the client's
+    # field. Compiled by backend.toolchoice.
     constraint: Optional[tuple] = None
     ignore_eos: bool = False  # vLLM's extension: generate past end-of-sequence tokens, to max_tokens or a stop string
 
@@ -407,11 +407,11 @@ _GUIDED_REFUSED = ("guided_grammar", "structural_tag")
 _SO_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
-def structured_output(body: dict, json_schema: Optional[dict]) -> tuple[Optional[dict], Optional[tuple]]:
-    """The answer's constraint from vLLM's structured-output fields beside ``response_format``'s
-    ``json_schema``: (``json_schema``, None) when there are none, else (None,
-    ``(kind, value, param)``) with kind ``"json"`` (a JSON schema), ``"choice"`` (the answer is
-    one of the strings) or ``"regex"`` (it matches the pattern), ``param`` the client's field.
+def structured_output(body: dict) -> Optional[tuple]:
+    """The answer's constraint, from ``response_format`` (`_response_format`) or vLLM's
+    structured-output fields: None, or ``(kind, value, param)`` with kind ``"json"`` (a JSON
+    schema), ``"choice"`` (the answer is one of the strings) or ``"regex"`` (it matches the
+    pattern), ``param`` the client's field.
 
     Clients written for vLLM send ``guided_json`` / ``guided_choice`` / ``guided_regex`` (or
     vLLM 0.10's ``structured_outputs: {"json"|"choice"|"regex": ...}``); ignored, as before,
@@ -422,7 +422,8 @@ def structured_output(body: dict, json_schema: Optional[dict]) -> tuple[Optional
             ``structured_outputs.grammar``: another grammar language than ours), or a value of
             the wrong type.
     """
-    found = []
+    schema = _response_format(body)
+    found = [] if schema is None else [("json", schema, "response_format")]
     for name, kind in _GUIDED.items():
         if body.get(name) is not None:
             found.append((kind, body[name], name))
@@ -446,11 +447,15 @@ def structured_output(body: dict, json_schema: Optional[dict]) -> tuple[Optional
             raise RequestError(f"'{name}' is not supported: send a JSON schema (response_format), guided_choice or "
                                "guided_regex", param=name, code="unsupported_parameter")
     if not found:
-        return json_schema, None
-    if len(found) > 1 or json_schema is not None:
-        names = [p for _, _, p in found] + (["response_format"] if json_schema is not None else [])
+        return None
+    if len(found) > 1:
+        names = [p for _, _, p in found]
+        if schema is not None:  # response_format, when given, named last (the error's param)
+            names = names[1:] + names[:1]
         raise RequestError(f"only one constraint on the answer may be given, not {', '.join(names)}", param=names[-1])
     kind, v, param = found[0]
+    if param == "response_format":
+        return found[0]
     if kind == "json":
         if isinstance(v, str):
             try:
@@ -459,13 +464,13 @@ def structured_output(body: dict, json_schema: Optional[dict]) -> tuple[Optional
                 v = None
         if not isinstance(v, dict):
             raise RequestError(f"'{param}' must be a JSON schema (an object, or a string of one)", param=param)
-        return None, (kind, v, param)
+        return kind, v, param
     if kind == "choice":
         if not (isinstance(v, list) and v and all(isinstance(c, str) and c for c in v)):
             raise RequestError(f"'{param}' must be a non-empty array of non-empty strings", param=param)
     elif not (isinstance(v, str) and v):
         raise RequestError(f"'{param}' must be a non-empty string (a regular expression)", param=param)
-    return None, (kind, v, param)
+    return kind, v, param
 
 
 def optional_field(body: dict, name: str, types, what: str, where: str = ""):
@@ -609,7 +614,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         else:
             logprobs = None
     parallel = optional_field(body, "parallel_tool_calls", (bool,), "a boolean")
-    json_schema, constraint = structured_output(body, _response_format(body))
+    constraint = structured_output(body)
     tc = body.get("tool_choice")
     if tc is not None and not (isinstance(tc, dict) or tc in ("none", "auto", "required")):
         raise RequestError("'tool_choice' must be 'none', 'auto', 'required' or an object", param="tool_choice")
@@ -673,7 +678,6 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         template_kwargs=tk,
         user=user,
         prompt_cache_key=pck,
-        json_schema=json_schema,
         constraint=constraint,
         ignore_eos=ignore_eos,
     )

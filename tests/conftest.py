@@ -62,6 +62,19 @@ def make_stack(redis_server, demo_model):
 
 
 @pytest.fixture(scope="module")
+def stack1(redis_server, demo_model):
+    """One backend and one gateway on the session Redis, shared by a test module."""
+    s = Stack(redis_server.url, demo_model)
+    try:  # a failed start must not leave its processes running
+        s.add_backend("b0")
+        s.add_gateway()
+        s.wait()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
 def stack2(redis_server, demo_model):
     """Two backends and one gateway on the session Redis, shared by a test module."""
     s = Stack(redis_server.url, demo_model)

@@ -8,20 +8,6 @@ from mlxgw.httpget import post
 from texts import words
 
 
-@pytest.fixture(scope="module")
-def stack1(redis_server, demo_model):
-    from mlxgw.harness import Stack
-
-    s = Stack(redis_server.url, demo_model)
-    try:  # a failed start must not leave its processes running
-        s.add_backend("b0")
-        s.add_gateway()
-        s.wait()
-        yield s
-    finally:
-        s.stop()
-
-
 def _err(resp):
     import json
 

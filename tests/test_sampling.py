@@ -17,18 +17,6 @@ from texts import words
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server, demo_model):
-    s = Stack(redis_server.url, demo_model)
-    try:
-        s.add_backend("b0")
-        s.add_gateway()
-        s.wait()
-        yield s
-    finally:
-        s.stop()
-
-
-@pytest.fixture(scope="module")
 def model(demo_model):
     return load(demo_model)
 
@@ -51,17 +39,17 @@ def _prompt(model, seed: int) -> list[int]:
     return model[1].encode(words(40, seed=seed), add_special_tokens=False)
 
 
-def _completion(stack, **body) -> dict:
-    status, _, raw = post(stack.gateway.url + "/v1/completions",
+def _completion(stack1, **body) -> dict:
+    status, _, raw = post(stack1.gateway.url + "/v1/completions",
                           {"model": "demo-tiny", "temperature": 0, "ignore_eos": True, **body})
     assert status == 200, raw
     return json.loads(raw)
 
 
-def test_legacy_logprobs_are_the_models(stack, model):
+def test_legacy_logprobs_are_the_models(stack1, model):
     ids = _prompt(model, 1)
     text = TokenText(model[1])
-    got = _completion(stack, prompt=ids, max_tokens=3, logprobs=3)["choices"][0]
+    got = _completion(stack1, prompt=ids, max_tokens=3, logprobs=3)["choices"][0]
     lp = got["logprobs"]
     top = _top(_logprobs(model, ids), 3)
     # Greedy: the first token is the likeliest one, with the model's own logprob.
@@ -84,33 +72,33 @@ def test_legacy_logprobs_are_the_models(stack, model):
     spaced = next((p for p in (_prompt(model, k) for k in range(20, 80))
                    if text(mx.argmax(_logprobs(model, p)).item())[0].startswith(" ")), None)
     assert spaced is not None, "no prompt of 60 whose answer starts with a space"
-    sp = _completion(stack, prompt=spaced, max_tokens=3, logprobs=0)["choices"][0]
+    sp = _completion(stack1, prompt=spaced, max_tokens=3, logprobs=0)["choices"][0]
     assert sp["logprobs"]["tokens"][0].startswith(" ") and not sp["text"].startswith(" ")
     assert sp["logprobs"]["text_offset"][1] == len(sp["logprobs"]["tokens"][0]) - 1
     assert all(sp["text"][o:].startswith(t.lstrip() if k == 0 else t)
                for k, (o, t) in enumerate(zip(sp["logprobs"]["text_offset"], sp["logprobs"]["tokens"])))
 
     # logprobs 0: the sampled token alone at each position; none asked: null
-    zero = _completion(stack, prompt=ids, max_tokens=2, logprobs=0)["choices"][0]["logprobs"]
+    zero = _completion(stack1, prompt=ids, max_tokens=2, logprobs=0)["choices"][0]["logprobs"]
     assert zero["tokens"] == lp["tokens"][:2]
     assert [list(a) for a in zero["top_logprobs"]] == [[t] for t in lp["tokens"][:2]]
-    assert _completion(stack, prompt=ids, max_tokens=2)["choices"][0]["logprobs"] is None
+    assert _completion(stack1, prompt=ids, max_tokens=2)["choices"][0]["logprobs"] is None
     # mlx_lm.server's form (helper-78: a 400 "must be an integer"): a boolean, top_logprobs the count
-    as_bool = _completion(stack, prompt=ids, max_tokens=3, logprobs=True, top_logprobs=3)["choices"][0]["logprobs"]
+    as_bool = _completion(stack1, prompt=ids, max_tokens=3, logprobs=True, top_logprobs=3)["choices"][0]["logprobs"]
     assert as_bool["tokens"] == lp["tokens"] and [list(a) for a in as_bool["top_logprobs"]] == [list(a) for a in
                                                                                                lp["top_logprobs"]]
     assert as_bool["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=2e-3)
-    as_bool = _completion(stack, prompt=ids, max_tokens=2, logprobs=True, top_logprobs=-1)["choices"][0]["logprobs"]
+    as_bool = _completion(stack1, prompt=ids, max_tokens=2, logprobs=True, top_logprobs=-1)["choices"][0]["logprobs"]
     assert as_bool["tokens"] == zero["tokens"] and [list(a) for a in as_bool["top_logprobs"]] == [[t] for t in
                                                                                                  zero["tokens"]]
-    assert _completion(stack, prompt=ids, max_tokens=2, logprobs=False)["choices"][0]["logprobs"] is None
-    status, _, raw = post(stack.gateway.url + "/v1/completions",
+    assert _completion(stack1, prompt=ids, max_tokens=2, logprobs=False)["choices"][0]["logprobs"] is None
+    status, _, raw = post(stack1.gateway.url + "/v1/completions",
                           {"model": "demo-tiny", "prompt": ids, "max_tokens": 2, "top_logprobs": 3})
     assert status == 400 and json.loads(raw)["error"]["param"] == "top_logprobs"  # as on chat (was ignored)
 
 
-def test_chat_logprobs_streamed_and_not(stack, model):
-    client = openai.OpenAI(base_url=stack.gateway.url + "/v1", api_key="unused", max_retries=0)
+def test_chat_logprobs_streamed_and_not(stack1, model):
+    client = openai.OpenAI(base_url=stack1.gateway.url + "/v1", api_key="unused", max_retries=0)
     msgs = [{"role": "user", "content": words(30, seed=2)}]
     kw = dict(model="demo-tiny", messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
               extra_body={"ignore_eos": True})
@@ -141,11 +129,11 @@ def test_chat_logprobs_streamed_and_not(stack, model):
     assert plain.choices[0].logprobs is None
 
 
-def test_streamed_logprobs_keep_pace_with_the_text(stack, model):
+def test_streamed_logprobs_keep_pace_with_the_text(stack1, model):
     """A chunk carries the entries of the tokens whose text it completes: text held back while it
     could start a stop string holds back its tokens' entries (helper-79: entries ran ahead of the
     text, '' with [' Load'], then 'L' with ['.a'])."""
-    status, _, raw = post(stack.gateway.url + "/v1/completions",
+    status, _, raw = post(stack1.gateway.url + "/v1/completions",
                           {"model": "demo-tiny", "prompt": _prompt(model, 11), "max_tokens": 10, "temperature": 0,
                            "ignore_eos": True, "logprobs": 0, "stop": ["\u0001 never written"], "stream": True})
     assert status == 200
@@ -167,21 +155,21 @@ def test_streamed_logprobs_keep_pace_with_the_text(stack, model):
     assert held < 30  # and not all at the end
 
 
-def test_stop_string_ends_the_logprobs_too(stack, model):
+def test_stop_string_ends_the_logprobs_too(stack1, model):
     """Tokens the engine made after a stop string matched are not part of the answer."""
     ids = _prompt(model, 3)
-    first = _completion(stack, prompt=ids, max_tokens=8, logprobs=0)["choices"][0]
+    first = _completion(stack1, prompt=ids, max_tokens=8, logprobs=0)["choices"][0]
     toks = first["logprobs"]["tokens"]
     stop = toks[3].strip() or toks[3]
     cut = next(k for k, t in enumerate(toks) if stop in t)
     for _ in range(4):  # the engine may make a token past the stop before its cancel lands: not counted
-        out = _completion(stack, prompt=ids, max_tokens=8, logprobs=0, stop=[stop])
+        out = _completion(stack1, prompt=ids, max_tokens=8, logprobs=0, stop=[stop])
         got = out["choices"][0]
         assert got["finish_reason"] == "stop"
         assert got["logprobs"]["tokens"] == toks[:cut + 1]
         # helper-78: completion_tokens was 10 or 11 at random for 10 tokens of answer
         assert out["usage"]["completion_tokens"] == cut + 1
-    status, _, raw = post(stack.gateway.url + "/v1/completions",
+    status, _, raw = post(stack1.gateway.url + "/v1/completions",
                           {"model": "demo-tiny", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
                            "stop": [stop], "stream": True, "stream_options": {"include_usage": True}})
     chunks = [json.loads(ln[6:]) for ln in raw.decode().splitlines() if ln.startswith("data: {")]
@@ -202,7 +190,7 @@ def _greedy(model, ids: list[int], n: int, penalise=None) -> tuple[list[int], li
 
 
 @pytest.mark.parametrize("field, penalty", [("presence", 1.5), ("frequency", 0.75)])
-def test_penalties_are_applied_over_their_context(stack, model, field, penalty):
+def test_penalties_are_applied_over_their_context(stack1, model, field, penalty):
     """presence/frequency_penalty subtract from the logits of the ids among the last n tokens
     (prompt and answer; mlx-lm's processors: once per id, or once per occurrence),
     n = ``*_context_size``. The answer and its logprobs are those of greedy decoding with the
@@ -222,14 +210,14 @@ def test_penalties_are_applied_over_their_context(stack, model, field, penalty):
             break
     else:
         raise AssertionError("no prompt of 20 whose greedy answer the penalty changes")
-    got = _completion(stack, prompt=ids, max_tokens=8, logprobs=0,
+    got = _completion(stack1, prompt=ids, max_tokens=8, logprobs=0,
                       **{f"{field}_penalty": penalty, f"{field}_context_size": n})["choices"][0]["logprobs"]
     text = TokenText(model[1])
     assert got["tokens"] == [text(t)[0] for t in want]
     assert got["token_logprobs"] == pytest.approx(want_lps, abs=2e-3)
 
 
-def test_xtc_excludes_the_top_choices(stack, model):
+def test_xtc_excludes_the_top_choices(stack1, model):
     """XTC at probability 1 and threshold 0 removes every token but the least likely one, except
     the newline and end-of-sequence tokens it never removes (mlx-lm's ``apply_xtc``): the first
     token is one of those, where sampling from all 3,072 would almost never be."""
@@ -239,7 +227,7 @@ def test_xtc_excludes_the_top_choices(stack, model):
     keep = {mx.argmin(lp).item(), *tok.encode("\n", add_special_tokens=False), *tok.eos_token_ids}
     seen = set()
     for seed in range(3):
-        got = _completion(stack, prompt=ids, max_tokens=1, temperature=1.0, xtc_probability=1.0, xtc_threshold=0.0,
+        got = _completion(stack1, prompt=ids, max_tokens=1, temperature=1.0, xtc_probability=1.0, xtc_threshold=0.0,
                           seed=seed, logprobs=0)["choices"][0]["logprobs"]
         seen.add(got["tokens"][0])
     assert seen <= {TokenText(tok)(i)[0] for i in keep}, (seen, keep)
@@ -256,14 +244,14 @@ def test_xtc_excludes_the_top_choices(stack, model):
     ({"adapters": "my-lora"}, "adapters"),  # mlx_lm.server's; ignored, the answer came from another model
     ({"draft_model": "small"}, "draft_model"),
 ])
-def test_bad_sampling_options_are_400(stack, body, param):
-    status, _, raw = post(stack.gateway.url + "/v1/chat/completions",
+def test_bad_sampling_options_are_400(stack1, body, param):
+    status, _, raw = post(stack1.gateway.url + "/v1/chat/completions",
                           {"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"}], **body})
     assert status == 400, raw
     assert json.loads(raw)["error"]["param"] == param
 
 
-def test_seed_makes_sampling_reproducible(stack, model):
+def test_seed_makes_sampling_reproducible(stack1, model):
     """A ``seed`` draws the request's tokens from its own random stream (mlx_lm.server makes a
     seeded request reproducible by running it alone; we keep batching): the same seed gives the
     same answer, alone or beside another request, and another seed another answer."""
@@ -271,24 +259,24 @@ def test_seed_makes_sampling_reproducible(stack, model):
 
     ids = _prompt(model, 6)
     body = dict(prompt=ids, max_tokens=12, temperature=1.0)
-    first = _completion(stack, seed=7, **body)["choices"][0]["text"]
-    assert _completion(stack, seed=7, **body)["choices"][0]["text"] == first
-    assert _completion(stack, seed=8, **body)["choices"][0]["text"] != first
+    first = _completion(stack1, seed=7, **body)["choices"][0]["text"]
+    assert _completion(stack1, seed=7, **body)["choices"][0]["text"] == first
+    assert _completion(stack1, seed=8, **body)["choices"][0]["text"] != first
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        other = pool.submit(_completion, stack, prompt=_prompt(model, 7), max_tokens=40, temperature=1.0)
-        beside = pool.submit(_completion, stack, seed=7, **body)
+        other = pool.submit(_completion, stack1, prompt=_prompt(model, 7), max_tokens=40, temperature=1.0)
+        beside = pool.submit(_completion, stack1, seed=7, **body)
         assert beside.result()["choices"][0]["text"] == first
         assert other.result()["usage"]["completion_tokens"] == 40
 
 
-def test_vllm_structured_outputs_constrain_the_answer(stack):
+def test_vllm_structured_outputs_constrain_the_answer(stack1):
     """vLLM's guided_json / guided_choice / guided_regex and its newer ``structured_outputs``
     object (clients written for vLLM send them) were ignored: the demo model's random weights
     answered gibberish. Now each constrains the answer as response_format does."""
     import re
 
     def answer(**extra):
-        status, _, raw = post(stack.gateway.url + "/v1/chat/completions",
+        status, _, raw = post(stack1.gateway.url + "/v1/chat/completions",
                               {"model": "demo-tiny", "messages": [{"role": "user", "content": words(12, seed=8)}],
                                "max_tokens": 40, "temperature": 1.0, **extra})
         assert status == 200, raw
@@ -324,8 +312,8 @@ def test_vllm_structured_outputs_constrain_the_answer(stack):
     ({"structured_outputs": {"choise": ["a"]}}, "structured_outputs.choise"),  # a typo constrained nothing
     ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object"),
 ])
-def test_bad_structured_outputs_are_400(stack, body, param):
-    status, _, raw = post(stack.gateway.url + "/v1/chat/completions",
+def test_bad_structured_outputs_are_400(stack1, body, param):
+    status, _, raw = post(stack1.gateway.url + "/v1/chat/completions",
                           {"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"}], **body})
     assert status == 400, raw
     assert json.loads(raw)["error"]["param"] == param
