@@ -129,6 +129,66 @@ def test_chat_logprobs_streamed_and_not(stack1, model):
     assert plain.choices[0].logprobs is None
 
 
+def test_responses_logprobs_are_the_chats(stack1):
+    """The Responses API's output text logprobs (``include: ["message.output_text.logprobs"]``,
+    ``top_logprobs``) are the chat endpoint's for the same conversation, streamed and not; without
+    the include there are none, as OpenAI answers (they were never produced: ``[]``)."""
+    client = openai.OpenAI(base_url=stack1.gateway.url + "/v1", api_key="unused", max_retries=0)
+    text = words(30, seed=5)
+    chat = client.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": text}],
+                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    want = [(e.token, e.logprob, e.bytes, [(t.token, t.logprob) for t in e.top_logprobs])
+            for e in chat.choices[0].logprobs.content]
+    kw = dict(model="demo-tiny", input=text, max_output_tokens=5, temperature=0, top_logprobs=2,
+              extra_body={"ignore_eos": True})
+
+    def rows(entries):
+        return [(e.token, pytest.approx(e.logprob, abs=2e-3), e.bytes,
+                 [(t.token, pytest.approx(t.logprob, abs=2e-3)) for t in e.top_logprobs]) for e in entries]
+
+    full = client.responses.create(include=["message.output_text.logprobs"], **kw)
+    part = full.output[0].content[0]
+    assert part.text == chat.choices[0].message.content and len(want) == 5
+    assert rows(part.logprobs) == want and full.top_logprobs == 2
+
+    deltas, done, final = [], None, None
+    for ev in client.responses.create(include=["message.output_text.logprobs"], stream=True, **kw):
+        if ev.type == "response.output_text.delta":
+            deltas += ev.logprobs
+        elif ev.type == "response.output_text.done":
+            done = ev.logprobs
+        elif ev.type == "response.incomplete":  # max_output_tokens ended it
+            final = ev.response.output[0].content[0].logprobs
+    assert [(e.token, e.logprob) for e in deltas] == [(e.token, e.logprob) for e in done]
+    assert rows(final) == want and [e.token for e in done] == [w[0] for w in want]
+
+    assert client.responses.create(**kw).output[0].content[0].logprobs == []  # no include: none
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(include=["message.output_text.logprobs"], **{**kw, "top_logprobs": 21})
+    assert err.value.body["param"] == "top_logprobs"
+
+
+def test_output_text_logprobs_leave_out_reasoning_and_tool_call_tokens():
+    """Beside reasoning or a tool call, the output text gets its own tokens' entries (found by
+    their bytes), in a whole answer and in a chunk."""
+    from gateway.dialects.base import text_entries
+
+    def entry(s):
+        return {"token": s, "logprob": -1.0, "bytes": list(s.encode()), "top_logprobs": []}
+
+    toks = ["<think>", "I", " think", "</think>", "\n\n", "I", " said", "<tool_call>", "{}", "</tool_call>"]
+    entries = [entry(t) for t in toks]
+    got = text_entries(entries, "I said", reasoning="I think", calls=True)
+    assert [e["token"] for e in got] == ["I", " said"] and got[0] is entries[5]
+    assert [e["token"] for e in text_entries(entries[:7], "I said", reasoning="I think")] == ["I", " said"]
+    assert [e["token"] for e in text_entries(entries[5:], "I said", calls=True)] == ["I", " said"]
+    # a token split across the text's edge is the text's too; alone, content has them all
+    assert [e["token"] for e in text_entries([entry("ab"), entry("c<tool")], "bc", calls=True)] == ["ab", "c<tool"]
+    assert text_entries(entries[5:7], " said") == entries[5:7]
+    assert text_entries(None, "x") is None
+
+
 def test_streamed_logprobs_keep_pace_with_the_text(stack1, model):
     """A chunk carries the entries of the tokens whose text it completes: text held back while it
     could start a stop string holds back its tokens' entries (helper-79: entries ran ahead of the

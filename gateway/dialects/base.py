@@ -143,6 +143,9 @@ class ChatTransform:
         # (`gateway.app._route`): the Anthropic dialect's length stop is then the context's.
         self.context_capped = False
         self.request_id = ""
+        # The chat logprobs entries of the text `on_text` is given (`text_entries`); None when
+        # the request asked for none.
+        self.text_logprobs: Optional[list] = None
 
     # -- gateway.proxy.Transform -------------------------------------------
     def begin(self, status: int, headers: Mapping[str, str], route: Mapping[str, str]) -> dict:
@@ -222,6 +225,8 @@ class ChatTransform:
             if delta.get("reasoning_content"):
                 out.append(self.on_reasoning(delta["reasoning_content"]))
             if delta.get("content"):
+                self.text_logprobs = text_entries((ch.get("logprobs") or {}).get("content"), delta["content"],
+                                                  delta.get("reasoning_content") or "", bool(delta.get("tool_calls")))
                 out.append(self.on_text(delta["content"]))
             for tc in delta.get("tool_calls") or []:
                 idx = tc.get("index", 0)
@@ -275,6 +280,36 @@ def chat_message(completion: dict) -> tuple[dict, Optional[str], dict]:
     """(message, finish_reason, usage) of a non-streamed OpenAI chat completion."""
     ch = (completion.get("choices") or [{}])[0]
     return ch.get("message") or {}, ch.get("finish_reason"), completion.get("usage") or {}
+
+
+def text_entries(entries, text: str, reasoning: str = "", calls: bool = False) -> Optional[list]:
+    """The chat logprobs entries (``{token, logprob, bytes, top_logprobs}``) of the tokens that
+    wrote ``text``, an answer's (or a chunk's) content, out of ``entries``, those of every token
+    of it: the reasoning's and tool calls' tokens are left out (OpenAI's Responses API gives
+    ``output_text`` the logprobs of its own text). None when ``entries`` is None.
+
+    Content that came alone has all the entries. Beside reasoning or tool calls, its tokens are
+    found by their bytes: the content's UTF-8 bytes after the reasoning's (the reasoning comes
+    first, tool calls after); the entries whose bytes overlap that span are kept. Content the
+    bytes do not show (the detokenizer's trimmed leading space, say) keeps them all.
+    """
+    if entries is None:
+        return None
+    if not (reasoning or calls):
+        return list(entries)
+    spans, at = [], 0
+    for e in entries:
+        n = len(e.get("bytes") or ())
+        spans.append((at, at + n))
+        at += n
+    joined = b"".join(bytes(e.get("bytes") or ()) for e in entries)
+    want, before = text.encode(), reasoning.encode()
+    at = joined.find(before) if before else -1
+    begin = joined.find(want, at + len(before) if at >= 0 else 0)
+    if begin < 0:
+        return list(entries)
+    end = begin + len(want)
+    return [e for e, (a, b) in zip(entries, spans) if a < end and b > begin]
 
 
 def stop_string(completion: dict) -> Optional[str]:

@@ -20,7 +20,9 @@ Shapes follow OpenAI's API reference ("Responses", "Streaming events"):
   400, the gateway keeps no state (send the whole conversation, as Codex does with
   ``store: false``);
 * ``max_output_tokens`` -> ``max_tokens``; a length stop ends with status
-  ``incomplete`` (``response.incomplete``), and so does the output item it cut.
+  ``incomplete`` (``response.incomplete``), and so does the output item it cut;
+* ``include: ["message.output_text.logprobs"]`` + ``top_logprobs`` -> chat ``logprobs`` /
+  ``top_logprobs``; the output text gets its own tokens' entries (`base.text_entries`).
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ from typing import Optional
 
 from mlxgw.protocol import RequestError, number_field, optional_field
 
-from .base import ChatTransform, chat_message, chat_request, function_tools, new_id, sse_event, text_of, with_stream
+from .base import (ChatTransform, chat_message, chat_request, function_tools, new_id, sse_event, text_entries, text_of,
+                   with_stream)
 
 ROLES = ("user", "assistant", "system", "developer")
+#: The ``include`` item that asks for the output text's logprobs.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 def _append_call(out: list[dict], call_id: str, name: str, arguments: str) -> None:
@@ -215,9 +220,14 @@ def to_chat(body: dict) -> dict:
     if optional_field(body, "parallel_tool_calls", (bool,), "a boolean") is False:
         out["parallel_tool_calls"] = False
     optional_field(body, "store", (bool,), "a boolean")  # accepted and not used (stateless), but not any value
-    include = optional_field(body, "include", (list,), "an array of strings")  # none is produced; checked as OpenAI does
+    include = optional_field(body, "include", (list,), "an array of strings")
     if include is not None and not all(isinstance(x, str) for x in include):
         raise RequestError("'include' must be an array of strings", param="include")
+    top = number_field(body, "top_logprobs", None, lo=0, hi=20, integer=True)
+    # As OpenAI's API: the output text's logprobs come only when `include` asks for them,
+    # top_logprobs (alone: none) says how many alternatives each token lists.
+    if include and LOGPROBS_INCLUDE in include:
+        out["logprobs"], out["top_logprobs"] = True, top or 0
     for k in ("reasoning", "metadata"):
         optional_field(body, k, (dict,), "an object")
     fmt = response_format(body.get("text"))
@@ -296,7 +306,8 @@ class ResponsesTransform(ChatTransform):
              "previous_response_id": None, "instructions": self.request.get("instructions"),
              "error": None, "incomplete_details": None, "metadata": self.request.get("metadata") or {},
              "text": {"format": (self.request.get("text") or {}).get("format") or {"type": "text"}},
-             "truncation": "disabled", "store": False, "usage": usage}
+             "truncation": "disabled", "store": False, "top_logprobs": self.request.get("top_logprobs"),
+             "usage": usage}
         if status == "incomplete":
             r["incomplete_details"] = {"reason": "max_output_tokens"}
         return r
@@ -320,7 +331,7 @@ class ResponsesTransform(ChatTransform):
         if it["type"] == "message":
             part = it["content"][0]
             return (self._ev("response.output_text.done", item_id=it["id"], output_index=idx, content_index=0,
-                             text=part["text"], logprobs=[])
+                             text=part["text"], logprobs=part["logprobs"])
                     + self._ev("response.content_part.done", item_id=it["id"], output_index=idx, content_index=0,
                                part=part)
                     + self._ev("response.output_item.done", output_index=idx, item=it))
@@ -348,9 +359,12 @@ class ResponsesTransform(ChatTransform):
             out += self._ev("response.content_part.added", item_id=self.open["id"], output_index=idx,
                             content_index=0, part=dict(part))
             self.open["content"].append(part)
-        self.open["content"][0]["text"] += text
+        part = self.open["content"][0]
+        part["text"] += text
+        lps = self.text_logprobs or []
+        part["logprobs"] += lps
         return out + self._ev("response.output_text.delta", item_id=self.open["id"], output_index=len(self.items),
-                              content_index=0, delta=text, logprobs=[])
+                              content_index=0, delta=text, logprobs=lps)
 
     def on_reasoning(self, text: str) -> bytes:
         return b""  # reasoning is not surfaced in this dialect (counted in output tokens)
@@ -393,9 +407,11 @@ class ResponsesTransform(ChatTransform):
     def convert_full(self, completion: dict) -> dict:
         msg, reason, usage = chat_message(completion)
         if msg.get("content"):
+            lps = text_entries(((completion.get("choices") or [{}])[0].get("logprobs") or {}).get("content"),
+                               msg["content"], msg.get("reasoning_content") or "", bool(msg.get("tool_calls")))
             self.items.append({"id": new_id("msg_"), "type": "message", "status": "completed", "role": "assistant",
                                "content": [{"type": "output_text", "text": msg["content"], "annotations": [],
-                                            "logprobs": []}]})
+                                            "logprobs": lps or []}]})
         for tc in msg.get("tool_calls") or []:
             fn = tc.get("function") or {}
             if fn.get("name") in self.custom:
