@@ -102,6 +102,10 @@ class GenParams:
     seed: Optional[int] = None
     processors: list = field(default_factory=list)  # extra logits processors (e.g. backend.toolchoice)
     ignore_eos: bool = False  # vLLM's extension: end-of-sequence tokens do not stop the answer
+    # vLLM's extensions: the first min_tokens tokens are never an end-of-sequence or stop token;
+    # a stop token ends the answer as end-of-sequence does (its text kept unless it is special).
+    min_tokens: int = 0
+    stop_token_ids: tuple = ()
 
 
 @dataclass
@@ -190,6 +194,34 @@ def seeded_sampler(sampler, seed: int):
             mx.random.seed(_ENTROPY.getrandbits(64))
 
     return sample
+
+
+class MinTokens:
+    """mlx-lm logits processor for vLLM's ``min_tokens``: the first ``n`` tokens sampled are
+    never one of ``banned`` (end-of-sequence and stop tokens), whose logits read -inf.
+
+    Called once per sampled token, as mlx-lm's processors are. A step where nothing else is
+    left (a grammar that allows only end-of-sequence) is left as it was: the constraint wins.
+    """
+
+    def __init__(self, n: int, banned):
+        self.left = n
+        self.banned = sorted(set(banned))
+        self._mask = None  # additive, (vocab,), made at the first call (the logits' size)
+
+    def __call__(self, tokens, logits):
+        if self.left <= 0 or not self.banned:
+            return logits
+        import mlx.core as mx
+
+        self.left -= 1
+        vocab = logits.shape[-1]
+        if self._mask is None:
+            mask = np.zeros(vocab, dtype=np.float32)
+            mask[[t for t in self.banned if t < vocab]] = -np.inf
+            self._mask = mx.array(mask)
+        out = logits + self._mask.astype(logits.dtype)
+        return mx.where(mx.isinf(out).all(), logits, out)
 
 
 class Engine:
@@ -302,6 +334,7 @@ class MLXEngine(Engine):
     """
 
     _xtc_keep: Optional[list] = None  # `_xtc_special_tokens`, worked out once
+    _special: Optional[frozenset] = None  # special and end-of-sequence token ids (`_kept_stop_token`)
 
     def __init__(
         self,
@@ -896,7 +929,7 @@ class MLXEngine(Engine):
             self._finish(live, "cancelled")
 
     def _admit(self, req: GenRequest) -> _Live:
-        from mlx_lm.generate import StopSequences, make_stop_sequences
+        from mlx_lm.generate import StopSequences
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
         p = req.params
@@ -939,7 +972,10 @@ class MLXEngine(Engine):
             p.presence_penalty or None, p.presence_context_size,
             p.frequency_penalty or None, p.frequency_context_size,
         ) + list(p.processors)
-        stop = StopSequences([]) if p.ignore_eos else make_stop_sequences(self.tokenizer, [])
+        ends = ([] if p.ignore_eos else list(self.tokenizer.eos_token_ids)) + list(p.stop_token_ids)
+        if p.min_tokens:
+            processors.append(MinTokens(p.min_tokens, list(self.tokenizer.eos_token_ids) + list(p.stop_token_ids)))
+        stop = StopSequences([(t,) for t in ends])
         (uid,) = self._bg.insert_segments(
             segments=[segments],
             max_tokens=[p.max_tokens],
@@ -1009,7 +1045,8 @@ class MLXEngine(Engine):
             req.generated += 1
             self.generated_tokens_total += 1
             self.metrics.on_token(req.rid, req.submitted_at)
-            if r.finish_reason == "stop":
+            kept_stop = r.finish_reason == "stop" and self._kept_stop_token(r.token, req.params)
+            if r.finish_reason == "stop" and not kept_stop:
                 live.detok.finalize()
                 text = live.detok.last_segment
             else:
@@ -1018,7 +1055,7 @@ class MLXEngine(Engine):
                     live.detok.finalize()
                 text = live.detok.last_segment
             ev = GenEvent("token", token=r.token, text=text)
-            if req.params.logprobs is not None and r.finish_reason != "stop":
+            if req.params.logprobs is not None and (r.finish_reason != "stop" or kept_stop):
                 ev.logprob, ev.top = self._token_logprobs(r, req.params.logprobs)
             req.emit(ev)
             if r.finish_reason is not None:
@@ -1044,6 +1081,16 @@ class MLXEngine(Engine):
         idx = mx.argpartition(-lp, kth=n - 1)[:n]
         pairs = zip(idx.tolist(), lp[idx].tolist())
         return value, sorted(((i, max(v, LOGPROB_FLOOR)) for i, v in pairs), key=lambda p: -p[1])
+
+    def _kept_stop_token(self, token: int, p: GenParams) -> bool:
+        """A stop token whose text stays in the answer: one of the request's ``stop_token_ids``
+        that is not a special token (vLLM's rule); an end-of-sequence token never is."""
+        if token not in p.stop_token_ids:
+            return False
+        if self._special is None:
+            self._special = frozenset(getattr(self.tokenizer, "all_special_ids", None) or ()) | frozenset(
+                self.tokenizer.eos_token_ids)
+        return token not in self._special
 
     def _xtc_special_tokens(self) -> list[int]:
         """Tokens XTC sampling never excludes: the newline and end-of-sequence tokens

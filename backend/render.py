@@ -66,10 +66,16 @@ class AnswerBuilder:
         initial_state: ``"normal"`` or ``"reasoning"``.
         one_call: the request's ``parallel_tool_calls`` is false: the answer ends with its first
             tool call (what follows is dropped and `ended` says to stop generating).
+        min_tokens: vLLM's: no stop string ends the answer before its token ``min_tokens + 1``
+            (a stop string written sooner stays text), as vLLM checks them.
+        include_stop: vLLM's ``include_stop_str_in_output``: the stop string that ended the
+            answer is its last text.
+        stop_token_ids: the request's stop tokens: the one that ended the answer is its
+            ``stop_reason`` (vLLM's), as a stop string's text is.
     """
 
     def __init__(self, tokenizer, tools, stop: list[str], streaming: bool, initial_state="normal",
-                 one_call: bool = False):
+                 one_call: bool = False, min_tokens: int = 0, include_stop: bool = False, stop_token_ids=()):
         self.sm = make_text_state_machine(tokenizer, [])
         self.state = self.sm.make_state(initial_state)
         self.prev = initial_state
@@ -88,6 +94,18 @@ class AnswerBuilder:
         # The stop sequence that ended the answer; set only with ``stopped``, so the finish
         # reason is then always "stop".
         self.stop_string: Optional[str] = None
+        self.min_tokens = min_tokens
+        self.include_stop = include_stop
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.tokens = 0  # tokens fed
+        self.last_token: Optional[int] = None
+        self.no_stop_before = 0  # characters of ``buf`` no stop string may end in (before min_tokens)
+        self.stop_token: Optional[int] = None  # the stop token that ended the answer (`finish_reason`)
+
+    @property
+    def stop_reason(self):
+        """vLLM's ``stop_reason``: the stop string or stop token id that ended the answer, else None."""
+        return self.stop_string if self.stop_string is not None else self.stop_token
 
     @property
     def held(self) -> int:
@@ -101,11 +119,15 @@ class AnswerBuilder:
         server cancels the rest of the generation, which still saves the prompt cache."""
         return self.stopped or self.call_made
 
-    def feed(self, text: str, final: Optional[str] = None) -> Piece:
-        """Consume decoded text; ``final`` is the engine's finish reason when ending."""
+    def feed(self, text: str, final: Optional[str] = None, token: Optional[int] = None) -> Piece:
+        """Consume decoded text; ``final`` is the engine's finish reason when ending; ``token``
+        the generated token the text is of (None for an end event)."""
         out = Piece()
         if self.call_made:
             return out
+        if token is not None and not self.stopped:
+            self.tokens += 1
+            self.last_token = token
         if final == "stop":
             self.state, _ = TextStateMachine.discard(self.state)
             segments = [(self.state[0], "")]
@@ -165,24 +187,33 @@ class AnswerBuilder:
     def _release(self, final: bool) -> str:
         if self.stopped:
             return ""
-        for s in self.stop:
-            i = self.buf.find(s)
-            if i >= 0:
-                self.stopped, self.stop_string = True, s
-                text, self.buf = self.buf[:i], ""
-                return text
+        checking = not self.min_tokens or self.tokens > self.min_tokens  # vLLM: past min_tokens only
+        if checking:
+            for s in self.stop:
+                # A match must end in text fed since the checks began.
+                i = self.buf.find(s, max(0, self.no_stop_before - len(s) + 1))
+                if i >= 0:
+                    self.stopped, self.stop_string = True, s
+                    end = i + len(s) if self.include_stop else i
+                    text, self.buf = self.buf[:end], ""
+                    return text
         if final or self.hold == 0:
             text, self.buf = self.buf, ""
-            return text
-        keep = self.hold - 1
-        if len(self.buf) <= keep:
-            return ""
-        text, self.buf = self.buf[:-keep] if keep else self.buf, self.buf[-keep:] if keep else ""
+        else:
+            keep = self.hold - 1
+            if len(self.buf) <= keep:
+                text = ""
+            else:
+                text, self.buf = self.buf[:-keep] if keep else self.buf, self.buf[-keep:] if keep else ""
+        # What is still held of the text fed before the checks began stays out of reach.
+        self.no_stop_before = max(0, self.no_stop_before - len(text)) if checking else len(self.buf)
         return text
 
     def finish_reason(self, engine_reason: str) -> str:
         if self.stopped:
             return "stop"
+        if engine_reason == "stop" and self.last_token in self.stop_token_ids:
+            self.stop_token = self.last_token
         if self.call_made:  # the one call allowed is complete, whatever ended the generation
             return "tool_calls"
         if engine_reason in ("stop", "cancelled") and self.made_tool_call:
@@ -230,6 +261,19 @@ class TokenText:
         return raw.decode("utf-8", "replace"), raw
 
 
+class TokenIdNames:
+    """A `TokenText` whose tokens are named ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``,
+    for clients that read ids back); the bytes stay the token's own."""
+
+    trims_leading_space = False  # a name is not the answer's text
+
+    def __init__(self, text: TokenText):
+        self.text = text
+
+    def __call__(self, token: int) -> tuple[str, bytes]:
+        return f"token_id:{token}", self.text(token)[1]
+
+
 @functools.lru_cache(maxsize=8)
 def token_text(tokenizer) -> TokenText:
     """The `TokenText` of ``tokenizer`` (one per loaded model)."""
@@ -246,8 +290,10 @@ class OpenAIRenderer:
     ``top_logprobs``, ``text_offset``).
     """
 
-    def __init__(self, kind: str, model: str, stream: bool, logprobs: Optional[int] = None, tokenizer=None):
+    def __init__(self, kind: str, model: str, stream: bool, logprobs: Optional[int] = None, tokenizer=None,
+                 token_ids: bool = False):
         self.kind = kind
+        self.token_ids = token_ids  # vLLM's return_tokens_as_token_ids: tokens named "token_id:N"
         self.model = model
         self.stream = stream
         self.logprobs = logprobs
@@ -268,7 +314,7 @@ class OpenAIRenderer:
         for none (or, in a stream, for a chunk with no token of its own)."""
         if self.logprobs is None or (self.stream and not events):
             return None
-        text = self._text
+        text = TokenIdNames(self._text) if self.token_ids else self._text
         if self.kind == "chat":
             def item(tok, lp):
                 s, b = text(tok)

@@ -255,6 +255,8 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
     ctx = engine.context_length
     if pr.prompt_ids is not None and any(t >= len(engine.tokenizer) for t in ids):
         raise RequestError("prompt contains token ids outside the vocabulary", param="prompt")
+    if any(t >= len(engine.tokenizer) for t in pr.stop_token_ids):
+        raise RequestError("'stop_token_ids' holds token ids outside the vocabulary", param="stop_token_ids")
     if len(ids) >= ctx:
         raise context_exceeded(len(ids), ctx, "messages" if kind == "chat" else "prompt")
     max_tokens = min(pr.max_tokens or DEFAULT_MAX_TOKENS, ctx - len(ids))
@@ -285,15 +287,19 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
             logprobs=pr.logprobs,
             seed=pr.seed,
             ignore_eos=pr.ignore_eos,
+            min_tokens=min(pr.min_tokens, max_tokens),
+            stop_token_ids=tuple(pr.stop_token_ids),
             processors=constrained_processors(engine.tokenizer, pr.tools, pr.tool_choice, pr.constraint),
         ),
         system_tokens=system_tokens,
         loop=loop,
         events=asyncio.Queue(),
     )
-    renderer = OpenAIRenderer(kind, pr.model or cfg.model_name, pr.stream, pr.logprobs, engine.tokenizer)
+    renderer = OpenAIRenderer(kind, pr.model or cfg.model_name, pr.stream, pr.logprobs, engine.tokenizer,
+                              token_ids=pr.return_tokens_as_token_ids)
     builder = AnswerBuilder(engine.tokenizer, pr.tools, pr.stop, pr.stream,
-                            one_call=not pr.parallel_tool_calls)
+                            one_call=not pr.parallel_tool_calls, min_tokens=min(pr.min_tokens, max_tokens),
+                            include_stop=pr.include_stop_str_in_output, stop_token_ids=pr.stop_token_ids)
     engine.submit(req)
     finished = False
     try:
@@ -344,7 +350,8 @@ async def _collect(req, renderer, builder, reporter, engine, timeout: float) -> 
                 kept += 1
             if ev.logprob is not None and not builder.ended:
                 lps.append(ev)
-            piece = builder.feed(ev.text, ev.finish_reason if ev.kind == "end" else None)
+            piece = builder.feed(ev.text, ev.finish_reason if ev.kind == "end" else None,
+                                 ev.token if ev.kind == "token" else None)
             content.append(piece.content)
             reasoning.append(piece.reasoning)
             calls.extend(piece.tool_calls)
@@ -359,7 +366,7 @@ async def _collect(req, renderer, builder, reporter, engine, timeout: float) -> 
     await reporter.settle()
     usage = renderer.usage(len(req.prompt), kept, req.cached)
     return web.json_response(renderer.full("".join(content), "".join(reasoning), calls, reason, usage,
-                                           builder.stop_string, lps),
+                                           builder.stop_reason, lps),
                              headers={"X-Mlxgw-Cached-Tokens": str(req.cached)})
 
 
@@ -444,7 +451,7 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
             if ev.logprob is not None and not builder.ended:
                 lps.append((fed + len(ev.text), ev))
             fed += len(ev.text)
-            piece = builder.feed(ev.text, final)
+            piece = builder.feed(ev.text, final, ev.token if ev.kind == "token" else None)
             if builder.ended and reason is None:
                 reason = "stop"
                 engine.cancel(req.rid)
@@ -458,7 +465,7 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
             if ev.kind == "end":
                 reason = builder.finish_reason(ev.finish_reason)
                 await reporter.settle()
-                await resp.write(_sse(renderer.chunk(Piece(), reason, stop_reason=builder.stop_string,
+                await resp.write(_sse(renderer.chunk(Piece(), reason, stop_reason=builder.stop_reason,
                                                      lps=[e for _, e in lps])))
                 if pr.include_usage:
                     usage = renderer.usage(len(req.prompt), kept, req.cached)

@@ -206,6 +206,8 @@ async def _route(request: web.Request, kind: str, path: str, body: Optional[dict
     if pr.max_tokens is not None and len(ids) + pr.max_tokens > info.context_length:
         body["max_tokens"] = info.context_length - len(ids)
         body.pop("max_completion_tokens", None)
+        if pr.min_tokens > body["max_tokens"]:  # what fits of it (the backend refuses more than max_tokens)
+            body["min_tokens"] = body["max_tokens"]
         if transform is not None:  # a length stop is then the context's (the Anthropic dialect says so)
             transform.context_capped = True
 

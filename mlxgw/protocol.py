@@ -149,6 +149,12 @@ class ParsedRequest:
     # field. Compiled by backend.toolchoice.
     constraint: Optional[tuple] = None
     ignore_eos: bool = False  # vLLM's extension: generate past end-of-sequence tokens, to max_tokens or a stop string
+    # vLLM's stopping extensions (`stopping_fields`): no end-of-sequence, stop token nor stop string
+    # before min_tokens; more tokens that end the answer; a stop string kept in the answer.
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
 
 
 # Deepest JSON nesting accepted. Real requests (tool schemas included) stay
@@ -167,6 +173,16 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 MAX_STOP = 16
 # Tokens one logit_bias may name (OpenAI documents no limit; this bounds the per-step work).
 MAX_LOGIT_BIAS = 1024
+# Tokens one stop_token_ids may name (vLLM documents no limit; each is a stop sequence the
+# engine checks per step).
+MAX_STOP_TOKEN_IDS = 256
+# vLLM's request fields that change the answer and that no backend here applies: refused, not
+# dropped (the answer would silently differ from the one asked for). Each with what it asks.
+UNSUPPORTED_VLLM = (
+    ("use_beam_search", "beam search"),
+    ("prompt_logprobs", "the prompt's logprobs"),
+    ("truncate_prompt_tokens", "prompt truncation"),
+)
 # An integer beyond 64 bits needs 19+ digits in a row; the body is scanned for such a run with
 # a byte translate plus a substring search (a regex scan costs ~2 ms per 100k tokens of prompt).
 _DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
@@ -566,6 +582,39 @@ def normalize_messages(messages: list) -> list:
     return out
 
 
+def stopping_fields(body: dict, max_tokens: Optional[int], mt_field: str) -> tuple[int, list[int], bool]:
+    """vLLM's stopping fields of a request: ``(min_tokens, stop_token_ids, include_stop_str_in_output)``.
+
+    ``min_tokens`` (tokens, >= 0, at most ``max_tokens``): no end-of-sequence token, stop token
+    nor stop string ends the answer before it has that many tokens; ``stop_token_ids`` (token
+    ids, at most `MAX_STOP_TOKEN_IDS`): generating one ends the answer (``finish_reason``
+    "stop", ``stop_reason`` the id); ``include_stop_str_in_output``: the stop string that
+    ended the answer stays in it. Meanings from vLLM's ``SamplingParams``.
+
+    Raises:
+        RequestError: 400 naming the field: a wrong type or range, ``min_tokens`` above
+            ``max_tokens``, or one of `UNSUPPORTED_VLLM` set (``unsupported_parameter``).
+    """
+    for name, what in UNSUPPORTED_VLLM:
+        if body.get(name) is not None and body[name] is not False:  # prompt_logprobs 0 asks too
+            raise RequestError(f"'{name}' is not supported: {what} is not done here", param=name,
+                               code="unsupported_parameter")
+    min_tokens = number_field(body, "min_tokens", 0, lo=0, integer=True)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise RequestError(f"'min_tokens' ({min_tokens}) must be at most '{mt_field}' ({max_tokens})",
+                           param="min_tokens")
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        ids = []
+    elif not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
+                                            for t in ids)):
+        raise RequestError("'stop_token_ids' must be an array of token ids", param="stop_token_ids")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
+    include = bool(optional_field(body, "include_stop_str_in_output", (bool,), "a boolean"))
+    return min_tokens, sorted(set(ids)), include
+
+
 def parse_openai(body: dict, kind: str) -> ParsedRequest:
     """Validate an OpenAI ``/v1/chat/completions`` (kind "chat") or ``/v1/completions`` ("text") body.
 
@@ -646,6 +695,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         ):
             raise RequestError("'logit_bias' must map token ids to numbers from -100 to 100", param="logit_bias")
     tk = template_kwargs(body)
+    min_tokens, stop_token_ids, include_stop = stopping_fields(body, max_tokens, mt_field)
     seed = number_field(body, "seed", None, integer=True)
     user = optional_field(body, "user", (str,), "a string")
     pck = optional_field(body, "prompt_cache_key", (str,), "a string")
@@ -680,6 +730,10 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         prompt_cache_key=pck,
         constraint=constraint,
         ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
+        stop_token_ids=stop_token_ids,
+        include_stop_str_in_output=include_stop,
+        return_tokens_as_token_ids=bool(optional_field(body, "return_tokens_as_token_ids", (bool,), "a boolean")),
     )
     if kind == "chat":
         for k in ("functions", "function_call"):

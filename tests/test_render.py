@@ -107,6 +107,18 @@ def test_text_stop_string_is_cut_across_pieces(tok):
     assert content == "one two " and b.stopped
 
 
+def test_stop_strings_count_only_past_min_tokens(tok):
+    """vLLM's min_tokens: a stop string written within the first tokens stays text, even while
+    it is still held back when the checks begin; one written after them ends the answer."""
+    b = AnswerBuilder(tok, None, ["\n", "ENDING"], streaming=True, min_tokens=1)
+    out = [b.feed("a\nb", token=1), b.feed("c", token=2)]
+    assert not b.stopped
+    out.append(b.feed("\nd", token=3))
+    assert "".join(p.content for p in out) == "a\nbc" and b.stop_reason == "\n"
+    kept = AnswerBuilder(tok, None, ["ENDING"], streaming=True, include_stop=True)
+    assert run(kept, ["xEND", "INGy"], final=None)[0] == "xENDING" and kept.stopped
+
+
 def test_unparsable_tool_call_comes_back_as_text_not_as_a_call(tok):
     """A block the parser cannot read is returned verbatim as content, markers included, and
     makes no tool-call answer: mlx-lm's formatter drops it (mlx-lm issue 1307), and the answer

@@ -436,3 +436,100 @@ def test_sampling_defaults_come_from_the_models_generation_config(tmp_path, redi
         s.stop()
         if "s2" in locals():
             s2.stop()
+
+
+def _stream_text(stack1, **body) -> tuple[str, list[dict]]:
+    status, _, raw = post(stack1.gateway.url + "/v1/completions",
+                          {"model": "demo-tiny", "temperature": 0, "ignore_eos": True, "stream": True, **body})
+    assert status == 200, raw
+    chunks = [json.loads(ln[6:]) for ln in raw.decode().splitlines() if ln.startswith("data: {")]
+    return "".join(c["text"] for ch in chunks for c in ch["choices"]), chunks
+
+
+def test_stop_token_ids_end_the_answer_with_the_token(stack1, model):
+    """vLLM's ``stop_token_ids`` (dropped before: the answer ran on): the answer ends at the
+    first of them generated, its text kept (not a special token), ``stop_reason`` its id."""
+    ids = _prompt(model, 7)
+    greedy, _ = _greedy(model, ids, 6)
+    k = next(k for k in range(2, 6) if greedy[k] not in greedy[:k])
+    want = _completion(stack1, prompt=ids, max_tokens=k + 1)["choices"][0]["text"]
+    got = _completion(stack1, prompt=ids, max_tokens=6, stop_token_ids=[greedy[k]], logprobs=0)
+    ch = got["choices"][0]
+    assert (ch["text"], ch["finish_reason"], ch["stop_reason"]) == (want, "stop", greedy[k])
+    assert len(ch["logprobs"]["tokens"]) == got["usage"]["completion_tokens"] == k + 1
+    text, chunks = _stream_text(stack1, prompt=ids, max_tokens=6, stop_token_ids=[greedy[k]])
+    assert text == want and chunks[-1]["choices"][0]["stop_reason"] == greedy[k]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_min_tokens_holds_off_stop_tokens_and_stop_strings(stack1, model):
+    """vLLM's ``min_tokens``: a stop token is never sampled among the first ones (the model's
+    next likeliest is), and a stop string written before them does not end the answer."""
+    ids = _prompt(model, 8)
+    greedy, _ = _greedy(model, ids, 1)
+    second = _top(_logprobs(model, ids), 2)[1][0]
+    got = _completion(stack1, prompt=ids, max_tokens=3, stop_token_ids=[greedy[0]], min_tokens=3,
+                      return_tokens_as_token_ids=True, logprobs=0)["choices"][0]
+    assert got["logprobs"]["tokens"][0] == f"token_id:{second}" and got["finish_reason"] == "length"
+    # without min_tokens the same stop token ends the answer at once
+    now = _completion(stack1, prompt=ids, max_tokens=3, stop_token_ids=[greedy[0]])["choices"][0]
+    assert now["finish_reason"] == "stop" and now["stop_reason"] == greedy[0]
+
+    full = _completion(stack1, prompt=ids, max_tokens=6, logprobs=0)["choices"][0]
+    first = full["logprobs"]["tokens"][0].strip()
+    assert first and full["text"].count(first) == 1, full  # a stop string only the first token writes
+    assert _completion(stack1, prompt=ids, max_tokens=6, stop=[first])["choices"][0]["text"] == ""
+    for stream in (False, True):
+        body = dict(prompt=ids, max_tokens=6, stop=[first], min_tokens=1)
+        text = _stream_text(stack1, **body)[0] if stream else _completion(stack1, **body)["choices"][0]["text"]
+        assert text == full["text"], stream
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(stack1, model):
+    ids = _prompt(model, 9)
+    full = _completion(stack1, prompt=ids, max_tokens=8)["choices"][0]["text"]
+    stop = full[6:9]
+    cut = full.index(stop)
+    assert cut > 0
+    assert _completion(stack1, prompt=ids, max_tokens=8, stop=[stop])["choices"][0]["text"] == full[:cut]
+    for stream in (False, True):
+        body = dict(prompt=ids, max_tokens=8, stop=[stop], include_stop_str_in_output=True)
+        text = _stream_text(stack1, **body)[0] if stream else _completion(stack1, **body)["choices"][0]["text"]
+        assert text == full[:cut + len(stop)], stream
+
+
+def test_return_tokens_as_token_ids_names_the_ids(stack1, model):
+    client = openai.OpenAI(base_url=stack1.gateway.url + "/v1", api_key="unused", max_retries=0)
+    msgs = [{"role": "user", "content": words(20, seed=4)}]
+    kw = dict(model="demo-tiny", messages=msgs, max_tokens=4, temperature=0, logprobs=True, top_logprobs=1,
+              extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(**kw).choices[0].logprobs.content
+    kw["extra_body"]["return_tokens_as_token_ids"] = True
+    named = client.chat.completions.create(**kw).choices[0].logprobs.content
+    text = TokenText(model[1])
+    for p, n in zip(plain, named, strict=True):
+        tid = int(n.token.removeprefix("token_id:"))
+        assert n.token == f"token_id:{tid}" and text(tid)[0] == p.token and n.bytes == p.bytes
+        assert n.top_logprobs[0].token == n.token
+
+
+@pytest.mark.parametrize("field,value,code", [
+    ("min_tokens", 9, None), ("min_tokens", -1, None), ("stop_token_ids", [1, "2"], None),
+    ("stop_token_ids", list(range(257)), None), ("stop_token_ids", [10**9], None),
+    ("include_stop_str_in_output", "yes", None), ("use_beam_search", True, "unsupported_parameter"),
+    ("prompt_logprobs", 0, "unsupported_parameter"), ("truncate_prompt_tokens", 100, "unsupported_parameter"),
+])
+def test_vllm_fields_that_cannot_be_applied_are_400s(stack1, field, value, code):
+    status, _, raw = post(stack1.gateway.url + "/v1/chat/completions",
+                          {"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                           field: value})
+    err = json.loads(raw)["error"]
+    assert (status, err["param"], err["code"]) == (400, field, code), raw
+
+
+def test_min_tokens_past_the_context_left_is_what_fits(stack1, model):
+    """The gateway lowers a max_tokens past the context to what is left; min_tokens goes down
+    with it (the backend refuses a min_tokens above max_tokens)."""
+    ids = (_prompt(model, 10) * 300)[:8190]  # 2 tokens of the 8192-token context left
+    got = _completion(stack1, prompt=ids, max_tokens=10, min_tokens=8)
+    assert (got["usage"]["completion_tokens"], got["choices"][0]["finish_reason"]) == (2, "length")
