@@ -26,6 +26,10 @@ connection takes the place of the one idle longest between requests (nginx reuse
 keep-alive connections the same way when ``worker_connections`` run out); only when
 none is idle is it refused. A client whose idle connection is closed reconnects, as
 HTTP/1.1 clients must (the SDKs retry a connection closed before an answer).
+
+aiohttp answers a request it cannot parse (a bad request line or header, a header past
+its size limit, broken chunked framing) itself, before any handler, in text/plain;
+`JsonErrors` makes that answer the OpenAI-style JSON error every other one is.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import time
 from typing import Optional
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from mlxgw.protocol import retry_after_headers
 from mlxgw.util import Tally
@@ -80,6 +85,31 @@ def refusal(body: bytes) -> bytes:
     head = "".join(f"{k}: {v}\r\n" for k, v in retry_after_headers().items())
     return (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n{head}"
             f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+class JsonErrors(RequestHandler):
+    """aiohttp's connection handler, its own error answers (`handle_error`: an unparsable
+    request, 400; a handler that failed or timed out, 500 / 504) in OpenAI's JSON error shape
+    instead of text/plain, with the status, logging and closing of the connection unchanged.
+
+    aiohttp makes its handlers itself (``web.Server.__call__``) from a class with
+    ``__slots__``; this subclass adds none, so a made handler can take it as its class
+    (`GuardedRunner.server`).
+    """
+
+    __slots__ = ()
+
+    def handle_error(self, request, status: int = 500, exc: Optional[BaseException] = None,
+                     message: Optional[str] = None) -> web.StreamResponse:
+        plain = super().handle_error(request, status, exc, message)  # logs; raises if the answer began
+        if status < 500:
+            text, kind = f"malformed HTTP request: {message or plain.reason}", "invalid_request_error"
+        else:
+            text, kind = "internal server error", "server_error"
+        resp = web.json_response({"error": {"message": text, "type": kind, "param": None, "code": None}},
+                                 status=status)
+        resp.force_close()
+        return resp
 
 
 class _Refused(asyncio.Protocol):
@@ -167,8 +197,16 @@ class GuardedRunner(web.AppRunner):
     @property
     def server(self):
         inner = super().server
-        if inner is None or self.max_connections <= 0:
+        if inner is None:
             return inner
+
+        def handler():
+            h = inner()
+            h.__class__ = JsonErrors  # its error answers in JSON (`JsonErrors`)
+            return h
+
+        if self.max_connections <= 0:
+            return handler
         # aiohttp keeps its connections in a dict; `connections` copies it into a list.
         conns = getattr(inner, "_connections", None)
 
@@ -178,7 +216,7 @@ class GuardedRunner(web.AppRunner):
                 if n >= self.max_connections:
                     self.reclaimed += 1
                     self._reclaims.add()
-                return inner()
+                return handler()
             self._refuse()
             if self._lingering[0] >= MAX_LINGERING:
                 return _Reset()

@@ -332,3 +332,31 @@ def test_an_anthropic_error_from_the_backend_carries_the_request_id(stack1):
     got = json.loads(raw)
     assert status == 400 and got["type"] == "error" and "cannot constrain" in got["error"]["message"], raw
     assert got["request_id"] == headers["request-id"] and len(got["request_id"]) == 32, (got, headers)
+
+
+@pytest.mark.parametrize("raw", [
+    b"GET /health HTTP/1.1\r\nHost: x\r\nNot a header\r\n\r\n",  # a header line without a colon
+    b"FOO BAR BAZ QUX\r\n\r\n",  # no request line
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",  # past aiohttp's 8190
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+])
+def test_a_request_aiohttp_cannot_parse_gets_a_json_400(stack1, raw):
+    """Requests aiohttp refuses before any handler got its text/plain 400 ("Bad Request\\n\\n...");
+    now the OpenAI-style JSON error every other answer is, the connection closed as before."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(stack1.gateway.url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(raw)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"400", got
+    assert b"content-type: application/json" in head.lower(), head
+    err = json.loads(body)["error"]
+    assert err["type"] == "invalid_request_error" and err["message"].startswith("malformed HTTP request: "), err
+    status, _, _ = post(stack1.gateway.url + "/v1/chat/completions",
+                        {"model": "demo-tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2})
+    assert status == 200
