@@ -259,8 +259,19 @@ class Reporter:
         # listed: a gateway that saw it listed first routed them on load (their publication
         # waited for the flusher's first wake-up). Unlisted, its blocks are no gateway's
         # candidate yet (a failure here marks a re-publish, and the heartbeat then fails too).
+        # The restored entries' `saved` events, queued before there was an epoch: they go out
+        # under this one (the re-publish drops the queue), so a reader of the event stream sees
+        # what the new epoch holds, not a `cleared` and then nothing.
+        with self._lock:
+            early, self._events = self._events, []
+        for ev in early:
+            ev["epoch"] = str(self.epoch)
         async with self._flush_lock:
             await self._republish()
+        with self._lock:
+            self._events[:0] = early
+        if early:
+            self._notify()  # for the flusher's first wake-up
         await self.heartbeat()
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),

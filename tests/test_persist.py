@@ -6,9 +6,11 @@ import time
 
 import numpy as np
 import pytest
+import redis
 
 from backend import persist, sim
 from backend.cache import PromptCache
+from mlxgw import schema
 from mlxgw.httpget import get_json, post
 from texts import words
 
@@ -229,6 +231,18 @@ def test_a_restarted_backend_serves_its_saved_prompts_again(make_stack, tmp_path
     assert "restored the prompt cache from " in log and ": 1 entry (" in log, log[-2000:]
     health = get_json(b.url + "/health")
     assert health["restored_entries"] == 1 and health["restored_tokens"] >= 300, health
+    # The stream says what the new epoch holds: the restored entry's `saved` event under it
+    # (there was none: a reader saw the stop's `cleared`, then nothing).
+    rd, keys = redis.Redis.from_url(s.redis_url), schema.Keys(s.namespace, s.model_name)
+    epoch = rd.hget(keys.backend("b0"), "epoch").decode()
+    saved = evs = []
+    for _ in range(50):
+        evs = [schema.decode_event(f) for _, f in rd.xrange(keys.events)]
+        saved = [e for e in evs if e["type"] == schema.EVENT_SAVED and e["epoch"] == epoch]
+        if saved:
+            break
+        time.sleep(0.1)
+    assert [e["data"]["tokens"] for e in saved] == [health["restored_tokens"]], evs[-5:]
     prompt = first["usage"]["prompt_tokens"]
     deadline = time.time() + 10
     while time.time() < deadline:  # the gateway sees the new epoch's blocks within a report
