@@ -106,6 +106,8 @@ class GenParams:
     # a stop token ends the answer as end-of-sequence does (its text kept unless it is special).
     min_tokens: int = 0
     stop_token_ids: tuple = ()
+    allowed_token_ids: Optional[tuple] = None  # vLLM's: sample only these
+    skip_special_tokens: bool = True  # vLLM's default: special tokens' text is not in the answer
 
 
 @dataclass
@@ -184,7 +186,9 @@ def seeded_sampler(sampler, seed: int):
     """
     import mlx.core as mx
 
-    own = random.Random(seed)
+    # As an unsigned 64-bit number: Random takes a negative seed's absolute value (helper-80:
+    # seed -1 answered as seed 1).
+    own = random.Random(seed % 2**64)
 
     def sample(logprobs):
         mx.random.seed(own.getrandbits(64))
@@ -194,6 +198,25 @@ def seeded_sampler(sampler, seed: int):
             mx.random.seed(_ENTROPY.getrandbits(64))
 
     return sample
+
+
+class AllowedTokens:
+    """mlx-lm logits processor for vLLM's ``allowed_token_ids``: every other token's logit
+    reads -inf, so only ``ids`` are sampled."""
+
+    def __init__(self, ids):
+        self.ids = sorted(set(ids))
+        self._mask = None  # additive, (vocab,), made at the first call (the logits' size)
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+
+        if self._mask is None:
+            vocab = logits.shape[-1]
+            mask = np.full(vocab, -np.inf, dtype=np.float32)
+            mask[[t for t in self.ids if t < vocab]] = 0.0
+            self._mask = mx.array(mask)
+        return logits + self._mask.astype(logits.dtype)
 
 
 class MinTokens:
@@ -334,7 +357,7 @@ class MLXEngine(Engine):
     """
 
     _xtc_keep: Optional[list] = None  # `_xtc_special_tokens`, worked out once
-    _special: Optional[frozenset] = None  # special and end-of-sequence token ids (`_kept_stop_token`)
+    _special: Optional[frozenset] = None  # `_skipped_tokens`, worked out once
 
     def __init__(
         self,
@@ -973,6 +996,8 @@ class MLXEngine(Engine):
             p.frequency_penalty or None, p.frequency_context_size,
         ) + list(p.processors)
         ends = ([] if p.ignore_eos else list(self.tokenizer.eos_token_ids)) + list(p.stop_token_ids)
+        if p.allowed_token_ids:
+            processors.append(AllowedTokens(p.allowed_token_ids))
         if p.min_tokens:
             processors.append(MinTokens(p.min_tokens, list(self.tokenizer.eos_token_ids) + list(p.stop_token_ids)))
         stop = StopSequences([(t,) for t in ends])
@@ -1050,7 +1075,8 @@ class MLXEngine(Engine):
                 live.detok.finalize()
                 text = live.detok.last_segment
             else:
-                live.detok.add_token(r.token)
+                if not (req.params.skip_special_tokens and r.token in self._skipped_tokens()):
+                    live.detok.add_token(r.token)
                 if r.finish_reason is not None:
                     live.detok.finalize()
                 text = live.detok.last_segment
@@ -1084,13 +1110,27 @@ class MLXEngine(Engine):
 
     def _kept_stop_token(self, token: int, p: GenParams) -> bool:
         """A stop token whose text stays in the answer: one of the request's ``stop_token_ids``
-        that is not a special token (vLLM's rule); an end-of-sequence token never is."""
+        that is not a special token (vLLM's rule: the tokenizer's ``all_special_ids``); an
+        end-of-sequence token never is."""
         if token not in p.stop_token_ids:
             return False
+        return token not in self._skipped_tokens() and token not in self.tokenizer.eos_token_ids
+
+    def _skipped_tokens(self) -> frozenset:
+        """The special tokens whose text a ``skip_special_tokens`` answer leaves out (vLLM's and
+        transformers' set: the tokenizer's ``all_special_ids``), but for the reasoning and
+        tool-call markers mlx-lm reads the answer's parts by, which stay text (vLLM's parsers
+        ask for them the same way)."""
         if self._special is None:
-            self._special = frozenset(getattr(self.tokenizer, "all_special_ids", None) or ()) | frozenset(
-                self.tokenizer.eos_token_ids)
-        return token not in self._special
+            tok = self.tokenizer
+            markers = set()
+            for m in (getattr(tok, "think_start", None), getattr(tok, "think_end", None),
+                      getattr(tok, "tool_call_start", None), getattr(tok, "tool_call_end", None)):
+                ids = tok.encode(m, add_special_tokens=False) if m else []
+                if len(ids) == 1:
+                    markers.add(ids[0])
+            self._special = frozenset(getattr(tok, "all_special_ids", None) or ()) - markers
+        return self._special
 
     def _xtc_special_tokens(self) -> list[int]:
         """Tokens XTC sampling never excludes: the newline and end-of-sequence tokens

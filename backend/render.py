@@ -72,10 +72,15 @@ class AnswerBuilder:
             answer is its last text.
         stop_token_ids: the request's stop tokens: the one that ended the answer is its
             ``stop_reason`` (vLLM's), as a stop string's text is.
+        raw: the text as generated, no reasoning or tool calls taken out of it: the legacy
+            completions endpoint's answer, which has no field for them (vLLM parses neither
+            there; helper-80: a ``<think>`` the model wrote swallowed the rest of the text).
     """
 
     def __init__(self, tokenizer, tools, stop: list[str], streaming: bool, initial_state="normal",
-                 one_call: bool = False, min_tokens: int = 0, include_stop: bool = False, stop_token_ids=()):
+                 one_call: bool = False, min_tokens: int = 0, include_stop: bool = False, stop_token_ids=(),
+                 raw: bool = False):
+        self.raw = raw
         self.sm = make_text_state_machine(tokenizer, [])
         self.state = self.sm.make_state(initial_state)
         self.prev = initial_state
@@ -128,7 +133,9 @@ class AnswerBuilder:
         if token is not None and not self.stopped:
             self.tokens += 1
             self.last_token = token
-        if final == "stop":
+        if self.raw:
+            segments = [("normal", text)]
+        elif final == "stop":
             self.state, _ = TextStateMachine.discard(self.state)
             segments = [(self.state[0], "")]
         else:
@@ -291,8 +298,9 @@ class OpenAIRenderer:
     """
 
     def __init__(self, kind: str, model: str, stream: bool, logprobs: Optional[int] = None, tokenizer=None,
-                 token_ids: bool = False):
+                 token_ids: bool = False, reasoning: bool = True):
         self.kind = kind
+        self.reasoning = reasoning  # vLLM's include_reasoning: false leaves the reasoning text out
         self.token_ids = token_ids  # vLLM's return_tokens_as_token_ids: tokens named "token_id:N"
         self.model = model
         self.stream = stream
@@ -332,7 +340,8 @@ class OpenAIRenderer:
             alts.setdefault(s, ev.logprob)
             out["top_logprobs"].append(alts)
             out["text_offset"].append(self._offset)
-            if self._offset == 0 and text.trims_leading_space and s.startswith(" "):
+            s = self._text(ev.token)[0]  # its text, whatever its name (helper-80: "token_id:N" counted)
+            if self._offset == 0 and self._text.trims_leading_space and s.startswith(" "):
                 s = s[1:]  # offsets index the answer's text, which starts without that space
             self._offset += len(s)
         return out
@@ -347,10 +356,11 @@ class OpenAIRenderer:
         }
 
     @staticmethod
-    def _choice(choice: dict, stop_reason: Optional[str]) -> list[dict]:
-        # vLLM's extension: the stop string that ended the answer (Anthropic's stop_sequence
-        # is made from it); absent when none did.
-        if stop_reason is not None:
+    def _choice(choice: dict, stop_reason) -> list[dict]:
+        # vLLM's extension: the stop string (or stop token id) that ended the answer (Anthropic's
+        # stop_sequence is made from it); null when none did, on the choice that finishes, as vLLM
+        # sends it (helper-80: absent, and a client's choice["stop_reason"] raised KeyError).
+        if stop_reason is not None or choice.get("finish_reason") is not None:
             choice["stop_reason"] = stop_reason
         return [choice]
 
@@ -364,7 +374,7 @@ class OpenAIRenderer:
                 delta["role"] = "assistant"
             if piece.content:
                 delta["content"] = piece.content
-            if piece.reasoning:
+            if piece.reasoning and self.reasoning:
                 # Both names: mlx_lm.server (0.32) and vLLM write ``reasoning``, DeepSeek's API and
                 # the clients written for it (and for vLLM before) read ``reasoning_content``.
                 delta["reasoning"] = delta["reasoning_content"] = piece.reasoning
@@ -411,7 +421,7 @@ class OpenAIRenderer:
         out = self._base()
         if self.kind == "chat":
             msg = {"role": "assistant", "content": content or (None if tool_calls else "")}
-            if reasoning:
+            if reasoning and self.reasoning:
                 msg["reasoning"] = msg["reasoning_content"] = reasoning  # both names: see `chunk`
             if tool_calls:
                 msg["tool_calls"] = tool_calls

@@ -255,11 +255,13 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
     ctx = engine.context_length
     if pr.prompt_ids is not None and any(t >= len(engine.tokenizer) for t in ids):
         raise RequestError("prompt contains token ids outside the vocabulary", param="prompt")
-    if any(t >= len(engine.tokenizer) for t in pr.stop_token_ids):
-        raise RequestError("'stop_token_ids' holds token ids outside the vocabulary", param="stop_token_ids")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        if any(t >= len(engine.tokenizer) for t in getattr(pr, name) or ()):
+            raise RequestError(f"'{name}' holds token ids outside the vocabulary", param=name)
     if len(ids) >= ctx:
         raise context_exceeded(len(ids), ctx, "messages" if kind == "chat" else "prompt")
-    max_tokens = min(pr.max_tokens or DEFAULT_MAX_TOKENS, ctx - len(ids))
+    # Without a max_tokens, at least min_tokens (helper-80: min_tokens 600 gave the 512 default)
+    max_tokens = min(pr.max_tokens or max(DEFAULT_MAX_TOKENS, pr.min_tokens), ctx - len(ids))
     # Redis must reflect earlier saves before this request is answered.
     await reporter.settle()
 
@@ -271,7 +273,9 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
         prompt=list(ids),
         params=GenParams(
             max_tokens=max_tokens,
-            temperature=pr.temperature,
+            # top_p 0 keeps only the likeliest token (OpenAI's meaning): greedy. mlx-lm reads 0 as
+            # no nucleus at all (helper-80: the widest sampling for the narrowest setting).
+            temperature=0.0 if pr.top_p == 0 else pr.temperature,
             top_p=pr.top_p,
             top_k=effective_top_k(pr.top_k, engine),
             min_p=pr.min_p,
@@ -289,6 +293,8 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
             ignore_eos=pr.ignore_eos,
             min_tokens=min(pr.min_tokens, max_tokens),
             stop_token_ids=tuple(pr.stop_token_ids),
+            allowed_token_ids=tuple(pr.allowed_token_ids) if pr.allowed_token_ids else None,
+            skip_special_tokens=pr.skip_special_tokens,
             processors=constrained_processors(engine.tokenizer, pr.tools, pr.tool_choice, pr.constraint),
         ),
         system_tokens=system_tokens,
@@ -296,10 +302,11 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
         events=asyncio.Queue(),
     )
     renderer = OpenAIRenderer(kind, pr.model or cfg.model_name, pr.stream, pr.logprobs, engine.tokenizer,
-                              token_ids=pr.return_tokens_as_token_ids)
+                              token_ids=pr.return_tokens_as_token_ids, reasoning=pr.include_reasoning)
     builder = AnswerBuilder(engine.tokenizer, pr.tools, pr.stop, pr.stream,
                             one_call=not pr.parallel_tool_calls, min_tokens=min(pr.min_tokens, max_tokens),
-                            include_stop=pr.include_stop_str_in_output, stop_token_ids=pr.stop_token_ids)
+                            include_stop=pr.include_stop_str_in_output, stop_token_ids=pr.stop_token_ids,
+                            raw=kind == "text")
     engine.submit(req)
     finished = False
     try:
@@ -460,13 +467,17 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
                 ready = [e for end, e in lps if end <= out or builder.ended]
                 lps = [(end, e) for end, e in lps if not (end <= out or builder.ended)]
                 for obj in renderer.stream_chunks(piece, first=first, lps=ready):
+                    if pr.continuous_usage:  # vLLM's continuous_usage_stats: the counts so far on each chunk
+                        obj["usage"] = renderer.usage(len(req.prompt), kept, req.cached)
                     await resp.write(_sse(obj))
                 first = False
             if ev.kind == "end":
                 reason = builder.finish_reason(ev.finish_reason)
                 await reporter.settle()
-                await resp.write(_sse(renderer.chunk(Piece(), reason, stop_reason=builder.stop_reason,
-                                                     lps=[e for _, e in lps])))
+                last = renderer.chunk(Piece(), reason, stop_reason=builder.stop_reason, lps=[e for _, e in lps])
+                if pr.continuous_usage:
+                    last["usage"] = renderer.usage(len(req.prompt), kept, req.cached)
+                await resp.write(_sse(last))
                 if pr.include_usage:
                     usage = renderer.usage(len(req.prompt), kept, req.cached)
                     await resp.write(_sse(renderer.usage_chunk(usage)))

@@ -155,6 +155,10 @@ class ParsedRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
+    allowed_token_ids: Optional[list[int]] = None  # vLLM's: sample only these tokens
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning text out of the answer
+    skip_special_tokens: bool = True  # vLLM's: special tokens' text is left out of the answer
 
 
 # Deepest JSON nesting accepted. Real requests (tool schemas included) stay
@@ -179,9 +183,21 @@ MAX_STOP_TOKEN_IDS = 256
 # vLLM's request fields that change the answer and that no backend here applies: refused, not
 # dropped (the answer would silently differ from the one asked for). Each with what it asks.
 UNSUPPORTED_VLLM = (
-    ("use_beam_search", "beam search"),
-    ("prompt_logprobs", "the prompt's logprobs"),
-    ("truncate_prompt_tokens", "prompt truncation"),
+    ("use_beam_search", "beam search is not done here"),
+    ("prompt_logprobs", "the prompt's logprobs are not computed here"),
+    ("truncate_prompt_tokens", "prompt truncation is not done here"),
+    ("bad_words", "banned words are not applied here (logit_bias bans single tokens)"),
+    ("logits_processors", "request logits processors are not run here"),
+    ("vllm_xargs", "vLLM's custom arguments are not read here"),
+    ("prompt_embeds", "prompt embeddings are not taken here: send the prompt"),
+    ("return_token_ids", "the answer's token ids are not returned here (logprobs with "
+                         "return_tokens_as_token_ids name them)"),
+    # A request's own template would be run by the gateway's Jinja: as chat_template_kwargs' key.
+    ("chat_template", "a request's own chat template is not run here: the model's is"),
+    # Isolation asked for and not given is worse than none asked (helper-80: accepted, and the
+    # next tenant's request reused the first's prompt).
+    ("cache_salt", "per-request cache isolation is not done here: the backends share their prefix "
+                   "caches among all requests (docs/security.md)"),
 )
 # An integer beyond 64 bits needs 19+ digits in a row; the body is scanned for such a run with
 # a byte translate plus a substring search (a regex scan costs ~2 ms per 100k tokens of prompt).
@@ -582,6 +598,35 @@ def normalize_messages(messages: list) -> list:
     return out
 
 
+def token_id_list(body: dict, name: str) -> Optional[list[int]]:
+    """``body[name]`` as a list of token ids (None when absent or null; the backend checks them
+    against its vocabulary).
+
+    Raises:
+        RequestError: 400 naming the field when it is not an array of integers from 0 to 2**32 - 1.
+    """
+    ids = body.get(name)
+    if ids is None:
+        return None
+    if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
+                                          for t in ids)):
+        raise RequestError(f"'{name}' must be an array of token ids", param=name)
+    return ids
+
+
+def refuse_unsupported(body: dict) -> None:
+    """Refuse the request fields of `UNSUPPORTED_VLLM` that are set (not absent, null, false or
+    empty; ``prompt_logprobs: 0`` asks too).
+
+    Raises:
+        RequestError: 400 ``unsupported_parameter`` naming the first such field.
+    """
+    for name, what in UNSUPPORTED_VLLM:
+        v = body.get(name)
+        if v is not None and v is not False and v != [] and v != {}:
+            raise RequestError(f"'{name}' is not supported: {what}", param=name, code="unsupported_parameter")
+
+
 def stopping_fields(body: dict, max_tokens: Optional[int], mt_field: str) -> tuple[int, list[int], bool]:
     """vLLM's stopping fields of a request: ``(min_tokens, stop_token_ids, include_stop_str_in_output)``.
 
@@ -593,22 +638,13 @@ def stopping_fields(body: dict, max_tokens: Optional[int], mt_field: str) -> tup
 
     Raises:
         RequestError: 400 naming the field: a wrong type or range, ``min_tokens`` above
-            ``max_tokens``, or one of `UNSUPPORTED_VLLM` set (``unsupported_parameter``).
+            ``max_tokens``.
     """
-    for name, what in UNSUPPORTED_VLLM:
-        if body.get(name) is not None and body[name] is not False:  # prompt_logprobs 0 asks too
-            raise RequestError(f"'{name}' is not supported: {what} is not done here", param=name,
-                               code="unsupported_parameter")
     min_tokens = number_field(body, "min_tokens", 0, lo=0, integer=True)
     if max_tokens is not None and min_tokens > max_tokens:
         raise RequestError(f"'min_tokens' ({min_tokens}) must be at most '{mt_field}' ({max_tokens})",
                            param="min_tokens")
-    ids = body.get("stop_token_ids")
-    if ids is None:
-        ids = []
-    elif not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
-                                            for t in ids)):
-        raise RequestError("'stop_token_ids' must be an array of token ids", param="stop_token_ids")
+    ids = token_id_list(body, "stop_token_ids") or []
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise RequestError(f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
     include = bool(optional_field(body, "include_stop_str_in_output", (bool,), "a boolean"))
@@ -632,6 +668,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
     include_usage = so.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise RequestError("'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
+    continuous = optional_field(so, "continuous_usage_stats", (bool,), "a boolean", "stream_options")
     n = number_field(body, "n", 1, lo=1, integer=True)
     if n != 1:
         raise RequestError("'n' must be 1: one choice per request is supported", param="n")
@@ -639,22 +676,27 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         if body.get(name) is not None:  # mlx_lm.server's extensions: ignoring them would answer from another model
             raise RequestError(f"'{name}' is not supported: {what} (a backend serves the one model it loaded)",
                                param=name, code="unsupported_parameter")
+    refuse_unsupported(body)
+    # Both endpoints (vLLM takes them on chat too; helper-80: ignored there, refused here).
+    if optional_field(body, "echo", (bool,), "a boolean"):
+        raise RequestError("'echo' is not supported: the answer never repeats the prompt", param="echo",
+                           code="unsupported_parameter")
+    if number_field(body, "best_of", 1, lo=1, integer=True) != 1:
+        raise RequestError("'best_of' must be 1: one completion per request is supported", param="best_of")
     # -1: mlx_lm.server's "none" (its default, which clients written for it send)
     top = number_field(body, "top_logprobs", None, lo=-1, hi=20, integer=True)
     top = None if top == -1 else top
-    if kind == "text":  # the legacy API's logprobs is a count (0-5); echo, suffix, best_of are not done here
+    if kind == "text":  # the legacy API's logprobs is a count; suffix is not done here
         if isinstance(body.get("logprobs"), bool):  # mlx_lm.server's form, with top_logprobs as the count
             logprobs = (top or 0) if body["logprobs"] else None
         else:
-            logprobs = number_field(body, "logprobs", None, lo=0, hi=5, integer=True)
+            # up to 20 as vLLM takes (OpenAI's legacy API: 5)
+            logprobs = number_field(body, "logprobs", None, lo=0, hi=20, integer=True)
         if top and logprobs is None:  # as on chat (helper-79: silently no logprobs)
             raise RequestError("'top_logprobs' needs 'logprobs' (a count, or true)", param="top_logprobs")
-        if optional_field(body, "echo", (bool,), "a boolean"):
-            raise RequestError("'echo' is not supported: the answer never repeats the prompt", param="echo")
         if optional_field(body, "suffix", (str,), "a string"):
-            raise RequestError("'suffix' (insertion) is not supported", param="suffix")
-        if number_field(body, "best_of", 1, lo=1, integer=True) != 1:
-            raise RequestError("'best_of' must be 1: one completion per request is supported", param="best_of")
+            raise RequestError("'suffix' (insertion) is not supported", param="suffix", code="unsupported_parameter")
+
     else:
         if optional_field(body, "logprobs", (bool,), "a boolean"):
             logprobs = top or 0
@@ -696,6 +738,9 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
             raise RequestError("'logit_bias' must map token ids to numbers from -100 to 100", param="logit_bias")
     tk = template_kwargs(body)
     min_tokens, stop_token_ids, include_stop = stopping_fields(body, max_tokens, mt_field)
+    allowed = token_id_list(body, "allowed_token_ids")
+    if allowed == []:  # nothing could be sampled
+        raise RequestError("'allowed_token_ids' must name at least one token", param="allowed_token_ids")
     seed = number_field(body, "seed", None, integer=True)
     user = optional_field(body, "user", (str,), "a string")
     pck = optional_field(body, "prompt_cache_key", (str,), "a string")
@@ -734,7 +779,12 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         stop_token_ids=stop_token_ids,
         include_stop_str_in_output=include_stop,
         return_tokens_as_token_ids=bool(optional_field(body, "return_tokens_as_token_ids", (bool,), "a boolean")),
+        allowed_token_ids=allowed,
+        continuous_usage=bool(continuous) and include_usage,  # vLLM: with include_usage only
+        include_reasoning=optional_field(body, "include_reasoning", (bool,), "a boolean") is not False,
+        skip_special_tokens=optional_field(body, "skip_special_tokens", (bool,), "a boolean") is not False,
     )
+    optional_field(body, "spaces_between_special_tokens", (bool,), "a boolean")  # read by no detokenizer here
     if kind == "chat":
         for k in ("functions", "function_call"):
             if body.get(k) is not None:  # silently ignored before (helper-60): the model saw no functions

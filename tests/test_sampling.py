@@ -513,11 +513,21 @@ def test_return_tokens_as_token_ids_names_the_ids(stack1, model):
         assert n.top_logprobs[0].token == n.token
 
 
+UNSUPPORTED = "unsupported_parameter"
+
+
 @pytest.mark.parametrize("field,value,code", [
     ("min_tokens", 9, None), ("min_tokens", -1, None), ("stop_token_ids", [1, "2"], None),
     ("stop_token_ids", list(range(257)), None), ("stop_token_ids", [10**9], None),
-    ("include_stop_str_in_output", "yes", None), ("use_beam_search", True, "unsupported_parameter"),
-    ("prompt_logprobs", 0, "unsupported_parameter"), ("truncate_prompt_tokens", 100, "unsupported_parameter"),
+    ("include_stop_str_in_output", "yes", None), ("use_beam_search", True, UNSUPPORTED),
+    ("prompt_logprobs", 0, UNSUPPORTED), ("truncate_prompt_tokens", 100, UNSUPPORTED),
+    # helper-80: accepted and ignored, each changing the answer or what it was asked to keep apart
+    ("bad_words", ["Brown"], UNSUPPORTED), ("logits_processors", ["x"], UNSUPPORTED),
+    ("vllm_xargs", {"a": 1}, UNSUPPORTED), ("prompt_embeds", "abc", UNSUPPORTED),
+    ("return_token_ids", True, UNSUPPORTED), ("chat_template", "{{ messages[0].content }}", UNSUPPORTED),
+    ("cache_salt", "alice", UNSUPPORTED), ("echo", True, UNSUPPORTED), ("best_of", 2, None),
+    ("allowed_token_ids", [], None), ("allowed_token_ids", [10**9], None), ("skip_special_tokens", "no", None),
+    ("include_reasoning", 1, None),
 ])
 def test_vllm_fields_that_cannot_be_applied_are_400s(stack1, field, value, code):
     status, _, raw = post(stack1.gateway.url + "/v1/chat/completions",
@@ -527,9 +537,126 @@ def test_vllm_fields_that_cannot_be_applied_are_400s(stack1, field, value, code)
     assert (status, err["param"], err["code"]) == (400, field, code), raw
 
 
+def _token_id(model, text: str) -> int:
+    (tid,) = model[1].encode(text, add_special_tokens=False)
+    return tid
+
+
+def test_completions_text_is_the_raw_text(stack1, model):
+    """helper-80: on /v1/completions a ``<think>`` the model wrote swallowed the rest of the text
+    (reasoning taken out, with no field to put it in); the legacy answer is the text as written."""
+    think = _token_id(model, "<think>")
+    got = _completion(stack1, prompt=_prompt(model, 11), max_tokens=3, logit_bias={str(think): 100}, logprobs=0)
+    ch = got["choices"][0]
+    assert ch["text"] == "<think>" * 3 and ch["logprobs"]["tokens"] == ["<think>"] * 3, ch
+
+
+def test_top_p_zero_keeps_only_the_likeliest_token(stack1, model):
+    """OpenAI's meaning, the narrowest nucleus: greedy. mlx-lm reads 0 as no nucleus (helper-80:
+    the most random answer for the most restrictive setting)."""
+    ids = _prompt(model, 12)
+    greedy = _completion(stack1, prompt=ids, max_tokens=8)["choices"][0]["text"]
+    for seed in (1, 2):
+        assert _completion(stack1, prompt=ids, max_tokens=8, temperature=1, top_p=0, seed=seed)["choices"][0][
+            "text"] == greedy
+
+
+def test_negative_seeds_are_their_own(stack1, model):
+    """helper-80: seed -1 answered as seed 1 (Python's Random takes the absolute value)."""
+    ids = _prompt(model, 13)
+
+    def answer(seed):
+        return _completion(stack1, prompt=ids, max_tokens=12, temperature=1, seed=seed)["choices"][0]["text"]
+
+    minus = answer(-1)
+    assert minus == answer(-1) and minus != answer(1)
+
+
+def test_min_tokens_without_max_tokens_is_met(stack1, model):
+    """helper-80: min_tokens 600 without max_tokens stopped at the 512-token default."""
+    got = _completion(stack1, prompt=_prompt(model, 14), min_tokens=600)
+    assert got["usage"]["completion_tokens"] == 600 and got["choices"][0]["finish_reason"] == "length"
+
+
+def test_allowed_token_ids_are_all_that_is_sampled(stack1, model):
+    ids, allowed = _prompt(model, 15), [_token_id(model, w) for w in (" the", " a", ".")]
+    got = _completion(stack1, prompt=ids, max_tokens=12, temperature=1, seed=5, allowed_token_ids=allowed,
+                      logprobs=0, return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    assert {int(t.removeprefix("token_id:")) for t in got["tokens"]} <= set(allowed) and len(got["tokens"]) == 12
+    # the offsets index the answer's text, not the "token_id:N" names
+    plain = _completion(stack1, prompt=ids, max_tokens=12, temperature=1, seed=5, allowed_token_ids=allowed,
+                        logprobs=0)["choices"][0]["logprobs"]
+    assert got["text_offset"] == plain["text_offset"]
+
+
+def test_continuous_usage_stats_count_every_chunk(stack1, model):
+    _, chunks = _stream_text(stack1, prompt=_prompt(model, 16), max_tokens=6,
+                             stream_options={"include_usage": True, "continuous_usage_stats": True})
+    counted = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counted == sorted(counted) and counted[-1] == 6 and len(counted) >= 6, counted
+    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks)
+    _, plain = _stream_text(stack1, prompt=_prompt(model, 16), max_tokens=6, stream_options={"include_usage": True})
+    assert [c.get("usage") is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(stack1, model):
+    think = _token_id(model, "<think>")
+    body = {"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True, "logit_bias": {str(think): 100}}
+    url = stack1.gateway.url + "/v1/chat/completions"
+    msg = json.loads(post(url, body)[2])["choices"][0]["message"]
+    assert msg["reasoning"] == msg["reasoning_content"] == "<think>" * 3, msg
+    msg = json.loads(post(url, {**body, "include_reasoning": False})[2])["choices"][0]["message"]
+    assert "reasoning" not in msg and "reasoning_content" not in msg and msg["content"] == "", msg
+
+
+def test_special_tokens_text_is_skipped_unless_asked_for(stack1, model):
+    """vLLM's skip_special_tokens (default true): helper-80 read "<|im_end|><|im_end|>..." in an
+    ignore_eos answer. The reasoning and tool-call markers stay text (mlx-lm parses by them)."""
+    eos = model[1].eos_token_id
+    body = dict(prompt=_prompt(model, 17), max_tokens=3, logit_bias={str(eos): 100}, logprobs=0)
+    got = _completion(stack1, **body)["choices"][0]
+    assert got["text"] == "" and got["logprobs"]["tokens"] == ["<|im_end|>"] * 3, got
+    kept = _completion(stack1, skip_special_tokens=False, **body)["choices"][0]
+    assert kept["text"] == "<|im_end|>" * 3, kept
+
+
+def test_a_finished_choice_carries_stop_reason_null(stack1, model):
+    """vLLM sends ``stop_reason: null`` when no stop string or token ended the answer (helper-80:
+    the key was absent, and a client's ``choice["stop_reason"]`` raised KeyError)."""
+    ch = _completion(stack1, prompt=_prompt(model, 18), max_tokens=2)["choices"][0]
+    assert ch["finish_reason"] == "length" and ch["stop_reason"] is None
+    _, chunks = _stream_text(stack1, prompt=_prompt(model, 18), max_tokens=2)
+    last = chunks[-1]["choices"][0]
+    assert last["finish_reason"] == "length" and "stop_reason" in last and last["stop_reason"] is None
+    assert all("stop_reason" not in c["choices"][0] for c in chunks[:-1])
+
+
 def test_min_tokens_past_the_context_left_is_what_fits(stack1, model):
     """The gateway lowers a max_tokens past the context to what is left; min_tokens goes down
     with it (the backend refuses a min_tokens above max_tokens)."""
     ids = (_prompt(model, 10) * 300)[:8190]  # 2 tokens of the 8192-token context left
     got = _completion(stack1, prompt=ids, max_tokens=10, min_tokens=8)
     assert (got["usage"]["completion_tokens"], got["choices"][0]["finish_reason"]) == (2, "length")
+
+
+def test_responses_take_the_chat_sampling_fields(stack1):
+    """vLLM's Responses endpoint takes its sampling extensions; they were dropped here, wrong
+    values and all (helper-80: seed, top_k, stop, min_tokens...), and any include item passed."""
+    client = openai.OpenAI(base_url=stack1.gateway.url + "/v1", api_key="unused", max_retries=0)
+    kw = dict(model="demo-tiny", input=words(20, seed=19), max_output_tokens=8, temperature=1)
+
+    def text(**extra):
+        return client.responses.create(**kw, extra_body={"ignore_eos": True, **extra}).output[0].content[0].text
+
+    greedy = client.responses.create(**{**kw, "temperature": 0}, extra_body={"ignore_eos": True}).output[0]
+    assert text(seed=3) == text(seed=3) != text(seed=4)
+    assert text(top_k=1, seed=3) == greedy.content[0].text
+    for extra, param in (({"seed": "x"}, "seed"), ({"min_tokens": -5}, "min_tokens"),
+                         ({"cache_salt": "a"}, "cache_salt")):
+        with pytest.raises(openai.BadRequestError) as err:
+            text(**extra)
+        assert err.value.body["param"] == param, err.value.body
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(**kw, include=["bogus.thing"])
+    assert err.value.body["param"] == "include[0]"

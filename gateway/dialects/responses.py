@@ -31,7 +31,7 @@ import json
 import time
 from typing import Optional
 
-from mlxgw.protocol import RequestError, number_field, optional_field
+from mlxgw.protocol import UNSUPPORTED_VLLM, RequestError, number_field, optional_field
 
 from .base import (ChatTransform, chat_message, chat_request, function_tools, new_id, sse_event, text_entries, text_of,
                    with_stream)
@@ -39,6 +39,24 @@ from .base import (ChatTransform, chat_message, chat_request, function_tools, ne
 ROLES = ("user", "assistant", "system", "developer")
 #: The ``include`` item that asks for the output text's logprobs.
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+#: ``include`` items OpenAI's API knows (the openai SDK's ``ResponseIncludable``); only the
+#: logprobs one yields anything here (no built-in tools, images or encrypted reasoning).
+KNOWN_INCLUDES = frozenset({
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+    "reasoning.encrypted_content", LOGPROBS_INCLUDE,
+})
+#: Fields of the chat request a Responses request may carry too, as vLLM's Responses endpoint
+#: takes its sampling extensions: applied (and checked) exactly as on chat (helper-80: seed,
+#: top_k, stop, ... were dropped, wrong values and all). The fields chat refuses are refused here.
+CHAT_FIELDS = (
+    "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "repetition_context_size", "presence_context_size", "frequency_context_size", "xtc_probability",
+    "xtc_threshold", "logit_bias", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
+    "include_stop_str_in_output", "allowed_token_ids", "skip_special_tokens", "spaces_between_special_tokens",
+    "guided_json", "guided_choice", "guided_regex", "guided_grammar", "structured_outputs",
+    "chat_template_kwargs", "n", "best_of", "echo", *(name for name, _ in UNSUPPORTED_VLLM),
+)
 
 
 def _append_call(out: list[dict], call_id: str, name: str, arguments: str) -> None:
@@ -223,6 +241,13 @@ def to_chat(body: dict) -> dict:
     include = optional_field(body, "include", (list,), "an array of strings")
     if include is not None and not all(isinstance(x, str) for x in include):
         raise RequestError("'include' must be an array of strings", param="include")
+    for i, x in enumerate(include or ()):
+        if x not in KNOWN_INCLUDES:  # as OpenAI answers (helper-80: a 200)
+            raise RequestError(f"'include[{i}]' must be one of {', '.join(sorted(KNOWN_INCLUDES))}",
+                               param=f"include[{i}]")
+    for k in CHAT_FIELDS:
+        if k in body:
+            out[k] = body[k]
     top = number_field(body, "top_logprobs", None, lo=0, hi=20, integer=True)
     # As OpenAI's API: the output text's logprobs come only when `include` asks for them,
     # top_logprobs (alone: none) says how many alternatives each token lists.
