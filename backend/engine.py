@@ -107,6 +107,7 @@ class GenParams:
     min_tokens: int = 0
     stop_token_ids: tuple = ()
     allowed_token_ids: Optional[tuple] = None  # vLLM's: sample only these
+    bad_words: tuple = ()  # vLLM's: token sequences never generated (`bad_words_ids`, `BadWords`)
     skip_special_tokens: bool = True  # vLLM's default: special tokens' text is not in the answer
 
 
@@ -217,6 +218,55 @@ class AllowedTokens:
             mask[[t for t in self.ids if t < vocab]] = 0.0
             self._mask = mx.array(mask)
         return logits + self._mask.astype(logits.dtype)
+
+
+def bad_words_ids(tokenizer, words) -> list[list[int]]:
+    """vLLM's ``bad_words`` as token sequences: each word as written at the text's start and,
+    when that tokenizes to as many tokens with another first one, after a space (vLLM's rule,
+    ``get_bad_words_logits_processors``: a word is banned at the beginning and in the middle)."""
+    out: list[list[int]] = []
+    for w in words:
+        first = tokenizer.encode(w.lstrip(), add_special_tokens=False)
+        if not first:
+            continue
+        out.append(list(first))
+        spaced = tokenizer.encode(" " + w.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != first[0] and len(spaced) == len(first):
+            out.append(list(spaced))
+    return out
+
+
+class BadWords:
+    """mlx-lm logits processor for vLLM's ``bad_words`` (`bad_words_ids`): a one-token word is
+    never sampled; a longer one's last token is masked whenever the answer so far ends with the
+    rest of it (vLLM's ``NoBadWordsLogitsProcessor``; the answer's own tokens, not the prompt's).
+    Reads each sampled token back (one ``.item()`` a step, for the requests that ask)."""
+
+    def __init__(self, sequences: list[list[int]]):
+        self.single = sorted({s[0] for s in sequences if len(s) == 1})
+        self.longer = [s for s in sequences if len(s) > 1]
+        self.generated: list[int] = []
+        self.calls = 0
+        self._mask = None
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+
+        if self.calls:
+            self.generated.append(int(tokens[-1].item()))
+        self.calls += 1
+        vocab = logits.shape[-1]
+        if self._mask is None:
+            mask = np.zeros(vocab, dtype=np.float32)
+            mask[[t for t in self.single if t < vocab]] = -np.inf
+            self._mask = mask
+        mask = self._mask
+        hits = [s[-1] for s in self.longer if s[-1] < vocab and len(s) - 1 <= len(self.generated)
+                and self.generated[len(self.generated) - len(s) + 1:] == s[:-1]]
+        if hits:
+            mask = mask.copy()
+            mask[hits] = -np.inf
+        return logits + mx.array(mask).astype(logits.dtype)
 
 
 class MinTokens:
@@ -998,6 +1048,8 @@ class MLXEngine(Engine):
         ends = ([] if p.ignore_eos else list(self.tokenizer.eos_token_ids)) + list(p.stop_token_ids)
         if p.allowed_token_ids:
             processors.append(AllowedTokens(p.allowed_token_ids))
+        if p.bad_words:
+            processors.append(BadWords([list(b) for b in p.bad_words]))
         if p.min_tokens:
             processors.append(MinTokens(p.min_tokens, list(self.tokenizer.eos_token_ids) + list(p.stop_token_ids)))
         stop = StopSequences([(t,) for t in ends])

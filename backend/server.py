@@ -26,7 +26,7 @@ from mlxgw import prompt as prompt_mod
 from mlxgw import schema
 from mlxgw.protocol import INTERNAL_FIELD, RequestError, context_exceeded, loads_body, parse_openai
 
-from .engine import Engine, GenEvent, GenParams, GenRequest
+from .engine import Engine, GenEvent, GenParams, GenRequest, bad_words_ids
 from .render import AnswerBuilder, OpenAIRenderer, Piece
 from .report import Reporter
 from .toolchoice import constrained_processors
@@ -294,6 +294,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
             min_tokens=min(pr.min_tokens, max_tokens),
             stop_token_ids=tuple(pr.stop_token_ids),
             allowed_token_ids=tuple(pr.allowed_token_ids) if pr.allowed_token_ids else None,
+            bad_words=tuple(map(tuple, bad_words_ids(engine.tokenizer, pr.bad_words))),
             skip_special_tokens=pr.skip_special_tokens,
             processors=constrained_processors(engine.tokenizer, pr.tools, pr.tool_choice, pr.constraint),
         ),

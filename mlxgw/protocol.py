@@ -156,6 +156,7 @@ class ParsedRequest:
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
     allowed_token_ids: Optional[list[int]] = None  # vLLM's: sample only these tokens
+    bad_words: list[str] = field(default_factory=list)  # vLLM's: words never generated
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning text out of the answer
     skip_special_tokens: bool = True  # vLLM's: special tokens' text is left out of the answer
@@ -180,13 +181,14 @@ MAX_LOGIT_BIAS = 1024
 # Tokens one stop_token_ids may name (vLLM documents no limit; each is a stop sequence the
 # engine checks per step).
 MAX_STOP_TOKEN_IDS = 256
+# Words one bad_words may ban (each checked per generated token).
+MAX_BAD_WORDS = 256
 # vLLM's request fields that change the answer and that no backend here applies: refused, not
 # dropped (the answer would silently differ from the one asked for). Each with what it asks.
 UNSUPPORTED_VLLM = (
     ("use_beam_search", "beam search is not done here"),
     ("prompt_logprobs", "the prompt's logprobs are not computed here"),
     ("truncate_prompt_tokens", "prompt truncation is not done here"),
-    ("bad_words", "banned words are not applied here (logit_bias bans single tokens)"),
     ("logits_processors", "request logits processors are not run here"),
     ("vllm_xargs", "vLLM's custom arguments are not read here"),
     ("prompt_embeds", "prompt embeddings are not taken here: send the prompt"),
@@ -598,6 +600,22 @@ def normalize_messages(messages: list) -> list:
     return out
 
 
+def string_list(body: dict, name: str, most: int) -> list[str]:
+    """``body[name]`` as a list of at most ``most`` strings ([] when absent or null).
+
+    Raises:
+        RequestError: 400 naming the field: not an array of strings, or too long.
+    """
+    v = body.get(name)
+    if v is None:
+        return []
+    if not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+        raise RequestError(f"'{name}' must be an array of strings", param=name)
+    if len(v) > most:
+        raise RequestError(f"'{name}' may hold at most {most} strings", param=name)
+    return [x for x in v if x.strip()]
+
+
 def token_id_list(body: dict, name: str) -> Optional[list[int]]:
     """``body[name]`` as a list of token ids (None when absent or null; the backend checks them
     against its vocabulary).
@@ -780,6 +798,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         include_stop_str_in_output=include_stop,
         return_tokens_as_token_ids=bool(optional_field(body, "return_tokens_as_token_ids", (bool,), "a boolean")),
         allowed_token_ids=allowed,
+        bad_words=string_list(body, "bad_words", MAX_BAD_WORDS),
         continuous_usage=bool(continuous) and include_usage,  # vLLM: with include_usage only
         include_reasoning=optional_field(body, "include_reasoning", (bool,), "a boolean") is not False,
         skip_special_tokens=optional_field(body, "skip_special_tokens", (bool,), "a boolean") is not False,

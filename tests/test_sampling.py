@@ -522,7 +522,7 @@ UNSUPPORTED = "unsupported_parameter"
     ("include_stop_str_in_output", "yes", None), ("use_beam_search", True, UNSUPPORTED),
     ("prompt_logprobs", 0, UNSUPPORTED), ("truncate_prompt_tokens", 100, UNSUPPORTED),
     # helper-80: accepted and ignored, each changing the answer or what it was asked to keep apart
-    ("bad_words", ["Brown"], UNSUPPORTED), ("logits_processors", ["x"], UNSUPPORTED),
+    ("bad_words", "Brown", None), ("logits_processors", ["x"], UNSUPPORTED),
     ("vllm_xargs", {"a": 1}, UNSUPPORTED), ("prompt_embeds", "abc", UNSUPPORTED),
     ("return_token_ids", True, UNSUPPORTED), ("chat_template", "{{ messages[0].content }}", UNSUPPORTED),
     ("cache_salt", "alice", UNSUPPORTED), ("echo", True, UNSUPPORTED), ("best_of", 2, None),
@@ -660,3 +660,24 @@ def test_responses_take_the_chat_sampling_fields(stack1):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(**kw, include=["bogus.thing"])
     assert err.value.body["param"] == "include[0]"
+
+
+def test_bad_words_are_never_written(stack1, model):
+    """vLLM's ``bad_words`` (refused before, ignored before that): a one-token word's token is
+    never sampled (the model's next likeliest is), and a longer word's last token is masked
+    where the answer ends with the rest of it, so the answer never holds the word."""
+    ids = _prompt(model, 20)
+    greedy, _ = _greedy(model, ids, 8)
+    text = model[1].decode
+    one = text([greedy[0]]).strip()
+    (tid,) = model[1].encode(one, add_special_tokens=False) or (None,)
+    assert tid is not None
+    got = _completion(stack1, prompt=ids, max_tokens=1, bad_words=[one], logprobs=0,
+                      return_tokens_as_token_ids=True)["choices"][0]["logprobs"]["tokens"]
+    banned = {tid, *model[1].encode(" " + one, add_special_tokens=False)[:1]}
+    assert int(got[0].removeprefix("token_id:")) not in banned
+    # a two-token word the greedy answer writes: banned, the answer goes around it
+    plain = _completion(stack1, prompt=ids, max_tokens=8)["choices"][0]["text"]
+    word = text(greedy[2:4]).strip()
+    assert word and word in plain, (word, plain)
+    assert word not in _completion(stack1, prompt=ids, max_tokens=8, bad_words=[word])["choices"][0]["text"]
