@@ -276,8 +276,8 @@ class Reporter:
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._flush_loop(), name="flusher"),
-            asyncio.create_task(self._cleanup_old_epochs(), name="cleanup"),
         ]
+        self._spawn_cleanup()
 
     async def stop(self) -> None:
         """Withdraw ownership and the registry record (clean shutdown). Bounded: each step
@@ -395,6 +395,11 @@ class Reporter:
             self._mark_dirty(e)
             return
         await self._republish()
+        if not self._dirty:
+            # A Redis back from an older snapshot (RDB, AOF) holds this backend's earlier epochs
+            # again: the start's cleanup of them ran before (helper-81: 1,188 stale fields and an
+            # old owned set stayed until the next restart).
+            self._spawn_cleanup()
 
     def _update_cache_figures(self, pipe) -> None:
         """Queue the registry's cache figures (`schema.CACHE_FIGURES`) on ``pipe``: a cache
@@ -589,16 +594,29 @@ class Reporter:
                 break
         await self.redis.delete(key)
 
+    def _spawn_cleanup(self) -> None:
+        """Run `_cleanup_old_epochs` in the background unless it runs already (at start, and
+        after each re-publish that followed a failure: Redis may be back from a snapshot)."""
+        self._tasks = [t for t in self._tasks if not t.done()]
+        if not any(t.get_name() == "cleanup" for t in self._tasks):
+            self._tasks.append(asyncio.create_task(self._cleanup_old_epochs(), name="cleanup"))
+
     async def _cleanup_old_epochs(self) -> None:
-        """Background: drop claims of this backend's earlier epochs."""
-        try:
-            pattern = self.keys.owned(self.backend_id, "*")
-            async for k in self.redis.scan_iter(match=pattern, count=500):
-                k = schema.as_str(k)
-                ep = int(k.rsplit(":", 1)[1])
-                if ep != self.epoch:
-                    await self.cleanup_epoch(self.backend_id, ep)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            log.warning("backend %s: old-epoch cleanup failed: %s", self.backend_id, e)
+        """Background: drop claims of this backend's earlier epochs; a failure is retried
+        (every 1 to 30 s), so a Redis that failed mid-way is cleaned once it answers."""
+        delay = 1.0
+        while True:
+            try:
+                pattern = self.keys.owned(self.backend_id, "*")
+                async for k in self.redis.scan_iter(match=pattern, count=500):
+                    k = schema.as_str(k)
+                    ep = int(k.rsplit(":", 1)[1])
+                    if ep != self.epoch:
+                        await self.cleanup_epoch(self.backend_id, ep)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("backend %s: old-epoch cleanup failed: %s; retrying in %.0f s", self.backend_id, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)

@@ -13,6 +13,7 @@ import openai
 import pytest
 import redis as redis_lib
 
+from mlxgw import schema
 from mlxgw.harness import RedisServer, Stack
 from mlxgw.httpget import get_json, post
 from texts import words
@@ -214,6 +215,37 @@ def test_redis_losing_its_data_keeps_every_backend_routable(demo_model):
             time.sleep(0.1)
         assert "Redis lost its data" in s.gateway.log_path.read_text()
         assert get_json(s.gateway.url + "/health")["redis_data_losses"] == 1
+    finally:
+        s.stop()
+        r.cleanup()
+
+
+def test_an_older_snapshot_s_earlier_epochs_are_cleaned_after_the_re_publish(demo_model):
+    """Redis restored from an older snapshot (RDB, AOF) holds a live backend's earlier epochs
+    again: their owned set and fields stayed until its next restart (helper-81: 1,188 stale
+    fields); the re-publish that follows the loss cleans them up too."""
+    r = RedisServer().start()
+    s = Stack(r.url, demo_model)
+    try:
+        b = s.add_backend("b0")
+        s.wait()
+        c = r.client()
+        k = schema.Keys(s.namespace, s.model_name)
+        epoch = int(c.hget(k.backend("b0"), "epoch"))
+        c.flushall()
+        # What the snapshot held: an earlier epoch's ownership of two blocks, and a block the
+        # backend does not own now under the same epoch.
+        old, stale = epoch + 7, [k.block(f"{i:016x}") for i in range(3)]
+        c.incr(k.epoch_counter("b0"), old + 1)  # the snapshot's counter was past both epochs
+        for key in stale[:2]:
+            c.hset(key, "b0", schema.block_value(old, True))
+        c.sadd(k.owned("b0", old), *stale[:2])
+        deadline = time.time() + 15
+        while time.time() < deadline and (c.exists(k.owned("b0", old)) or c.hget(stale[0], "b0") is not None):
+            time.sleep(0.1)
+        assert not c.exists(k.owned("b0", old)) and [c.hget(x, "b0") for x in stale] == [None] * 3
+        assert c.hget(k.backend("b0"), "epoch") == str(epoch)  # the live epoch, re-registered
+        assert b.proc.poll() is None
     finally:
         s.stop()
         r.cleanup()
