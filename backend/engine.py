@@ -55,6 +55,7 @@ from mlxgw.util import count
 from . import persist
 from .cache import CacheHit, PromptCache, common_prefix, kv_trimmable
 from .metrics import BackendMetrics
+from .processors import AllowedTokens, BadWords, MinTokens
 
 log = logging.getLogger("mlxgw.backend.engine")
 
@@ -199,102 +200,6 @@ def seeded_sampler(sampler, seed: int):
             mx.random.seed(_ENTROPY.getrandbits(64))
 
     return sample
-
-
-class AllowedTokens:
-    """mlx-lm logits processor for vLLM's ``allowed_token_ids``: every other token's logit
-    reads -inf, so only ``ids`` are sampled."""
-
-    def __init__(self, ids):
-        self.ids = sorted(set(ids))
-        self._mask = None  # additive, (vocab,), made at the first call (the logits' size)
-
-    def __call__(self, tokens, logits):
-        import mlx.core as mx
-
-        if self._mask is None:
-            vocab = logits.shape[-1]
-            mask = np.full(vocab, -np.inf, dtype=np.float32)
-            mask[[t for t in self.ids if t < vocab]] = 0.0
-            self._mask = mx.array(mask)
-        return logits + self._mask.astype(logits.dtype)
-
-
-def bad_words_ids(tokenizer, words) -> list[list[int]]:
-    """vLLM's ``bad_words`` as token sequences: each word as written at the text's start and,
-    when that tokenizes to as many tokens with another first one, after a space (vLLM's rule,
-    ``get_bad_words_logits_processors``: a word is banned at the beginning and in the middle)."""
-    out: list[list[int]] = []
-    for w in words:
-        first = tokenizer.encode(w.lstrip(), add_special_tokens=False)
-        if not first:
-            continue
-        out.append(list(first))
-        spaced = tokenizer.encode(" " + w.lstrip(), add_special_tokens=False)
-        if spaced and spaced[0] != first[0] and len(spaced) == len(first):
-            out.append(list(spaced))
-    return out
-
-
-class BadWords:
-    """mlx-lm logits processor for vLLM's ``bad_words`` (`bad_words_ids`): a one-token word is
-    never sampled; a longer one's last token is masked whenever the answer so far ends with the
-    rest of it (vLLM's ``NoBadWordsLogitsProcessor``; the answer's own tokens, not the prompt's).
-    Reads each sampled token back (one ``.item()`` a step, for the requests that ask)."""
-
-    def __init__(self, sequences: list[list[int]]):
-        self.single = sorted({s[0] for s in sequences if len(s) == 1})
-        self.longer = [s for s in sequences if len(s) > 1]
-        self.generated: list[int] = []
-        self.calls = 0
-        self._mask = None
-
-    def __call__(self, tokens, logits):
-        import mlx.core as mx
-
-        if self.calls:
-            self.generated.append(int(tokens[-1].item()))
-        self.calls += 1
-        vocab = logits.shape[-1]
-        if self._mask is None:
-            mask = np.zeros(vocab, dtype=np.float32)
-            mask[[t for t in self.single if t < vocab]] = -np.inf
-            self._mask = mask
-        mask = self._mask
-        hits = [s[-1] for s in self.longer if s[-1] < vocab and len(s) - 1 <= len(self.generated)
-                and self.generated[len(self.generated) - len(s) + 1:] == s[:-1]]
-        if hits:
-            mask = mask.copy()
-            mask[hits] = -np.inf
-        return logits + mx.array(mask).astype(logits.dtype)
-
-
-class MinTokens:
-    """mlx-lm logits processor for vLLM's ``min_tokens``: the first ``n`` tokens sampled are
-    never one of ``banned`` (end-of-sequence and stop tokens), whose logits read -inf.
-
-    Called once per sampled token, as mlx-lm's processors are. A step where nothing else is
-    left (a grammar that allows only end-of-sequence) is left as it was: the constraint wins.
-    """
-
-    def __init__(self, n: int, banned):
-        self.left = n
-        self.banned = sorted(set(banned))
-        self._mask = None  # additive, (vocab,), made at the first call (the logits' size)
-
-    def __call__(self, tokens, logits):
-        if self.left <= 0 or not self.banned:
-            return logits
-        import mlx.core as mx
-
-        self.left -= 1
-        vocab = logits.shape[-1]
-        if self._mask is None:
-            mask = np.zeros(vocab, dtype=np.float32)
-            mask[[t for t in self.banned if t < vocab]] = -np.inf
-            self._mask = mx.array(mask)
-        out = logits + self._mask.astype(logits.dtype)
-        return mx.where(mx.isinf(out).all(), logits, out)
 
 
 class Engine:

@@ -26,7 +26,8 @@ from mlxgw import prompt as prompt_mod
 from mlxgw import schema
 from mlxgw.protocol import INTERNAL_FIELD, RequestError, context_exceeded, loads_body, parse_openai
 
-from .engine import Engine, GenEvent, GenParams, GenRequest, bad_words_ids
+from .engine import Engine, GenEvent, GenParams, GenRequest
+from .processors import bad_words_ids
 from .render import AnswerBuilder, OpenAIRenderer, Piece
 from .report import Reporter
 from .toolchoice import constrained_processors
