@@ -714,7 +714,6 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
             raise RequestError("'top_logprobs' needs 'logprobs' (a count, or true)", param="top_logprobs")
         if optional_field(body, "suffix", (str,), "a string"):
             raise RequestError("'suffix' (insertion) is not supported", param="suffix", code="unsupported_parameter")
-
     else:
         if optional_field(body, "logprobs", (bool,), "a boolean"):
             logprobs = top or 0
