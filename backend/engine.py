@@ -1075,18 +1075,22 @@ class MLXEngine(Engine):
 
     def _skipped_tokens(self) -> frozenset:
         """The special tokens whose text a ``skip_special_tokens`` answer leaves out (vLLM's and
-        transformers' set: the tokenizer's ``all_special_ids``), but for the reasoning and
-        tool-call markers mlx-lm reads the answer's parts by, which stay text (vLLM's parsers
-        ask for them the same way)."""
+        transformers' set: the tokenizer's ``all_special_ids``), but for any whose text is part
+        of a marker mlx-lm reads the answer's parts by (reasoning and tool-call markers,
+        structural markers, response-format transitions: gpt-oss's ``<|channel|>``), which stay
+        text. A request with tools skips none (`server`), as vLLM's tool parsers ask: a
+        format's calls may hold special tokens inside them (Kimi K2's)."""
         if self._special is None:
             tok = self.tokenizer
-            markers = set()
-            for m in (getattr(tok, "think_start", None), getattr(tok, "think_end", None),
-                      getattr(tok, "tool_call_start", None), getattr(tok, "tool_call_end", None)):
-                ids = tok.encode(m, add_special_tokens=False) if m else []
-                if len(ids) == 1:
-                    markers.add(ids[0])
-            self._special = frozenset(getattr(tok, "all_special_ids", None) or ()) - markers
+            markers = [getattr(tok, name, None) or "" for name in ("think_start", "think_end", "tool_call_start",
+                                                                   "tool_call_end")]
+            markers += list(getattr(tok, "structural_markers", None) or ())
+            for edges in (getattr(tok, "response_transitions", None) or {}).values():
+                markers += [w for w, _ in edges]
+            ids = getattr(tok, "all_special_ids", None) or ()
+            names = tok.convert_ids_to_tokens(list(ids)) if ids else []
+            self._special = frozenset(i for i, t in zip(ids, names)
+                                      if not (t and any(t in m for m in markers if m)))
         return self._special
 
     def _xtc_special_tokens(self) -> list[int]:

@@ -296,7 +296,8 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
             stop_token_ids=tuple(pr.stop_token_ids),
             allowed_token_ids=tuple(pr.allowed_token_ids) if pr.allowed_token_ids else None,
             bad_words=tuple(map(tuple, bad_words_ids(engine.tokenizer, pr.bad_words))),
-            skip_special_tokens=pr.skip_special_tokens,
+            # With tools, none skipped (`MLXEngine._skipped_tokens`)
+            skip_special_tokens=pr.skip_special_tokens and not pr.tools,
             processors=constrained_processors(engine.tokenizer, pr.tools, pr.tool_choice, pr.constraint),
         ),
         system_tokens=system_tokens,

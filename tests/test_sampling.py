@@ -619,6 +619,15 @@ def test_special_tokens_text_is_skipped_unless_asked_for(stack1, model):
     assert got["text"] == "" and got["logprobs"]["tokens"] == ["<|im_end|>"] * 3, got
     kept = _completion(stack1, skip_special_tokens=False, **body)["choices"][0]
     assert kept["text"] == "<|im_end|>" * 3, kept
+    # A request with tools skips none, as vLLM's tool parsers ask (a format's calls may hold
+    # special tokens); one without is skipped on chat too.
+    chat = {"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "temperature": 0, "ignore_eos": True, "logit_bias": {str(eos): 100}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    url = stack1.gateway.url + "/v1/chat/completions"
+    assert json.loads(post(url, chat)[2])["choices"][0]["message"]["content"] == ""
+    with_tools = json.loads(post(url, {**chat, "tools": [tool]})[2])["choices"][0]["message"]
+    assert with_tools["content"] == "<|im_end|>" * 3, with_tools
 
 
 def test_a_finished_choice_carries_stop_reason_null(stack1, model):
