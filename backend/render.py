@@ -410,6 +410,17 @@ class OpenAIRenderer:
                                                          "function": {"arguments": fn["arguments"]}}])))
         return out
 
+    def add_token_ids(self, obj: dict, ids: list[int], prompt: Optional[list[int]]) -> None:
+        """vLLM's ``return_token_ids`` on an answer or chunk ``obj``: its choice's ``token_ids``
+        (the answer's tokens it carries) and, when ``prompt`` is given (a whole answer, or a
+        stream's first chunk), ``prompt_token_ids``: at the top level on chat, on the choice on
+        the legacy completions endpoint, as vLLM places them."""
+        choice = obj["choices"][0]
+        choice["token_ids"] = [int(t) for t in ids]
+        if prompt is not None:  # an array (`GenRequest.ids`): numpy's ints are not JSON's
+            (obj if self.kind == "chat" else choice)["prompt_token_ids"] = (
+                prompt.tolist() if hasattr(prompt, "tolist") else [int(t) for t in prompt])
+
     def usage_chunk(self, usage: dict) -> dict:
         out = self._base()
         out["choices"] = []

@@ -316,7 +316,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
         if pr.stream:
             resp = await _stream(request, req, renderer, builder, pr, reporter, engine, cfg.request_timeout)
         else:
-            resp = await _collect(req, renderer, builder, reporter, engine, cfg.request_timeout)
+            resp = await _collect(req, renderer, builder, reporter, engine, cfg.request_timeout, pr.return_token_ids)
         finished = True
         return resp
     finally:
@@ -349,8 +349,8 @@ async def _next_event(req: GenRequest, timeout: float) -> GenEvent:
         raise GenerationTimeout(timeout) from None
 
 
-async def _collect(req, renderer, builder, reporter, engine, timeout: float) -> web.Response:
-    content, reasoning, calls, lps = [], [], [], []
+async def _collect(req, renderer, builder, reporter, engine, timeout: float, token_ids: bool = False) -> web.Response:
+    content, reasoning, calls, lps, ids = [], [], [], [], []
     reason = None
     kept = 0  # tokens of the answer: none the engine made after it ended (`builder.ended`)
     while True:
@@ -358,6 +358,7 @@ async def _collect(req, renderer, builder, reporter, engine, timeout: float) -> 
         if ev.kind == "token" or ev.kind == "end":
             if ev.kind == "token" and not builder.ended:
                 kept += 1
+                ids.append(ev.token)
             if ev.logprob is not None and not builder.ended:
                 lps.append(ev)
             piece = builder.feed(ev.text, ev.finish_reason if ev.kind == "end" else None,
@@ -375,9 +376,10 @@ async def _collect(req, renderer, builder, reporter, engine, timeout: float) -> 
                 break
     await reporter.settle()
     usage = renderer.usage(len(req.prompt), kept, req.cached)
-    return web.json_response(renderer.full("".join(content), "".join(reasoning), calls, reason, usage,
-                                           builder.stop_reason, lps),
-                             headers={"X-Mlxgw-Cached-Tokens": str(req.cached)})
+    body = renderer.full("".join(content), "".join(reasoning), calls, reason, usage, builder.stop_reason, lps)
+    if token_ids:
+        renderer.add_token_ids(body, ids, req.ids)
+    return web.json_response(body, headers={"X-Mlxgw-Cached-Tokens": str(req.cached)})
 
 
 def effective_top_k(top_k: int, engine) -> int:
@@ -410,6 +412,7 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
     # stream (``fed`` characters so far): an entry goes out with the chunk that carries the last of
     # its token's text, so a stop string's held-back text holds its tokens' entries too (helper-79).
     lps: list = []
+    tids: list = []  # (where its text ends, token id) of the answer's tokens not sent (return_token_ids)
     fed = 0
     # Tokens of the answer. Not ``req.generated``: the engine may make a token or two after a
     # stop string or the one tool call allowed ended it, before the cancel reaches it
@@ -458,6 +461,8 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
                 return resp
             if ev.kind == "token" and not builder.ended:
                 kept += 1
+                if pr.return_token_ids:
+                    tids.append((fed + len(ev.text), ev.token))
             if ev.logprob is not None and not builder.ended:
                 lps.append((fed + len(ev.text), ev))
             fed += len(ev.text)
@@ -469,15 +474,21 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
                 out = fed - builder.held  # characters of the stream sent (or dropped: markers, a stop's tail)
                 ready = [e for end, e in lps if end <= out or builder.ended]
                 lps = [(end, e) for end, e in lps if not (end <= out or builder.ended)]
-                for obj in renderer.stream_chunks(piece, first=first, lps=ready):
+                ready_ids = [t for end, t in tids if end <= out or builder.ended]
+                tids = [(end, t) for end, t in tids if not (end <= out or builder.ended)]
+                for i, obj in enumerate(renderer.stream_chunks(piece, first=first, lps=ready)):
                     if pr.continuous_usage:  # vLLM's continuous_usage_stats: the counts so far on each chunk
                         obj["usage"] = renderer.usage(len(req.prompt), kept, req.cached)
+                    if pr.return_token_ids:  # as the logprobs: with the chunk carrying their text
+                        renderer.add_token_ids(obj, ready_ids if i == 0 else [], req.ids if first and i == 0 else None)
                     await resp.write(_sse(obj))
                 first = False
             if ev.kind == "end":
                 reason = builder.finish_reason(ev.finish_reason)
                 await reporter.settle()
                 last = renderer.chunk(Piece(), reason, stop_reason=builder.stop_reason, lps=[e for _, e in lps])
+                if pr.return_token_ids:
+                    renderer.add_token_ids(last, [t for _, t in tids], None)
                 if pr.continuous_usage:
                     last["usage"] = renderer.usage(len(req.prompt), kept, req.cached)
                 await resp.write(_sse(last))

@@ -155,6 +155,7 @@ class ParsedRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
+    return_token_ids: bool = False  # vLLM's: the answer carries the prompt's and its own token ids
     allowed_token_ids: Optional[list[int]] = None  # vLLM's: sample only these tokens
     bad_words: list[str] = field(default_factory=list)  # vLLM's: words never generated
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
@@ -192,8 +193,6 @@ UNSUPPORTED_VLLM = (
     ("logits_processors", "request logits processors are not run here"),
     ("vllm_xargs", "vLLM's custom arguments are not read here"),
     ("prompt_embeds", "prompt embeddings are not taken here: send the prompt"),
-    ("return_token_ids", "the answer's token ids are not returned here (logprobs with "
-                         "return_tokens_as_token_ids name them)"),
     # A request's own template would be run by the gateway's Jinja: as chat_template_kwargs' key.
     ("chat_template", "a request's own chat template is not run here: the model's is"),
     # Isolation asked for and not given is worse than none asked (helper-80: accepted, and the
@@ -796,6 +795,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         stop_token_ids=stop_token_ids,
         include_stop_str_in_output=include_stop,
         return_tokens_as_token_ids=bool(optional_field(body, "return_tokens_as_token_ids", (bool,), "a boolean")),
+        return_token_ids=bool(optional_field(body, "return_token_ids", (bool,), "a boolean")),
         allowed_token_ids=allowed,
         bad_words=string_list(body, "bad_words", MAX_BAD_WORDS),
         continuous_usage=bool(continuous) and include_usage,  # vLLM: with include_usage only

@@ -524,7 +524,7 @@ UNSUPPORTED = "unsupported_parameter"
     # helper-80: accepted and ignored, each changing the answer or what it was asked to keep apart
     ("bad_words", "Brown", None), ("logits_processors", ["x"], UNSUPPORTED),
     ("vllm_xargs", {"a": 1}, UNSUPPORTED), ("prompt_embeds", "abc", UNSUPPORTED),
-    ("return_token_ids", True, UNSUPPORTED), ("chat_template", "{{ messages[0].content }}", UNSUPPORTED),
+    ("return_token_ids", "yes", None), ("chat_template", "{{ messages[0].content }}", UNSUPPORTED),
     ("cache_salt", "alice", UNSUPPORTED), ("echo", True, UNSUPPORTED), ("best_of", 2, None),
     ("allowed_token_ids", [], None), ("allowed_token_ids", [10**9], None), ("skip_special_tokens", "no", None),
     ("include_reasoning", 1, None),
@@ -690,3 +690,30 @@ def test_bad_words_are_never_written(stack1, model):
     word = text(greedy[2:4]).strip()
     assert word and word in plain, (word, plain)
     assert word not in _completion(stack1, prompt=ids, max_tokens=8, bad_words=[word])["choices"][0]["text"]
+
+
+def test_return_token_ids_gives_the_prompt_and_answer_ids(stack1, model):
+    """vLLM's ``return_token_ids`` (for clients that must not tokenize the text back, RL agent
+    loops): the answer's ids on its choice, the prompt's on the answer (chat) or the choice
+    (completions); streamed, each chunk's ids and the prompt's on the first."""
+    ids = _prompt(model, 21)
+    greedy, _ = _greedy(model, ids, 5)
+    got = _completion(stack1, prompt=ids, max_tokens=5, return_token_ids=True)["choices"][0]
+    assert (got["token_ids"], got["prompt_token_ids"]) == (greedy, ids)
+    _, chunks = _stream_text(stack1, prompt=ids, max_tokens=5, return_token_ids=True)
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == greedy
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == ids
+    assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    # chat: the rendered prompt's ids at the top level, as the gateway tokenized it
+    url = stack1.gateway.url + "/v1/chat/completions"
+    chat = {"model": "demo-tiny", "messages": [{"role": "user", "content": words(20, seed=21)}], "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    whole = json.loads(post(url, chat)[2])
+    assert len(whole["prompt_token_ids"]) == whole["usage"]["prompt_tokens"]
+    assert len(whole["choices"][0]["token_ids"]) == whole["usage"]["completion_tokens"] == 4
+    assert whole["prompt_token_ids"][:len(ids)] != ids  # the chat template's, not the raw text's
+    raw = post(url, {**chat, "stream": True})[2].decode()
+    streamed = [json.loads(ln[6:]) for ln in raw.splitlines() if ln.startswith("data: {")]
+    assert streamed[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert [t for c in streamed for t in c["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
+    assert json.loads(post(url, {**chat, "return_token_ids": False})[2])["choices"][0].get("token_ids") is None
