@@ -241,7 +241,8 @@ def test_an_older_snapshot_s_earlier_epochs_are_cleaned_after_the_re_publish(dem
             c.hset(key, "b0", schema.block_value(old, True))
         c.sadd(k.owned("b0", old), *stale[:2])
         deadline = time.time() + 15
-        while time.time() < deadline and (c.exists(k.owned("b0", old)) or c.hget(stale[0], "b0") is not None):
+        while time.time() < deadline and (c.exists(k.owned("b0", old)) or c.hget(stale[0], "b0") is not None
+                                          or c.hget(k.backend("b0"), "epoch") is None):
             time.sleep(0.1)
         assert not c.exists(k.owned("b0", old)) and [c.hget(x, "b0") for x in stale] == [None] * 3
         assert c.hget(k.backend("b0"), "epoch") == str(epoch)  # the live epoch, re-registered
