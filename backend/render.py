@@ -298,10 +298,10 @@ class OpenAIRenderer:
     """
 
     def __init__(self, kind: str, model: str, stream: bool, logprobs: Optional[int] = None, tokenizer=None,
-                 token_ids: bool = False, reasoning: bool = True):
+                 id_names: bool = False, reasoning: bool = True):
         self.kind = kind
         self.reasoning = reasoning  # vLLM's include_reasoning: false leaves the reasoning text out
-        self.token_ids = token_ids  # vLLM's return_tokens_as_token_ids: tokens named "token_id:N"
+        self.id_names = id_names  # vLLM's return_tokens_as_token_ids: tokens named "token_id:N"
         self.model = model
         self.stream = stream
         self.logprobs = logprobs
@@ -322,7 +322,7 @@ class OpenAIRenderer:
         for none (or, in a stream, for a chunk with no token of its own)."""
         if self.logprobs is None or (self.stream and not events):
             return None
-        text = TokenIdNames(self._text) if self.token_ids else self._text
+        text = TokenIdNames(self._text) if self.id_names else self._text
         if self.kind == "chat":
             def item(tok, lp):
                 s, b = text(tok)

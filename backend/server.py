@@ -263,6 +263,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
         raise context_exceeded(len(ids), ctx, "messages" if kind == "chat" else "prompt")
     # Without a max_tokens, at least min_tokens (helper-80: min_tokens 600 gave the 512 default)
     max_tokens = min(pr.max_tokens or max(DEFAULT_MAX_TOKENS, pr.min_tokens), ctx - len(ids))
+    min_tokens = min(pr.min_tokens, max_tokens)
     # Redis must reflect earlier saves before this request is answered.
     await reporter.settle()
 
@@ -292,7 +293,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
             logprobs=pr.logprobs,
             seed=pr.seed,
             ignore_eos=pr.ignore_eos,
-            min_tokens=min(pr.min_tokens, max_tokens),
+            min_tokens=min_tokens,
             stop_token_ids=tuple(pr.stop_token_ids),
             allowed_token_ids=tuple(pr.allowed_token_ids) if pr.allowed_token_ids else None,
             bad_words=tuple(map(tuple, bad_words_ids(engine.tokenizer, pr.bad_words))),
@@ -305,9 +306,9 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
         events=asyncio.Queue(),
     )
     renderer = OpenAIRenderer(kind, pr.model or cfg.model_name, pr.stream, pr.logprobs, engine.tokenizer,
-                              token_ids=pr.return_tokens_as_token_ids, reasoning=pr.include_reasoning)
+                              id_names=pr.return_tokens_as_token_ids, reasoning=pr.include_reasoning)
     builder = AnswerBuilder(engine.tokenizer, pr.tools, pr.stop, pr.stream,
-                            one_call=not pr.parallel_tool_calls, min_tokens=min(pr.min_tokens, max_tokens),
+                            one_call=not pr.parallel_tool_calls, min_tokens=min_tokens,
                             include_stop=pr.include_stop_str_in_output, stop_token_ids=pr.stop_token_ids,
                             raw=kind == "text")
     engine.submit(req)
@@ -408,11 +409,11 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
         }
     )
     ended = False
-    # Token events whose logprobs have not been sent, each with where its text ends in the decoded
-    # stream (``fed`` characters so far): an entry goes out with the chunk that carries the last of
-    # its token's text, so a stop string's held-back text holds its tokens' entries too (helper-79).
-    lps: list = []
-    tids: list = []  # (where its text ends, token id) of the answer's tokens not sent (return_token_ids)
+    # The answer's token events not sent yet (their logprobs, return_token_ids' ids), each with
+    # where its text ends in the decoded stream (``fed`` characters so far): a token goes out with
+    # the chunk that carries the last of its text, so a stop string's held-back text holds its
+    # tokens' entries too (helper-79).
+    unsent: list = []
     fed = 0
     # Tokens of the answer. Not ``req.generated``: the engine may make a token or two after a
     # stop string or the one tool call allowed ended it, before the cancel reaches it
@@ -461,10 +462,7 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
                 return resp
             if ev.kind == "token" and not builder.ended:
                 kept += 1
-                if pr.return_token_ids:
-                    tids.append((fed + len(ev.text), ev.token))
-            if ev.logprob is not None and not builder.ended:
-                lps.append((fed + len(ev.text), ev))
+                unsent.append((fed + len(ev.text), ev))
             fed += len(ev.text)
             piece = builder.feed(ev.text, final, ev.token if ev.kind == "token" else None)
             if builder.ended and reason is None:
@@ -472,23 +470,25 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
                 engine.cancel(req.rid)
             if piece.content or piece.reasoning or piece.tool_calls or first:
                 out = fed - builder.held  # characters of the stream sent (or dropped: markers, a stop's tail)
-                ready = [e for end, e in lps if end <= out or builder.ended]
-                lps = [(end, e) for end, e in lps if not (end <= out or builder.ended)]
-                ready_ids = [t for end, t in tids if end <= out or builder.ended]
-                tids = [(end, t) for end, t in tids if not (end <= out or builder.ended)]
-                for i, obj in enumerate(renderer.stream_chunks(piece, first=first, lps=ready)):
+                ready = [e for end, e in unsent if end <= out or builder.ended]
+                unsent = [(end, e) for end, e in unsent if not (end <= out or builder.ended)]
+                lps = [e for e in ready if e.logprob is not None]
+                for i, obj in enumerate(renderer.stream_chunks(piece, first=first, lps=lps)):
                     if pr.continuous_usage:  # vLLM's continuous_usage_stats: the counts so far on each chunk
                         obj["usage"] = renderer.usage(len(req.prompt), kept, req.cached)
                     if pr.return_token_ids:  # as the logprobs: with the chunk carrying their text
-                        renderer.add_token_ids(obj, ready_ids if i == 0 else [], req.ids if first and i == 0 else None)
+                        renderer.add_token_ids(obj, [e.token for e in ready] if i == 0 else [],
+                                               req.ids if first and i == 0 else None)
                     await resp.write(_sse(obj))
                 first = False
             if ev.kind == "end":
                 reason = builder.finish_reason(ev.finish_reason)
                 await reporter.settle()
-                last = renderer.chunk(Piece(), reason, stop_reason=builder.stop_reason, lps=[e for _, e in lps])
+                rest = [e for _, e in unsent]
+                last = renderer.chunk(Piece(), reason, stop_reason=builder.stop_reason,
+                                      lps=[e for e in rest if e.logprob is not None])
                 if pr.return_token_ids:
-                    renderer.add_token_ids(last, [t for _, t in tids], None)
+                    renderer.add_token_ids(last, [e.token for e in rest], None)
                 if pr.continuous_usage:
                     last["usage"] = renderer.usage(len(req.prompt), kept, req.cached)
                 await resp.write(_sse(last))
