@@ -298,8 +298,13 @@ class OpenAIRenderer:
     """
 
     def __init__(self, kind: str, model: str, stream: bool, logprobs: Optional[int] = None, tokenizer=None,
-                 id_names: bool = False, reasoning: bool = True):
+                 id_names: bool = False, reasoning: bool = True, index: int = 0,
+                 same_as: Optional["OpenAIRenderer"] = None):
+        """``index``: the choice this renderer's objects carry (of a request's ``n``);
+        ``same_as``: the renderer of the request's first choice, whose ``id`` and ``created``
+        every choice's objects share."""
         self.kind = kind
+        self.index = index
         self.reasoning = reasoning  # vLLM's include_reasoning: false leaves the reasoning text out
         self.id_names = id_names  # vLLM's return_tokens_as_token_ids: tokens named "token_id:N"
         self.model = model
@@ -307,8 +312,8 @@ class OpenAIRenderer:
         self.logprobs = logprobs
         self._text = token_text(tokenizer) if logprobs is not None else None
         self._offset = 0  # characters of answer the legacy ``text_offset`` has counted
-        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
+        self.id = same_as.id if same_as else ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = same_as.created if same_as else int(time.time())
         if kind == "chat":
             self.object = "chat.completion.chunk" if stream else "chat.completion"
         else:
@@ -380,10 +385,10 @@ class OpenAIRenderer:
                 delta["reasoning"] = delta["reasoning_content"] = piece.reasoning
             if piece.tool_calls:
                 delta["tool_calls"] = piece.tool_calls
-            out["choices"] = self._choice({"index": 0, "delta": delta, "finish_reason": finish_reason,
+            out["choices"] = self._choice({"index": self.index, "delta": delta, "finish_reason": finish_reason,
                                            "logprobs": self._logprobs(lps)}, stop_reason)
         else:
-            out["choices"] = self._choice({"index": 0, "text": piece.content, "finish_reason": finish_reason,
+            out["choices"] = self._choice({"index": self.index, "text": piece.content, "finish_reason": finish_reason,
                                            "logprobs": self._logprobs(lps)}, stop_reason)
         return out
 
@@ -436,10 +441,10 @@ class OpenAIRenderer:
                 msg["reasoning"] = msg["reasoning_content"] = reasoning  # both names: see `chunk`
             if tool_calls:
                 msg["tool_calls"] = tool_calls
-            out["choices"] = self._choice({"index": 0, "message": msg, "finish_reason": finish_reason,
+            out["choices"] = self._choice({"index": self.index, "message": msg, "finish_reason": finish_reason,
                                            "logprobs": self._logprobs(lps)}, stop_reason)
         else:
-            out["choices"] = self._choice({"index": 0, "text": content, "finish_reason": finish_reason,
+            out["choices"] = self._choice({"index": self.index, "text": content, "finish_reason": finish_reason,
                                            "logprobs": self._logprobs(lps)}, stop_reason)
         out["usage"] = usage
         return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import json
 import logging
 import math
@@ -270,62 +271,103 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
     rid = internal.get("request_id") or uuid.uuid4().hex
     REQUEST_ID.set(rid)
     loop = asyncio.get_running_loop()
-    req = GenRequest(
-        rid=rid,
-        prompt=list(ids),
-        params=GenParams(
-            max_tokens=max_tokens,
-            # top_p 0 keeps only the likeliest token (OpenAI's meaning): greedy. mlx-lm reads 0 as
-            # no nucleus at all (helper-80: the widest sampling for the narrowest setting).
-            temperature=0.0 if pr.top_p == 0 else pr.temperature,
-            top_p=pr.top_p,
-            top_k=effective_top_k(pr.top_k, engine),
-            min_p=pr.min_p,
-            logit_bias=pr.logit_bias,
-            repetition_penalty=pr.repetition_penalty,
-            presence_penalty=pr.presence_penalty,
-            frequency_penalty=pr.frequency_penalty,
-            repetition_context_size=pr.repetition_context_size,
-            presence_context_size=pr.presence_context_size,
-            frequency_context_size=pr.frequency_context_size,
-            xtc_probability=pr.xtc_probability,
-            xtc_threshold=pr.xtc_threshold,
-            logprobs=pr.logprobs,
-            seed=pr.seed,
-            ignore_eos=pr.ignore_eos,
-            min_tokens=min_tokens,
-            stop_token_ids=tuple(pr.stop_token_ids),
-            allowed_token_ids=tuple(pr.allowed_token_ids) if pr.allowed_token_ids else None,
-            bad_words=tuple(map(tuple, bad_words_ids(engine.tokenizer, pr.bad_words))),
-            # With tools, none skipped (`MLXEngine._skipped_tokens`)
-            skip_special_tokens=pr.skip_special_tokens and not pr.tools,
-            processors=constrained_processors(engine.tokenizer, pr.tools, pr.tool_choice, pr.constraint),
-        ),
-        system_tokens=system_tokens,
-        loop=loop,
-        events=asyncio.Queue(),
+    params = GenParams(
+        max_tokens=max_tokens,
+        # top_p 0 keeps only the likeliest token (OpenAI's meaning): greedy. mlx-lm reads 0 as
+        # no nucleus at all (helper-80: the widest sampling for the narrowest setting).
+        temperature=0.0 if pr.top_p == 0 else pr.temperature,
+        top_p=pr.top_p,
+        top_k=effective_top_k(pr.top_k, engine),
+        min_p=pr.min_p,
+        logit_bias=pr.logit_bias,
+        repetition_penalty=pr.repetition_penalty,
+        presence_penalty=pr.presence_penalty,
+        frequency_penalty=pr.frequency_penalty,
+        repetition_context_size=pr.repetition_context_size,
+        presence_context_size=pr.presence_context_size,
+        frequency_context_size=pr.frequency_context_size,
+        xtc_probability=pr.xtc_probability,
+        xtc_threshold=pr.xtc_threshold,
+        logprobs=pr.logprobs,
+        seed=pr.seed,
+        ignore_eos=pr.ignore_eos,
+        min_tokens=min_tokens,
+        stop_token_ids=tuple(pr.stop_token_ids),
+        allowed_token_ids=tuple(pr.allowed_token_ids) if pr.allowed_token_ids else None,
+        bad_words=tuple(map(tuple, bad_words_ids(engine.tokenizer, pr.bad_words))),
+        # With tools, none skipped (`MLXEngine._skipped_tokens`)
+        skip_special_tokens=pr.skip_special_tokens and not pr.tools,
     )
-    renderer = OpenAIRenderer(kind, pr.model or cfg.model_name, pr.stream, pr.logprobs, engine.tokenizer,
-                              id_names=pr.return_tokens_as_token_ids, reasoning=pr.include_reasoning)
-    builder = AnswerBuilder(engine.tokenizer, pr.tools, pr.stop, pr.stream,
-                            one_call=not pr.parallel_tool_calls, min_tokens=min_tokens,
-                            include_stop=pr.include_stop_str_in_output, stop_token_ids=pr.stop_token_ids,
-                            raw=kind == "text")
-    engine.submit(req)
+    choices = []
+    for i in range(pr.n):
+        renderer = OpenAIRenderer(kind, pr.model or cfg.model_name, pr.stream, pr.logprobs, engine.tokenizer,
+                                  id_names=pr.return_tokens_as_token_ids, reasoning=pr.include_reasoning, index=i,
+                                  same_as=choices[0].renderer if choices else None)
+        builder = AnswerBuilder(engine.tokenizer, pr.tools, pr.stop, pr.stream,
+                                one_call=not pr.parallel_tool_calls, min_tokens=min_tokens,
+                                include_stop=pr.include_stop_str_in_output, stop_token_ids=pr.stop_token_ids,
+                                raw=kind == "text")
+        req = GenRequest(
+            # The first choice keeps the gateway's request id (its routed event names it).
+            rid=rid if i == 0 else f"{rid}.{i}",
+            prompt=list(ids),
+            # vLLM's rule for n > 1: choice i samples from seed + i, so a seeded request's
+            # choices differ and each is the same on every run.
+            params=params if i == 0 else dataclasses.replace(params, seed=None if pr.seed is None else pr.seed + i),
+            system_tokens=system_tokens,
+            loop=loop,
+            events=asyncio.Queue(),
+        )
+        # Each its own (a constrained decoder's processors hold their grammar state).
+        req.params.processors = constrained_processors(engine.tokenizer, pr.tools, pr.tool_choice, pr.constraint)
+        choices.append(Choice(i, req, renderer, builder))
+    # Submitted together: the engine computes the shared prompt once, the other choices waiting
+    # for that prefill and reusing it (backend.engine, "waits for that prefill").
+    for ch in choices:
+        engine.submit(ch.req)
     finished = False
     try:
         if pr.stream:
-            resp = await _stream(request, req, renderer, builder, pr, reporter, engine, cfg.request_timeout)
+            resp = await _stream(request, choices, pr, reporter, engine, cfg.request_timeout)
         else:
-            resp = await _collect(req, renderer, builder, reporter, engine, cfg.request_timeout, pr.return_token_ids)
+            resp = await _collect(choices, reporter, engine, cfg.request_timeout, pr.return_token_ids)
         finished = True
         return resp
     finally:
-        engine.metrics.on_unparsed_calls(builder.unparsed_calls)
-        if not finished:
-            # Client went away or the handler failed: stop generating; the
-            # engine still saves the prompt cache (into free space).
-            engine.cancel(rid, abandoned=True)
+        for ch in choices:
+            engine.metrics.on_unparsed_calls(ch.builder.unparsed_calls)
+            if not finished:
+                # Client went away or the handler failed: stop generating; the
+                # engine still saves the prompt cache (into free space).
+                engine.cancel(ch.req.rid, abandoned=True)
+
+
+@dataclass
+class Choice:
+    """One choice of an answer (a request's ``n``): its engine request, its renderer and answer
+    builder (each holds its own answer's state), and its stream's progress (`_stream`)."""
+
+    index: int
+    req: GenRequest
+    renderer: OpenAIRenderer
+    builder: AnswerBuilder
+    kept: int = 0  # tokens of the answer: none the engine made after it ended (`builder.ended`)
+    ended: bool = False
+    first: bool = True  # no chunk of it sent yet
+    reason: Optional[str] = None
+    # Its token events not sent yet, each with where its text ends in the decoded stream (``fed``
+    # characters so far): a token goes out with the chunk that carries the last of its text, so a
+    # stop string's held-back text holds its tokens' entries too (helper-79).
+    unsent: list = field(default_factory=list)
+    fed: int = 0
+
+
+def _usage(choices: list[Choice]) -> dict:
+    """The request's usage: the prompt counted once (OpenAI's for ``n`` > 1), every choice's
+    answer tokens, and as cached the fewest prompt tokens any choice read from the cache (the
+    prompt's first computing; the others reuse it)."""
+    req = choices[0].req
+    return OpenAIRenderer.usage(len(req.prompt), sum(ch.kept for ch in choices), min(ch.req.cached for ch in choices))
 
 
 class GenerationTimeout(RequestError):
@@ -336,29 +378,29 @@ class GenerationTimeout(RequestError):
                          status=504, type="server_error", code="timeout")
 
 
-async def _next_event(req: GenRequest, timeout: float) -> GenEvent:
-    """The request's next engine event, or GenerationTimeout once ``timeout``
-    seconds have passed since it was submitted (a server-side cancel: the
+async def _next_event(events: asyncio.Queue, submitted_at: float, timeout: float):
+    """The next item of ``events`` (a request's engine events), or GenerationTimeout once
+    ``timeout`` seconds have passed since ``submitted_at`` (a server-side cancel: the
     caller's ``finally`` cancels generation and the engine saves the cache). A ``timeout``
     of 0 is no limit (it timed every request out at once)."""
     if timeout <= 0:
-        return await req.events.get()
-    left = req.submitted_at + timeout - time.monotonic()
+        return await events.get()
+    left = submitted_at + timeout - time.monotonic()
     try:
-        return await asyncio.wait_for(req.events.get(), max(left, 0.0))
+        return await asyncio.wait_for(events.get(), max(left, 0.0))
     except asyncio.TimeoutError:
         raise GenerationTimeout(timeout) from None
 
 
-async def _collect(req, renderer, builder, reporter, engine, timeout: float, token_ids: bool = False) -> web.Response:
+async def _collect_choice(ch: Choice, engine, timeout: float, token_ids: bool) -> dict:
+    """Run one choice to its end; its whole answer as a response body (one choice, no usage yet)."""
+    req, builder = ch.req, ch.builder
     content, reasoning, calls, lps, ids = [], [], [], [], []
-    reason = None
-    kept = 0  # tokens of the answer: none the engine made after it ended (`builder.ended`)
     while True:
-        ev = await _next_event(req, timeout)
+        ev = await _next_event(req.events, req.submitted_at, timeout)
         if ev.kind == "token" or ev.kind == "end":
             if ev.kind == "token" and not builder.ended:
-                kept += 1
+                ch.kept += 1
                 ids.append(ev.token)
             if ev.logprob is not None and not builder.ended:
                 lps.append(ev)
@@ -367,20 +409,29 @@ async def _collect(req, renderer, builder, reporter, engine, timeout: float, tok
             content.append(piece.content)
             reasoning.append(piece.reasoning)
             calls.extend(piece.tool_calls)
-            if builder.ended and reason is None:
-                reason = "stop"
+            if builder.ended and ch.reason is None:
+                ch.reason = "stop"
                 engine.cancel(req.rid)
             if ev.kind == "end":
                 if ev.finish_reason == "error":
                     raise RequestError(ev.error or "generation failed", status=500, type="server_error")
-                reason = builder.finish_reason(ev.finish_reason)
+                ch.reason = builder.finish_reason(ev.finish_reason)
+                ch.ended = True
                 break
-    await reporter.settle()
-    usage = renderer.usage(len(req.prompt), kept, req.cached)
-    body = renderer.full("".join(content), "".join(reasoning), calls, reason, usage, builder.stop_reason, lps)
+    body = ch.renderer.full("".join(content), "".join(reasoning), calls, ch.reason, None, builder.stop_reason, lps)
     if token_ids:
-        renderer.add_token_ids(body, ids, req.ids)
-    return web.json_response(body, headers={"X-Mlxgw-Cached-Tokens": str(req.cached)})
+        ch.renderer.add_token_ids(body, ids, req.ids)
+    return body
+
+
+async def _collect(choices: list[Choice], reporter, engine, timeout: float, token_ids: bool = False) -> web.Response:
+    bodies = await asyncio.gather(*(_collect_choice(ch, engine, timeout, token_ids) for ch in choices))
+    await reporter.settle()
+    body = bodies[0]
+    body["choices"] = [b["choices"][0] for b in bodies]
+    body["usage"] = _usage(choices)
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return web.json_response(body, headers={"X-Mlxgw-Cached-Tokens": str(cached)})
 
 
 def effective_top_k(top_k: int, engine) -> int:
@@ -399,7 +450,7 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout: float) -> web.StreamResponse:
+async def _stream(request, choices: list[Choice], pr, reporter, engine, timeout: float) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
@@ -408,34 +459,32 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
             "X-Mlxgw-Cached-Tokens": "0",
         }
     )
-    ended = False
-    # The answer's token events not sent yet (their logprobs, return_token_ids' ids), each with
-    # where its text ends in the decoded stream (``fed`` characters so far): a token goes out with
-    # the chunk that carries the last of its text, so a stop string's held-back text holds its
-    # tokens' entries too (helper-79).
-    unsent: list = []
-    fed = 0
-    # Tokens of the answer. Not ``req.generated``: the engine may make a token or two after a
-    # stop string or the one tool call allowed ended it, before the cancel reaches it
-    # (helper-78: completion_tokens 10 or 11 for the same request, 10 tokens of answer).
-    kept = 0
+    submitted_at = choices[0].req.submitted_at
+    if len(choices) == 1:
+        events = choices[0].req.events
+        one = choices[0]
+    else:
+        # n > 1: one queue of (choice, event) in the order the engine made them.
+        events, one = asyncio.Queue(), None
+        pumps = [asyncio.create_task(_pump(ch, events)) for ch in choices]
     try:
-        first = True
-        reason = None
         started = False
         while True:
             try:
-                ev = await _next_event(req, timeout)
+                item = await _next_event(events, submitted_at, timeout)
             except GenerationTimeout as e:
                 if not started:
                     raise  # nothing sent yet: a plain 504
-                engine.cancel(req.rid, abandoned=True)
+                for ch in choices:
+                    engine.cancel(ch.req.rid, abandoned=True)
                 await resp.write(_sse(e.body()))
                 break
+            ch, ev = (one, item) if one is not None else item
             if ev.kind == "start":
-                resp.headers["X-Mlxgw-Cached-Tokens"] = str(ev.cached)
-                await resp.prepare(request)
-                started = True
+                if not started:  # the first choice to start: the one computing the prompt
+                    resp.headers["X-Mlxgw-Cached-Tokens"] = str(ev.cached)
+                    await resp.prepare(request)
+                    started = True
                 continue
             if not started:
                 await resp.prepare(request)
@@ -443,16 +492,15 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
             if ev.kind == "progress":
                 await resp.write(f": keepalive {ev.done}/{ev.total}\n\n".encode())
                 continue
-            ended = ev.kind == "end"
-            final = ev.finish_reason if ended else None
-            if ended and ev.finish_reason == "error":
+            if ev.kind == "end" and ev.finish_reason == "error":
                 # The batch it ran in failed, or the engine thread died and this backend is exiting
                 # (code 5): the stream ends as a killed process's would, cut, so a gateway ends its
                 # client's stream with its backend_failed event and counts it so (helper-75: an
                 # error event and a clean end read as a finished answer: Anthropic end_turn,
                 # Responses completed).
+                ch.ended = True
                 why = ev.error or "generation failed"
-                log.warning("request %s: stream cut: %s", req.rid, why)
+                log.warning("request %s: stream cut: %s", ch.req.rid, why)
                 try:  # the reason, for a gateway (`schema.FAILED_MARK`)
                     await resp.write(schema.failed_comment(why, fatal=engine.failed))
                 except ConnectionResetError:
@@ -460,50 +508,77 @@ async def _stream(request, req, renderer, builder, pr, reporter, engine, timeout
                 if request.transport is not None:
                     request.transport.abort()
                 return resp
-            if ev.kind == "token" and not builder.ended:
-                kept += 1
-                unsent.append((fed + len(ev.text), ev))
-            fed += len(ev.text)
-            piece = builder.feed(ev.text, final, ev.token if ev.kind == "token" else None)
-            if builder.ended and reason is None:
-                reason = "stop"
-                engine.cancel(req.rid)
-            if piece.content or piece.reasoning or piece.tool_calls or first:
-                out = fed - builder.held  # characters of the stream sent (or dropped: markers, a stop's tail)
-                ready = [e for end, e in unsent if end <= out or builder.ended]
-                unsent = [(end, e) for end, e in unsent if not (end <= out or builder.ended)]
-                lps = [e for e in ready if e.logprob is not None]
-                for i, obj in enumerate(renderer.stream_chunks(piece, first=first, lps=lps)):
-                    if pr.continuous_usage:  # vLLM's continuous_usage_stats: the counts so far on each chunk
-                        obj["usage"] = renderer.usage(len(req.prompt), kept, req.cached)
-                    if pr.return_token_ids:  # as the logprobs: with the chunk carrying their text
-                        renderer.add_token_ids(obj, [e.token for e in ready] if i == 0 else [],
-                                               req.ids if first and i == 0 else None)
-                    await resp.write(_sse(obj))
-                first = False
             if ev.kind == "end":
-                reason = builder.finish_reason(ev.finish_reason)
-                await reporter.settle()
-                rest = [e for _, e in unsent]
-                last = renderer.chunk(Piece(), reason, stop_reason=builder.stop_reason,
-                                      lps=[e for e in rest if e.logprob is not None])
-                if pr.return_token_ids:
-                    renderer.add_token_ids(last, [e.token for e in rest], None)
-                if pr.continuous_usage:
-                    last["usage"] = renderer.usage(len(req.prompt), kept, req.cached)
-                await resp.write(_sse(last))
+                await reporter.settle()  # Redis reflects its saves before the client reads its end
+            for obj in _chunks(ch, ev, pr, engine, choices):
+                await resp.write(_sse(obj))
+            if all(c.ended for c in choices):
                 if pr.include_usage:
-                    usage = renderer.usage(len(req.prompt), kept, req.cached)
-                    await resp.write(_sse(renderer.usage_chunk(usage)))
+                    await resp.write(_sse(choices[0].renderer.usage_chunk(_usage(choices))))
                 break
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
     except ConnectionResetError:
         # The client went away mid-answer, a normal ending: stop generating (the
         # engine still saves the prompt cache) without logging a traceback.
-        if not ended:
-            engine.cancel(req.rid, abandoned=True)
+        for ch in choices:
+            if not ch.ended:
+                engine.cancel(ch.req.rid, abandoned=True)
+    finally:
+        if one is None:
+            for t in pumps:
+                t.cancel()
     return resp
+
+
+async def _pump(ch: Choice, out: asyncio.Queue) -> None:
+    """Move choice ``ch``'s engine events to the request's one queue, to its end event."""
+    while True:
+        ev = await ch.req.events.get()
+        out.put_nowait((ch, ev))
+        if ev.kind == "end":
+            return
+
+
+def _chunks(ch: Choice, ev: GenEvent, pr, engine, choices: list[Choice]) -> list[dict]:
+    """The stream chunks choice ``ch``'s token or end event ``ev`` makes (none while text is held
+    back); its end makes its last chunk, with its ``finish_reason``."""
+    renderer, builder = ch.renderer, ch.builder
+    out = []
+    ended = ev.kind == "end"
+    if ev.kind == "token" and not builder.ended:
+        ch.kept += 1
+        ch.unsent.append((ch.fed + len(ev.text), ev))
+    ch.fed += len(ev.text)
+    piece = builder.feed(ev.text, ev.finish_reason if ended else None, ev.token if ev.kind == "token" else None)
+    if builder.ended and ch.reason is None:
+        ch.reason = "stop"
+        engine.cancel(ch.req.rid)
+    if piece.content or piece.reasoning or piece.tool_calls or ch.first:
+        sent = ch.fed - builder.held  # characters of the stream sent (or dropped: markers, a stop's tail)
+        ready = [e for end, e in ch.unsent if end <= sent or builder.ended]
+        ch.unsent = [(end, e) for end, e in ch.unsent if not (end <= sent or builder.ended)]
+        lps = [e for e in ready if e.logprob is not None]
+        for i, obj in enumerate(renderer.stream_chunks(piece, first=ch.first, lps=lps)):
+            if pr.continuous_usage:  # vLLM's continuous_usage_stats: the counts so far on each chunk
+                obj["usage"] = _usage(choices)
+            if pr.return_token_ids:  # as the logprobs: with the chunk carrying their text
+                renderer.add_token_ids(obj, [e.token for e in ready] if i == 0 else [],
+                                       ch.req.ids if ch.first and i == 0 else None)
+            out.append(obj)
+        ch.first = False
+    if ended:
+        ch.ended = True
+        ch.reason = builder.finish_reason(ev.finish_reason)
+        rest = [e for _, e in ch.unsent]
+        last = renderer.chunk(Piece(), ch.reason, stop_reason=builder.stop_reason,
+                              lps=[e for e in rest if e.logprob is not None])
+        if pr.return_token_ids:
+            renderer.add_token_ids(last, [e.token for e in rest], None)
+        if pr.continuous_usage:
+            last["usage"] = _usage(choices)
+        out.append(last)
+    return out
 
 
 async def handle_models(request: web.Request) -> web.Response:

@@ -287,6 +287,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
                 "x-request-id": rid,
                 "request-id": rid,
             },
+            decodes=body.get("n") or 1,
         )
         for i, s in enumerate(ranked)  # forward tries 1 + max_retries of them (`Attempt.free` aside)
     ]

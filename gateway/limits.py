@@ -324,9 +324,12 @@ def limits_middleware(cfg: LimitConfig, max_body_bytes: int):
             headers = {"Retry-After": str(retry)}
             if reason == "overloaded":
                 raise at_cap()
-            msg = (f"too many requests in flight for this API key (limit {cfg.max_concurrent_per_key})"
+            # Without API keys the limits are per client address (`auth_middleware`; helper-82:
+            # "for this API key" on a gateway that has none).
+            who = "this client address" if caller.startswith("ip:") else "this API key"
+            msg = (f"too many requests in flight for {who} (limit {cfg.max_concurrent_per_key})"
                    if reason == "concurrency" else
-                   f"rate limit exceeded for this API key ({cfg.rate_per_minute:g} requests per minute)")
+                   f"rate limit exceeded for {who} ({cfg.rate_per_minute:g} requests per minute)")
             raise RequestError(msg, status=429, type="rate_limit_error", code="rate_limit_exceeded", headers=headers)
         if capped:
             try:

@@ -50,7 +50,8 @@ _SKIP = {"content-length", "transfer-encoding", "connection", "keep-alive", "con
 class InFlight:
     """This gateway's in-flight work per backend.
 
-    ``view()`` gives (requests, prefill tokens); prefill tokens count
+    ``view()`` gives (running decodes, prefill tokens): a request counts as
+    many decodes as it has choices (``n``); prefill tokens count
     requests not yet answering that were sent within the last ``fresh``
     seconds. A streamed request stops counting at its first token; a
     non-streamed one sends its first byte only at the end, so the window
@@ -59,19 +60,19 @@ class InFlight:
 
     def __init__(self, fresh: float = 1.0):
         self.fresh = fresh
-        self._live: dict[str, dict[int, tuple[float, int]]] = {}
+        self._live: dict[str, dict[int, tuple[float, int, int]]] = {}  # handle -> (sent at, prefill, decodes)
         self._n = 0
 
-    def begin(self, backend: str, prefill_tokens: int) -> int:
+    def begin(self, backend: str, prefill_tokens: int, decodes: int = 1) -> int:
         self._n += 1
-        self._live.setdefault(backend, {})[self._n] = (time.monotonic(), prefill_tokens)
+        self._live.setdefault(backend, {})[self._n] = (time.monotonic(), prefill_tokens, decodes)
         return self._n
 
     def started(self, backend: str, handle: int) -> None:
         """The backend began answering: its prefill is done."""
         d = self._live.get(backend, {})
         if handle in d:
-            d[handle] = (d[handle][0], 0)
+            d[handle] = (d[handle][0], 0, d[handle][2])
 
     def end(self, backend: str, handle: int) -> None:
         self._live.get(backend, {}).pop(handle, None)
@@ -83,7 +84,7 @@ class InFlight:
     def view(self) -> dict[str, tuple[int, int]]:
         now = time.monotonic()
         return {
-            b: (len(d), sum(tok for t, tok in d.values() if now - t < self.fresh))
+            b: (sum(n for _, _, n in d.values()), sum(tok for t, tok, _ in d.values() if now - t < self.fresh))
             for b, d in self._live.items()
         }
 
@@ -94,6 +95,7 @@ class Attempt:
     url: str
     prefill_tokens: int
     headers: dict
+    decodes: int = 1  # the request's choices (``n``): decodes it runs there
     first_byte_at: float = 0.0  # perf_counter() of the first answer byte (SSE: first data event)
     failed: bool = False  # the backend failed mid-stream (the client got an error event)
     tried: bool = False  # the request was sent to this backend
@@ -523,7 +525,7 @@ class Proxy:
                 self.retries += 1
             a.tried = True
             sent_at = time.monotonic()
-            handle = self.inflight.begin(a.backend_id, a.prefill_tokens)
+            handle = self.inflight.begin(a.backend_id, a.prefill_tokens, a.decodes)
             try:
                 timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout or None)
                 async with contextlib.AsyncExitStack() as upstream:

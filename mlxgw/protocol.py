@@ -161,7 +161,11 @@ class ParsedRequest:
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning text out of the answer
     skip_special_tokens: bool = True  # vLLM's: special tokens' text is left out of the answer
+    n: int = 1  # choices: the backend answers each as its own request on the one prompt (`backend.server`)
 
+
+#: Most choices one request may ask for (``n``): OpenAI's bound.
+MAX_N = 128
 
 # Deepest JSON nesting accepted. Real requests (tool schemas included) stay
 # far below it; deeper bodies could exhaust recursion in the chat template or
@@ -528,16 +532,22 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
+#: OpenAI's ``reasoning_effort`` values (chat; the Responses API's ``reasoning.effort``).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
 def template_kwargs(body: dict) -> dict:
     """The request's extra chat-template arguments: ``chat_template_kwargs``, plus the
     top-level ``add_generation_prompt`` / ``continue_final_message`` (vLLM's extensions of the
-    chat request; either spelling is honoured, the top-level one wins).
+    chat request; either spelling is honoured, the top-level one wins) and ``reasoning_effort``
+    as the template variable of that name (unless ``chat_template_kwargs`` sets it).
 
     Raises:
         RequestError: 400 when ``chat_template_kwargs`` is not an object, names an argument of
             the template call itself (`RESERVED_TEMPLATE_KWARGS`: ``chat_template``, ``tools``,
             ``tokenize``...), a turn flag is not a boolean, or both turn flags are true (as vLLM:
-            continuing the last message and opening a new assistant turn contradict each other).
+            continuing the last message and opening a new assistant turn contradict each other), or
+            ``reasoning_effort`` is not one of OpenAI's values.
     """
     tk = dict(optional_field(body, "chat_template_kwargs", (dict,), "an object") or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(tk))
@@ -555,6 +565,14 @@ def template_kwargs(body: dict) -> dict:
     if tk.get("add_generation_prompt") and tk.get("continue_final_message"):
         raise RequestError("'add_generation_prompt' and 'continue_final_message' cannot both be true",
                            param="continue_final_message")
+    effort = optional_field(body, "reasoning_effort", (str,), "a string")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise RequestError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}",
+                               param="reasoning_effort")
+        # The template variable of that name (gpt-oss's template reads it, as vLLM renders it);
+        # chat_template_kwargs' own wins. Other templates ignore it (helper-82: dropped unsaid).
+        tk.setdefault("reasoning_effort", effort)
     return tk
 
 
@@ -686,9 +704,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
     if not isinstance(include_usage, bool):
         raise RequestError("'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
     continuous = optional_field(so, "continuous_usage_stats", (bool,), "a boolean", "stream_options")
-    n = number_field(body, "n", 1, lo=1, integer=True)
-    if n != 1:
-        raise RequestError("'n' must be 1: one choice per request is supported", param="n")
+    n = number_field(body, "n", 1, lo=1, hi=MAX_N, integer=True)
     for name, what in (("adapters", "LoRA adapters per request"), ("draft_model", "a draft model per request")):
         if body.get(name) is not None:  # mlx_lm.server's extensions: ignoring them would answer from another model
             raise RequestError(f"'{name}' is not supported: {what} (a backend serves the one model it loaded)",
@@ -765,6 +781,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         kind=kind,
         model=model,
         stream=stream,
+        n=n,
         include_usage=include_usage,
         max_tokens=max_tokens,
         temperature=float(number_field(body, "temperature", 0.0, lo=0, hi=2)),  # OpenAI's range

@@ -438,7 +438,8 @@ def test_errors_in_each_dialect(stack):
     with pytest.raises(openai.BadRequestError) as e:
         _oai(stack).responses.create(model="demo-tiny", input="x", previous_response_id="resp_123")
     assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "unsupported_parameter"
-    for kw, param in (({"conversation": "conv_1"}, "conversation"), ({"background": True}, "background")):
+    for kw, param in (({"conversation": "conv_1"}, "conversation"), ({"background": True}, "background"),
+                      ({"extra_body": {"n": 2}}, "n")):  # chat's n: a response has one output
         with pytest.raises(openai.BadRequestError) as e:  # ignored, or answered at once, before (helper-71)
             _oai(stack).responses.create(model="demo-tiny", input="x", **kw)
         assert (e.value.body["param"], e.value.body["code"]) == (param, "unsupported_parameter"), e.value.body

@@ -344,11 +344,22 @@ def test_per_key_rate_limit_token_bucket(sec):
     assert statuses == [200] * 4  # the burst
     status, hdrs, raw = _get(gw + "/v1/models", key=KEYS["rate"])
     assert status == 429 and hdrs["Retry-After"] == "1"
-    assert "60 requests per minute" in json.loads(raw)["error"]["message"]
+    assert json.loads(raw)["error"]["message"] == "rate limit exceeded for this API key (60 requests per minute)"
     assert _get(gw + "/v1/models", key=KEYS["other"])[0] == 200
     time.sleep(1.1)  # 60/min refills one request a second
     assert _get(gw + "/v1/models", key=KEYS["rate"])[0] == 200
     assert _get(gw + "/v1/models", key=KEYS["rate"])[0] == 429
+
+
+def test_without_keys_the_limits_name_the_client_address(make_stack):
+    """A gateway with no API keys limits each client address (docs/security.md); its 429 says so
+    (helper-82: "for this API key" on a gateway that has none)."""
+    s = make_stack()
+    s.add_gateway("--rate-limit-rpm", "60", "--rate-burst", "1").wait_healthy(status=503)  # no backend needed
+    assert _get(s.gateway.url + "/v1/models")[0] == 200
+    status, _, raw = _get(s.gateway.url + "/v1/models")
+    assert status == 429
+    assert json.loads(raw)["error"]["message"] == "rate limit exceeded for this client address (60 requests per minute)"
 
 
 def test_50mb_body_is_refused_and_the_gateway_keeps_serving(sec):
@@ -421,7 +432,9 @@ VALIDATION = [
     ({**CHAT, "max_tokens": "10"}, 400, "max_tokens"),
     ({**CHAT, "temperature": True}, 400, "temperature"),
     ({**CHAT, "stream": "yes"}, 400, "stream"),
-    ({**CHAT, "n": 3}, 400, "n"),
+    ({**CHAT, "n": 129}, 400, "n"),  # OpenAI's bound, 128
+    ({**CHAT, "n": 0}, 400, "n"),
+    ({**CHAT, "n": 1.5}, 400, "n"),
     ({**CHAT, "stop": 5}, 400, "stop"),
     ({**CHAT, "stop": ["a"] * 17}, 400, "stop"),
     ({**CHAT, "user": 5}, 400, "user"),

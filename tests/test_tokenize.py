@@ -96,3 +96,35 @@ def test_developer_role_kept_for_templates_that_name_it(demo_model):
         chat_template = "{% for m in messages %}{% if m.role == 'developer' %}...{% endif %}{% endfor %}"
 
     assert template_roles(Harmony(), msgs) is msgs
+
+
+def test_reasoning_effort_is_the_templates_variable(demo_model):
+    """OpenAI's ``reasoning_effort`` (chat) and ``reasoning.effort`` (Responses) reach the chat
+    template as its ``reasoning_effort`` variable, the one gpt-oss's template reads (helper-82:
+    dropped unsaid); ``chat_template_kwargs`` names it first if it likes; other values are a 400."""
+    import copy
+
+    from gateway.dialects.responses import to_chat
+    from mlxgw.protocol import RequestError, parse_openai
+
+    info = load_model_info("demo-tiny", demo_model)
+    tok = copy.copy(info.tokenizer)
+    tok._tokenizer = copy.copy(info.tokenizer._tokenizer)
+    tok._tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                    "|effort={{ reasoning_effort | default('unset') }}")
+
+    def effort(body):
+        pr = parse_openai({"messages": [{"role": "user", "content": "hi"}], **body}, "chat")
+        return tok.decode(render_chat(tok, pr.messages, None, pr.template_kwargs).token_ids).split("|effort=")[1]
+
+    assert effort({}) == "unset"
+    assert effort({"reasoning_effort": "low"}) == "low"
+    assert effort({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}) == "high"
+    assert effort(to_chat({"model": "m", "input": "hi", "reasoning": {"effort": "minimal"}})) == "minimal"
+    for body, param in (({"reasoning_effort": "max"}, "reasoning_effort"), ({"reasoning_effort": 2}, "reasoning_effort")):
+        with pytest.raises(RequestError) as e:
+            effort(body)
+        assert e.value.param == param
+    with pytest.raises(RequestError) as e:
+        to_chat({"model": "m", "input": "hi", "reasoning": {"effort": "huge"}})
+    assert e.value.param == "reasoning.effort"

@@ -31,7 +31,7 @@ import json
 import time
 from typing import Optional
 
-from mlxgw.protocol import UNSUPPORTED_VLLM, RequestError, number_field, optional_field
+from mlxgw.protocol import REASONING_EFFORTS, UNSUPPORTED_VLLM, RequestError, number_field, optional_field
 
 from .base import (ChatTransform, chat_message, chat_request, function_tools, new_id, sse_event, text_entries, text_of,
                    with_stream)
@@ -228,6 +228,9 @@ def to_chat(body: dict) -> dict:
         raise RequestError("'background' responses are not supported: this gateway keeps no responses to poll; "
                            "leave it out and wait for the answer (or stream it)", param="background",
                            code="unsupported_parameter")
+    if body.get("n") not in (None, 1):  # a response is one answer (chat takes several since session 45)
+        raise RequestError("'n' is not supported: a response has one output; send one request per answer",
+                           param="n", code="unsupported_parameter")
     out = chat_request(body, lambda: convert_input(body.get("instructions"), body.get("input")),
                        lambda: convert_tools(body.get("tools")), convert_tool_choice)
     if body.get("max_output_tokens") is not None:  # checked here so the error names the client's field
@@ -255,6 +258,12 @@ def to_chat(body: dict) -> dict:
         out["logprobs"], out["top_logprobs"] = True, top or 0
     for k in ("reasoning", "metadata"):
         optional_field(body, k, (dict,), "an object")
+    effort = (body.get("reasoning") or {}).get("effort")
+    if effort is not None:  # chat's reasoning_effort (a template variable), checked there
+        if not isinstance(effort, str) or effort not in REASONING_EFFORTS:
+            raise RequestError(f"'reasoning.effort' must be one of {', '.join(REASONING_EFFORTS)}",
+                               param="reasoning.effort")
+        out["reasoning_effort"] = effort
     fmt = response_format(body.get("text"))
     if fmt is not None:
         out["response_format"] = fmt

@@ -1,0 +1,146 @@
+"""``n`` > 1: several choices of one prompt in one request (OpenAI's field, vLLM's seeding rule),
+whole and streamed, through a real gateway and demo backend; the prompt computed once."""
+
+import json
+
+import openai
+import pytest
+
+from mlxgw.httpget import post
+from test_metrics import _scrape, _v
+from texts import words
+
+
+def _chat(stack, **body) -> dict:
+    status, _, raw = post(stack.gateway.url + "/v1/chat/completions",
+                          {"model": "demo-tiny", "temperature": 1.0, "ignore_eos": True, **body})
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+@pytest.fixture
+def client(stack1):
+    return openai.OpenAI(base_url=stack1.gateway.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_n_choices_are_the_seeded_single_answers(stack1):
+    """Choice i of a seeded request is the answer of the same request with ``n`` 1 and seed
+    ``seed + i`` (vLLM's rule), so the choices differ and each is reproducible; one id, the
+    prompt counted once in usage, every choice's tokens counted."""
+    msgs = [{"role": "user", "content": words(30, seed=41)}]
+    out = _chat(stack1, messages=msgs, n=3, seed=11, max_tokens=6)
+    singles = [_chat(stack1, messages=msgs, seed=11 + i, max_tokens=6) for i in range(3)]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in out["choices"]] == [s["choices"][0]["message"]["content"] for s in singles]
+    assert len({c["message"]["content"] for c in out["choices"]}) == 3
+    assert [c["finish_reason"] for c in out["choices"]] == ["length"] * 3
+    assert out["usage"]["prompt_tokens"] == singles[0]["usage"]["prompt_tokens"]
+    assert out["usage"]["completion_tokens"] == 18
+    assert out["usage"]["total_tokens"] == out["usage"]["prompt_tokens"] + 18
+    assert out["id"].startswith("chatcmpl-")
+
+
+def test_n_choices_compute_the_prompt_once(stack1):
+    """A cold prompt asked with ``n`` 3: the backend computes it once (the other choices wait
+    for that prefill and reuse it, leaving one token each to compute); usage's cached_tokens is
+    what the request found cached (the chat template's opening, from earlier requests)."""
+    b, m = stack1.backends[0].url, stack1.model_name
+    _, before = _scrape(b)
+    prompt = [{"role": "user", "content": words(200, seed=42)}]
+    out = _chat(stack1, messages=prompt, n=3, max_tokens=2, temperature=0)
+    _, after = _scrape(b)
+    p = out["usage"]["prompt_tokens"]
+    assert p > 150
+    cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached < 40
+
+    def delta(name):
+        return _v(after, name, model_name=m) - _v(before, name, model_name=m)
+
+    assert delta("mlxgw:prefix_cache_queries_total") == 3 * p
+    assert delta("mlxgw:prefix_cache_hits_total") == cached + 2 * (p - 1)
+    # Greedy: every choice is the same answer.
+    assert len({c["message"]["content"] for c in out["choices"]}) == 1
+
+
+def test_n_choices_on_completions(stack1):
+    out = json.loads(post(stack1.gateway.url + "/v1/completions",
+                          {"model": "demo-tiny", "prompt": words(20, seed=43), "n": 2, "seed": 3, "max_tokens": 5,
+                           "temperature": 1.0, "ignore_eos": True, "logprobs": 1})[2])
+    one = json.loads(post(stack1.gateway.url + "/v1/completions",
+                          {"model": "demo-tiny", "prompt": words(20, seed=43), "seed": 4, "max_tokens": 5,
+                           "temperature": 1.0, "ignore_eos": True, "logprobs": 1})[2])
+    assert out["object"] == "text_completion"
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert out["choices"][1]["text"] == one["choices"][0]["text"]
+    assert out["choices"][1]["logprobs"] == one["choices"][0]["logprobs"]
+    assert [len(c["logprobs"]["tokens"]) for c in out["choices"]] == [5, 5]
+    assert out["usage"]["completion_tokens"] == 10
+
+
+def test_n_choices_streamed_through_the_sdk(stack1, client):
+    """Streamed, each choice's chunks carry its index: the first its role, the last its
+    finish_reason; the texts are the whole answer's; one usage chunk with every choice's tokens."""
+    msgs = [{"role": "user", "content": words(30, seed=44)}]
+    whole = _chat(stack1, messages=msgs, n=3, seed=21, max_tokens=7)
+    stream = client.chat.completions.create(model="demo-tiny", messages=msgs, n=3, seed=21, max_tokens=7,
+                                            temperature=1.0, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    text, roles, finish, usage, ids = {}, {}, {}, [], set()
+    for chunk in stream:
+        ids.add(chunk.id)
+        if chunk.usage is not None:
+            usage.append(chunk.usage)
+        for c in chunk.choices:
+            roles.setdefault(c.index, c.delta.role)
+            text[c.index] = text.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                assert c.index not in finish
+                finish[c.index] = c.finish_reason
+    assert [text[i] for i in range(3)] == [c["message"]["content"] for c in whole["choices"]]
+    assert roles == {0: "assistant", 1: "assistant", 2: "assistant"}
+    assert finish == {0: "length", 1: "length", 2: "length"}
+    assert len(ids) == 1
+    assert len(usage) == 1 and usage[0].completion_tokens == 21
+
+
+def test_n_above_openais_bound_is_a_400(stack1):
+    status, _, raw = post(stack1.gateway.url + "/v1/chat/completions",
+                          {"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"}], "n": 129})
+    err = json.loads(raw)["error"]
+    assert (status, err["param"]) == (400, "n"), raw
+    assert "<= 128" in err["message"]
+
+
+def test_a_request_counts_its_choices_as_decodes_in_the_gateways_load(stack1, redis_server):
+    """The gateway's published load (what it and other gateways route on) counts a request
+    with ``n`` 3 as three running decodes on its backend while it streams; the client leaving
+    stops all three on the backend."""
+    import time
+
+    from mlxgw import schema
+
+    keys, r = schema.Keys(stack1.namespace, stack1.model_name), redis_server.client()
+    client = openai.OpenAI(base_url=stack1.gateway.url + "/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": words(20, seed=45)}],
+                                            n=3, max_tokens=4000, stream=True, extra_body={"ignore_eos": True})
+    seen = None
+    try:
+        for _ in stream:  # the answer runs; the gateway publishes every 0.1 s
+            loads = [v for gid in r.zrange(keys.gateways, 0, -1) for v in r.hgetall(keys.gateway_load(gid)).values()]
+            if loads:
+                seen = loads[0]
+                if seen.startswith("3:"):
+                    break
+            time.sleep(0.01)
+    finally:
+        stream.close()
+    assert seen is not None and seen.split(":")[0] == "3", seen
+    deadline, running = time.time() + 15, None
+    while time.time() < deadline:
+        _, vals = _scrape(stack1.backends[0].url)
+        running = _v(vals, "mlxgw:num_requests_running", model_name=stack1.model_name)
+        if running == 0:
+            break
+        time.sleep(0.1)
+    assert running == 0
