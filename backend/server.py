@@ -351,7 +351,10 @@ class Choice:
     req: GenRequest
     renderer: OpenAIRenderer
     builder: AnswerBuilder
-    kept: int = 0  # tokens of the answer: none the engine made after it ended (`builder.ended`)
+    # Tokens of the answer. Not ``req.generated``: the engine may make a token or two after a stop
+    # string or the one tool call allowed ended it, before the cancel reaches it (helper-78:
+    # completion_tokens 10 or 11 for the same request, 10 tokens of answer).
+    kept: int = 0
     ended: bool = False
     first: bool = True  # no chunk of it sent yet
     reason: Optional[str] = None
