@@ -216,27 +216,36 @@ async def handle_text(request: web.Request) -> web.StreamResponse:
     return await _complete(request, "text")
 
 
-def _tokenize(engine: Engine, pr, internal: dict) -> tuple[list[int], int]:
-    ids = internal.get("prompt_ids")
-    if ids is not None:
-        # The gateway packs them (schema.token_bytes, the bytes it hashed; cheaper
-        # to pack and unpack than a msgpack int array); a list is accepted too
-        # (older gateways).
-        if isinstance(ids, bytes):
-            try:
-                ids = schema.tokens_from_bytes(ids)
-            except ValueError as e:
-                raise RequestError(f"internal prompt_ids: {e}")
-        if not isinstance(ids, list) or not ids:
-            raise RequestError("internal prompt_ids must be a non-empty list")
-        return ids, int(internal.get("system_tokens", 0))
+def _internal_ids(ids, name: str) -> list[int]:
+    # The gateway packs them (schema.token_bytes, the bytes it hashed; cheaper
+    # to pack and unpack than a msgpack int array); a list is accepted too
+    # (older gateways).
+    if isinstance(ids, bytes):
+        try:
+            ids = schema.tokens_from_bytes(ids)
+        except ValueError as e:
+            raise RequestError(f"internal {name}: {e}")
+    if not isinstance(ids, list) or not ids:
+        raise RequestError(f"internal {name} must be a non-empty list")
+    return ids
+
+
+def _tokenize(engine: Engine, pr, internal: dict) -> tuple[list[list[int]], int]:
+    """The request's prompts as token ids (one, or a completions batch's every prompt, in
+    order) and the first's system-prompt tokens; the gateway's ids when it sent them."""
+    if internal.get("prompt_ids") is not None:
+        batch = internal.get("batch_ids")
+        if batch is not None:
+            if not isinstance(batch, list) or len(batch) != max(len(pr.batch), 1):
+                raise RequestError("internal batch_ids must hold one entry per prompt")
+            return [_internal_ids(b, "batch_ids") for b in batch], 0
+        return [_internal_ids(internal["prompt_ids"], "prompt_ids")], int(internal.get("system_tokens", 0))
     tok = engine.tokenizer
     if pr.kind == "chat":
         cp = prompt_mod.render_chat(tok, pr.messages, pr.tools, pr.template_kwargs)
-        return cp.token_ids, cp.system_tokens
-    if pr.prompt_ids is not None:
-        return pr.prompt_ids, 0
-    return prompt_mod.encode_text(tok, pr.prompt), 0
+        return [cp.token_ids], cp.system_tokens
+    return [ids if ids is not None else prompt_mod.encode_text(tok, text)
+            for text, ids in pr.batch or [(pr.prompt, pr.prompt_ids)]], 0
 
 
 async def _complete(request: web.Request, kind: str, body: Optional[dict] = None) -> web.StreamResponse:
@@ -253,17 +262,19 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
     if engine.failed or reporter.state != "ready":
         raise RequestError(f"backend not ready ({'failed' if engine.failed else reporter.state})",
                            status=503, type="server_error")
-    ids, system_tokens = _tokenize(engine, pr, internal)
+    prompts, system_tokens = _tokenize(engine, pr, internal)
     ctx = engine.context_length
-    if pr.prompt_ids is not None and any(t >= len(engine.tokenizer) for t in ids):
-        raise RequestError("prompt contains token ids outside the vocabulary", param="prompt")
+    for i, ((_, given), ids) in enumerate(zip(pr.batch or [(None, pr.prompt_ids)], prompts)):
+        where = "messages" if kind == "chat" else f"prompt[{i}]" if pr.batch else "prompt"
+        if given is not None and any(t >= len(engine.tokenizer) for t in ids):
+            raise RequestError(f"{where} contains token ids outside the vocabulary", param=where)
+        if len(ids) >= ctx:
+            raise context_exceeded(len(ids), ctx, where)
     for name in ("stop_token_ids", "allowed_token_ids"):
         if any(t >= len(engine.tokenizer) for t in getattr(pr, name) or ()):
             raise RequestError(f"'{name}' holds token ids outside the vocabulary", param=name)
-    if len(ids) >= ctx:
-        raise context_exceeded(len(ids), ctx, "messages" if kind == "chat" else "prompt")
     # Without a max_tokens, at least min_tokens (helper-80: min_tokens 600 gave the 512 default)
-    max_tokens = min(pr.max_tokens or max(DEFAULT_MAX_TOKENS, pr.min_tokens), ctx - len(ids))
+    max_tokens = min(pr.max_tokens or max(DEFAULT_MAX_TOKENS, pr.min_tokens), ctx - max(map(len, prompts)))
     min_tokens = min(pr.min_tokens, max_tokens)
     # Redis must reflect earlier saves before this request is answered.
     await reporter.settle()
@@ -299,7 +310,8 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
         skip_special_tokens=pr.skip_special_tokens and not pr.tools,
     )
     choices = []
-    for i in range(pr.n):
+    # OpenAI's order: prompt p's n choices are indexes p * n .. p * n + n - 1.
+    for i, (p, j) in enumerate((p, j) for p in range(len(prompts)) for j in range(pr.n)):
         renderer = OpenAIRenderer(kind, pr.model or cfg.model_name, pr.stream, pr.logprobs, engine.tokenizer,
                                   id_names=pr.return_tokens_as_token_ids, reasoning=pr.include_reasoning, index=i,
                                   same_as=choices[0].renderer if choices else None)
@@ -310,17 +322,17 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
         req = GenRequest(
             # The first choice keeps the gateway's request id (its routed event names it).
             rid=rid if i == 0 else f"{rid}.{i}",
-            prompt=list(ids),
-            # vLLM's rule for n > 1: choice i samples from seed + i, so a seeded request's
-            # choices differ and each is the same on every run.
-            params=params if i == 0 else dataclasses.replace(params, seed=None if pr.seed is None else pr.seed + i),
-            system_tokens=system_tokens,
+            prompt=list(prompts[p]),
+            # vLLM's rule for n > 1: a prompt's choice j samples from seed + j, so a seeded
+            # request's choices differ and each is the same on every run.
+            params=params if i == 0 else dataclasses.replace(params, seed=None if pr.seed is None else pr.seed + j),
+            system_tokens=system_tokens if p == 0 else 0,
             loop=loop,
             events=asyncio.Queue(),
         )
         # Each its own (a constrained decoder's processors hold their grammar state).
         req.params.processors = constrained_processors(engine.tokenizer, pr.tools, pr.tool_choice, pr.constraint)
-        choices.append(Choice(i, req, renderer, builder))
+        choices.append(Choice(i, req, renderer, builder, prompt=p))
     # Submitted together: the engine computes the shared prompt once, the other choices waiting
     # for that prefill and reusing it (backend.engine, "waits for that prefill").
     for ch in choices:
@@ -351,6 +363,7 @@ class Choice:
     req: GenRequest
     renderer: OpenAIRenderer
     builder: AnswerBuilder
+    prompt: int = 0  # which of a completions batch's prompts it answers
     # Tokens of the answer. Not ``req.generated``: the engine may make a token or two after a stop
     # string or the one tool call allowed ended it, before the cancel reaches it (helper-78:
     # completion_tokens 10 or 11 for the same request, 10 tokens of answer).
@@ -366,11 +379,15 @@ class Choice:
 
 
 def _usage(choices: list[Choice]) -> dict:
-    """The request's usage: the prompt counted once (OpenAI's for ``n`` > 1), every choice's
-    answer tokens, and as cached the fewest prompt tokens any choice read from the cache (the
-    prompt's first computing; the others reuse it)."""
-    req = choices[0].req
-    return OpenAIRenderer.usage(len(req.prompt), sum(ch.kept for ch in choices), min(ch.req.cached for ch in choices))
+    """The request's usage: each prompt counted once (OpenAI's for ``n`` > 1), every choice's
+    answer tokens, and as cached, per prompt, the fewest prompt tokens any of its choices read
+    from the cache (the prompt's first computing; the others reuse it)."""
+    by_prompt: dict[int, list[Choice]] = {}
+    for ch in choices:
+        by_prompt.setdefault(ch.prompt, []).append(ch)
+    return OpenAIRenderer.usage(sum(len(g[0].req.prompt) for g in by_prompt.values()),
+                                sum(ch.kept for ch in choices),
+                                sum(min(ch.req.cached for ch in g) for g in by_prompt.values()))
 
 
 class GenerationTimeout(RequestError):

@@ -201,17 +201,23 @@ async def _route(request: web.Request, kind: str, path: str, body: Optional[dict
         ids, system_tokens = pr.prompt_ids, 0
     else:
         ids, system_tokens = await st.tokenizers.encode(info, pr.prompt), 0
-    if len(ids) >= info.context_length:
-        raise context_exceeded(len(ids), info.context_length, "messages" if kind == "chat" else "prompt")
-    if pr.max_tokens is not None and len(ids) + pr.max_tokens > info.context_length:
-        body["max_tokens"] = info.context_length - len(ids)
+    # A completions batch: every prompt tokenized here too; the first routes the request.
+    batch = [ids] + [p if p is not None else await st.tokenizers.encode(info, text) for text, p in pr.batch[1:]]
+    for i, b in enumerate(batch):
+        if len(b) >= info.context_length:
+            raise context_exceeded(len(b), info.context_length, "messages" if kind == "chat" else
+                                   f"prompt[{i}]" if pr.batch else "prompt")
+    longest = max(map(len, batch))
+    if pr.max_tokens is not None and longest + pr.max_tokens > info.context_length:
+        body["max_tokens"] = info.context_length - longest
         body.pop("max_completion_tokens", None)
         if pr.min_tokens > body["max_tokens"]:  # what fits of it (the backend refuses more than max_tokens)
             body["min_tokens"] = body["max_tokens"]
         if transform is not None:  # a length stop is then the context's (the Anthropic dialect says so)
             transform.context_capped = True
 
-    return await route_and_forward(request, st, info, body, ids, system_tokens, path, pr.stream, t0, transform)
+    return await route_and_forward(request, st, info, body, ids, system_tokens, path, pr.stream, t0, transform,
+                                   batch=batch if pr.batch else None)
 
 
 def session_key(request: web.Request, body: dict) -> Optional[str]:
@@ -225,8 +231,11 @@ def session_key(request: web.Request, body: dict) -> Optional[str]:
 
 async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: dict, ids: list[int],
                             system_tokens: int, path: str, stream: bool, t0: float,
-                            transform=None) -> web.StreamResponse:
-    """Look up ownership, rank backends, forward; shared by every dialect."""
+                            transform=None, batch: Optional[list[list[int]]] = None) -> web.StreamResponse:
+    """Look up ownership, rank backends, forward; shared by every dialect.
+
+    ``batch``: a completions request's prompts (token ids, ``ids`` first), answered on one
+    backend, the one the first prompt routes to (a batch of few-shot prompts shares its prefix)."""
     cfg = st.cfg
     st.counters["requests"] += 1  # reached routing (docs: errors is not a part of requests)
     packed = schema.token_bytes(ids)  # once, for the block hashes and the forward
@@ -267,12 +276,16 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
     st.counters["routed_fallback" if lk.status != "ok" else
                 ("routed_prefix" if ranked[0].matched > 0 else "routed_load")] += 1
     body[INTERNAL_FIELD] = {"prompt_ids": packed, "system_tokens": system_tokens, "request_id": rid}
+    others = 0  # prefill tokens of the batch's other prompts, counted as the first one's are
+    if batch:
+        body[INTERNAL_FIELD]["batch_ids"] = [packed] + [schema.token_bytes(b) for b in batch[1:]]
+        others = sum(map(len, batch[1:]))
     payload = msgpack.packb(body, use_bin_type=True)
     attempts = [
         Attempt(
             s.cand.backend_id,
             s.cand.url,
-            s.prefill,
+            s.prefill + others,
             {
                 "X-Mlxgw-Backend": s.cand.backend_id,
                 "X-Mlxgw-Matched-Tokens": str(s.matched),
@@ -287,7 +300,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
                 "x-request-id": rid,
                 "request-id": rid,
             },
-            decodes=body.get("n") or 1,
+            decodes=(body.get("n") or 1) * (len(batch) if batch else 1),
         )
         for i, s in enumerate(ranked)  # forward tries 1 + max_retries of them (`Attempt.free` aside)
     ]

@@ -361,8 +361,10 @@ def check_request(cfg: LimitConfig, info, pr) -> None:
         raise RequestError(f"'messages' has {len(pr.messages)} entries; at most {cfg.max_messages} are allowed",
                            param="messages", code="too_many_messages")
     vocab = vocab_size(info)
-    if pr.prompt_ids is not None and max(pr.prompt_ids) >= vocab:
-        raise RequestError(f"'prompt' holds token ids outside the vocabulary (0..{vocab - 1})", param="prompt")
+    for i, (_, ids) in enumerate(pr.batch or [(None, pr.prompt_ids)]):
+        if ids is not None and max(ids) >= vocab:
+            where = f"prompt[{i}]" if pr.batch else "prompt"
+            raise RequestError(f"'{where}' holds token ids outside the vocabulary (0..{vocab - 1})", param=where)
     if pr.logit_bias and max(pr.logit_bias) >= vocab:
         raise RequestError(f"'logit_bias' names token ids outside the vocabulary (0..{vocab - 1})",
                            param="logit_bias")

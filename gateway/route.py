@@ -20,7 +20,7 @@ Cost of sending a request to backend ``b``, in tokens of work:
   started answering (this gateway's own counters plus the others' published
   ones; see `gateway.load`). With ``heartbeat_load`` the backend's heartbeat
   figure counts too (the larger of the two), at up to a heartbeat's staleness.
-* ``active(b)``: running requests, same sources.
+* ``active(b)``: running decodes (each of a request's ``n`` choices), same sources.
 
 Balance guard (SGLang router's ``balance_abs_threshold`` /
 ``balance_rel_threshold``, counted in tokens of work rather than requests):

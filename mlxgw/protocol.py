@@ -162,6 +162,9 @@ class ParsedRequest:
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning text out of the answer
     skip_special_tokens: bool = True  # vLLM's: special tokens' text is left out of the answer
     n: int = 1  # choices: the backend answers each as its own request on the one prompt (`backend.server`)
+    # Completions' batch of two or more prompts, each (text, None) or (None, token ids); the first
+    # is also ``prompt`` / ``prompt_ids``. Empty for one prompt.
+    batch: list = field(default_factory=list)
 
 
 #: Most choices one request may ask for (``n``): OpenAI's bound.
@@ -830,22 +833,36 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         req.tool_choice = body.get("tool_choice")
     else:
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("'prompt' must not be empty", param="prompt")
-            req.prompt = prompt
-        elif isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt
-        ):
-            req.prompt_ids = list(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompt):
-            # helper-68: "must be an array of token ids" for an array of ids, one of them negative
-            bad = next(t for t in prompt if not 0 <= t < 2**32)
-            # helper-69: not "from 0 to 4294967295": the model's vocabulary ends far sooner (gateway.limits names it)
-            raise RequestError(f"'prompt' holds token id {bad}, outside the vocabulary", param="prompt")
+        if isinstance(prompt, list) and len(prompt) >= 1 and all(isinstance(p, (str, list)) for p in prompt):
+            # OpenAI's batch: several prompts (strings or token arrays), each answered with n choices
+            batch = [_one_prompt(p, f"prompt[{i}]" if len(prompt) > 1 else "prompt") for i, p in enumerate(prompt)]
         else:
-            raise RequestError("'prompt' must be a non-empty string or array of token ids", param="prompt")
+            batch = [_one_prompt(prompt, "prompt")]
+        if len(batch) * n > MAX_N:
+            raise RequestError(f"{len(batch)} prompts x n={n} is {len(batch) * n} choices; at most {MAX_N} per request",
+                               param="prompt")
+        req.prompt, req.prompt_ids = batch[0]
+        req.batch = batch if len(batch) > 1 else []
     return req
+
+
+def _one_prompt(prompt, param: str) -> tuple[Optional[str], Optional[list[int]]]:
+    """One completions prompt: (text, None) or (None, token ids).
+
+    Raises:
+        RequestError: 400 naming ``param`` (``prompt``, or ``prompt[i]`` in a batch).
+    """
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError(f"'{param}' must not be empty", param=param)
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt
+    ):
+        return None, list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        # helper-68: "must be an array of token ids" for an array of ids, one of them negative
+        bad = next(t for t in prompt if not 0 <= t < 2**32)
+        # helper-69: not "from 0 to 4294967295": the model's vocabulary ends far sooner (gateway.limits names it)
+        raise RequestError(f"'{param}' holds token id {bad}, outside the vocabulary", param=param)
+    raise RequestError(f"'{param}' must be a non-empty string or array of token ids", param=param)

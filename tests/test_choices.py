@@ -144,3 +144,64 @@ def test_a_request_counts_its_choices_as_decodes_in_the_gateways_load(stack1, re
             break
         time.sleep(0.1)
     assert running == 0
+
+
+def _completion(stack, **body) -> dict:
+    status, _, raw = post(stack.gateway.url + "/v1/completions",
+                          {"model": "demo-tiny", "temperature": 1.0, "ignore_eos": True, **body})
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def test_a_completions_batch_answers_each_prompt(stack1):
+    """OpenAI's batch on /v1/completions: ``prompt`` as several strings or token arrays, each
+    answered with ``n`` choices at indexes ``p * n + j``; each the answer the prompt gets alone
+    (same seed rule); usage sums the prompts and answers."""
+    texts = [words(15, seed=46), words(25, seed=47)]
+    ids = [11, 12, 13, 14, 15, 16]
+    out = _completion(stack1, prompt=[texts[0], texts[1]], n=2, seed=5, max_tokens=4)
+    alone = [_completion(stack1, prompt=t, n=2, seed=5, max_tokens=4) for t in texts]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in out["choices"]] == [c["text"] for a in alone for c in a["choices"]]
+    assert out["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert out["usage"]["completion_tokens"] == 16
+    mixed = _completion(stack1, prompt=[ids, texts[0]], max_tokens=3, temperature=0, return_token_ids=True)
+    assert [c["prompt_token_ids"] for c in mixed["choices"]][0] == ids
+    assert mixed["choices"][1]["text"] == _completion(stack1, prompt=texts[0], max_tokens=3,
+                                                      temperature=0)["choices"][0]["text"]
+    assert mixed["usage"]["prompt_tokens"] == len(ids) + alone[0]["usage"]["prompt_tokens"]
+
+
+def test_a_completions_batch_streams_every_prompts_choices(stack1, client):
+    texts = [words(15, seed=48), words(15, seed=49), words(15, seed=50)]
+    whole = _completion(stack1, prompt=texts, seed=9, max_tokens=5)
+    stream = client.completions.create(model="demo-tiny", prompt=texts, seed=9, max_tokens=5, temperature=1.0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    text, finish, usage = {}, {}, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert [text[i] for i in range(3)] == [c["text"] for c in whole["choices"]]
+    assert finish == {0: "length", 1: "length", 2: "length"}
+    assert usage.prompt_tokens == whole["usage"]["prompt_tokens"] and usage.completion_tokens == 15
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"prompt": ["ok", ""]}, "prompt[1]", "'prompt[1]' must not be empty"),
+    ({"prompt": ["ok", [1, 10**9]]}, "prompt[1]", "'prompt[1]' holds token ids outside the vocabulary (0..3071)"),
+    ({"prompt": ["ok", 5]}, "prompt", "'prompt' must be a non-empty string or array of token ids"),
+    ({"prompt": ["ok"] * 33, "n": 4}, "prompt", "33 prompts x n=4 is 132 choices; at most 128 per request"),
+    ({"prompt": ["ok", "word " * 9000]}, "prompt[1]", None),
+])
+def test_bad_batches_are_400s_naming_the_prompt(stack1, body, param, message):
+    status, _, raw = post(stack1.gateway.url + "/v1/completions", {"model": "demo-tiny", "max_tokens": 2, **body})
+    err = json.loads(raw)["error"]
+    assert (status, err["param"]) == (400, param), raw
+    if message is not None:
+        assert err["message"] == message
+    else:
+        assert err["code"] == "context_length_exceeded"
