@@ -500,15 +500,20 @@ async def _stream(request, choices: list[Choice], pr, reporter, engine, timeout:
                 await resp.write(_sse(e.body()))
                 break
             ch, ev = (one, item) if one is not None else item
-            if ev.kind == "start":
-                if not started:  # the first choice to start: the one computing the prompt
-                    resp.headers["X-Mlxgw-Cached-Tokens"] = str(ev.cached)
-                    await resp.prepare(request)
-                    started = True
-                continue
             if not started:
+                if ev.kind == "start":  # the first choice to start: the one computing the prompt
+                    resp.headers["X-Mlxgw-Cached-Tokens"] = str(ev.cached)
                 await resp.prepare(request)
                 started = True
+                if one is None:
+                    # Every choice's first chunk (the role), in index order, before any text: the
+                    # engine may start them in another order, and the openai SDK's stream helper
+                    # builds its choices list in the order first chunks come (helper-83: IndexError).
+                    for c in choices:
+                        for obj in _chunks(c, None, pr, engine, choices):
+                            await resp.write(_sse(obj))
+            if ev.kind == "start":
+                continue
             if ev.kind == "progress":
                 await resp.write(f": keepalive {ev.done}/{ev.total}\n\n".encode())
                 continue
@@ -525,6 +530,9 @@ async def _stream(request, choices: list[Choice], pr, reporter, engine, timeout:
                     await resp.write(schema.failed_comment(why, fatal=engine.failed))
                 except ConnectionResetError:
                     pass
+                for c in choices:  # the request's other choices: nobody reads them now (helper-83)
+                    if not c.ended:
+                        engine.cancel(c.req.rid, abandoned=True)
                 if request.transport is not None:
                     request.transport.abort()
                 return resp
@@ -560,17 +568,21 @@ async def _pump(ch: Choice, out: asyncio.Queue) -> None:
             return
 
 
-def _chunks(ch: Choice, ev: GenEvent, pr, engine, choices: list[Choice]) -> list[dict]:
+def _chunks(ch: Choice, ev: Optional[GenEvent], pr, engine, choices: list[Choice]) -> list[dict]:
     """The stream chunks choice ``ch``'s token or end event ``ev`` makes (none while text is held
-    back); its end makes its last chunk, with its ``finish_reason``."""
+    back); its end makes its last chunk, with its ``finish_reason``. ``ev`` None: its first chunk
+    alone (the role), before any token."""
     renderer, builder = ch.renderer, ch.builder
     out = []
-    ended = ev.kind == "end"
-    if ev.kind == "token" and not builder.ended:
-        ch.kept += 1
-        ch.unsent.append((ch.fed + len(ev.text), ev))
-    ch.fed += len(ev.text)
-    piece = builder.feed(ev.text, ev.finish_reason if ended else None, ev.token if ev.kind == "token" else None)
+    ended = ev is not None and ev.kind == "end"
+    if ev is None:
+        piece = Piece()
+    else:
+        if ev.kind == "token" and not builder.ended:
+            ch.kept += 1
+            ch.unsent.append((ch.fed + len(ev.text), ev))
+        ch.fed += len(ev.text)
+        piece = builder.feed(ev.text, ev.finish_reason if ended else None, ev.token if ev.kind == "token" else None)
     if builder.ended and ch.reason is None:
         ch.reason = "stop"
         engine.cancel(ch.req.rid)

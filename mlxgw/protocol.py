@@ -843,6 +843,11 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
                                param="prompt")
         req.prompt, req.prompt_ids = batch[0]
         req.batch = batch if len(batch) > 1 else []
+    if allowed and (req.constraint is not None or req.tool_choice not in (None, "auto", "none")):
+        # Two masks that may leave nothing in common: the answer then breaks the grammar it was
+        # promised (helper-83: guided_choice yes/no with two other ids allowed wrote "!!!!!!!!!!").
+        raise RequestError("'allowed_token_ids' cannot be combined with structured outputs or a forced tool call: "
+                           "the grammar already says which tokens may come", param="allowed_token_ids")
     return req
 
 

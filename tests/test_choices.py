@@ -86,8 +86,9 @@ def test_n_choices_streamed_through_the_sdk(stack1, client):
     stream = client.chat.completions.create(model="demo-tiny", messages=msgs, n=3, seed=21, max_tokens=7,
                                             temperature=1.0, stream=True, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True})
-    text, roles, finish, usage, ids = {}, {}, {}, [], set()
+    text, roles, finish, usage, ids, chunks = {}, {}, {}, [], set(), []
     for chunk in stream:
+        chunks.append(chunk)
         ids.add(chunk.id)
         if chunk.usage is not None:
             usage.append(chunk.usage)
@@ -102,6 +103,23 @@ def test_n_choices_streamed_through_the_sdk(stack1, client):
     assert finish == {0: "length", 1: "length", 2: "length"}
     assert len(ids) == 1
     assert len(usage) == 1 and usage[0].completion_tokens == 21
+    # Every choice's role chunk first, in index order (the engine may start them in any order;
+    # the SDK's stream helper indexes its choices list by arrival, helper-83).
+    assert [(c.choices[0].index, c.choices[0].delta.role, c.choices[0].delta.content or "")
+            for c in chunks[:3]] == [(0, "assistant", ""), (1, "assistant", ""), (2, "assistant", "")]
+
+
+def test_the_sdks_stream_helper_takes_many_choices(stack1, client):
+    """openai's ``chat.completions.stream`` helper (IndexError when a choice's first chunk came
+    before a lower index's, helper-83) assembles every choice, each the whole answer's."""
+    msgs = [{"role": "user", "content": words(12, seed=51)}]
+    whole = _chat(stack1, messages=msgs, n=8, seed=31, max_tokens=4)
+    with client.chat.completions.stream(model="demo-tiny", messages=msgs, n=8, seed=31, max_tokens=4,
+                                        temperature=1.0, extra_body={"ignore_eos": True}) as s:
+        for _ in s:  # its events (get_final_completion refuses a length stop: it parses the answer)
+            pass
+        final = s.current_completion_snapshot
+    assert [c.message.content for c in final.choices] == [c["message"]["content"] for c in whole["choices"]]
 
 
 def test_n_above_openais_bound_is_a_400(stack1):

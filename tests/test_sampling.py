@@ -720,3 +720,18 @@ def test_return_token_ids_gives_the_prompt_and_answer_ids(stack1, model):
     assert streamed[0]["prompt_token_ids"] == whole["prompt_token_ids"]
     assert [t for c in streamed for t in c["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
     assert json.loads(post(url, {**chat, "return_token_ids": False})[2])["choices"][0].get("token_ids") is None
+
+
+@pytest.mark.parametrize("extra", [{"guided_choice": ["yes", "no"]},
+                                   {"response_format": {"type": "json_object"}},
+                                   {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                                    "tool_choice": "required"}])
+def test_allowed_token_ids_beside_a_grammar_is_a_400(stack1, extra):
+    """Two masks that may share no token: the answer broke the grammar it was promised
+    (helper-83: guided_choice yes/no with two other ids allowed answered "!!!!!!!!!!")."""
+    status, _, raw = post(stack1.gateway.url + "/v1/chat/completions",
+                          {"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,
+                           "allowed_token_ids": [5, 6], **extra})
+    err = json.loads(raw)["error"]
+    assert (status, err["param"]) == (400, "allowed_token_ids"), raw
+    assert "cannot be combined with structured outputs" in err["message"]
