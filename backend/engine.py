@@ -161,6 +161,8 @@ class GenRequest:
     queued_reuse: int = 0  # tokens of its pinned hit left out of `queued_prefill_tokens` while it waits (`_pin`)
     claim: Optional[list] = field(default=None, repr=False)  # blocks claimed in Redis while it runs
     memory_waited: bool = False  # put off at least once by `max_inflight_share` (counted once)
+    # A choice after the first of an ``n`` > 1 request: saved only into free space (`_save`).
+    spare: bool = False
 
     @property
     def ids(self) -> np.ndarray:
@@ -1209,10 +1211,12 @@ class MLXEngine(Engine):
     def _save(self, live: _Live, tokens: list[int], kv, only_into_free_space: bool = False) -> None:
         req = live.req
         kind = "assistant" if len(tokens) > len(req.prompt) else "user"
-        if only_into_free_space:
+        if only_into_free_space or req.spare:
             # An abandoned request (client gone, timeout) is kept only if it
             # fits beside everything else: under memory pressure the other
             # sessions' entries are worth more than a turn nobody waits for.
+            # So is a spare choice: the first choice's entry holds the prompt they share, and
+            # n siblings must not evict n other conversations (helper-83: n=64 took 64).
             if not self._fits_in_free_space(kv, tokens, live):
                 # With a disk tier (cache rule 8) it goes there: no memory taken from anyone.
                 if self.cache.save_to_disk(tokens, kv, kind, len(req.prompt)) is None:

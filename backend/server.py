@@ -329,6 +329,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
             system_tokens=system_tokens if p == 0 else 0,
             loop=loop,
             events=asyncio.Queue(),
+            spare=j > 0,  # saved only into free space: choice 0's entry holds the prompt they share
         )
         # Each its own (a constrained decoder's processors hold their grammar state).
         req.params.processors = constrained_processors(engine.tokenizer, pr.tools, pr.tool_choice, pr.constraint)

@@ -223,3 +223,28 @@ def test_bad_batches_are_400s_naming_the_prompt(stack1, body, param, message):
         assert err["message"] == message
     else:
         assert err["code"] == "context_length_exceeded"
+
+
+def test_spare_choices_never_evict_other_conversations(make_stack):
+    """The choices after the first are saved only into free space (the first's entry holds the
+    prompt they share): in a full cache an ``n`` 4 request evicts nothing of the three
+    conversations cached before it (helper-83: n=64 evicted 64 entries)."""
+    from mlxgw.httpget import get_json
+
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--cache-entries", "4")
+    s.wait()
+
+    def ask(prompt, **kw):
+        status, _, raw = post(b0.url + "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0, **kw})
+        assert status == 200, raw
+        return json.loads(raw)
+
+    convs = [[100 + 7 * k + i % 50 for i in range(100)] for k in range(3)]
+    for c in convs:
+        ask(c)
+    skipped = get_json(b0.url + "/health")["abandoned_saves_skipped"]
+    out = ask([900 + i % 40 for i in range(100)], n=4, temperature=1.0, ignore_eos=True)
+    assert len(out["choices"]) == 4
+    assert get_json(b0.url + "/health")["abandoned_saves_skipped"] == skipped + 3
+    assert [ask(c)["usage"]["prompt_tokens_details"]["cached_tokens"] for c in convs] == [99, 99, 99]
