@@ -506,15 +506,17 @@ async def _stream(request, choices: list[Choice], pr, reporter, engine, timeout:
                     resp.headers["X-Mlxgw-Cached-Tokens"] = str(ev.cached)
                 await resp.prepare(request)
                 started = True
-                if one is None:
-                    # Every choice's first chunk (the role), in index order, before any text: the
-                    # engine may start them in another order, and the openai SDK's stream helper
-                    # builds its choices list in the order first chunks come (helper-83: IndexError).
-                    for c in choices:
-                        for obj in _chunks(c, None, pr, engine, choices):
-                            await resp.write(_sse(obj))
             if ev.kind == "start":
                 continue
+            if one is None and ev.kind != "progress" and choices[0].first:
+                # With the first token: every choice's first chunk (the role), in index order,
+                # before any text. The engine may start the choices in another order, and the
+                # openai SDK's stream helper builds its choices list in the order first chunks
+                # come (helper-83: IndexError). Not sooner: a gateway reads the first data event
+                # as the prefill's end (TTFT, queued prefill tokens).
+                for c in choices:
+                    for obj in _chunks(c, None, pr, engine, choices):
+                        await resp.write(_sse(obj))
             if ev.kind == "progress":
                 await resp.write(f": keepalive {ev.done}/{ev.total}\n\n".encode())
                 continue

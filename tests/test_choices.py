@@ -248,3 +248,20 @@ def test_spare_choices_never_evict_other_conversations(make_stack):
     assert len(out["choices"]) == 4
     assert get_json(b0.url + "/health")["abandoned_saves_skipped"] == skipped + 3
     assert [ask(c)["usage"]["prompt_tokens_details"]["cached_tokens"] for c in convs] == [99, 99, 99]
+
+
+def test_streamed_choices_open_with_the_first_token_not_before(make_stack):
+    """The role chunks of an ``n`` > 1 stream go out with its first token, after the prefill's
+    progress comments: a gateway reads the first data event as the prefill's end (TTFT, queued
+    prefill tokens in its load)."""
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--prefill-step-size", "64")
+    s.wait()
+    status, _, raw = post(b0.url + "/v1/completions", {"prompt": words(300, seed=52), "max_tokens": 2, "n": 2,
+                                                       "stream": True})
+    assert status == 200, raw
+    lines = [ln for ln in raw.decode().split("\n") if ln]
+    progress = [i for i, ln in enumerate(lines) if ln.startswith(": keepalive")]
+    data = [i for i, ln in enumerate(lines) if ln.startswith("data: {")]
+    assert len(progress) >= 3 and progress[-1] < data[0], lines[:12]
+    assert [json.loads(lines[i][6:])["choices"][0]["index"] for i in data[:2]] == [0, 1]
