@@ -53,7 +53,8 @@ class BadWords:
     """vLLM's ``bad_words`` (`bad_words_ids`): a one-token word is never sampled; a longer
     one's last token is masked whenever the answer so far ends with the rest of it (vLLM's
     ``NoBadWordsLogitsProcessor``; the answer's own tokens, not the prompt's). Reads each
-    sampled token back (one ``.item()`` a step, for the requests that ask)."""
+    sampled token back (one ``.item()`` a step, a sync that stalls MLX's pipelined decode) only
+    when a word is longer than one token: one-token words are a fixed mask."""
 
     def __init__(self, sequences: list[list[int]]):
         self.single = sorted({s[0] for s in sequences if len(s) == 1})
@@ -65,12 +66,14 @@ class BadWords:
     def __call__(self, tokens, logits):
         import mlx.core as mx
 
-        if self.calls:
-            self.generated.append(int(tokens[-1].item()))
-        self.calls += 1
         vocab = logits.shape[-1]
         if self._mask is None:
             self._mask = mx.array(token_mask(vocab, self.single))
+        if not self.longer:
+            return logits + self._mask.astype(logits.dtype)
+        if self.calls:
+            self.generated.append(int(tokens[-1].item()))
+        self.calls += 1
         n = len(self.generated)
         hits = [s[-1] for s in self.longer if len(s) - 1 <= n and self.generated[n - len(s) + 1:] == s[:-1]]
         mask = self._mask + mx.array(token_mask(vocab, hits)) if hits else self._mask

@@ -735,3 +735,21 @@ def test_allowed_token_ids_beside_a_grammar_is_a_400(stack1, extra):
     err = json.loads(raw)["error"]
     assert (status, err["param"]) == (400, "allowed_token_ids"), raw
     assert "cannot be combined with structured outputs" in err["message"]
+
+
+def test_one_token_bad_words_read_nothing_back():
+    """A ``bad_words`` list of one-token words is a fixed mask: no sampled token is read back
+    (each read is a sync in MLX's pipelined decode); a longer word reads them to match its start."""
+    from backend.processors import BadWords
+
+    logits = mx.zeros((1, 10))
+    one = BadWords([[5], [7]])
+    for step in range(3):
+        out = one(mx.array([1, 2, 3 + step]), logits)
+    assert (one.calls, one.generated) == (0, [])
+    assert [i for i, v in enumerate(out[0].tolist()) if v == float("-inf")] == [5, 7]
+    longer = BadWords([[4, 6]])
+    longer(mx.array([1]), logits)
+    out = longer(mx.array([1, 4]), logits)  # the answer so far ends with the word's first token
+    assert longer.generated == [4]
+    assert [i for i, v in enumerate(out[0].tolist()) if v == float("-inf")] == [6]
