@@ -830,6 +830,8 @@ class MLXEngine(Engine):
         self.active -= 1
         self.queued_prefill_tokens -= len(req.prompt) - req.queued_reuse
         self._release(req)
+        if not req.spare:
+            self.metrics.on_dropped()
         req.emit(GenEvent("end", finish_reason="cancelled"))
 
     def _release(self, req: GenRequest) -> None:
@@ -925,14 +927,15 @@ class MLXEngine(Engine):
             hit = self.cache.fetch(prompt)  # saved while it waited, and longer than its pinned hit
         hit = self.cache.materialise(hit)  # a hit pinned by reference: copied out now
         req.cached = hit.reused
-        self.requests_total += 1
-        self.prompt_tokens_total += len(prompt)
-        self.cached_tokens_total += hit.reused
-        self.metrics.on_admit(req.rid, req.submitted_at, len(prompt), hit.reused)
-        if hit.reused >= self.hit_tokens:
-            self.hits += 1
-        else:
-            self.misses += 1
+        if not req.spare:  # a request's choices count once: its prompt was looked up once (helper-84)
+            self.requests_total += 1
+            self.prompt_tokens_total += len(prompt)
+            self.cached_tokens_total += hit.reused
+            if hit.reused >= self.hit_tokens:
+                self.hits += 1
+            else:
+                self.misses += 1
+        self.metrics.on_admit(req.rid, req.submitted_at, len(prompt), hit.reused, spare=req.spare)
         self.queued_prefill_tokens -= hit.reused - req.queued_reuse  # its pinned hit is out already
         rest = prompt[hit.reused :]
         segments = [rest]
@@ -1028,7 +1031,7 @@ class MLXEngine(Engine):
             req = live.req
             req.generated += 1
             self.generated_tokens_total += 1
-            self.metrics.on_token(req.rid, req.submitted_at)
+            self.metrics.on_token(req.rid, req.submitted_at, spare=req.spare)
             kept_stop = r.finish_reason == "stop" and self._kept_stop_token(r.token, req.params)
             if r.finish_reason == "stop" and not kept_stop:
                 live.detok.finalize()
@@ -1242,5 +1245,5 @@ class MLXEngine(Engine):
             self.queued_prefill_tokens -= live.prompt_left
             live.prompt_left = 0
         self._release(live.req)
-        self.metrics.on_finish(live.req.rid, live.req.submitted_at, live.req.generated, reason)
+        self.metrics.on_finish(live.req.rid, live.req.submitted_at, live.req.generated, reason, spare=live.req.spare)
         live.req.emit(GenEvent("end", finish_reason=reason, error=error or None))

@@ -80,23 +80,29 @@ class BackendMetrics:
         self.ttft_count = 0
 
     # -- engine-thread hooks ---------------------------------------------
-    def on_admit(self, rid: str, submitted_at: float, prompt_tokens: int, reused: int) -> None:
-        """A request entered the batch; ``reused`` prompt tokens came from the cache."""
+    def on_admit(self, rid: str, submitted_at: float, prompt_tokens: int, reused: int, spare: bool = False) -> None:
+        """A request entered the batch; ``reused`` prompt tokens came from the cache. ``spare``:
+        a choice after the first of an ``n`` > 1 request, counted only as running and in its
+        tokens (the request, its prompt and its TTFT count once, with its first choice)."""
         m = self.model_name
         self._admitted += 1
+        if spare:
+            return
         self.queue_time.labels(m).observe(time.monotonic() - submitted_at)
         self.prompt_tokens.labels(m).inc(prompt_tokens)
         self.prefix_queries.labels(m).inc(prompt_tokens)
         self.prefix_hits.labels(m).inc(reused)
         self.req_prompt.labels(m).observe(prompt_tokens)
 
-    def on_token(self, rid: str, submitted_at: float) -> None:
+    def on_token(self, rid: str, submitted_at: float, spare: bool = False) -> None:
         """One token generated for request ``rid`` (first one: TTFT, later ones: ITL)."""
         now = time.monotonic()
         m = self.model_name
         self.generation_tokens.labels(m).inc()
         last = self._last_token.get(rid)
         self._last_token[rid] = now
+        if last is None and spare:
+            return
         if last is None:
             dt = now - submitted_at
             self.ttft.labels(m).observe(dt)
@@ -106,14 +112,20 @@ class BackendMetrics:
         else:
             self.itl.labels(m).observe(now - last)
 
-    def on_finish(self, rid: str, submitted_at: float, generated: int, reason: str) -> None:
+    def on_finish(self, rid: str, submitted_at: float, generated: int, reason: str, spare: bool = False) -> None:
         """Request ``rid`` ended with ``reason`` (stop, length, cancelled, error)."""
         m = self.model_name
         self._last_token.pop(rid, None)
         self._admitted -= 1
+        if spare:
+            return
         self.e2e.labels(m).observe(time.monotonic() - submitted_at)
         self.success.labels(m, reason).inc()
         self.req_gen.labels(m).observe(generated)
+
+    def on_dropped(self) -> None:
+        """A request cancelled before it was admitted (its client gone while it waited)."""
+        self.success.labels(self.model_name, "cancelled").inc()
 
     def on_unparsed_calls(self, n: int) -> None:
         """``n`` tool-call blocks of one answer did not parse and went back as text (HTTP side)."""

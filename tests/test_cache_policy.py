@@ -665,6 +665,15 @@ def test_request_cancelled_while_waiting_is_dropped(make_stack, redis_server):
     h = get_json(b.url + "/health")
     assert (h["active"], h["queued_prefill_tokens"], h["requests"]) == (0, 0, 1)
     assert [e["tokens"] for e in get_json(b.url + "/internal/cache")["entries"]] == [3001]
+    # /metrics counts it as cancelled (helper-84: a request ended while it waited was in none)
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(b.url + "/metrics", timeout=5) as resp:
+        fams = text_string_to_metric_families(resp.read().decode())
+    ended = {x.labels["finished_reason"]: x.value for f in fams for x in f.samples
+             if x.name == "mlxgw:request_success_total"}
+    assert (ended.get("cancelled"), ended.get("length")) == (1.0, 1.0), ended
     keys, r = schema.Keys(s.namespace, s.model_name), redis_server.client()
     owners = [r.hget(keys.block(k), "b0") for k in schema.block_keys(s.model_name, other, s.block_size)]
     assert len(owners) == 12 and owners == [None] * 12  # B's claim is gone

@@ -43,12 +43,17 @@ def test_n_choices_are_the_seeded_single_answers(stack1):
 def test_n_choices_compute_the_prompt_once(stack1):
     """A cold prompt asked with ``n`` 3: the backend computes it once (the other choices wait
     for that prefill and reuse it, leaving one token each to compute); usage's cached_tokens is
-    what the request found cached (the chat template's opening, from earlier requests)."""
+    what the request found cached (the chat template's opening, from earlier requests), and the
+    backend's counters count the request once."""
+    from mlxgw.httpget import get_json
+
     b, m = stack1.backends[0].url, stack1.model_name
     _, before = _scrape(b)
+    h0 = get_json(b + "/health")
     prompt = [{"role": "user", "content": words(200, seed=42)}]
     out = _chat(stack1, messages=prompt, n=3, max_tokens=2, temperature=0)
     _, after = _scrape(b)
+    h1 = get_json(b + "/health")
     p = out["usage"]["prompt_tokens"]
     assert p > 150
     cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -57,8 +62,17 @@ def test_n_choices_compute_the_prompt_once(stack1):
     def delta(name):
         return _v(after, name, model_name=m) - _v(before, name, model_name=m)
 
-    assert delta("mlxgw:prefix_cache_queries_total") == 3 * p
-    assert delta("mlxgw:prefix_cache_hits_total") == cached + 2 * (p - 1)
+    # The prompt computed once: the other two choices prefilled one token each.
+    assert h1["prefill_tokens"] - h0["prefill_tokens"] == (p - cached) + 2
+    assert h1["generated_tokens"] - h0["generated_tokens"] == 6
+    # And the request counted once in the backend's own figures, as in its usage (helper-84: 3
+    # requests, 2 of them hits, for one cold prompt).
+    assert (h1["requests"] - h0["requests"], h1["prompt_tokens"] - h0["prompt_tokens"],
+            h1["cached_tokens"] - h0["cached_tokens"]) == (1, p, cached)
+    assert delta("mlxgw:prefix_cache_queries_total") == p
+    assert delta("mlxgw:prefix_cache_hits_total") == cached
+    assert delta("mlxgw:time_to_first_token_seconds_count") == 1
+    assert delta("mlxgw:generation_tokens_total") == 6
     # Greedy: every choice is the same answer.
     assert len({c["message"]["content"] for c in out["choices"]}) == 1
 
