@@ -64,6 +64,8 @@ def test_dashboard_renders_backends_and_hits_in_chromium(make_stack, redis_serve
     assert sum(want_hits.values()) >= 4  # every repeat reused its conversation's prefix
     # The heartbeat carries the counters to Redis; the dashboard samples Redis.
     _wait_data(g, lambda d: d.get("models") and d["models"][0]["totals"]["hits"] == sum(want_hits.values()))
+    # and a sample past the traffic, so the charts have a series to draw (one sample reads "waiting")
+    _wait_data(g, lambda d: len(d["models"][0]["series"]) >= 2 and d["models"][0]["series"][-1]["rps"] == 0)
     r = redis_server.client()
     assert {b: int(r.hget(f"{s.namespace}:{{{s.model_name}}}:backend:{b}", "hits")) for b in want_hits} == want_hits
 
@@ -77,6 +79,10 @@ def test_dashboard_renders_backends_and_hits_in_chromium(make_stack, redis_serve
     assert int(re.search(r'data-field="total-hits">(\d+)<', dom).group(1)) == sum(want_hits.values())
     assert float(re.search(r'data-field="total-hit_ratio">([\d.]+)<', dom).group(1)) > 0
     assert "routed" in dom and "matched=" in dom  # the event stream
+    # Each chart draws its samples: a line, or a dot for a sample alone between gaps (helper-84:
+    # a burst within one interval left the hit-ratio chart blank).
+    hit_chart = dom.split("token hit ratio (per interval)", 1)[1].split("</svg>", 1)[0]
+    assert "<circle" in hit_chart or re.search(r'<path d="M[^"]* L', hit_chart), hit_chart
 
     png = browser.screenshot(g + "/dashboard", LOG_DIR / "dashboard.png")
     data = png.read_bytes()
