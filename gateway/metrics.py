@@ -198,7 +198,7 @@ def request_done(m: GatewayMetrics, *, rid: str, model: str, prompt_tokens: int,
         m.cached_tokens.labels(model).inc(cached)
     m.lookup.labels(lookup.status).observe(lookup.seconds)
     m.overhead.labels(model).observe(route_s)
-    if ttft is not None:
+    if ttft is not None and not outcome.startswith("http_"):  # an error answer is no first token
         m.ttft.labels(model).observe(ttft)
     m.e2e.labels(model).observe(now - t0)
 

@@ -112,6 +112,16 @@ def test_metrics_move_with_traffic(make_stack):
     assert choice["message"]["content"].startswith("<tool_call>"), choice
     assert _v(_scrape(b)[1], "mlxgw:tool_calls_unparsed_total", model_name=m) == 1
 
+    # An answer the backend refused (a 400: the forced tool is not among the tools) is no first
+    # token: counted by outcome, left out of the TTFT histogram (helper-84: it lowered the quantiles).
+    ttfts = _v(_scrape(g)[1], "mlxgw:gateway_time_to_first_token_seconds_count", model_name=m)
+    st_r, _, raw_r = post(g + "/v1/chat/completions", {**msg, "tools": tools, "max_tokens": 4,
+                                                       "tool_choice": {"type": "function", "function": {"name": "g"}}})
+    assert st_r == 400, raw_r
+    _, vg = _scrape(g)
+    assert _v(vg, "mlxgw:gateway_requests_total", model_name=m, outcome="http_400") == 1
+    assert _v(vg, "mlxgw:gateway_time_to_first_token_seconds_count", model_name=m) == ttfts
+
     # A request the gateway refuses itself (no backend saw it) gets one line, with what the client got.
     st_bad, _, raw_bad = post(g + "/v1/chat/completions", {"model": m, "max_tokens": 4})
     err = json.loads(raw_bad)["error"]

@@ -220,3 +220,23 @@ def test_pending_claims_counts_only_claims_within_their_grace():
     assert len(p) == 2 and p.live() == 1 and len(p) == 1 and p.depths(["k1", "k2"]) == {}
     p.release(live, True)
     assert p.live() == 1  # within its grace
+
+
+
+def test_in_flight_prefill_counts_for_a_second_and_choices_as_decodes():
+    """This gateway's queued prefill (`gateway.proxy.InFlight`): a request's prefill counts for
+    ``fresh`` seconds or until its first token, whichever is sooner (the window the load weight
+    was measured with; counting streams until their first token lost in a side-by-side replay,
+    session 45); a request counts its ``n`` choices as decodes until it ends."""
+    from gateway.proxy import InFlight
+
+    f = InFlight(fresh=0.2)
+    a = f.begin("b0", 4000, decodes=1)
+    f.begin("b0", 300, decodes=3)
+    assert f.view() == {"b0": (4, 4300)}
+    f.started("b0", a)
+    assert f.view() == {"b0": (4, 300)}
+    time.sleep(0.3)
+    assert f.view() == {"b0": (4, 0)}
+    f.end("b0", a)
+    assert f.view() == {"b0": (3, 0)}
