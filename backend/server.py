@@ -508,19 +508,21 @@ async def _stream(request, choices: list[Choice], pr, reporter, engine, timeout:
                 started = True
             if ev.kind == "start":
                 continue
-            if one is None and ev.kind != "progress" and choices[0].first:
+            failed = ev.kind == "end" and ev.finish_reason == "error"
+            if one is None and ev.kind != "progress" and not failed and choices[0].first:
                 # With the first token: every choice's first chunk (the role), in index order,
                 # before any text. The engine may start the choices in another order, and the
                 # openai SDK's stream helper builds its choices list in the order first chunks
                 # come (helper-83: IndexError). Not sooner: a gateway reads the first data event
-                # as the prefill's end (TTFT, queued prefill tokens).
+                # as the prefill's end (TTFT, queued prefill tokens), and retries a stream that
+                # failed before it on another backend.
                 for c in choices:
                     for obj in _chunks(c, None, pr, engine, choices):
                         await resp.write(_sse(obj))
             if ev.kind == "progress":
                 await resp.write(f": keepalive {ev.done}/{ev.total}\n\n".encode())
                 continue
-            if ev.kind == "end" and ev.finish_reason == "error":
+            if failed:
                 # The batch it ran in failed, or the engine thread died and this backend is exiting
                 # (code 5): the stream ends as a killed process's would, cut, so a gateway ends its
                 # client's stream with its backend_failed event and counts it so (helper-75: an

@@ -2,6 +2,7 @@
 whole and streamed, through a real gateway and demo backend; the prompt computed once."""
 
 import json
+import time
 
 import openai
 import pytest
@@ -148,8 +149,6 @@ def test_a_request_counts_its_choices_as_decodes_in_the_gateways_load(stack1, re
     """The gateway's published load (what it and other gateways route on) counts a request
     with ``n`` 3 as three running decodes on its backend while it streams; the client leaving
     stops all three on the backend."""
-    import time
-
     from mlxgw import schema
 
     keys, r = schema.Keys(stack1.namespace, stack1.model_name), redis_server.client()
@@ -279,3 +278,25 @@ def test_streamed_choices_open_with_the_first_token_not_before(make_stack):
     data = [i for i, ln in enumerate(lines) if ln.startswith("data: {")]
     assert len(progress) >= 3 and progress[-1] < data[0], lines[:12]
     assert [json.loads(lines[i][6:])["choices"][0]["index"] for i in data[:2]] == [0, 1]
+
+
+def test_choices_failing_before_their_first_token_are_retried_elsewhere(make_stack):
+    """A stream of ``n`` choices whose batch fails before any token sent no data yet (its role
+    chunks go out with the first token), so the gateway gives it whole to another backend."""
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim", "--sim-fail-after", "1")
+    s.add_backend("b1", None, "--engine", "sim")
+    s.add_gateway()
+    s.wait()
+    prompt = list(range(100, 400))
+    status, _, raw = post(b0.url + "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    assert status == 200, raw  # b0 now owns the prompt; its next batch step fails (--sim-fail-after)
+    time.sleep(1.0)  # its save reaches Redis
+    status, headers, raw = post(s.gateway.url + "/v1/completions",
+                                {"model": s.model_name, "prompt": prompt + [7], "max_tokens": 3, "n": 2,
+                                 "stream": True})
+    assert status == 200, raw
+    assert headers["X-Mlxgw-Backend"] == "b0"  # routed to the owner, which failed
+    events = [json.loads(ln[6:]) for ln in raw.decode().split("\n") if ln.startswith("data: {")]
+    assert not any("error" in e for e in events), events
+    assert sorted(c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]) == ["length"] * 2
