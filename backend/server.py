@@ -234,12 +234,11 @@ def _tokenize(engine: Engine, pr, internal: dict) -> tuple[list[list[int]], int]
     """The request's prompts as token ids (one, or a completions batch's every prompt, in
     order) and the first's system-prompt tokens; the gateway's ids when it sent them."""
     if internal.get("prompt_ids") is not None:
-        batch = internal.get("batch_ids")
-        if batch is not None:
-            if not isinstance(batch, list) or len(batch) != max(len(pr.batch), 1):
-                raise RequestError("internal batch_ids must hold one entry per prompt")
-            return [_internal_ids(b, "batch_ids") for b in batch], 0
-        return [_internal_ids(internal["prompt_ids"], "prompt_ids")], int(internal.get("system_tokens", 0))
+        first = _internal_ids(internal["prompt_ids"], "prompt_ids")
+        others = internal.get("batch_ids") or []  # a completions batch's prompts after the first
+        if not isinstance(others, list) or len(others) != max(len(pr.batch) - 1, 0):
+            raise RequestError("internal batch_ids must hold one entry per prompt after the first")
+        return [first] + [_internal_ids(b, "batch_ids") for b in others], int(internal.get("system_tokens", 0))
     tok = engine.tokenizer
     if pr.kind == "chat":
         cp = prompt_mod.render_chat(tok, pr.messages, pr.tools, pr.template_kwargs)
@@ -265,7 +264,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
     prompts, system_tokens = _tokenize(engine, pr, internal)
     ctx = engine.context_length
     for i, ((_, given), ids) in enumerate(zip(pr.batch or [(None, pr.prompt_ids)], prompts)):
-        where = "messages" if kind == "chat" else f"prompt[{i}]" if pr.batch else "prompt"
+        where = pr.prompt_param(i)
         if given is not None and any(t >= len(engine.tokenizer) for t in ids):
             raise RequestError(f"{where} contains token ids outside the vocabulary", param=where)
         if len(ids) >= ctx:

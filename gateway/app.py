@@ -205,8 +205,7 @@ async def _route(request: web.Request, kind: str, path: str, body: Optional[dict
     batch = [ids] + [p if p is not None else await st.tokenizers.encode(info, text) for text, p in pr.batch[1:]]
     for i, b in enumerate(batch):
         if len(b) >= info.context_length:
-            raise context_exceeded(len(b), info.context_length, "messages" if kind == "chat" else
-                                   f"prompt[{i}]" if pr.batch else "prompt")
+            raise context_exceeded(len(b), info.context_length, pr.prompt_param(i))
     longest = max(map(len, batch))
     if pr.max_tokens is not None and longest + pr.max_tokens > info.context_length:
         body["max_tokens"] = info.context_length - longest
@@ -278,7 +277,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
     body[INTERNAL_FIELD] = {"prompt_ids": packed, "system_tokens": system_tokens, "request_id": rid}
     others = 0  # prefill tokens of the batch's other prompts, counted as the first one's are
     if batch:
-        body[INTERNAL_FIELD]["batch_ids"] = [packed] + [schema.token_bytes(b) for b in batch[1:]]
+        body[INTERNAL_FIELD]["batch_ids"] = [schema.token_bytes(b) for b in batch[1:]]  # the first is prompt_ids
         others = sum(map(len, batch[1:]))
     payload = msgpack.packb(body, use_bin_type=True)
     attempts = [

@@ -363,7 +363,7 @@ def check_request(cfg: LimitConfig, info, pr) -> None:
     vocab = vocab_size(info)
     for i, (_, ids) in enumerate(pr.batch or [(None, pr.prompt_ids)]):
         if ids is not None and max(ids) >= vocab:
-            where = f"prompt[{i}]" if pr.batch else "prompt"
+            where = pr.prompt_param(i)
             raise RequestError(f"'{where}' holds token ids outside the vocabulary (0..{vocab - 1})", param=where)
     if pr.logit_bias and max(pr.logit_bias) >= vocab:
         raise RequestError(f"'logit_bias' names token ids outside the vocabulary (0..{vocab - 1})",

@@ -166,6 +166,11 @@ class ParsedRequest:
     # is also ``prompt`` / ``prompt_ids``. Empty for one prompt.
     batch: list = field(default_factory=list)
 
+    def prompt_param(self, i: int = 0) -> str:
+        """The client's field holding prompt ``i``, for errors: ``messages`` (chat), ``prompt``,
+        or ``prompt[i]`` in a completions batch."""
+        return "messages" if self.kind == "chat" else f"prompt[{i}]" if self.batch else "prompt"
+
 
 #: Most choices one request may ask for (``n``): OpenAI's bound.
 MAX_N = 128
