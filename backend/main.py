@@ -427,7 +427,9 @@ def run(args: argparse.Namespace) -> int:
                "min_hit_tokens": args.min_hit_tokens, "cache_layout": args.cache_layout,
                "max_inflight_share": args.max_inflight_share, "pin_by_reference": int(args.pin_by_reference),
                "heartbeat_interval": args.heartbeat_interval,
-               "auth": "token" if args.internal_token else "none", "url_problem": ""},
+               "auth": "token" if args.internal_token else "none", "url_problem": "",
+               # Backends serving one name from other files disagree here (`mlxgw status` says so).
+               "model_files": persist.model_files(model_path)},
     )
     timing = None
     if args.engine == "sim":
@@ -448,7 +450,7 @@ def run(args: argparse.Namespace) -> int:
             log.error("--cache-dir %s cannot be used: %s", cache_dir, e.strerror or e)
             return 2
     # What decides the KV (model files sampled once, for the memory save and the disk tier).
-    settings = persist.kv_settings(model_path, **kv_settings(args, timing)) \
+    settings = persist.kv_settings(model_path, reporter.extra["model_files"], **kv_settings(args, timing)) \
         if cache_dir or args.disk_cache_bytes else {}
     try:
         # The tier's chains are the same in either cache layout: the layout does not decide its files.

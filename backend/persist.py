@@ -59,11 +59,11 @@ MANIFEST = "manifest.json"
 _MODEL_SUFFIXES = (".safetensors", ".json", ".model", ".txt", ".jinja", ".tiktoken")
 
 
-def kv_settings(model_path: str, **settings) -> dict:
-    """What decides the KV a cache holds: ``model_files``, a digest of each model file's name,
-    size and sampled bytes (a local directory; the path itself for a hub id), and ``settings`` (engine,
-    layout, mlx-lm version, ...). Saved with the cache; a save is restored only into a run
-    whose settings are equal (`fingerprint`)."""
+def model_files(model_path: str) -> str:
+    """16 hex digits: a digest of each model file's name, size and sampled bytes in the local
+    directory ``model_path`` (the path itself for a hub id). A copied or re-downloaded model
+    matches; other weights or another config (a fine-tune, another quantization, another
+    variant under the same name) do not. Reads about 1 MiB per file (`_sample_digest`)."""
     h = hashlib.sha256()
     p = Path(model_path).expanduser()
     if p.is_dir():
@@ -72,7 +72,15 @@ def kv_settings(model_path: str, **settings) -> dict:
                 h.update(f"{f.name}:{f.stat().st_size}:".encode() + _sample_digest(f) + b"\n")
     else:
         h.update(str(model_path).encode())
-    return {"model_files": h.hexdigest()[:16], **json.loads(json.dumps(settings, default=str))}
+    return h.hexdigest()[:16]
+
+
+def kv_settings(model_path: str, files: str | None = None, **settings) -> dict:
+    """What decides the KV a cache holds: ``model_files`` (`model_files` of ``model_path``,
+    or ``files`` when already computed) and ``settings`` (engine, layout, mlx-lm version, ...).
+    Saved with the cache; a save is restored only into a run whose settings are equal
+    (`fingerprint`)."""
+    return {"model_files": files or model_files(model_path), **json.loads(json.dumps(settings, default=str))}
 
 
 def _sample_digest(f: Path, samples: int = 16, chunk: int = 1 << 16) -> bytes:

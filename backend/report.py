@@ -500,6 +500,12 @@ class Reporter:
                                    f"(epoch {int(epoch)}) while this one (epoch {self.epoch}) was not heartbeating; "
                                    "this one steps aside")
                 raise TakenOver(self.taken_over)
+        first = not self._registered
+        if first:
+            # Still listed: the previous run under this id never withdrew (killed, hung, cut
+            # off; a clean stop unlists). Read before this run lists itself.
+            listed = await self.redis.zscore(self.keys.backends, self.backend_id) is not None
+            previous = "vanished" if listed else "stopped" if self.epoch > 1 else None
         pipe = self.redis.pipeline(transaction=False)
         pipe.exists(key)
         pipe.hset(key, mapping=fields)
@@ -507,15 +513,22 @@ class Reporter:
         pipe.zadd(self.keys.backends, {self.backend_id: now})
         pipe.sadd(schema.models_key(self.namespace), self.model)
         pipe.hgetall(self.keys.gateway_settings)
+        if first:
+            data = {"url": self.url, **({"previous": previous} if previous else {})}
+            pipe.xadd(self.keys.events, schema.event_fields(schema.EVENT_STARTED, self.backend_id, self.epoch, data),
+                      maxlen=schema.EVENT_STREAM_MAXLEN, approximate=True)
+            pipe.hdel(self.keys.lost, self.backend_id)
         res = await pipe.execute()
         existed = res[0]
-        self._check_gateways(res[-1], now)
-        if not schema.fresh_gateway_settings(res[-1], now):
+        settings = res[5]
+        self._check_gateways(settings, now)
+        if not schema.fresh_gateway_settings(settings, now):
             await self._check_served(now)
         if self._registered and not existed:
             # Flushed, or expired while we could not reach Redis.
             log.warning("backend %s: registry record was gone; re-publishing ownership", self.backend_id)
             self._dirty = True
+            await self.redis.hdel(self.keys.lost, self.backend_id)  # a later loss gets its own event
         self._registered = True
         self.redis_ok, self.redis_problem = True, None
 

@@ -2,7 +2,8 @@
 
 A dead backend's claims are already ignored by every lookup (its registry
 record expired, and claims count only for a live record's epoch), so this is
-housekeeping, never correctness: it deletes the block fields and ``owned``
+housekeeping, never correctness (it also writes a `lost` event when a listed
+backend's record has expired, for the event feed): it deletes the block fields and ``owned``
 sets of backends whose last heartbeat is older than ``grace`` seconds, then
 forgets them in the ``backends`` sorted set; a model that has had no registered
 backend and no event for ``grace`` seconds, and that no live gateway serves, leaves the
@@ -18,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+
+import msgpack
 
 from mlxgw import schema
 from mlxgw.util import cancel_and_wait
@@ -57,6 +60,7 @@ class Janitor:
         try:
             for m in await r.smembers(schema.models_key(self.index.namespace)):
                 k = self.index.keys(schema.as_str(m))
+                await self._report_lost(k)
                 stale = await r.zrangebyscore(k.backends, "-inf", time.time() - self.grace)
                 for bid in stale:
                     bid = schema.as_str(bid)
@@ -69,6 +73,7 @@ class Janitor:
                             pass
                         await r.delete(key)
                     await r.zrem(k.backends, bid)
+                    await r.hdel(k.lost, bid)
                     removed.append(bid)
                     log.info("janitor: removed backend %s (no heartbeat for %.0f s)", bid, self.grace)
                 await self._forget_model_if_unserved(schema.as_str(m))
@@ -76,6 +81,20 @@ class Janitor:
             await r.delete(lock)
         self.removed += len(removed)
         return removed
+
+    async def _report_lost(self, k: schema.Keys) -> int:
+        """A `lost` event for each backend still listed whose record expired (killed, hung,
+        cut off from Redis: it never withdrew), once per run (`schema.LOST_LUA`), so the event
+        feed shows crashes beside the `started` of the next run. Returns the events written."""
+        r = self.index.redis
+        now = time.time()
+        n = 0
+        for bid, last in await r.zrange(k.backends, 0, -1, withscores=True):
+            bid = schema.as_str(bid)
+            data = msgpack.packb({"silent_s": round(now - last, 1)}, use_bin_type=True)
+            n += int(await r.eval(schema.LOST_LUA, 4, k.lost, k.epoch_counter(bid), k.backend(bid), k.events,
+                                  bid, data, f"{now:.3f}", schema.EVENT_STREAM_MAXLEN))
+        return n
 
     async def _forget_model_if_unserved(self, model: str) -> bool:
         """Remove ``model`` from the models set when no backend is registered for it, its event

@@ -56,6 +56,11 @@ class _StateCollector:
             for c in cands:
                 ok = c.state == "ready" and not st.proxy.recently_failed(c.backend_id)
                 up.add_metric([model, c.backend_id], 1.0 if ok else 0.0)
+        # Registered but never routed to (another block size or tokenizer: /health
+        # `incompatible`): down for this gateway (helper-85 found them absent, not 0).
+        for model, bs in sorted(st.index.incompatible.items()):
+            for b in sorted(bs):
+                up.add_metric([model, b], 0.0)
         now = time.monotonic()
         for (model, b), t in sorted(st.index.left.items()):
             if now - t < LEFT_SHOWN:

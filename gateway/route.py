@@ -29,6 +29,15 @@ a backend whose load exceeds the least-loaded backend's by more than
 *overloaded* and ranks after every backend that is not, whatever prefix it
 owns. Below those thresholds the owned prefix decides.
 
+Seeding an empty backend: a backend that holds nothing and has nothing to
+do (just started, restarted or added) takes the request when the chosen
+backend's load is larger than the saved prefix it would reuse there: for that one
+comparison the load counts in full (Dynamo's overlap weight 1, the request's
+own wait), not at ``load_weight``. At ``load_weight`` alone a prefix every
+backend shares (a system prompt) kept a new backend idle until its owners were
+~33 times its length busier; once it has taken one such request it owns the
+prefix too and the usual cost applies (docs/routing.md, "Seeding an empty backend").
+
 Placement (eviction-aware): when storing the request's new tokens would make
 the cheapest backend evict, the request goes to the candidate, among those
 with the same matched prefix that are not overloaded and cost at most
@@ -87,6 +96,9 @@ class RoutingConfig:
     placement_slack_tokens: how much costlier than the best a backend may be
         and still take a prompt because its cache evicts an older entry (0,
         the default: placement off; measured not to pay, docs/routing.md).
+    seed_empty: let an empty, idle backend take a request whose cheapest
+        backend is busier than the prefix it would reuse (module docstring;
+        False: the rule before, for A/B runs).
     """
 
     policy: str = "cache_aware"
@@ -99,6 +111,7 @@ class RoutingConfig:
     pending_grace: float = 1.0
     short_claims: bool = False
     placement_slack_tokens: int = 0
+    seed_empty: bool = True
     _turn: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
 
     def __post_init__(self):
@@ -135,7 +148,7 @@ class Decision:
     """Candidates ranked best first (empty when none is live)."""
 
     ranked: list[Scored] = field(default_factory=list)
-    reason: str = ""  # "prefix", "load", "placement", "affinity", "balance", "round_robin"
+    reason: str = ""  # "prefix", "load", "seed", "placement", "affinity", "balance", "round_robin"
 
     @property
     def best(self) -> Optional[Scored]:
@@ -155,6 +168,23 @@ def servable_blocks(c: Candidate, pending_blocks: int, block_size: int, short_cl
     if computing > c.saved_blocks and (short_claims or computing * block_size >= c.min_hit_tokens):
         return computing
     return c.saved_blocks
+
+
+def _seed(out: list[Scored], block_size: int) -> Optional[Scored]:
+    """An empty, idle backend to take the request instead of ``out[0]`` (the choice so far), or
+    None: see "Seeding" in the module docstring. Empty: no cached bytes published and no
+    prefix of this request saved or claimed there; idle: no load in the gateways' figures
+    nor in its own heartbeat. Only past a *saved* prefix: one still in its first
+    prefill is what pending ownership gathers a burst on (docs/routing.md)."""
+    best = out[0]
+    if best.matched <= 0 or best.load <= best.matched or best.cand.saved_blocks * block_size < best.matched:
+        return None
+    for s in out[1:]:
+        c = s.cand
+        if (not s.overloaded and s.load == 0 and s.matched == 0 and c.cache_bytes == 0 and c.depth_blocks == 0
+                and c.active == 0 and c.queued_prefill_tokens == 0):
+            return s
+    return None
 
 
 def _eviction_key(s: Scored) -> tuple:
@@ -264,4 +294,9 @@ def rank(
             out.remove(pick)
             out.insert(0, pick)
             reason = "affinity"
+    seeded = _seed(out, block_size) if cfg.seed_empty else None
+    if seeded is not None:
+        out.remove(seeded)
+        out.insert(0, seeded)
+        reason = "seed"
     return Decision(out, reason)

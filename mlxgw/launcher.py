@@ -297,8 +297,7 @@ def run(args: argparse.Namespace) -> int:
                                   url=advertised_url(m.host, port, redis_url)[0]))
     gw_cmd = py + ["gateway", "--host", cfg.host, "--port", str(cfg.port), "--namespace", cfg.namespace,
                    "--block-size", str(cfg.block_size)]
-    for k, v in cfg.routing.items():
-        gw_cmd += [("--routing-policy" if k == "policy" else "--" + k.replace("_", "-")), str(v)]
+    gw_cmd += routing_flags(cfg.routing)
     for m in cfg.models:
         gw_cmd += ["--model", f"{m.name}={m.path}"]
     gw_cmd += gateway_security_flags(cfg)
@@ -562,6 +561,24 @@ def watch(children: list[Child], stopping, interval: float = 0.5, sleep=time.sle
             elif time.time() >= c.next_start:
                 c.restarts += 1
                 _spawn(c)
+
+
+def routing_flags(routing: dict) -> list[str]:
+    """``mlxgw gateway`` flags of a config's ``[routing]`` keys (`gateway.route.RoutingConfig`
+    fields): ``--key-name value``, a switch for a boolean (``heartbeat_load = true`` is
+    ``--heartbeat-load``, ``seed_empty = false`` ``--no-seed-empty``; one equal to the
+    default adds nothing), and ``--routing-policy`` for ``policy``."""
+    from gateway.route import RoutingConfig
+
+    out: list[str] = []
+    for k, v in routing.items():
+        flag = "--routing-policy" if k == "policy" else "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            if v != getattr(RoutingConfig, k):
+                out.append(flag if v else "--no-" + flag[2:])
+        else:
+            out += [flag, str(v)]
+    return out
 
 
 #: Exit codes of a child that a restart would not mend -> what they mean (`mlxgw backend` and

@@ -203,6 +203,12 @@ class Keys:
         return f"{self.prefix}:gwload:"
 
     @property
+    def lost(self) -> str:
+        """HASH backend id -> the epoch a gateway's janitor wrote a `EVENT_LOST` event for
+        (`LOST_LUA`: one event per vanished run, however many gateways sweep)."""
+        return f"{self.prefix}:lost"
+
+    @property
     def gateway_settings(self) -> str:
         """HASH gateway id -> JSON of what a backend must match to be routed to by that
         gateway (`gateway_settings_value`); backends and ``mlxgw status`` read it."""
@@ -217,7 +223,7 @@ def as_str(x) -> str:
 
 # Registry record fields that are text (docs/redis-schema.md); every other field is a number.
 REGISTRY_TEXT_FIELDS = frozenset({"id", "url", "model", "model_path", "host", "state", "engine", "cache_layout",
-                                  "tokenizer", "auth", "url_problem"})
+                                  "tokenizer", "auth", "url_problem", "model_files"})
 
 
 # Gateways rewrite their `Keys.gateway_settings` entry every registry refresh (1 s); an entry
@@ -520,6 +526,20 @@ end
 return c
 """
 
+# KEYS[1] = `Keys.lost`, KEYS[2] = the backend's epoch counter, KEYS[3] = its registry record,
+# KEYS[4] = the events stream; ARGV[1] = backend id, ARGV[2] = the event's fields as msgpack
+# data, ARGV[3] = ts, ARGV[4] = stream length cap. Writes one `lost` event for the backend's
+# latest epoch unless its record is back or that epoch already has one. Returns 1 if written.
+LOST_LUA = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+local epoch = redis.call('GET', KEYS[2]) or '0'
+if redis.call('HGET', KEYS[1], ARGV[1]) == epoch then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], epoch)
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'type', 'lost', 'backend', ARGV[1], 'epoch', epoch,
+           'ts', ARGV[3], 'data', ARGV[2])
+return 1
+"""
+
 # Cleanup of one dead epoch: KEYS[1] = owned set of (backend, epoch).
 # ARGV[1] = backend id, ARGV[2] = epoch, ARGV[3] = max keys this call.
 # Removes the backend's field from each block only if it still holds that
@@ -613,6 +633,8 @@ def parse_lookup(rows: list) -> list[Candidate]:
 EVENT_SAVED = "saved"  # data: {"tokens": n, "blocks": [u64...], "cache_type": str}
 EVENT_EVICTED = "evicted"  # data: {"tokens": n, "blocks": [u64...]}
 EVENT_CLEARED = "cleared"  # data: {} (backend re-publishes or shut down)
+EVENT_STARTED = "started"  # data: {"url": str, "previous": "vanished" | "stopped"} (backend's first registration)
+EVENT_LOST = "lost"  # data: {"silent_s": s} (a gateway's janitor: listed, record expired, never withdrew)
 EVENT_ROUTED = "routed"  # data: {"request": id, "matched": n, "candidates": [...], ...}
 
 

@@ -23,7 +23,8 @@ from .redis_client import redis_problem, refusal_kind
 from .util import redact_url, serve_url_file
 
 # Event data fields worth showing (block lists are long and meaningless to people).
-_EVENT_FIELDS = ("request", "matched", "prompt_tokens", "lookup", "tokens", "cache_type", "tier")
+_EVENT_FIELDS = ("request", "matched", "prompt_tokens", "lookup", "tokens", "cache_type", "tier", "url", "previous",
+                 "silent_s")
 
 
 def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dict] = None) -> dict:
@@ -275,7 +276,8 @@ def event_line(event: dict) -> str:
 
     The details are the `collect` fields an event has: a routing decision's
     ``matched`` / ``prompt_tokens`` (tokens) and ``lookup`` outcome, a save's or
-    eviction's ``tokens``, ``cache_type`` and ``tier`` (``disk`` for the disk tier's).
+    eviction's ``tokens``, ``cache_type`` and ``tier`` (``disk`` for the disk tier's), a
+    start's ``url`` and ``previous`` (how the run before ended), a loss's ``silent_s``.
     """
     extra = " ".join(f"{k}={event[k]}" for k in _EVENT_FIELDS if k in event and k != "request")
     return f"  {event_time(event)} {event.get('type', ''):8} {event.get('backend', ''):10} {extra}".rstrip()
@@ -439,12 +441,22 @@ def total_row(records: list[dict]) -> list[str]:
             str(t["evictions"]), *([_disk_cell(t)] if has_disk_tier(records) else []), f"{t['hit_ratio']:.2f}", "", ""]
 
 
+DISAGREEMENT_NOTES = {
+    "block_size": "a gateway routes only to those matching its own",
+    "tokenizer": "a gateway routes only to those matching its own",
+    # Same tokenizer, other files: routed to all, so a request's answer depends on where it lands.
+    "model_files": "other weights or config under one name: answers differ by backend (see each one's model_path)",
+}
+
+
 def disagreement(records: list[dict]) -> list[str]:
     """One line per setting the backends of one model disagree on, naming who has which:
     ``block_size`` and ``tokenizer`` (a gateway routes only to the backends matching its own,
-    docs/routing.md "Failures"). Empty when they agree (unpublished values not counted)."""
+    docs/routing.md "Failures") and ``model_files`` (`backend.persist.model_files`: another
+    model, variant or quantization served under the same name; helper-85). Empty when they
+    agree (unpublished values not counted)."""
     out = []
-    for field in ("block_size", "tokenizer"):
+    for field, note in DISAGREEMENT_NOTES.items():
         groups: dict[str, list[str]] = {}
         for r in records:
             v = r.get(field)
@@ -453,7 +465,7 @@ def disagreement(records: list[dict]) -> list[str]:
         if len(groups) > 1:
             out.append(f"backends disagree on {field}: " + "; ".join(
                 f"{v} ({', '.join(sorted(ids))})" for v, ids in sorted(groups.items(), key=lambda kv: -len(kv[1]))) +
-                "; a gateway routes only to those matching its own")
+                f"; {note}")
     return out
 
 
@@ -624,7 +636,7 @@ def run(args) -> int:
         t = Table(title=f"model {m}{layouts_note(d['backends'])}")
         disk = has_disk_tier(d["backends"])
         for col in ("backend", "state", "url", "active/slots", "queued tok", "entries", "cache MiB", "evictions",
-                    *(["disk MiB / reads"] if disk else []), "hit ratio (tokens)", "age s", "up (epoch)"):
+                    *(["disk MiB / reads"] if disk else []), "hit ratio (tokens)", "heartbeat s", "up (epoch)"):
             t.add_column(col)
         for b in map(lambda r: backend_view(r, now), d["backends"]):
             t.add_row(b["id"], b["state"], b["url"], b["active_text"], str(b["queued"]), str(b["entries"]),

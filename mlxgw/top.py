@@ -65,7 +65,7 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
             f"{_fmt(last.get('gen_tps'), '.1f')} gen tok/s, TTFT {_fmt(last.get('ttft_ms'), '.1f')} ms"))
         t = Table(expand=False)
         for col in ("backend", "state", "active/slots", "queued tok", "cache MiB", "use", "req", "hit ratio (tokens)",
-                    "hit ratio / interval", "gen tok/s", "TTFT ms", "age s"):  # sorted by load
+                    "hit ratio / interval", "gen tok/s", "TTFT ms", "heartbeat s"):  # sorted by load
             t.add_column(col, no_wrap=True)
         for v in views:
             s = hist.backend_series(m, v["id"])

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from mlxgw.httpget import get_json, post
@@ -75,6 +76,12 @@ def test_a_backend_with_another_tokenizer_or_block_size_is_left_out(make_stack, 
     assert left_out["other-bs"].startswith(f"block size {s.block_size * 2}, this gateway's is {s.block_size}")
     assert left_out["other-tok"].startswith("another tokenizer (vocabulary fingerprint ")
     assert health["backends"][s.model_name] == ["good"] and health["status"] == "ok"
+    # Down for this gateway in /metrics (helper-85: they were absent, not 0)
+    with urllib.request.urlopen(g.url + "/metrics", timeout=10) as resp:
+        up = sorted(ln for ln in resp.read().decode().splitlines()
+                    if ln.startswith("mlxgw:backend_up{") and f'model_name="{s.model_name}"' in ln)
+    assert up == [f'mlxgw:backend_up{{backend="{b}",model_name="{s.model_name}"}} {v}'
+                  for b, v in (("good", "1.0"), ("other-bs", "0.0"), ("other-tok", "0.0"))], up
     log = g.log_path.read_text()
     assert "backend other-tok (" in log and "is not routed to: another tokenizer" in log
     assert "backend other-bs (" in log and "is not routed to: block size" in log
@@ -109,7 +116,8 @@ def test_a_backend_with_another_tokenizer_or_block_size_is_left_out(make_stack, 
     r = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--json", "--redis-url", s.redis_url, "--namespace",
                         s.namespace], capture_output=True, text=True, timeout=60)
     d = json.loads(r.stdout)[s.model_name]
-    assert (d["total"]["live"], d["total"]["left_out"]) == (1, 2) and len(d["disagreements"]) == 2, d
+    # block_size, tokenizer, and model_files (other-tok's tokenizer.json is its own file)
+    assert (d["total"]["live"], d["total"]["left_out"]) == (1, 2) and len(d["disagreements"]) == 3, d
     assert {b["id"]: sorted(b["left_out_by"]) for b in d["backends"]} == {"good": [], "other-bs": [gid],
                                                                           "other-tok": [gid]}, d
     # The record's own state stays the backend's ("ready"); a script reads the table's state here.
@@ -165,6 +173,37 @@ def test_a_backend_with_another_tokenizer_or_block_size_is_left_out(make_stack, 
     assert schema.fresh_gateway_settings(s_redis(s).hgetall(key), time.time()).keys() == {gid}
     g.stop()
     assert s_redis(s).hget(key, gid) is None
+
+
+def test_backends_serving_other_files_under_one_name_are_pointed_out(make_stack, tmp_path):
+    """A backend started from another model directory with the same tokenizer (a variant,
+    another quantization, a fine-tune) is routed to like the others, so a request's answer
+    depends on where it lands: `mlxgw status` says the backends' model files differ
+    (helper-85: a sliding-window variant under the demo's name took 6 of 6 cold prompts,
+    silently)."""
+    s = make_stack()
+    variant = tmp_path / "variant"
+    variant.mkdir()
+    for f in Path(s.model_path).iterdir():
+        if f.name != "config.json":
+            (variant / f.name).symlink_to(f)
+    cfg = json.loads((Path(s.model_path) / "config.json").read_text())
+    (variant / "config.json").write_text(json.dumps({**cfg, "sliding_window": 64}))
+    s.add_backend("orig", None, "--engine", "sim")
+    s.add_backend("var", None, "--engine", "sim", "--model", str(variant))
+    g = s.add_gateway()
+    s.wait()
+    assert sorted(get_json(g.url + "/health")["backends"][s.model_name]) == ["orig", "var"]  # both routed
+    recs = {b: s_redis(s).hget(f"{s.namespace}:{{{s.model_name}}}:backend:{b}", "model_files") for b in ("orig", "var")}
+    assert len(recs["orig"]) == 16 and recs["orig"] != recs["var"], recs
+    r = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--json", "--redis-url", s.redis_url, "--namespace",
+                        s.namespace], capture_output=True, text=True, timeout=60)
+    d = json.loads(r.stdout)[s.model_name]
+    (line,) = d["disagreements"]  # one value each, in either order
+    head, a, note = line.split("; ")
+    assert head.startswith("backends disagree on model_files: "), line
+    assert {head.split(": ")[1], a} == {f"{recs['orig'].decode()} (orig)", f"{recs['var'].decode()} (var)"}, line
+    assert note == "other weights or config under one name: answers differ by backend (see each one's model_path)"
 
 
 def test_gateway_settings_age_out_and_are_pruned(redis_server):

@@ -373,6 +373,24 @@ def test_serve_passes_routing_and_keepalive_to_the_gateway(tmp_path):
         config.load(str(tmp_path / "d.toml"))
 
 
+def test_serve_passes_boolean_routing_keys_as_switches_the_gateway_takes(tmp_path):
+    """A `[routing]` boolean became `--heartbeat-load True`, which the gateway's parser refuses
+    (it exited 2 at every start of serve); now a switch, and nothing for a default."""
+    from gateway.main import add_arguments
+    from mlxgw import launcher
+
+    p = tmp_path / "c.toml"
+    p.write_text('[routing]\nheartbeat_load = true\nseed_empty = false\nshort_claims = false\nload_weight = 0.1\n')
+    cfg = config.load(str(p))
+    flags = launcher.routing_flags(cfg.routing)
+    assert flags == ["--heartbeat-load", "--no-seed-empty", "--load-weight", "0.1"]
+    gw = argparse.ArgumentParser()
+    add_arguments(gw)
+    args = gw.parse_args(["--model", "m=/x", *flags])
+    assert (args.heartbeat_load, args.seed_empty, args.short_claims, args.load_weight) == (True, False, False, 0.1)
+    assert launcher.routing_flags({"policy": "round_robin", "seed_empty": True}) == ["--routing-policy", "round_robin"]
+
+
 def test_serve_passes_every_shared_gateway_flag_on():
     """Each gateway flag `mlxgw serve` also takes reaches the gateway's command line (serve
     took --drain-seconds and passed none on until session 39)."""

@@ -8,6 +8,7 @@ import pytest
 from mlxgw import browser
 from mlxgw.harness import LOG_DIR
 from mlxgw.httpget import get_json, get_status, post
+from mlxgw.redis_client import connect
 from texts import words
 
 
@@ -105,7 +106,8 @@ def test_dashboard_keeps_the_last_sample_while_redis_is_down(make_stack, redis_s
     try:
         async def go():
             d = Dashboard(own.url, s.namespace)
-            d.redis = redis_server.client()  # sample the stack's Redis once, through this one's client
+            # sample the stack's Redis once, through this one's client (bytes, as the dashboard's own)
+            d.redis = connect(redis_server.url, 1.0)
             await d.sample()
             assert d.error is None and d.latest[s.model_name]["backends"][0]["id"] == "b0"
             d.redis = own.client()

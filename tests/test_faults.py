@@ -1,6 +1,7 @@
 """Backend and Redis failures degrade service; they never lose a request."""
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -1549,3 +1550,53 @@ def test_a_redis_back_with_another_password_is_said_so(demo_model, tmp_path):
         s.stop()
         node.kill()
         node.wait(10)
+
+
+def _events(r, k, kind, backend):
+    from mlxgw import schema
+
+    return [e for e in (schema.decode_event(f) for _, f in r.xrange(k.events))
+            if e["type"] == kind and e["backend"] == backend]
+
+
+def test_the_event_feed_shows_a_killed_backend_lost_and_its_next_start(make_stack, redis_server):
+    """Starts and crashes are in the event stream (helper-85: the feed showed saves, evictions
+    and routing only, so joins, restarts and crashes were invisible there): a backend's first
+    registration writes `started` (with how the run before ended), and a gateway's janitor a
+    `lost` event, once, for a listed backend whose record expired without its withdrawal."""
+    from mlxgw import schema
+
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim")
+    b1 = s.add_backend("b1", None, "--engine", "sim")
+    s.add_gateway("--janitor-grace", "6")  # sweeps every 3 s
+    s.wait()
+    import redis
+
+    r = redis.Redis.from_url(redis_server.url)  # bytes: the events' data field is msgpack
+    k = schema.Keys(s.namespace, s.model_name)
+    (first,) = _events(r, k, "started", "b0")
+    assert (first["epoch"], first["data"]) == ("1", {"url": b0.url})  # an id's first run
+    b0.kill()
+    deadline = time.time() + 20
+    while not _events(r, k, "lost", "b0") and time.time() < deadline:
+        time.sleep(0.2)
+    (lost,) = _events(r, k, "lost", "b0")
+    assert lost["epoch"] == "1" and lost["data"]["silent_s"] >= 1.5, lost  # the record's TTL is 2 s
+    while r.zscore(k.backends, "b0") is not None and time.time() < deadline + 10:
+        time.sleep(0.2)  # more sweeps, and the janitor unlists it: still one event for that run
+    assert len(_events(r, k, "lost", "b0")) == 1 and r.zscore(k.backends, "b0") is None
+    assert _events(r, k, "lost", "b1") == []
+    b0.start(s.env())
+    b0.wait_healthy()
+    assert [(e["epoch"], e["data"].get("previous")) for e in _events(r, k, "started", "b0")] == [
+        ("1", None), ("2", "stopped")]  # unlisted by the janitor: as after a clean stop
+    # A backend killed and started again while still listed (within the 6 s grace): its next run says so.
+    b1.kill()
+    b1.start(s.env())
+    b1.wait_healthy()
+    assert [(e["epoch"], e["data"].get("previous")) for e in _events(r, k, "started", "b1")][-1] == ("2", "vanished")
+    # `mlxgw status` shows them in its recent events.
+    out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", s.redis_url,
+                          "--namespace", s.namespace], capture_output=True, text=True, timeout=60).stdout
+    assert re.search(r"lost\s+b0\s+silent_s=", out) and re.search(r"started\s+b1\s+url=\S+ previous=vanished", out), out

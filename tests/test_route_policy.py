@@ -107,3 +107,35 @@ def test_placement_prefers_room_and_leaves_prefix_hits_and_roomy_bests_alone():
                       cache_budget_bytes=2**30)
     d = rank([_full("b0", 500.0), empty], 4000, 16, cfg=PLACE)
     assert not d.ranked[[s.cand.backend_id for s in d.ranked].index("b2")].evicts
+
+
+def _seed_cands(owner_queued: int, saved: bool = True, empty_bytes: int = 0, empty_active: int = 0):
+    # "a" owns the prompt's 2,048-token system prefix (32 blocks of 64) and has owner_queued
+    # tokens of prefill waiting; "b" has just started: nothing cached, nothing to do.
+    a = Candidate("a", 1, "http://a", active=0, queued_prefill_tokens=0, state="ready", depth_blocks=32,
+                  saved_blocks=32 if saved else 0, gw_requests=1, gw_prefill_tokens=owner_queued,
+                  cache_bytes=10**9, min_hit_tokens=1000)
+    b = Candidate("b", 2, "http://b", active=empty_active, queued_prefill_tokens=0, state="ready",
+                  cache_bytes=empty_bytes)
+    return [a, b]
+
+
+def test_an_empty_idle_backend_takes_a_shared_prefix_once_its_owner_is_busier_than_the_prefix():
+    # 2,200-token prompt: on "a" 152 to prefill + 0.03 x (3,000 + 256) = 250 tokens of cost,
+    # on "b" 2,200; at load_weight alone "a" keeps it until its load passes ~68k tokens.
+    d = rank(_seed_cands(3000), 2200, 64)
+    assert d.best.cand.backend_id == "b" and d.reason == "seed"
+    assert [s.cand.backend_id for s in d.ranked] == ["b", "a"]  # the owner stays the retry
+    # Owner load 1,500 + 256 = 1,756 < the 2,048 tokens "b" would recompute: the owner keeps it.
+    d = rank(_seed_cands(1500), 2200, 64)
+    assert d.best.cand.backend_id == "a" and d.reason == "prefix"
+    # Only past a saved prefix: one still in its first prefill gathers its burst (pending ownership).
+    assert rank(_seed_cands(3000, saved=False), 2200, 64).best.cand.backend_id == "a"
+    # "b" is not empty (it caches something) or not idle (its own heartbeat shows a request).
+    assert rank(_seed_cands(3000, empty_bytes=4096), 2200, 64).best.cand.backend_id == "a"
+    assert rank(_seed_cands(3000, empty_active=1), 2200, 64).best.cand.backend_id == "a"
+    # ... or this gateway has a request in flight there.
+    assert rank(_seed_cands(3000), 2200, 64, inflight={"b": (1, 0)}).best.cand.backend_id == "a"
+    # The rule before (A/B runs).
+    d = rank(_seed_cands(3000), 2200, 64, cfg=RoutingConfig(seed_empty=False))
+    assert d.best.cand.backend_id == "a" and d.reason == "prefix"

@@ -151,10 +151,16 @@ def test_two_gateways_share_load_and_decisions(make_stack, redis_server):
     s.wait()
     text = words(200, seed=61)
     first = _ask(g0.url, text)["X-Mlxgw-Backend"]
-    # Same Redis state, same decision on every gateway (prefix owner; cold prompt by stable hash).
+    # Same Redis state, same decision on every gateway (prefix owner; cold prompt by stable hash)
+    # once g0 has published that its request ended (every 100 ms): until then g1 sees the owner
+    # busier than the prefix, and the empty, idle other backend takes the turn ("Seeding").
+    time.sleep(0.3)
     assert _ask(g1.url, text + " x")["X-Mlxgw-Backend"] == first
     cold = words(30, seed=62)
-    assert _ask(g0.url, cold)["X-Mlxgw-Backend"] == _ask(g1.url, cold + " y")["X-Mlxgw-Backend"]
+    ha = _ask(g0.url, cold)
+    time.sleep(0.3)
+    hb = _ask(g1.url, cold + " y")
+    assert ha["X-Mlxgw-Backend"] == hb["X-Mlxgw-Backend"], (ha["X-Mlxgw-Candidates"], hb["X-Mlxgw-Candidates"])
     # A long request in flight through g0 ... (polled from g1 while it runs; on a
     # loaded machine a request can finish between two polls, so up to 3 fresh tries).
     # g0 publishes every 100 ms: wait until its finished requests are unpublished,
@@ -188,6 +194,46 @@ def test_two_gateways_share_load_and_decisions(make_stack, redis_server):
     raw = redis.Redis.from_url(redis_server.url)
     routed = [e for e in (schema.decode_event(f) for _, f in raw.xrange(k.events)) if e["type"] == schema.EVENT_ROUTED]
     assert {e["data"]["gateway"] for e in routed} == gateways, routed[:2]
+
+
+def test_a_backend_added_beside_a_busy_owner_of_the_system_prompt_takes_a_new_conversation(make_stack):
+    """A new backend (nothing cached) gets a first turn sharing the cluster's system prompt
+    as soon as the owner's load passes the prefix it would reuse ("Seeding",
+    gateway.route); by the cost alone the owner kept every such turn until it was ~33 times
+    the prefix busier (helper-85: 0 of 683 requests in 4.5 minutes on an added backend)."""
+    s = make_stack()
+    slow = ("--engine", "sim", "--sim-prefill-rate", "300")  # a 600-word prompt: ~2-3 s of prefill
+    s.add_backend("b0", None, *slow)
+    g0 = s.add_gateway()
+    g1 = s.add_gateway("--no-seed-empty")  # the rule before, for contrast
+    s.wait()
+    system = {"role": "system", "content": words(100, seed=71)}
+
+    def ask(g, user, **kw):
+        status, h, body = post(g.url + "/v1/chat/completions", {
+            "messages": [system, {"role": "user", "content": user}], "max_tokens": 2, **kw})
+        assert status == 200, body
+        return h
+
+    assert ask(g0, words(20, seed=72))["X-Mlxgw-Backend"] == "b0"  # b0 caches the system prompt
+    s.add_backend("b1", None, *slow)
+    s.wait()
+    time.sleep(1.2)  # the first turn's pending claim has expired
+    long = threading.Thread(target=ask, args=(g0, words(600, seed=73)))
+    long.start()  # the owner is busy: its system prompt is cheaper than the new backend's nothing
+    deadline = time.time() + 30
+    while get_json(g0.url + "/health")["pending_claims"] < 1 and time.time() < deadline:
+        time.sleep(0.02)
+    old = ask(g1, words(20, seed=74))
+    new = ask(g0, words(20, seed=75))
+    long.join(60)
+    assert (old["X-Mlxgw-Backend"], old["X-Mlxgw-Route-Reason"]) == ("b0", "prefix"), old["X-Mlxgw-Candidates"]
+    assert (new["X-Mlxgw-Backend"], new["X-Mlxgw-Route-Reason"]) == ("b1", "seed"), new["X-Mlxgw-Candidates"]
+    assert new["X-Mlxgw-Matched-Tokens"] == "0" and int(old["X-Mlxgw-Matched-Tokens"]) >= 128
+    # Seeded once: b1 owns the system prompt now, and the usual cost decides from here on.
+    time.sleep(1.2)
+    third = ask(g0, words(20, seed=76))
+    assert int(third["X-Mlxgw-Matched-Tokens"]) >= 128 and third["X-Mlxgw-Route-Reason"] == "prefix"
 
 
 def test_session_affinity_keeps_routing_without_redis(demo_model):

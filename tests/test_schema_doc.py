@@ -50,7 +50,7 @@ def test_live_keys_are_all_documented(make_stack, redis_server):
             break
         time.sleep(0.1)
     docs = _documented_keys()
-    assert len(docs) == 12
+    assert len(docs) == 13
     keys = [k for k in r.scan_iter(match="*") if k.startswith(s.namespace + ":") or k == f"{s.namespace}:models"]
     seen_patterns = set()
     for k in keys:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import redis
+
 from mlxgw.httpget import post
 from mlxgw.redis_client import connect
 from mlxgw.status import History, collect, model_total
@@ -54,7 +56,7 @@ def test_top_sorts_by_load_and_rates_follow_counters(make_stack, redis_server):
     s.add_backend("b0")
     s.add_backend("b1")
     s.wait()
-    r = redis_server.client()
+    r = redis.Redis.from_url(redis_server.url)  # bytes, as `mlxgw top` reads (events carry msgpack)
     data = collect(r, s.namespace)
     recs = data[s.model_name]["backends"]
     assert {x["id"] for x in recs} == {"b0", "b1"}
