@@ -29,8 +29,9 @@ a backend whose load exceeds the least-loaded backend's by more than
 *overloaded* and ranks after every backend that is not, whatever prefix it
 owns. Below those thresholds the owned prefix decides.
 
-Seeding an empty backend: a backend that holds nothing and has nothing to
-do (just started, restarted or added) takes the request when the chosen
+Seeding an empty backend: a backend that holds no prefix of the request and
+has nothing to do (just started, restarted or added, or idle beside busy
+owners) takes the request when the chosen
 backend's load is larger than the saved prefix it would reuse there: for that one
 comparison the load counts in full (Dynamo's overlap weight 1, the request's
 own wait), not at ``load_weight``. At ``load_weight`` alone a prefix every
@@ -96,7 +97,7 @@ class RoutingConfig:
     placement_slack_tokens: how much costlier than the best a backend may be
         and still take a prompt because its cache evicts an older entry (0,
         the default: placement off; measured not to pay, docs/routing.md).
-    seed_empty: let an empty, idle backend take a request whose cheapest
+    seed_empty: let an idle backend holding no prefix of the request take one whose cheapest
         backend is busier than the prefix it would reuse (module docstring;
         False: the rule before, for A/B runs).
     """
@@ -171,17 +172,18 @@ def servable_blocks(c: Candidate, pending_blocks: int, block_size: int, short_cl
 
 
 def _seed(out: list[Scored], block_size: int) -> Optional[Scored]:
-    """An empty, idle backend to take the request instead of ``out[0]`` (the choice so far), or
-    None: see "Seeding" in the module docstring. Empty: no cached bytes published and no
-    prefix of this request saved or claimed there; idle: no load in the gateways' figures
-    nor in its own heartbeat. Only past a *saved* prefix: one still in its first
+    """An idle backend holding no prefix of the request to take it instead of ``out[0]`` (the
+    choice so far), or None: see "Seeding" in the module docstring. Empty (of this request):
+    no prefix of it saved or claimed there (helper-86: requiring an empty cache left a backend
+    holding one unrelated 32-token entry idle for 6 minutes beside a busy peer); idle: no load
+    in the gateways' figures nor in its own heartbeat. Only past a *saved* prefix: one still in its first
     prefill is what pending ownership gathers a burst on (docs/routing.md)."""
     best = out[0]
     if best.matched <= 0 or best.load <= best.matched or best.cand.saved_blocks * block_size < best.matched:
         return None
     for s in out[1:]:
         c = s.cand
-        if (not s.overloaded and s.load == 0 and s.matched == 0 and c.cache_bytes == 0 and c.depth_blocks == 0
+        if (not s.overloaded and s.load == 0 and s.matched == 0 and c.depth_blocks == 0
                 and c.active == 0 and c.queued_prefill_tokens == 0):
             return s
     return None
