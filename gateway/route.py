@@ -31,13 +31,13 @@ owns. Below those thresholds the owned prefix decides.
 
 Seeding an empty backend: a backend that holds no prefix of the request and
 has nothing to do (just started, restarted or added, or idle beside busy
-owners) takes the request when the chosen
-backend's load is larger than the saved prefix it would reuse there: for that one
-comparison the load counts in full (Dynamo's overlap weight 1, the request's
-own wait), not at ``load_weight``. At ``load_weight`` alone a prefix every
-backend shares (a system prompt) kept a new backend idle until its owners were
-~33 times its length busier; once it has taken one such request it owns the
-prefix too and the usual cost applies (docs/routing.md, "Seeding an empty backend").
+owners) takes the request when the chosen backend's load is larger than the
+saved prefix it would reuse there: for that one comparison the load counts in
+full (Dynamo's overlap weight 1, the request's own wait), not at
+``load_weight``. At ``load_weight`` alone a prefix every backend shares (a
+system prompt) kept a new backend idle until its owners were ~33 times its
+length busier; once it has taken one such request it owns the prefix too and
+the usual cost applies (docs/routing.md, "Seeding an empty backend").
 
 Placement (eviction-aware): when storing the request's new tokens would make
 the cheapest backend evict, the request goes to the candidate, among those
@@ -176,8 +176,8 @@ def _seed(out: list[Scored], block_size: int) -> Optional[Scored]:
     choice so far), or None: see "Seeding" in the module docstring. Empty (of this request):
     no prefix of it saved or claimed there (helper-86: requiring an empty cache left a backend
     holding one unrelated 32-token entry idle for 6 minutes beside a busy peer); idle: no load
-    in the gateways' figures nor in its own heartbeat. Only past a *saved* prefix: one still in its first
-    prefill is what pending ownership gathers a burst on (docs/routing.md)."""
+    in the gateways' figures nor in its own heartbeat. Only past a *saved* prefix: one still
+    in its first prefill is what pending ownership gathers a burst on (docs/routing.md)."""
     best = out[0]
     if best.matched <= 0 or best.load <= best.matched or best.cand.saved_blocks * block_size < best.matched:
         return None
