@@ -88,13 +88,16 @@ class Janitor:
         feed shows crashes beside the `started` of the next run. Returns the events written."""
         r = self.index.redis
         now = time.time()
-        n = 0
-        for bid, last in await r.zrange(k.backends, 0, -1, withscores=True):
+        listed = await r.zrange(k.backends, 0, -1, withscores=True)
+        if not listed:
+            return 0
+        pipe = r.pipeline(transaction=False)  # one round trip per model, however many backends
+        for bid, last in listed:
             bid = schema.as_str(bid)
             data = msgpack.packb({"silent_s": round(now - last, 1)}, use_bin_type=True)
-            n += int(await r.eval(schema.LOST_LUA, 4, k.lost, k.epoch_counter(bid), k.backend(bid), k.events,
-                                  bid, data, f"{now:.3f}", schema.EVENT_STREAM_MAXLEN))
-        return n
+            pipe.eval(schema.LOST_LUA, 4, k.lost, k.epoch_counter(bid), k.backend(bid), k.events,
+                      bid, data, f"{now:.3f}", schema.EVENT_STREAM_MAXLEN, schema.EVENT_LOST)
+        return sum(int(x) for x in await pipe.execute())
 
     async def _forget_model_if_unserved(self, model: str) -> bool:
         """Remove ``model`` from the models set when no backend is registered for it, its event

@@ -37,7 +37,13 @@ full (Dynamo's overlap weight 1, the request's own wait), not at
 ``load_weight``. At ``load_weight`` alone a prefix every backend shares (a
 system prompt) kept a new backend idle until its owners were ~33 times its
 length busier; once it has taken one such request it owns the prefix too and
-the usual cost applies (docs/routing.md, "Seeding an empty backend").
+the usual cost applies. Past a prefix the chosen backend is still computing (a
+claim: a burst or a fan-out that pending ownership gathers there) the load must
+exceed ``seed_claim_factor`` (2) times it: the claim's own prefill, which a
+sibling waits for there and would redo elsewhere, plus as much again; an owner
+whose cache keeps nothing (the KV in flight filling its budget, every match a
+claim) otherwise kept every request beside an idle backend (docs/routing.md,
+"Seeding an empty backend").
 
 Placement (eviction-aware): when storing the request's new tokens would make
 the cheapest backend evict, the request goes to the candidate, among those
@@ -100,6 +106,9 @@ class RoutingConfig:
     seed_empty: let an idle backend holding no prefix of the request take one whose cheapest
         backend is busier than the prefix it would reuse (module docstring;
         False: the rule before, for A/B runs).
+    seed_claim_factor: past a prefix the cheapest backend is still computing (claimed, not
+        saved), seeding needs its load above this many times the prefix (0: never, the rule
+        of session 46; module docstring).
     """
 
     policy: str = "cache_aware"
@@ -113,6 +122,7 @@ class RoutingConfig:
     short_claims: bool = False
     placement_slack_tokens: int = 0
     seed_empty: bool = True
+    seed_claim_factor: float = 2.0
     _turn: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
 
     def __post_init__(self):
@@ -171,15 +181,19 @@ def servable_blocks(c: Candidate, pending_blocks: int, block_size: int, short_cl
     return c.saved_blocks
 
 
-def _seed(out: list[Scored], block_size: int) -> Optional[Scored]:
+def _seed(out: list[Scored], block_size: int, claim_factor: float) -> Optional[Scored]:
     """An idle backend holding no prefix of the request to take it instead of ``out[0]`` (the
     choice so far), or None: see "Seeding" in the module docstring. Empty (of this request):
     no prefix of it saved or claimed there (helper-86: requiring an empty cache left a backend
     holding one unrelated 32-token entry idle for 6 minutes beside a busy peer); idle: no load
-    in the gateways' figures nor in its own heartbeat. Only past a *saved* prefix: one still
-    in its first prefill is what pending ownership gathers a burst on (docs/routing.md)."""
+    in the gateways' figures nor in its own heartbeat. Past a prefix the chosen backend only
+    claims (still computing it), its load must exceed ``claim_factor`` times the prefix (0:
+    never; `RoutingConfig.seed_claim_factor`)."""
     best = out[0]
-    if best.matched <= 0 or best.load <= best.matched or best.cand.saved_blocks * block_size < best.matched:
+    if best.matched <= 0 or best.load <= best.matched:
+        return None
+    if best.cand.saved_blocks * block_size < best.matched and (
+            claim_factor <= 0 or best.load <= claim_factor * best.matched):
         return None
     for s in out[1:]:
         c = s.cand
@@ -296,7 +310,7 @@ def rank(
             out.remove(pick)
             out.insert(0, pick)
             reason = "affinity"
-    seeded = _seed(out, block_size) if cfg.seed_empty else None
+    seeded = _seed(out, block_size, cfg.seed_claim_factor) if cfg.seed_empty else None
     if seeded is not None:
         out.remove(seeded)
         out.insert(0, seeded)

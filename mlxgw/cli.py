@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from .rlimit import guard_mlx_lm_import
-from .util import namespace_arg, non_empty_arg, non_negative_int, positive_float, positive_int, redis_url_arg
+from .util import namespace_arg, non_empty_arg, non_negative_int, positive_float, redis_url_arg
 
 
 def _logging(level: str) -> None:
@@ -28,16 +28,26 @@ def _status_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--namespace", type=namespace_arg, default="mlxgw")
 
 
+def _event_arguments(sp: argparse.ArgumentParser, default: int) -> None:
+    from .status import EVENT_SCAN, event_types_arg
+
+    sp.add_argument("--events", type=non_negative_int, default=default, help="recent events shown per model")
+    sp.add_argument("--event-types", type=event_types_arg, metavar="TYPES",
+                    help="only these event types (comma list: saved, evicted, routed, started, cleared, lost, or "
+                         f"'lifecycle' for started,cleared,lost), among each model's last {EVENT_SCAN} events")
+
+
 def _add_status(sp: argparse.ArgumentParser) -> None:
     _status_arguments(sp)
     sp.add_argument("--json", action="store_true")
+    _event_arguments(sp, 10)
 
 
 def _add_top(sp: argparse.ArgumentParser) -> None:
     _status_arguments(sp)
     sp.add_argument("--interval", type=positive_float, default=1.0, help="seconds between refreshes")
     sp.add_argument("--iterations", type=non_negative_int, default=0, help="stop after N frames (0: until Ctrl-C)")
-    sp.add_argument("--events", type=positive_int, default=5, help="recent events shown per model")
+    _event_arguments(sp, 5)
 
 
 def _add_demo_model(sp: argparse.ArgumentParser) -> None:

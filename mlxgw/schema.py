@@ -528,14 +528,15 @@ return c
 
 # KEYS[1] = `Keys.lost`, KEYS[2] = the backend's epoch counter, KEYS[3] = its registry record,
 # KEYS[4] = the events stream; ARGV[1] = backend id, ARGV[2] = the event's fields as msgpack
-# data, ARGV[3] = ts, ARGV[4] = stream length cap. Writes one `lost` event for the backend's
-# latest epoch unless its record is back or that epoch already has one. Returns 1 if written.
+# data, ARGV[3] = ts, ARGV[4] = stream length cap, ARGV[5] = the event type (`EVENT_LOST`).
+# Writes one `lost` event for the backend's latest epoch unless its record is back or that
+# epoch already has one. Returns 1 if written.
 LOST_LUA = """
 if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
 local epoch = redis.call('GET', KEYS[2]) or '0'
 if redis.call('HGET', KEYS[1], ARGV[1]) == epoch then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], epoch)
-redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'type', 'lost', 'backend', ARGV[1], 'epoch', epoch,
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'type', ARGV[5], 'backend', ARGV[1], 'epoch', epoch,
            'ts', ARGV[3], 'data', ARGV[2])
 return 1
 """

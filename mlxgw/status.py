@@ -8,6 +8,7 @@ three, so every view computes a hit ratio the same way.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -27,7 +28,64 @@ _EVENT_FIELDS = ("request", "matched", "prompt_tokens", "lookup", "tokens", "cac
                  "silent_s")
 
 
-def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dict] = None) -> dict:
+#: ``--event-types`` shorthand: a backend's run starting, ending (`cleared` is also written when
+#: it re-publishes after a Redis restart) and a gateway's janitor finding it gone without a word.
+EVENT_TYPE_GROUPS = {"lifecycle": (schema.EVENT_STARTED, schema.EVENT_CLEARED, schema.EVENT_LOST)}
+#: How far back a type filter looks, in events per model (the stream keeps up to
+#: `schema.EVENT_STREAM_MAXLEN`; saves and routing decisions make most of it).
+EVENT_SCAN = 2000
+
+
+def event_types_arg(text: str) -> frozenset:
+    """``--event-types``: a comma list of event types (`schema` ``EVENT_*``) and groups
+    (`EVENT_TYPE_GROUPS`). Raises argparse.ArgumentTypeError on an unknown name."""
+    known = {v for k, v in vars(schema).items() if k.startswith("EVENT_") and isinstance(v, str)}
+    out: set = set()
+    for name in filter(None, (x.strip() for x in text.split(","))):
+        if name in EVENT_TYPE_GROUPS:
+            out |= set(EVENT_TYPE_GROUPS[name])
+        elif name in known:
+            out.add(name)
+        else:
+            raise argparse.ArgumentTypeError(
+                f"unknown event type {name!r}; one of {', '.join(sorted(known | set(EVENT_TYPE_GROUPS)))}")
+    if not out:
+        raise argparse.ArgumentTypeError("no event type given")
+    return frozenset(out)
+
+
+def _decode_events(entries, events: int, types: Optional[frozenset]) -> list[dict]:
+    """Stream entries (newest first) as `collect`'s event dicts: the first ``events`` of
+    ``types`` (None: any)."""
+    evs: list[dict] = []
+    for _, f in entries if events > 0 else ():
+        try:
+            e = schema.decode_event(f)
+        except Exception:  # a foreign or corrupt entry: show its plain fields only
+            e = {schema.as_str(a): schema.as_str(b) for a, b in f.items() if schema.as_str(a) != "data"}
+        if types is not None and e.get("type") not in types:
+            continue
+        data = e.pop("data", {}) or {}
+        e.update({kk: data[kk] for kk in _EVENT_FIELDS if kk in data})
+        evs.append(e)
+        if len(evs) >= events:
+            break
+    return evs
+
+
+def recent_events(r: redis.Redis, namespace: str, models: list[str], events: int = 10,
+                  types: Optional[frozenset] = None) -> dict:
+    """``{model: [event]}``: each model's last ``events`` events (of ``types``, among its last
+    `EVENT_SCAN`), newest first, in one round trip: the models `collect` leaves out (every
+    backend gone) keep their history, which says how they went. Raises redis.RedisError."""
+    pipe = r.pipeline(transaction=False)
+    for m in models:
+        pipe.xrevrange(schema.Keys(namespace, m).events, count=max(1, events) if types is None else EVENT_SCAN)
+    return {m: _decode_events(entries, events, types) for m, entries in zip(models, pipe.execute())}
+
+
+def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dict] = None,
+            types: Optional[frozenset] = None) -> dict:
     """One snapshot of the cluster from Redis.
 
     Args:
@@ -35,6 +93,8 @@ def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dic
             ``decode_responses`` client can raise UnicodeDecodeError, as it did in a test).
         namespace: key namespace.
         events: how many recent events per model.
+        types: only events of these types (`event_types_arg`), the last ``events`` of them
+            among the model's last `EVENT_SCAN` (None: any type).
         dead: filled (if given) with ``{model: [backend ids]}`` for the models left out whose
             registry still lists backends with expired records (every backend died, no gateway
             serves it; `mlxgw status` names them instead of "no models registered").
@@ -65,7 +125,7 @@ def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dic
     for m in models:
         k = schema.Keys(namespace, m)
         pipe.zrange(k.backends, 0, -1)
-        pipe.xrevrange(k.events, count=events)
+        pipe.xrevrange(k.events, count=max(1, events) if types is None else EVENT_SCAN)
         pipe.hgetall(k.gateway_settings)
     listed = pipe.execute()
     now = time.time()
@@ -89,15 +149,7 @@ def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dic
         for rec in backends:  # the odd gateway is named on its own line, not against each backend
             rec["left_out_by"] = {g: w for g, w in rec["left_out_by"].items() if g not in stray}
             rec["left_out"] = bool(rec["left_out_by"]) and set(rec["left_out_by"]) >= routing
-        evs = []
-        for _, f in listed[3 * i + 1]:
-            try:
-                e = schema.decode_event(f)
-            except Exception:  # a foreign or corrupt entry: show its plain fields only
-                e = {schema.as_str(a): schema.as_str(b) for a, b in f.items() if schema.as_str(a) != "data"}
-            data = e.pop("data", {}) or {}
-            e.update({kk: data[kk] for kk in _EVENT_FIELDS if kk in data})
-            evs.append(e)
+        evs = _decode_events(listed[3 * i + 1], events, types)
         # Backends still listed whose record expired: dead (SIGKILL, a lost host) until a gateway's
         # janitor sweeps them after its --janitor-grace (helper-59: a model whose every backend
         # died read as "no models registered").
@@ -213,10 +265,12 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
         "active_text": f"{active}/{slots}" if slots else str(active),
         "queued": queued,
         "entries": int(_f(rec, "cache_entries")),
-        "cache_mb": round(_f(rec, "cache_bytes") / 2**20, 2),
+        # Unrounded: the table's format rounds once (rounding here first turned 0.7498 MiB into
+        # "0.8" where /health's figure reads "0.7"; a full test run caught it).
+        "cache_mb": _f(rec, "cache_bytes") / 2**20,
         "cache_use": round(_f(rec, "cache_bytes") / budget, 4) if budget else 0.0,
         "evictions": int(_f(rec, "cache_evictions")),
-        "disk_mb": round(_f(rec, "disk_bytes") / 2**20, 2),
+        "disk_mb": _f(rec, "disk_bytes") / 2**20,
         "disk_reads": int(_f(rec, "disk_reads")),
         "requests": int(_f(rec, "requests")),
         "hits": int(_f(rec, "hits")),
@@ -410,8 +464,8 @@ def model_total(records: list[dict]) -> dict:
     out.update({k: sum(v[k] for v in views) for k in ("entries", "evictions", "disk_reads")})
     return {"live": len(live),
             "left_out": sum(v["left_out"] for v in views),
-            "unreachable": sum(v["unreachable"] and not v["left_out"] and not v["silent"] for v in views), **out, "cache_mb": round(sum(v["cache_mb"] for v in views), 2),
-            "disk_mb": round(sum(v["disk_mb"] for v in views), 2),
+            "unreachable": sum(v["unreachable"] and not v["left_out"] and not v["silent"] for v in views), **out, "cache_mb": sum(v["cache_mb"] for v in views),
+            "disk_mb": sum(v["disk_mb"] for v in views),
             "prompt_tokens": int(pt), "cached_tokens": int(ct), "hit_ratio": round(ct / pt, 4) if pt else 0.0}
 
 
@@ -596,10 +650,13 @@ def run(args) -> int:
     """Print the cluster (a table, or ``--json``). Returns 0; `NO_BACKENDS_EXIT` (3) when no
     backend is registered under the namespace; 4 when Redis does not answer (`unreachable`)."""
     dead: dict = {}
+    n, types = getattr(args, "events", 10), getattr(args, "event_types", None)
     try:
         r = connect(args)
-        data = collect(r, args.namespace, dead=dead)
+        data = collect(r, args.namespace, events=n, dead=dead, types=types)
         before = [] if data or dead else sorted(schema.as_str(x) for x in r.smembers(schema.models_key(args.namespace)))
+        # The models with no live backend or gateway keep their history: how they went.
+        gone = recent_events(r, args.namespace, sorted(dead) + before, n, types) if dead or before else {}
     except redis.RedisError as e:
         return unreachable(args, e)
     code = 0 if any(d["backends"] for d in data.values()) else NO_BACKENDS_EXIT
@@ -612,7 +669,10 @@ def run(args) -> int:
             d["disagreements"] = disagreement(d["backends"])
             d["open_backends"] = sorted(str(r.get("id")) for r in open_backends(d["backends"]))
         for m, ids in dead.items():  # as the text output names them: listed, every backend dead
-            data[m] = {"backends": [], "gateways": {}, "recent_events": [], "silent": ids,
+            data[m] = {"backends": [], "gateways": {}, "recent_events": gone.get(m, []), "silent": ids,
+                       "total": model_total([]), "disagreements": [], "open_backends": []}
+        for m in before:  # a clean stop: nothing listed, the history stays
+            data[m] = {"backends": [], "gateways": {}, "recent_events": gone.get(m, []), "silent": [],
                        "total": model_total([]), "disagreements": [], "open_backends": []}
         print(json.dumps(dict(sorted(data.items())), indent=2))
         return code
@@ -631,6 +691,13 @@ def run(args) -> int:
     for m, ids in dead.items():
         con.print(f"model {m}: no live backend or gateway; {silent_text(ids)}", markup=False, highlight=False,
                   soft_wrap=True)
+        for e in gone.get(m, []):
+            con.print(event_line(e), markup=False, highlight=False)
+    for m in before:
+        if gone.get(m):
+            con.print(f"model {m}, recent events:", markup=False, highlight=False)
+        for e in gone.get(m, []):
+            con.print(event_line(e), markup=False, highlight=False)
     now = time.time()
     for m, d in data.items():
         t = Table(title=f"model {m}{layouts_note(d['backends'])}")

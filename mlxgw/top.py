@@ -106,7 +106,7 @@ def run(args) -> int:
         def frame():
             nonlocal last_ok, r
             try:
-                data = collect(r, args.namespace, events=args.events)
+                data = collect(r, args.namespace, events=args.events, types=args.event_types)
             except redis.RedisError as e:
                 if args.url_source == "serve":
                     # A restarted `mlxgw serve` runs its embedded Redis on a new port and leaves
@@ -126,7 +126,7 @@ def run(args) -> int:
 
         # Per-interval rates need two snapshots: take one first, so even the first frame (and
         # `--iterations 1`) has them, over a window of at most a second.
-        hist.add(collect(r, args.namespace, events=args.events))
+        hist.add(collect(r, args.namespace, events=args.events, types=args.event_types))
         time.sleep(min(args.interval, 1.0))
         n = 0
         if con.is_terminal:

@@ -147,7 +147,7 @@ def test_serve_exits_2_on_a_bad_value(tmp_path, capsys):
               for cmd, flag, value in (("gateway", "--keepalive", "nan"), ("serve", "--body-timeout", "nan"),
                                        ("gateway", "--rate-limit-rpm", "inf"), ("top", "--interval", "nan"),
                                        ("top", "--interval", "-1"), ("backend", "--request-timeout", "nan"))]
-    cases += [(["top", "--events", "0"], "argument --events: must be at least 1, not 0")]
+    cases += [([cmd, "--events", "-1"], "argument --events: must be at least 0, not -1") for cmd in ("top", "status")]
     # integer flags: a gateway port of 70000 ended in bind()'s traceback, --max-retries -1 sent
     # every request nowhere (503), --backends 0 blamed a "[[models]] demo" table nobody wrote
     cases += [([cmd, flag, value], f"argument {flag}: {says}")

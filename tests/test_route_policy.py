@@ -129,8 +129,14 @@ def test_an_empty_idle_backend_takes_a_shared_prefix_once_its_owner_is_busier_th
     # Owner load 1,500 + 256 = 1,756 < the 2,048 tokens "b" would recompute: the owner keeps it.
     d = rank(_seed_cands(1500), 2200, 64)
     assert d.best.cand.backend_id == "a" and d.reason == "prefix"
-    # Only past a saved prefix: one still in its first prefill gathers its burst (pending ownership).
+    # Past a prefix "a" is still computing (claimed, not saved: a burst or fan-out pending ownership
+    # gathers there) the load must exceed twice the prefix: 3,256 < 4,096 keeps it, 4,256 does not.
     assert rank(_seed_cands(3000, saved=False), 2200, 64).best.cand.backend_id == "a"
+    d = rank(_seed_cands(4000, saved=False), 2200, 64)
+    assert d.best.cand.backend_id == "b" and d.reason == "seed"
+    # seed_claim_factor 0: only past a saved prefix (session 46's rule); 1: as past a saved one.
+    assert rank(_seed_cands(4000, saved=False), 2200, 64, cfg=RoutingConfig(seed_claim_factor=0)).reason == "prefix"
+    assert rank(_seed_cands(3000, saved=False), 2200, 64, cfg=RoutingConfig(seed_claim_factor=1)).reason == "seed"
     # Other prompts in "b"'s cache do not matter (helper-86: one 32-token entry kept a backend
     # idle for 6 minutes beside a busy peer); a request of its own does (its heartbeat).
     assert rank(_seed_cands(3000, empty_bytes=4096), 2200, 64).reason == "seed"

@@ -24,7 +24,9 @@ W = RoutingConfig().load_weight  # 0.03: cost per token of queued work (docs/rou
 
 
 def test_longest_prefix_wins_below_the_balance_thresholds():
-    d = rank([cand("a", depth=10, queued=3000), cand("b", depth=0)], 1000, 64)
+    # The cost alone: "b" is idle and holds none of the prompt, and "a"'s 3,000 queued tokens are
+    # over twice its 640-token claim, so seeding would move the request (test_route_policy).
+    d = rank([cand("a", depth=10, queued=3000), cand("b", depth=0)], 1000, 64, cfg=RoutingConfig(seed_empty=False))
     assert [s.cand.backend_id for s in d.ranked] == ["a", "b"] and d.reason == "prefix"
     assert d.best.matched == 640 and d.best.prefill == 360
     assert [s.cost for s in d.ranked] == [360 + W * 3000, 1000]

@@ -128,6 +128,22 @@ def test_status_total_row_sums_backends_and_pools_the_hit_ratio():
     assert total_row(recs) == ["total", "1 live", "", "2", "100", "4", "4.0", "1", "0.25", "", ""]
 
 
+def test_cache_and_disk_mib_are_rounded_once_as_health_figures_would_be():
+    """0.7498 MiB reads "0.7" in the table, as ``f"{health['disk_bytes'] / 2**20:.1f}"`` does; the
+    view rounded to two decimals first (0.75, then "0.8"), and a full run's disk-tier test saw
+    status and /health disagree for a tier of that size."""
+    from mlxgw.status import backend_view, total_row
+
+    now = time.time()
+    nbytes = int(0.7498 * 2**20)
+    rec = {"id": "a", "state": "ready", "active": "0", "queued_prefill_tokens": "0", "cache_entries": "1",
+           "cache_bytes": str(nbytes), "disk_bytes": str(nbytes), "disk_budget_bytes": str(64 << 20),
+           "disk_reads": "1", "last_heartbeat": str(now), "heartbeat_interval": "1"}
+    v = backend_view(rec, now)
+    assert (f"{v['cache_mb']:.1f}", f"{v['disk_mb']:.1f}") == ("0.7", "0.7")
+    assert total_row([rec])[6:9] == ["0.7", "0", "0.7 / 1"]
+
+
 def test_active_is_shown_against_the_decode_slots():
     """``12/16``: a backend's active requests of its decode slots (above them requests wait,
     docs/cache-policy.md "Decode slots"); a record without ``decode_slots`` (an older backend)
@@ -190,9 +206,15 @@ def test_status_shows_a_model_whose_only_backend_died_with_that_backend_named(ma
             "--janitor-grace): b0") in out, out
     js = json.loads(subprocess.run([sys.executable, "-m", "mlxgw", "status", "--json", "--redis-url", redis_server.url,
                                     "--namespace", s.namespace], capture_output=True, text=True, timeout=60).stdout)
-    assert js == {s.model_name: {"backends": [], "gateways": {}, "recent_events": [], "silent": ["b0"],
+    # The model's history stays readable (helper-86: with no live backend, `--json` showed no
+    # events): the one request's save, after the backend's start.
+    evs = js[s.model_name].pop("recent_events")
+    assert [(e["type"], e["backend"]) for e in evs] == [("saved", "b0"), ("started", "b0")], evs
+    assert js == {s.model_name: {"backends": [], "gateways": {}, "silent": ["b0"],
                                  "total": model_total([]), "disagreements": [], "open_backends": []}}
     assert js[s.model_name]["total"]["live"] == 0
+    lines = out.splitlines()
+    assert [ln.split()[1:3] for ln in lines[-2:]] == [["saved", "b0"], ["started", "b0"]], out
 
 
 def test_status_after_a_clean_stop_exits_3_naming_what_served_before(make_stack, redis_server):
@@ -205,14 +227,46 @@ def test_status_after_a_clean_stop_exits_3_naming_what_served_before(make_stack,
     assert subprocess.run(cmd, capture_output=True, text=True, timeout=60).returncode == 0
     b0.stop()
     st = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert st.returncode == 3 and st.stdout.splitlines()[-1] == (
-        f"no live backend or gateway under namespace '{s.namespace}' (models registered before: {s.model_name})"), \
-        (st.returncode, st.stdout)
+    lines = st.stdout.splitlines()
+    assert st.returncode == 3 and lines[1:3] == [
+        f"no live backend or gateway under namespace '{s.namespace}' (models registered before: {s.model_name})",
+        f"model {s.model_name}, recent events:"], (st.returncode, st.stdout)
+    # How it went: the backend's withdrawal (`cleared`) after its start, newest first.
+    assert [ln.split()[1:3] for ln in lines[3:]] == [["cleared", "b0"], ["started", "b0"]], st.stdout
     js = subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=60)
-    assert (js.returncode, json.loads(js.stdout)) == (3, {})
+    d = json.loads(js.stdout)
+    assert js.returncode == 3 and list(d) == [s.model_name] and d[s.model_name]["backends"] == [], js.stdout
+    assert [e["type"] for e in d[s.model_name]["recent_events"]] == ["cleared", "started"], js.stdout
     fresh = subprocess.run(cmd[:-1] + [s.namespace + "-none"], capture_output=True, text=True, timeout=60)
     assert fresh.returncode == 3 and fresh.stdout.splitlines()[-1] == (
         f"no live backend or gateway under namespace '{s.namespace}-none'"), fresh.stdout
+
+
+def test_event_types_keep_a_backends_start_in_view_past_its_saves(make_stack, redis_server):
+    """helper-86: lifecycle events (a backend's start, stop, loss) drowned among saves and routing
+    decisions in status's last 10. ``--event-types`` picks types (``lifecycle``: started, cleared,
+    lost) among each model's last 2,000 events; an unknown type is a usage error (exit 2)."""
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim")
+    b0.wait_healthy()
+    for k in range(12):  # twelve distinct prompts: twelve `saved` events after the `started`
+        post(b0.url + "/v1/chat/completions", {"model": s.model_name, "max_tokens": 1,
+                                               "messages": [{"role": "user", "content": words(40, seed=300 + k)}]})
+    cmd = [sys.executable, "-m", "mlxgw", "status", "--redis-url", redis_server.url, "--namespace", s.namespace]
+
+    def shown(*extra):
+        out = subprocess.run(cmd + list(extra), capture_output=True, text=True, timeout=60).stdout
+        return [ln.split()[1:3] for ln in out.splitlines() if re.match(r"\s+\d\d:\d\d:\d\d ", ln)]
+
+    assert shown() == [["saved", "b0"]] * 10
+    assert shown("--event-types", "lifecycle") == [["started", "b0"]]
+    assert shown("--event-types", "saved,started", "--events", "13") == [["saved", "b0"]] * 12 + [["started", "b0"]]
+    assert shown("--events", "0") == []
+    js = json.loads(subprocess.run(cmd + ["--json", "--event-types", "started"], capture_output=True, text=True,
+                                   timeout=60).stdout)
+    assert [(e["type"], e["url"]) for e in js[s.model_name]["recent_events"]] == [("started", b0.url)]
+    bad = subprocess.run(cmd + ["--event-types", "lifecycle,bogus"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown event type 'bogus'" in bad.stderr, bad.stderr
 
 
 def test_top_keeps_polling_while_redis_is_down():
