@@ -585,6 +585,24 @@ def oversize_lines(records: list[dict]) -> list[str]:
             "budget were not kept in memory (raise --cache-bytes)" for r in records if _f(r, "cache_oversize") > 0]
 
 
+def starved_cache_lines(records: list[dict]) -> list[str]:
+    """One line per backend whose prompt cache holds nothing while requests run there and its
+    budget has evicted entries: the KV in flight fills the budget (the engine counts it against
+    ``--cache-bytes``), so nothing outlives its request and each conversation's next turn is
+    computed whole (helper-86: 16 running 3k-token contexts in 2 GiB, and no sign of it but
+    ``cache MiB`` 0). A snapshot: one such moment between saves is possible, a line that stays
+    is the budget."""
+    out = []
+    for r in records:
+        active, evicted = int(_f(r, "active")), int(_f(r, "cache_evictions"))
+        if active >= 2 and evicted > 0 and _f(r, "cache_entries") == 0:
+            out.append(f"backend {r.get('id', '?')}: its prompt cache holds nothing while {active} requests run "
+                       f"({evicted} entries evicted so far): their KV fills its "
+                       f"{_f(r, 'cache_budget_bytes') / 2**20:.0f} MiB budget, so each next turn is computed whole "
+                       "(raise --cache-bytes, or lower --decode-concurrency)")
+    return out
+
+
 def stray_gateway_lines(stray: dict[str, str]) -> list[str]:
     """One line per gateway that routes to none of the backends the other gateways use
     (`stray_gateways`)."""
@@ -595,14 +613,14 @@ def stray_gateway_lines(stray: dict[str, str]) -> list[str]:
 def problem_lines(d: dict, namespace: str = "") -> list[str]:
     """Every warning line of one model's `collect` entry ``d``, in status's order: backends whose
     record expired (`silent_text`), no backend or no gateway, settings the backends disagree on, shared URLs, URL problems, gateways every backend refuses, backends
-    left out, backends open without the token, prompts too large for a backend's cache
-    (status's text and the dashboard show them)."""
+    left out, backends open without the token, prompts too large for a backend's cache, caches
+    the KV in flight empties (status's text and the dashboard show them)."""
     b = d["backends"]
     return (([silent_text(d["silent"])] if d.get("silent") else []) + no_backend_lines(d)
             + no_gateway_lines(d, namespace) + disagreement(b) + shared_url_lines(b) + url_problem_lines(b)
             + refused_gateway_lines(d.get("refused_gateways") or {})
             + stray_gateway_lines(d.get("stray_gateways") or {}) + left_out_lines(b) + open_lines(b)
-            + oversize_lines(b))
+            + oversize_lines(b) + starved_cache_lines(b))
 
 
 def no_backend_lines(d: dict) -> list[str]:

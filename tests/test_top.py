@@ -144,6 +144,23 @@ def test_cache_and_disk_mib_are_rounded_once_as_health_figures_would_be():
     assert total_row([rec])[6:9] == ["0.7", "0", "0.7 / 1"]
 
 
+def test_a_cache_the_kv_in_flight_empties_is_named():
+    """helper-86: a backend running 16 contexts in a 2 GiB budget kept nothing (every save evicted
+    at once) and status showed only ``cache MiB`` 0. Named when entries are 0 while at least two
+    requests run and the budget has evicted; not for an idle or a fresh backend."""
+    from mlxgw.status import problem_lines, starved_cache_lines
+
+    base = {"id": "a", "active": "16", "cache_entries": "0", "cache_evictions": "287",
+            "cache_budget_bytes": str(2 << 30)}
+    assert starved_cache_lines([base]) == [
+        "backend a: its prompt cache holds nothing while 16 requests run (287 entries evicted so far): their KV "
+        "fills its 2048 MiB budget, so each next turn is computed whole (raise --cache-bytes, or lower "
+        "--decode-concurrency)"]
+    assert starved_cache_lines([{**base, "active": "1"}, {**base, "cache_evictions": "0"},
+                                {**base, "cache_entries": "3"}]) == []
+    assert problem_lines({"backends": [base], "gateways": {"g": {}}})[-1].startswith("backend a: its prompt cache")
+
+
 def test_active_is_shown_against_the_decode_slots():
     """``12/16``: a backend's active requests of its decode slots (above them requests wait,
     docs/cache-policy.md "Decode slots"); a record without ``decode_slots`` (an older backend)
