@@ -8,8 +8,9 @@ else. sglang-router avoids this by inserting a request's text into the chosen
 worker's tree at routing time; Dynamo's KV router tracks the blocks of active
 requests per worker the same way. We do the same, but only for the time
 Redis cannot know yet: a claim lives while its request is in flight and
-``grace`` seconds after (long enough for the backend's report to land), then
-Redis alone speaks. A failed request's claim is dropped at once.
+``grace`` seconds after (`RoutingConfig.pending_grace`: 0 by default since
+session 47, the backend's reports landing before its answer ends), then Redis
+alone speaks. A failed request's claim is dropped at once.
 
 Claims are local to one gateway; other gateways see the prefix once the
 backend claims it in Redis, which it does when the request arrives

@@ -97,7 +97,10 @@ class RoutingConfig:
         backend may be and still be chosen.
     heartbeat_load: also count the backends' heartbeat load figures.
     pending_grace: seconds a routed prefix still counts as owned after its
-        request ended (`gateway.pending`).
+        request ended (`gateway.pending`; 0 since session 47, 1 before: the
+        backend's reports land before its answer ends, so a claim kept past the
+        end can only be stale, and an owner whose cache keeps nothing looked as
+        if it held each conversation's last turn: docs/routing.md).
     short_claims: count a prefix a backend is only computing at any length,
         not only from its ``min_hit_tokens`` on (the rule before; for A/B runs).
     placement_slack_tokens: how much costlier than the best a backend may be
@@ -118,7 +121,7 @@ class RoutingConfig:
     balance_rel: float = 2.0
     affinity_slack_tokens: int = 256
     heartbeat_load: bool = False
-    pending_grace: float = 1.0
+    pending_grace: float = 0.0
     short_claims: bool = False
     placement_slack_tokens: int = 0
     seed_empty: bool = True

@@ -24,8 +24,8 @@ from .redis_client import redis_problem, refusal_kind
 from .util import redact_url, serve_url_file
 
 # Event data fields worth showing (block lists are long and meaningless to people).
-_EVENT_FIELDS = ("request", "matched", "prompt_tokens", "lookup", "tokens", "cache_type", "tier", "url", "previous",
-                 "silent_s")
+_EVENT_FIELDS = ("request", "reason", "matched", "prompt_tokens", "lookup", "tokens", "cache_type", "tier", "url",
+                 "previous", "silent_s")
 
 
 #: ``--event-types`` shorthand: a backend's run starting, ending (`cleared` is also written when
@@ -626,11 +626,14 @@ def problem_lines(d: dict, namespace: str = "") -> list[str]:
 def no_backend_lines(d: dict) -> list[str]:
     """The line for a model its live gateways serve while no backend is registered (helper-74:
     status exited 3 under an empty table and no line said why)."""
-    if d["backends"] or d.get("silent"):
-        return []  # the silent line says what became of them
+    # Also beside the silent line (dead backends still listed): the gateways answer 503 meanwhile
+    # (helper-87: the line was missing for the janitor's 300 s grace after the last one died).
     gws = sorted(d.get("gateways") or {})
+    if d["backends"] or not gws:
+        return []
     one = len(gws) == 1
-    return [f"no backend registered for this model: {'gateway' if one else 'gateways'} "
+    what = "no live backend" if d.get("silent") else "no backend registered"
+    return [f"{what} for this model: {'gateway' if one else 'gateways'} "
             f"{', '.join(gws)} {'answers' if one else 'answer'} 503 no_backend until one registers (`mlxgw backend` with this "
             "--namespace and --served-name)"]
 

@@ -161,6 +161,23 @@ def test_a_cache_the_kv_in_flight_empties_is_named():
     assert problem_lines({"backends": [base], "gateways": {"g": {}}})[-1].startswith("backend a: its prompt cache")
 
 
+def test_dead_backends_still_listed_do_not_hide_the_gateways_503_line_and_routed_events_say_why():
+    """helper-87: with the only backend dead but still listed (the janitor's grace), the line
+    saying the gateways answer 503 was missing; and a routed event's line did not show its route
+    reason (a `seed` decision was invisible without --json)."""
+    from mlxgw.status import event_line, problem_lines
+
+    d = {"backends": [], "gateways": {"gw1": {}}, "silent": ["b0"]}
+    lines = problem_lines(d)
+    assert lines[1] == ("no live backend for this model: gateway gw1 answers 503 no_backend until one registers "
+                        "(`mlxgw backend` with this --namespace and --served-name)"), lines
+    assert problem_lines({**d, "silent": []})[0].startswith("no backend registered for this model: gateway gw1")
+    assert problem_lines({**d, "gateways": {}}) == lines[:1]  # nothing serves it: no 503 to speak of
+    e = {"type": "routed", "backend": "b1", "ts": "0", "request": "r1", "reason": "seed", "matched": 0,
+         "prompt_tokens": 2200, "lookup": "ok"}
+    assert event_line(e).split()[1:] == ["routed", "b1", "reason=seed", "matched=0", "prompt_tokens=2200", "lookup=ok"]
+
+
 def test_active_is_shown_against_the_decode_slots():
     """``12/16``: a backend's active requests of its decode slots (above them requests wait,
     docs/cache-policy.md "Decode slots"); a record without ``decode_slots`` (an older backend)
