@@ -157,7 +157,7 @@ class RecentRoutes:
     """This gateway's recent routes, to route by while Redis cannot answer.
 
     A lookup that times out or fails leaves routing with load, session affinity and the
-    pending claims, which end a second after their request: without a session key, a
+    pending claims, which end with their request (`--pending-grace`, 0 s): without a session key, a
     conversation's next turn then goes wherever load sends it and computes its whole prompt
     again (minutes on a real model; helper-43's Redis outage beside two gateways). So the
     gateway remembers where it sent each prompt that ended well and, only when a lookup
