@@ -266,7 +266,7 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
         "queued": queued,
         "entries": int(_f(rec, "cache_entries")),
         # Unrounded: the table's format rounds once (rounding here first turned 0.7498 MiB into
-        # "0.8" where /health's figure reads "0.7"; a full test run caught it).
+        # "0.8" where /health's figure formats as "0.7").
         "cache_mb": _f(rec, "cache_bytes") / 2**20,
         "cache_use": round(_f(rec, "cache_bytes") / budget, 4) if budget else 0.0,
         "evictions": int(_f(rec, "cache_evictions")),

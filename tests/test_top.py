@@ -130,8 +130,7 @@ def test_status_total_row_sums_backends_and_pools_the_hit_ratio():
 
 def test_cache_and_disk_mib_are_rounded_once_as_health_figures_would_be():
     """0.7498 MiB reads "0.7" in the table, as ``f"{health['disk_bytes'] / 2**20:.1f}"`` does; the
-    view rounded to two decimals first (0.75, then "0.8"), and a full run's disk-tier test saw
-    status and /health disagree for a tier of that size."""
+    view rounded to two decimals first (0.75, then "0.8")."""
     from mlxgw.status import backend_view, total_row
 
     now = time.time()
