@@ -52,6 +52,7 @@ from bench.provenance import revision  # noqa: E402
 
 from bench.replay import vocab_range  # noqa: E402
 from bench.replay_routers import SglangRouter, _one, pct, sim_unit_flags  # noqa: E402
+from bench.scale_out import _counters  # noqa: E402
 from mlxgw import httpget  # noqa: E402
 from mlxgw.demo_model import ensure_demo_model  # noqa: E402
 from mlxgw.harness import RedisServer, Stack  # noqa: E402
@@ -86,9 +87,8 @@ async def agent(session, url: str, kind: str, model: str, a: int, args, lo: int,
 
 
 def _requests_per_backend(st: Stack) -> dict[str, int]:
-    """Requests each backend answered, from its own /health counters."""
-    return {b.name: int((httpget.get_json(b.url + "/health", timeout=5) or {}).get("requests", 0))
-            for b in st.backends}
+    """Requests each backend answered, from its own /health counters (`bench.scale_out._counters`)."""
+    return {b.name: int(c.get("requests", 0)) for b, c in zip(st.backends, _counters(st))}
 
 
 async def fleet(url: str, kind: str, model: str, args, lo: int, hi: int, join=None) -> tuple[list[dict], float, dict]:

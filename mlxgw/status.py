@@ -73,6 +73,11 @@ def _decode_events(entries, events: int, types: Optional[frozenset]) -> list[dic
     return evs
 
 
+def _events_to_read(events: int, types: Optional[frozenset]) -> int:
+    """Stream entries to read per model for ``events`` events of ``types`` (`_decode_events`)."""
+    return max(1, events) if types is None else EVENT_SCAN
+
+
 def recent_events(r: redis.Redis, namespace: str, models: list[str], events: int = 10,
                   types: Optional[frozenset] = None) -> dict:
     """``{model: [event]}``: each model's last ``events`` events (of ``types``, among its last
@@ -80,7 +85,7 @@ def recent_events(r: redis.Redis, namespace: str, models: list[str], events: int
     backend gone) keep their history, which says how they went. Raises redis.RedisError."""
     pipe = r.pipeline(transaction=False)
     for m in models:
-        pipe.xrevrange(schema.Keys(namespace, m).events, count=max(1, events) if types is None else EVENT_SCAN)
+        pipe.xrevrange(schema.Keys(namespace, m).events, count=_events_to_read(events, types))
     return {m: _decode_events(entries, events, types) for m, entries in zip(models, pipe.execute())}
 
 
@@ -125,7 +130,7 @@ def collect(r: redis.Redis, namespace: str, events: int = 10, dead: Optional[dic
     for m in models:
         k = schema.Keys(namespace, m)
         pipe.zrange(k.backends, 0, -1)
-        pipe.xrevrange(k.events, count=max(1, events) if types is None else EVENT_SCAN)
+        pipe.xrevrange(k.events, count=_events_to_read(events, types))
         pipe.hgetall(k.gateway_settings)
     listed = pipe.execute()
     now = time.time()
@@ -689,11 +694,10 @@ def run(args) -> int:
             d["total"] = model_total(d["backends"])
             d["disagreements"] = disagreement(d["backends"])
             d["open_backends"] = sorted(str(r.get("id")) for r in open_backends(d["backends"]))
-        for m, ids in dead.items():  # as the text output names them: listed, every backend dead
+        # Every backend dead (listed, as the text output names them), or a clean stop (none listed):
+        # no live record, the history stays.
+        for m, ids in [*dead.items(), *((m, []) for m in before)]:
             data[m] = {"backends": [], "gateways": {}, "recent_events": gone.get(m, []), "silent": ids,
-                       "total": model_total([]), "disagreements": [], "open_backends": []}
-        for m in before:  # a clean stop: nothing listed, the history stays
-            data[m] = {"backends": [], "gateways": {}, "recent_events": gone.get(m, []), "silent": [],
                        "total": model_total([]), "disagreements": [], "open_backends": []}
         print(json.dumps(dict(sorted(data.items())), indent=2))
         return code
@@ -712,13 +716,11 @@ def run(args) -> int:
     for m, ids in dead.items():
         con.print(f"model {m}: no live backend or gateway; {silent_text(ids)}", markup=False, highlight=False,
                   soft_wrap=True)
-        for e in gone.get(m, []):
-            con.print(event_line(e), markup=False, highlight=False)
+        _print_events(con, gone.get(m, []))
     for m in before:
         if gone.get(m):
             con.print(f"model {m}, recent events:", markup=False, highlight=False)
-        for e in gone.get(m, []):
-            con.print(event_line(e), markup=False, highlight=False)
+        _print_events(con, gone.get(m, []))
     now = time.time()
     for m, d in data.items():
         t = Table(title=f"model {m}{layouts_note(d['backends'])}")
@@ -739,6 +741,10 @@ def run(args) -> int:
             con.print(f"model {m}", markup=False, highlight=False)
         for line in problem_lines(d, args.namespace):
             con.print(line, markup=False, highlight=False, soft_wrap=True)
-        for e in d["recent_events"]:
-            con.print(event_line(e), markup=False, highlight=False)
+        _print_events(con, d["recent_events"])
     return code
+
+
+def _print_events(con, events: list[dict]) -> None:
+    for e in events:
+        con.print(event_line(e), markup=False, highlight=False)
