@@ -141,6 +141,8 @@ class Reporter:
         self.redis_ok = False
         self._slow = False  # a request's flush outlasted SETTLE_TIMEOUT and has not finished yet
         self.write_failures = 0
+        # Answers that went out before the cache changes made for them were in Redis (`settle`).
+        self.reports_late = 0
         self.republishes = 0
         self.left_out_by: dict[str, str] = {}  # gateway id -> why it does not route here (`_check_gateways`)
         self._served_checked = 0.0  # `_check_served`
@@ -308,7 +310,7 @@ class Reporter:
         except Exception:
             pass
 
-    async def settle(self) -> None:
+    async def settle(self, answer: bool = True) -> None:
         """Flush before an answer goes out, without holding answers up for a sick Redis.
 
         The routing contract wants Redis current before the next request here is
@@ -317,17 +319,21 @@ class Reporter:
         this returns at once; otherwise it waits at most `SETTLE_TIMEOUT` seconds and
         leaves the flush running. Every answer used to wait for its flush, so a frozen
         Redis (SIGSTOP, a partition) held each one for seconds (ops trial, session 23).
-        Never raises.
+        Never raises. ``answer``: an answer goes out next (False: a request arrived), so
+        changes not yet in Redis count in `reports_late`.
         """
         if self.redis is None:
             return
         if self._dirty or self._slow:
+            if answer and (self._pending or self._events):
+                self.reports_late += 1
             self._notify()
             return
         try:
             await asyncio.wait_for(asyncio.shield(self.flush()), SETTLE_TIMEOUT)
         except asyncio.TimeoutError:
             self._slow = True
+            self.reports_late += answer
 
     async def flush(self) -> None:
         """Send pending ownership changes and events in one pipeline.
@@ -486,6 +492,7 @@ class Reporter:
             "last_heartbeat": f"{now:.3f}",
             "blocks_owned": owned,
             "redis_write_failures": self.write_failures,
+            "reports_late": self.reports_late,
             **self.extra,
             **info,
         }

@@ -276,7 +276,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
     max_tokens = min(pr.max_tokens or max(DEFAULT_MAX_TOKENS, pr.min_tokens), ctx - max(map(len, prompts)))
     min_tokens = min(pr.min_tokens, max_tokens)
     # Redis must reflect earlier saves before this request is answered.
-    await reporter.settle()
+    await reporter.settle(answer=False)
 
     rid = internal.get("request_id") or uuid.uuid4().hex
     REQUEST_ID.set(rid)
@@ -637,6 +637,7 @@ async def handle_health(request: web.Request) -> web.Response:
         "pid": os.getpid(),
         "redis": reporter.redis_ok,
         "redis_problem": reporter.redis_problem,  # why it last failed; null while it answers
+        "reports_late": reporter.reports_late,
         **engine.stats(),
         # The cache settings of the registry record (`backend.main`), so an operator sees what is on.
         **{k: reporter.extra[k] for k in HEALTH_SETTINGS if k in reporter.extra},

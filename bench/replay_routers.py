@@ -509,7 +509,7 @@ def _candidates(header: str) -> dict[str, int]:
 
 
 ENGINE_COUNTERS = ("hits", "misses", "prefill_saves", "prefill_handoffs", "abandoned_saves_skipped",
-                   "shared_prefixes_kept", "cache_evicted_tokens", "memory_waits")
+                   "shared_prefixes_kept", "cache_evicted_tokens", "memory_waits", "reports_late")
 LOST_CAUSES = ("moved", "behind", "unowned", "no_lookup", "sub_block", "chance")  # see `lost_hits`
 
 

@@ -504,7 +504,7 @@ def test_the_ready_summary_names_the_url_each_backend_registers(capsys):
     """helper-77: backends on `host = "0.0.0.0"` with Redis elsewhere register this machine's
     network address, while serve's summary printed the loopback address it probes them at.
     serve gives each backend child the URL it registers (`backend.main.advertised_url`, tested
-    in test_faults) and the summary prints that."""
+    in test_registry_faults) and the summary prints that."""
     from backend.main import advertised_url
     from mlxgw import config
     from mlxgw.launcher import Child, _summary

@@ -7,7 +7,7 @@ import time
 from gateway.pending import PendingClaims, RecentRoutes
 from gateway.tokenize import load_model_info
 from mlxgw.harness import RedisServer, Stack
-from mlxgw.httpget import post
+from mlxgw.httpget import get_json, post
 from mlxgw.prompt import render_chat
 from texts import words
 
@@ -240,3 +240,60 @@ def test_in_flight_prefill_counts_for_a_second_and_choices_as_decodes():
     assert f.view() == {"b0": (4, 0)}
     f.end("b0", a)
     assert f.view() == {"b0": (3, 0)}
+
+
+def test_a_next_turn_after_its_answer_is_not_held_by_a_claim_the_backend_did_not_keep(make_stack):
+    """A claim ends with its request (`RoutingConfig.pending_grace` 0, session 47): an owner
+    whose cache keeps nothing (here a budget below one prompt; in helper-87's fleet the KV in
+    flight filling it) holds no turn it answered. With the claim kept 1 s past the answer, each
+    next turn, sent at once, matched its previous prompt there and stayed on the busy owner
+    beside an idle backend (helper-87: 0 of 82 requests on an added backend in 120 s)."""
+    import http.client
+    import threading
+
+    s = make_stack()
+    # A budget below one prompt's KV; decoding slowly, so the long request below outlasts the turns.
+    b0 = s.add_backend("b0", None, "--engine", "sim", "--cache-bytes", "1MB", "--sim-decode-rate", "50")
+    g0 = s.add_gateway()  # the default: grace 0
+    g1 = s.add_gateway("--pending-grace", "30")  # a claim kept past the answer, for contrast
+    s.wait()
+    # Keeps b0 decoding (256 tokens of load in g0's figure, published to g1) through the turns;
+    # closed at the end, which cancels it (a stopping gateway would wait for it).
+    busy = http.client.HTTPConnection("127.0.0.1", g0.port, timeout=60)
+    busy.request("POST", "/v1/completions", json.dumps({"model": s.model_name, "prompt": words(80, seed=90),
+                                                        "max_tokens": 4000, "stream": True}),
+                 {"Content-Type": "application/json"})
+    assert busy.getresponse().status == 200
+    deadline = time.time() + 30
+    while (get_json(b0.url + "/health") or {}).get("active", 0) < 1 and time.time() < deadline:
+        time.sleep(0.05)
+
+    def turn(g, messages, max_tokens=4):
+        status, h, body = post(g.url + "/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens})
+        assert status == 200, body
+        return h, messages + [json.loads(body)["choices"][0]["message"]]
+
+    firsts = {}
+
+    def first_turn(g, seed):  # ~400 tokens, well above min_hit_tokens; ~4 s of decode
+        firsts[g.name] = turn(g, [{"role": "user", "content": words(300, seed=seed)}], max_tokens=200)
+
+    ts = [threading.Thread(target=first_turn, args=a) for a in ((g0, 91), (g1, 92))]
+    for t in ts:
+        t.start()
+    while get_json(b0.url + "/health")["active"] < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    s.add_backend("b1", None, "--engine", "sim")  # listed while the first turns run
+    s.wait()
+    for t in ts:
+        t.join(60)
+    assert [firsts[g.name][0]["X-Mlxgw-Backend"] for g in (g0, g1)] == ["b0", "b0"]  # the only backend then
+    # Each next turn at once, as an agent sends it: within a second of its previous answer.
+    nxt = {g.name: turn(g, firsts[g.name][1] + [{"role": "user", "content": "and then?"}])[0] for g in (g0, g1)}
+    assert get_json(b0.url + "/health")["active"] == 1  # still decoding: b0 was the busier one
+    assert get_json(b0.url + "/health")["cache_entries"] == 0  # it kept neither turn
+    # g0: nothing of the turn is on b0 (neither saved nor being computed), so the idle b1 takes it.
+    assert (nxt["gw0"]["X-Mlxgw-Backend"], nxt["gw0"]["X-Mlxgw-Matched-Tokens"]) == ("b1", "0"), nxt["gw0"]
+    # g1: the stale claim says b0 holds the previous prompt, and the busy b0 keeps the turn.
+    assert nxt["gw1"]["X-Mlxgw-Backend"] == "b0" and int(nxt["gw1"]["X-Mlxgw-Matched-Tokens"]) >= 256, nxt["gw1"]
+    busy.close()
