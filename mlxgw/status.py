@@ -608,6 +608,26 @@ def starved_cache_lines(records: list[dict]) -> list[str]:
     return out
 
 
+def idle_beside_busy_lines(records: list[dict]) -> list[str]:
+    """One line per live backend with nothing to do while another of the model has every decode
+    slot busy and requests waiting for one (helper-88: b1 idle at 0/16 beside b0 at 16/16 with
+    ~40k tokens queued, and only the table showed it). The gateways send a request where its
+    prefix is cached unless the load there outweighs it (docs/routing.md, "Seeding an empty
+    backend"); a long shared prefix (a system prompt of many thousand tokens) can outweigh a
+    queue. A snapshot: one such moment as a burst arrives is possible; a line that stays is not."""
+    views = [backend_view(r) for r in records]
+    live = [v for v in views if not (v["silent"] or v["left_out"] or v["unreachable"])]
+    full = [v for v in live if v["slots"] and v["active"] >= v["slots"] and v["waiting"] > 0]
+    if not full:
+        return []
+    busiest = max(full, key=lambda v: (v["waiting"], v["queued"]))
+    return [f"backend {v['id']} has nothing to do while {busiest['id']} has all {busiest['slots']} decode slots "
+            f"busy and {busiest['waiting']} requests waiting for one ({busiest['queued']} prompt tokens queued): "
+            f"the gateways send requests where their prefix is cached unless the load there outweighs it "
+            f"(docs/routing.md, \"Seeding an empty backend\")"
+            for v in live if v["state"] == "ready" and v["active"] == v["waiting"] == v["queued"] == 0]
+
+
 def stray_gateway_lines(stray: dict[str, str]) -> list[str]:
     """One line per gateway that routes to none of the backends the other gateways use
     (`stray_gateways`)."""
@@ -619,13 +639,14 @@ def problem_lines(d: dict, namespace: str = "") -> list[str]:
     """Every warning line of one model's `collect` entry ``d``, in status's order: backends whose
     record expired (`silent_text`), no backend or no gateway, settings the backends disagree on, shared URLs, URL problems, gateways every backend refuses, backends
     left out, backends open without the token, prompts too large for a backend's cache, caches
-    the KV in flight empties (status's text and the dashboard show them)."""
+    the KV in flight empties, idle backends beside one whose requests wait for a decode slot
+    (status's text and the dashboard show them)."""
     b = d["backends"]
     return (([silent_text(d["silent"])] if d.get("silent") else []) + no_backend_lines(d)
             + no_gateway_lines(d, namespace) + disagreement(b) + shared_url_lines(b) + url_problem_lines(b)
             + refused_gateway_lines(d.get("refused_gateways") or {})
             + stray_gateway_lines(d.get("stray_gateways") or {}) + left_out_lines(b) + open_lines(b)
-            + oversize_lines(b) + starved_cache_lines(b))
+            + oversize_lines(b) + starved_cache_lines(b) + idle_beside_busy_lines(b))
 
 
 def no_backend_lines(d: dict) -> list[str]:

@@ -433,3 +433,28 @@ def test_status_says_when_no_gateway_serves_a_models_backends(make_stack):
     assert out.count("no live gateway serves this model") == 1, out
     assert ("no live gateway serves this model, so nothing routes to its backends: the gateways here serve "
             f"'{s.model_name}' (is the backends' --served-name the gateways' model name?)") in out, out
+
+
+def test_an_idle_backend_beside_one_whose_requests_wait_for_a_slot_is_named():
+    """helper-88: b1 idled at 0/16 beside b0 at 16/16 with requests waiting, and only the table
+    showed it. Named for a ready backend with nothing to do while a live one has every decode
+    slot busy and requests waiting; not while the busy one only fills its slots, nor for a
+    backend that is draining, silent or itself busy."""
+    import time
+
+    from mlxgw.status import idle_beside_busy_lines, problem_lines
+
+    now = time.time()
+    beat = {"last_heartbeat": str(now), "heartbeat_interval": "1", "state": "ready", "decode_slots": "16"}
+    b0 = {**beat, "id": "b0", "active": "16", "waiting": "9", "queued_prefill_tokens": "41000"}
+    b1 = {**beat, "id": "b1", "active": "0", "waiting": "0", "queued_prefill_tokens": "0"}
+    line = ("backend b1 has nothing to do while b0 has all 16 decode slots busy and 9 requests waiting for one "
+            "(41000 prompt tokens queued): the gateways send requests where their prefix is cached unless the "
+            "load there outweighs it (docs/routing.md, \"Seeding an empty backend\")")
+    assert idle_beside_busy_lines([b0, b1]) == [line]
+    assert problem_lines({"backends": [b0, b1], "gateways": {"g": {}}})[-1] == line
+    assert idle_beside_busy_lines([{**b0, "waiting": "0"}, b1]) == []  # slots full, nobody waiting
+    assert idle_beside_busy_lines([b0, {**b1, "state": "draining"}]) == []
+    assert idle_beside_busy_lines([b0, {**b1, "last_heartbeat": str(now - 60)}]) == []  # silent
+    assert idle_beside_busy_lines([b0, {**b1, "active": "1"}]) == []
+    assert idle_beside_busy_lines([{**b0, "last_heartbeat": str(now - 60)}, b1]) == []  # the busy one silent
