@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed-claim-factor", type=non_negative_float, default=RoutingConfig.seed_claim_factor,
                    help="past a prefix the chosen backend is still computing, seed an empty, idle backend only when "
                         "the chosen one's load exceeds this many times the prefix (0: never, the rule of session 46)")
+    p.add_argument("--no-seed-when-full", dest="seed_when_full", action="store_false",
+                   help="seed an empty, idle backend only by load against prefix, not also when the chosen backend "
+                        "has a request in flight for each of its decode slots (the rule before session 48)")
     p.add_argument("--pending-grace", type=non_negative_float, default=RoutingConfig.pending_grace,
                    help="seconds a routed prefix still counts as owned after its request ended")
     p.add_argument("--load-publish-ms", type=non_negative_float, default=GatewayConfig.load_publish_interval * 1000,
@@ -192,7 +195,8 @@ def config_from_args(args) -> GatewayConfig:
                               balance_rel=args.balance_rel, affinity_slack_tokens=args.affinity_slack_tokens,
                               heartbeat_load=args.heartbeat_load, pending_grace=args.pending_grace,
                               short_claims=args.short_claims, placement_slack_tokens=args.placement_slack_tokens,
-                              seed_empty=args.seed_empty, seed_claim_factor=args.seed_claim_factor),
+                              seed_empty=args.seed_empty, seed_claim_factor=args.seed_claim_factor,
+                              seed_when_full=args.seed_when_full),
         gateway_id=args.gateway_id or f"{socket.gethostname()}:{args.port}",
         janitor_grace=args.janitor_grace,
         load_publish_interval=args.load_publish_ms / 1000,

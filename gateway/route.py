@@ -43,7 +43,12 @@ exceed ``seed_claim_factor`` (2) times it: the claim's own prefill, which a
 sibling waits for there and would redo elsewhere, plus as much again; an owner
 whose cache keeps nothing (the KV in flight filling its budget, every match a
 claim) otherwise kept every request beside an idle backend (docs/routing.md,
-"Seeding an empty backend").
+"Seeding an empty backend"). Whatever the prefix, an idle empty backend also takes
+the request when the chosen one cannot start it: as many requests in flight there as
+it has decode slots (``Candidate.decode_slots``), so this one would wait for a slot.
+The load figure counts a running request as ``decode_weight`` tokens, which does not
+say that: 20 agents on a shared 8,000-token system prompt kept an added backend idle
+beside an owner with all 16 slots busy and 4 requests waiting (``seed_when_full``).
 
 Placement (eviction-aware): when storing the request's new tokens would make
 the cheapest backend evict, the request goes to the candidate, among those
@@ -112,6 +117,8 @@ class RoutingConfig:
     seed_claim_factor: past a prefix the cheapest backend is still computing (claimed, not
         saved), seeding needs its load above this many times the prefix (0: never, the rule
         of session 46; module docstring).
+    seed_when_full: also seed when the cheapest backend has a request in flight for each of
+        its decode slots, whatever the prefix (False: the rule before session 48).
     """
 
     policy: str = "cache_aware"
@@ -126,6 +133,7 @@ class RoutingConfig:
     placement_slack_tokens: int = 0
     seed_empty: bool = True
     seed_claim_factor: float = 2.0
+    seed_when_full: bool = True
     _turn: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
 
     def __post_init__(self):
@@ -184,20 +192,25 @@ def servable_blocks(c: Candidate, pending_blocks: int, block_size: int, short_cl
     return c.saved_blocks
 
 
-def _seed(out: list[Scored], block_size: int, claim_factor: float) -> Optional[Scored]:
+def _seed(out: list[Scored], block_size: int, claim_factor: float, when_full: bool = True) -> Optional[Scored]:
     """An idle backend holding no prefix of the request to take it instead of ``out[0]`` (the
     choice so far), or None: see "Seeding" in the module docstring. Empty (of this request):
     no prefix of it saved or claimed there (helper-86: requiring an empty cache left a backend
     holding one unrelated 32-token entry idle for 6 minutes beside a busy peer); idle: no load
     in the gateways' figures nor in its own heartbeat. Past a prefix the chosen backend only
     claims (still computing it), its load must exceed ``claim_factor`` times the prefix (0:
-    never; `RoutingConfig.seed_claim_factor`)."""
+    never; `RoutingConfig.seed_claim_factor`). With ``when_full``, a chosen backend with a
+    request in flight for each of its decode slots is passed whatever its load and prefix."""
     best = out[0]
-    if best.matched <= 0 or best.load <= best.matched:
+    if best.matched <= 0:
         return None
-    if best.cand.saved_blocks * block_size < best.matched and (
-            claim_factor <= 0 or best.load <= claim_factor * best.matched):
-        return None
+    slots = best.cand.decode_slots
+    if not (when_full and slots > 0 and best.active >= slots):
+        if best.load <= best.matched:
+            return None
+        if best.cand.saved_blocks * block_size < best.matched and (
+                claim_factor <= 0 or best.load <= claim_factor * best.matched):
+            return None
     for s in out[1:]:
         c = s.cand
         if (not s.overloaded and s.load == 0 and s.matched == 0 and c.depth_blocks == 0
@@ -313,7 +326,7 @@ def rank(
             out.remove(pick)
             out.insert(0, pick)
             reason = "affinity"
-    seeded = _seed(out, block_size, cfg.seed_claim_factor) if cfg.seed_empty else None
+    seeded = _seed(out, block_size, cfg.seed_claim_factor, cfg.seed_when_full) if cfg.seed_empty else None
     if seeded is not None:
         out.remove(seeded)
         out.insert(0, seeded)

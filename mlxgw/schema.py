@@ -435,7 +435,7 @@ def block_value(epoch: int, saved: bool) -> str:
 # Returns one row per live backend: {id, epoch, url, active, queued_prefill,
 # state, cache_bytes, cache_budget_bytes, depth_in_blocks, gw_requests,
 # gw_prefill_tokens, saved_depth_in_blocks, min_hit_tokens, cache_victim_used_at,
-# kv_bytes_per_token, block_size, tokenizer, auth} (gw_* summed over
+# kv_bytes_per_token, block_size, tokenizer, auth, decode_slots} (gw_* summed over
 # the other live gateways; the depth counts saved copies and claims, the saved
 # depth saved copies only). A backend is live while its registry hash exists
 # (the heartbeat TTL); ownership counts only when the stored epoch equals the
@@ -450,11 +450,11 @@ local claimed = {}
 for _, id in ipairs(ids) do
   local h = redis.call('HMGET', ARGV[1] .. id, 'epoch', 'url', 'active', 'queued_prefill_tokens', 'state',
                       'cache_bytes', 'cache_budget_bytes', 'min_hit_tokens', 'cache_victim_used_at',
-                      'kv_bytes_per_token', 'block_size', 'tokenizer', 'auth')
+                      'kv_bytes_per_token', 'block_size', 'tokenizer', 'auth', 'decode_slots')
   if h[1] then
     table.insert(rows, {id, h[1], h[2] or '', h[3] or '0', h[4] or '0', h[5] or '', h[6] or '0', h[7] or '0', 0, 0, 0,
                         0, h[8] or '0', h[9] or '0', h[10] or '0', h[11] or '0', h[12] or '',
-                        h[13] or ''})
+                        h[13] or '', h[14] or '0'})
     table.insert(cids, id)
     table.insert(claimed, h[1] .. 'c')
   end
@@ -572,7 +572,8 @@ class Candidate:
     ``tokenizer`` (`mlxgw.prompt.tokenizer_fingerprint`) must equal the gateway's for the
     backend to be routed to (gateway.index; 0 / "": not published, not checked).
     ``auth`` is ``"token"`` when the backend refuses requests without its internal token,
-    ``"none"`` when it takes any ("": not published).
+    ``"none"`` when it takes any ("": not published). ``decode_slots`` is how many requests
+    it decodes at once (its ``--decode-concurrency``; more wait for a slot; 0: not published).
     """
 
     backend_id: str
@@ -593,6 +594,7 @@ class Candidate:
     block_size: int = 0
     tokenizer: str = ""
     auth: str = ""
+    decode_slots: int = 0
 
     @property
     def free_cache_bytes(self) -> int:
@@ -624,6 +626,7 @@ def parse_lookup(rows: list) -> list[Candidate]:
                 block_size=int(float(as_str(r[15]) or 0)) if len(r) > 15 else 0,
                 tokenizer=as_str(r[16]) if len(r) > 16 else "",
                 auth=as_str(r[17]) if len(r) > 17 else "",
+                decode_slots=int(float(as_str(r[18]) or 0)) if len(r) > 18 else 0,
             )
         )
     return out

@@ -120,6 +120,28 @@ def _seed_cands(owner_queued: int, saved: bool = True, empty_bytes: int = 0, emp
     return [a, b]
 
 
+def test_an_empty_idle_backend_takes_a_request_its_owner_has_no_decode_slot_for():
+    """An 8,192-token system prompt saved on "a", 16 requests in flight there on its 16 decode
+    slots: 16 x 256 = 4,096 tokens of load, under the prefix, kept every request on "a" (20
+    agents: an added backend idle beside 4 requests waiting for a slot; bench/agent_fleet.py,
+    session 48). A 17th request would wait for a slot there: the idle empty "b" takes it."""
+
+    def cands(in_flight, slots=16, b_active=0):
+        a = Candidate("a", 1, "http://a", active=0, queued_prefill_tokens=0, state="ready", depth_blocks=128,
+                      saved_blocks=128, gw_requests=in_flight, cache_bytes=10**9, decode_slots=slots)
+        b = Candidate("b", 2, "http://b", active=b_active, queued_prefill_tokens=0, state="ready", decode_slots=16)
+        return [a, b]
+
+    d = rank(cands(16), 9000, 64)
+    assert (d.best.cand.backend_id, d.reason) == ("b", "seed") and d.ranked[1].cand.backend_id == "a"
+    assert rank(cands(15), 9000, 64).reason == "prefix"  # a slot is free on "a"
+    assert rank(cands(16, slots=0), 9000, 64).reason == "prefix"  # slots not published
+    assert rank(cands(16), 9000, 64, cfg=RoutingConfig(seed_when_full=False)).reason == "prefix"  # the rule before
+    assert rank(cands(16, b_active=1), 9000, 64).best.cand.backend_id == "a"  # "b" is not idle
+    # This gateway's own requests in flight count as the other gateways' do.
+    assert rank(cands(10), 9000, 64, inflight={"a": (6, 0)}).reason == "seed"
+
+
 def test_an_empty_idle_backend_takes_a_shared_prefix_once_its_owner_is_busier_than_the_prefix():
     # 2,200-token prompt: on "a" 152 to prefill + 0.03 x (3,000 + 256) = 250 tokens of cost,
     # on "b" 2,200; at load_weight alone "a" keeps it until its load passes ~68k tokens.

@@ -1,6 +1,7 @@
 """The routing policy (gateway/route.py, docs/routing.md): pure-function cases,
 then several gateways sharing one Redis, and session affinity when Redis is gone."""
 
+import json
 import threading
 import time
 
@@ -236,6 +237,53 @@ def test_a_backend_added_beside_a_busy_owner_of_the_system_prompt_takes_a_new_co
     time.sleep(1.2)
     third = ask(g0, words(20, seed=76))
     assert int(third["X-Mlxgw-Matched-Tokens"]) >= 128 and third["X-Mlxgw-Route-Reason"] == "prefix"
+
+
+def test_a_backend_added_beside_an_owner_with_every_decode_slot_taken_takes_the_next_request(make_stack):
+    """An owner of a long shared prefix whose every decode slot is taken cannot start the next
+    request sharing it, however little load its running requests count for (256 tokens each,
+    under the prefix): an idle empty backend takes it (`RoutingConfig.seed_when_full`; 20 agents
+    on an 8,000-token system prompt kept an added backend idle, bench/agent_fleet.py, session 48).
+    The decode slots come from the backend's registry record through the lookup."""
+    import http.client
+
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim", "--decode-concurrency", "1", "--sim-decode-rate", "50")
+    g0 = s.add_gateway()
+    s.wait()
+    system = {"role": "system", "content": words(700, seed=77)}  # ~900 tokens: more than one request's load
+
+    def ask(g, user, **kw):
+        status, h, body = post(g.url + "/v1/chat/completions", {
+            "messages": [system, {"role": "user", "content": user}], "max_tokens": 2, **kw})
+        assert status == 200, body
+        return h
+
+    assert ask(g0, words(20, seed=78))["X-Mlxgw-Backend"] == "b0"  # b0 saves the system prompt
+    s.add_backend("b1", None, "--engine", "sim")
+    s.wait()
+    # b0's only decode slot taken (for 40 s; closed below, which cancels it).
+    sent = time.time()
+    busy = http.client.HTTPConnection("127.0.0.1", g0.port, timeout=60)
+    busy.request("POST", "/v1/chat/completions", json.dumps({
+        "messages": [system, {"role": "user", "content": words(20, seed=79)}], "max_tokens": 2000, "stream": True}),
+        {"Content-Type": "application/json"})
+    resp = busy.getresponse()
+    assert resp.status == 200 and resp.getheader("X-Mlxgw-Backend") == "b0"
+    deadline = time.time() + 30
+    while get_json(b0.url + "/health")["active"] < 1 and time.time() < deadline:
+        time.sleep(0.05)
+    # Past the first second its prompt no longer counts in the load: 256 tokens for the running
+    # request, under the ~900 b0 holds, so by load alone b0 would keep the next one (the rule before).
+    time.sleep(max(0.0, sent + 1.2 - time.time()))
+    h = ask(g0, words(20, seed=80))
+    assert get_json(b0.url + "/health")["active"] == 1  # still decoding
+    busy.close()
+    assert (h["X-Mlxgw-Backend"], h["X-Mlxgw-Route-Reason"]) == ("b1", "seed"), h["X-Mlxgw-Candidates"]
+    assert h["X-Mlxgw-Matched-Tokens"] == "0"
+    b0_row = dict(kv.split("=") for kv in next(
+        c for c in h["X-Mlxgw-Candidates"].split() if c.startswith("b0:"))[3:].split(",") if "=" in kv)
+    assert int(b0_row["matched"]) >= 640 and b0_row["active"] == "1", h["X-Mlxgw-Candidates"]  # passed over
 
 
 def test_session_affinity_keeps_routing_without_redis(demo_model):
