@@ -612,9 +612,11 @@ def idle_beside_busy_lines(records: list[dict]) -> list[str]:
     """One line per live backend with nothing to do while another of the model has every decode
     slot busy and requests waiting for one (helper-88: b1 idle at 0/16 beside b0 at 16/16 with
     ~40k tokens queued, and only the table showed it). The gateways send a request where its
-    prefix is cached unless the load there outweighs it (docs/routing.md, "Seeding an empty
-    backend"); a long shared prefix (a system prompt of many thousand tokens) can outweigh a
-    queue. A snapshot: one such moment as a burst arrives is possible; a line that stays is not."""
+    prefix is cached unless the load there outweighs it; since session 48 a backend holding none
+    of it takes a request that would wait for a slot (docs/routing.md, "Seeding an empty
+    backend"), but one holding part of it (a shared system prompt) still loses to the longer
+    prefix cached on the full one, and gateways that do not see the slots (an older backend)
+    do not seed. A snapshot: one such moment as a burst arrives is possible; a line that stays is not."""
     views = [backend_view(r) for r in records]
     live = [v for v in views if not (v["silent"] or v["left_out"] or v["unreachable"])]
     full = [v for v in live if v["slots"] and v["active"] >= v["slots"] and v["waiting"] > 0]
