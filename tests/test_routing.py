@@ -199,6 +199,14 @@ def test_two_gateways_share_load_and_decisions(make_stack, redis_server):
     assert {e["data"]["gateway"] for e in routed} == gateways, routed[:2]
 
 
+def _ask_after(url, system, user):
+    """A 2-token chat answer to ``system`` then ``user``; its response headers."""
+    status, h, body = post(url + "/v1/chat/completions", {
+        "messages": [system, {"role": "user", "content": user}], "max_tokens": 2})
+    assert status == 200, body
+    return h
+
+
 def test_a_backend_added_beside_a_busy_owner_of_the_system_prompt_takes_a_new_conversation(make_stack):
     """A new backend (nothing cached) gets a first turn sharing the cluster's system prompt
     as soon as the owner's load passes the prefix it would reuse ("Seeding",
@@ -212,11 +220,8 @@ def test_a_backend_added_beside_a_busy_owner_of_the_system_prompt_takes_a_new_co
     s.wait()
     system = {"role": "system", "content": words(100, seed=71)}
 
-    def ask(g, user, **kw):
-        status, h, body = post(g.url + "/v1/chat/completions", {
-            "messages": [system, {"role": "user", "content": user}], "max_tokens": 2, **kw})
-        assert status == 200, body
-        return h
+    def ask(g, user):
+        return _ask_after(g.url, system, user)
 
     assert ask(g0, words(20, seed=72))["X-Mlxgw-Backend"] == "b0"  # b0 caches the system prompt
     s.add_backend("b1", None, *slow)
@@ -253,11 +258,8 @@ def test_a_backend_added_beside_an_owner_with_every_decode_slot_taken_takes_the_
     s.wait()
     system = {"role": "system", "content": words(700, seed=77)}  # ~900 tokens: more than one request's load
 
-    def ask(g, user, **kw):
-        status, h, body = post(g.url + "/v1/chat/completions", {
-            "messages": [system, {"role": "user", "content": user}], "max_tokens": 2, **kw})
-        assert status == 200, body
-        return h
+    def ask(g, user):
+        return _ask_after(g.url, system, user)
 
     assert ask(g0, words(20, seed=78))["X-Mlxgw-Backend"] == "b0"  # b0 saves the system prompt
     s.add_backend("b1", None, "--engine", "sim")
