@@ -67,13 +67,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--short-claims", action="store_true",
                    help="count a prefix a backend is only computing even when shorter than its min_hit_tokens "
                         "(the rule before session 12; docs/routing.md)")
-    p.add_argument("--no-seed-empty", dest="seed_empty", action="store_false",
+    p.add_argument("--no-seed-empty", dest="seed_empty", action="store_false", default=RoutingConfig.seed_empty,
                    help="never send a request to an empty, idle backend past a busier owner of its prefix "
                         "(the rule before session 46, for A/B runs; docs/routing.md, \"Seeding an empty backend\")")
     p.add_argument("--seed-claim-factor", type=non_negative_float, default=RoutingConfig.seed_claim_factor,
                    help="past a prefix the chosen backend is still computing, seed an empty, idle backend only when "
                         "the chosen one's load exceeds this many times the prefix (0: never, the rule of session 46)")
     p.add_argument("--no-seed-when-full", dest="seed_when_full", action="store_false",
+                   default=RoutingConfig.seed_when_full,
                    help="seed an empty, idle backend only by load against prefix, not also when the chosen backend "
                         "has a request in flight for each of its decode slots (the rule before session 48)")
     p.add_argument("--pending-grace", type=non_negative_float, default=RoutingConfig.pending_grace,
