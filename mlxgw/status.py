@@ -609,9 +609,10 @@ def starved_cache_lines(records: list[dict]) -> list[str]:
 
 
 def idle_beside_busy_lines(records: list[dict]) -> list[str]:
-    """One line per live backend with nothing to do while another of the model has every decode
-    slot busy and requests waiting for one (helper-88: b1 idle at 0/16 beside b0 at 16/16 with
-    ~40k tokens queued, and only the table showed it). The gateways send a request where its
+    """One line per live backend with nothing to do, or at most a quarter of its decode slots in
+    use and none waiting, while another of the model has every decode slot busy and requests
+    waiting for one (helper-88: b1 idle at 0/16 beside b0 at 16/16 with ~40k tokens queued, and
+    only the table showed it). The gateways send a request where its
     prefix is cached unless the load there outweighs it; since session 48 a backend holding none
     of it takes a request that would wait for a slot (docs/routing.md, "Seeding an empty
     backend"), but one holding part of it (a shared system prompt) still loses to the longer
@@ -623,11 +624,19 @@ def idle_beside_busy_lines(records: list[dict]) -> list[str]:
     if not full:
         return []
     busiest = max(full, key=lambda v: (v["waiting"], v["queued"]))
-    return [f"backend {v['id']} has nothing to do while {busiest['id']} has all {busiest['slots']} decode slots "
-            f"busy and {busiest['waiting']} requests waiting for one ({busiest['queued']} prompt tokens queued): "
-            f"the gateways send requests where their prefix is cached unless the load there outweighs it "
-            f"(docs/routing.md, \"Seeding an empty backend\")"
-            for v in live if v["state"] == "ready" and v["active"] == v["waiting"] == v["queued"] == 0]
+    out = []
+    for v in live:
+        # Idle, or nearly (helper-89: 1 of 16 slots used beside a peer at 19/16 said nothing).
+        if v["state"] != "ready" or v["waiting"] or (v["active"] > v["slots"] // 4 if v["slots"] else v["active"]):
+            continue
+        doing = ("has nothing to do" if v["active"] == 0 and v["queued"] == 0
+                 else f"runs {v['active']} of its {v['slots']} decode slots")
+        out.append(f"backend {v['id']} {doing} while {busiest['id']} has all {busiest['slots']} decode slots "
+                   f"busy and {busiest['waiting']} requests waiting for one ({busiest['queued']} prompt tokens "
+                   f"queued): the gateways send a request where the longest prefix of it is cached unless the "
+                   f"load there outweighs it, so conversations cached there stay (docs/routing.md, \"Seeding an "
+                   f"empty backend\")")
+    return out
 
 
 def stray_gateway_lines(stray: dict[str, str]) -> list[str]:

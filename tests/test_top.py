@@ -439,7 +439,7 @@ def test_an_idle_backend_beside_one_whose_requests_wait_for_a_slot_is_named():
     """helper-88: b1 idled at 0/16 beside b0 at 16/16 with requests waiting, and only the table
     showed it. Named for a ready backend with nothing to do while a live one has every decode
     slot busy and requests waiting; not while the busy one only fills its slots, nor for a
-    backend that is draining, silent or itself busy."""
+    backend that is draining, silent or using more than a quarter of its slots."""
     import time
 
     from mlxgw.status import idle_beside_busy_lines, problem_lines
@@ -448,13 +448,18 @@ def test_an_idle_backend_beside_one_whose_requests_wait_for_a_slot_is_named():
     beat = {"last_heartbeat": str(now), "heartbeat_interval": "1", "state": "ready", "decode_slots": "16"}
     b0 = {**beat, "id": "b0", "active": "16", "waiting": "9", "queued_prefill_tokens": "41000"}
     b1 = {**beat, "id": "b1", "active": "0", "waiting": "0", "queued_prefill_tokens": "0"}
-    line = ("backend b1 has nothing to do while b0 has all 16 decode slots busy and 9 requests waiting for one "
-            "(41000 prompt tokens queued): the gateways send requests where their prefix is cached unless the "
-            "load there outweighs it (docs/routing.md, \"Seeding an empty backend\")")
+    tail = ("b0 has all 16 decode slots busy and 9 requests waiting for one (41000 prompt tokens queued): the "
+            "gateways send a request where the longest prefix of it is cached unless the load there outweighs it, "
+            "so conversations cached there stay (docs/routing.md, \"Seeding an empty backend\")")
+    line = "backend b1 has nothing to do while " + tail
     assert idle_beside_busy_lines([b0, b1]) == [line]
+    # helper-89: 1 of 16 slots in use beside a peer at 19/16 said nothing; up to a quarter is named.
+    assert idle_beside_busy_lines([b0, {**b1, "active": "4"}]) == ["backend b1 runs 4 of its 16 decode slots while "
+                                                                   + tail]
+    assert idle_beside_busy_lines([b0, {**b1, "active": "5"}]) == []
+    assert idle_beside_busy_lines([b0, {**b1, "active": "1", "waiting": "1"}]) == []
     assert problem_lines({"backends": [b0, b1], "gateways": {"g": {}}})[-1] == line
     assert idle_beside_busy_lines([{**b0, "waiting": "0"}, b1]) == []  # slots full, nobody waiting
     assert idle_beside_busy_lines([b0, {**b1, "state": "draining"}]) == []
     assert idle_beside_busy_lines([b0, {**b1, "last_heartbeat": str(now - 60)}]) == []  # silent
-    assert idle_beside_busy_lines([b0, {**b1, "active": "1"}]) == []
     assert idle_beside_busy_lines([{**b0, "last_heartbeat": str(now - 60)}, b1]) == []  # the busy one silent
