@@ -12,7 +12,7 @@ set +e
 # and read its counters: split across processes, each half saw only its own requests);
 # --no-loadscope-reorder: modules go out in collection order, the longest first (conftest.py).
 # Three processes on 2 cores: most of a test's time is waiting on its real processes (start-up,
-# timeouts); 762 tests took 605-629 s against 651-679 s with two (session 48).
+# timeouts); 762-765 tests took 605-658 s against 651-679 s with two (sessions 47-48).
 .venv/bin/python -m pytest -q -rs --durations=15 -p no:cacheprovider -n "${MLXGW_TEST_WORKERS:-3}" \
     --dist loadscope --no-loadscope-reorder "$@"
 rc=$?
