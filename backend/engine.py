@@ -71,6 +71,8 @@ SAVE_SECONDS = 600.0
 #: Seconds without a new request before an idle save may start (helper-52: a save 46 ms after
 #: an answer held the agent's next turn 3.6 s); shorter when the save interval is shorter.
 IDLE_SAVE_QUIET_SECONDS = 30.0
+#: Weight of the latest request in `MLXEngine.decode_seconds` (about the last 10 requests count).
+DECODE_SECONDS_SMOOTHING = 0.1
 HOLD_SCAN = 16  # waiting requests looked at per admission pass (bounds the prefix comparisons)
 PREFILL_ORDERS = ("fifo", "shorter-beside", "step-beside")
 # Measured side by side in session 17 (docs/cache-policy.md): lower TTFT p50 than fifo on both traces,
@@ -242,6 +244,7 @@ class _Live:
     save_system_at: int = 0
     prompt_done: int = 0  # of ``prompt_left``, tokens already prefilled
     started: float = field(default_factory=time.monotonic)
+    first_token_at: float = 0.0  # time.monotonic() of its first generated token (0: none yet)
     prompt_saved: bool = False  # `_save_prompt` already saved it for a waiting request
 
 
@@ -398,6 +401,10 @@ class MLXEngine(Engine):
         self.prefill_tps = 0.0
         self._prefill_window = [0, 0.0]  # prompt tokens, seconds of steps that computed them
         self.decode_tps = 0.0
+        # Seconds a request decodes (its first token to its end), a moving average over the last
+        # ~10 (`DECODE_SECONDS_SMOOTHING`): gateways turn requests in flight past the decode
+        # slots into a wait for one (gateway.route.slot_wait).
+        self.decode_seconds = 0.0
         self.metrics = metrics or BackendMetrics()
 
     # -- public API (any thread) ------------------------------------------
@@ -474,6 +481,7 @@ class MLXEngine(Engine):
             "generated_tokens": self.generated_tokens_total,
             "prefill_tps": round(self.prefill_tps, 1),
             "decode_tps": round(self.decode_tps, 1),
+            "decode_seconds": round(self.decode_seconds, 3),
             **self.disk_figures(),
             # --cache-dir: what the start restored (backend.persist)
             "restored_entries": self.restored.entries if self.restored else 0,
@@ -1029,6 +1037,8 @@ class MLXEngine(Engine):
             if live is None:
                 continue
             req = live.req
+            if not req.generated:
+                live.first_token_at = time.monotonic()
             req.generated += 1
             self.generated_tokens_total += 1
             self.metrics.on_token(req.rid, req.submitted_at, spare=req.spare)
@@ -1245,5 +1255,9 @@ class MLXEngine(Engine):
             self.queued_prefill_tokens -= live.prompt_left
             live.prompt_left = 0
         self._release(live.req)
+        if live.first_token_at and reason != "error":  # a failed batch's requests end at once
+            took = time.monotonic() - live.first_token_at
+            a = DECODE_SECONDS_SMOOTHING
+            self.decode_seconds = took if not self.decode_seconds else (1 - a) * self.decode_seconds + a * took
         self.metrics.on_finish(live.req.rid, live.req.submitted_at, live.req.generated, reason, spare=live.req.spare)
         live.req.emit(GenEvent("end", finish_reason=reason, error=error or None))

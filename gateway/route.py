@@ -50,6 +50,22 @@ The load figure counts a running request as ``decode_weight`` tokens, which does
 say that: 20 agents on a shared 8,000-token system prompt kept an added backend idle
 beside an owner with all 16 slots busy and 4 requests waiting (``seed_when_full``).
 
+The wait for a decode slot: when the cheapest backend has a request in flight
+for each of its ``S`` decode slots, this one would wait for a slot there:
+``wait = (active - S + 1) / S * decode_seconds * prefill_tps`` tokens of prefill
+(slots free at about ``S`` per ``decode_seconds``, the mean time a request
+decodes there, first token to end; both figures measured by the backend and
+read from its registry record; `slot_wait`). Its cost grows by
+``slot_wait_weight`` times that, and a backend with compute to spare (no prompt
+queued, at most a quarter of its decode slots in use) that is now cheaper takes
+the request (reason ``wait``): a conversation whose history the full backend
+holds, beside one holding only its system prompt (helper-89: 18 requests on 16
+slots beside one with 1, the history outweighing the load figure's 256 tokens
+per running request). Only a spare backend: the prefill a move adds is free
+there and would delay a busy one's queue; counting the wait against every
+backend moved conversation-trace turns off their owners for no TTFT gain
+(docs/routing.md, "The wait for a decode slot").
+
 Placement (eviction-aware): when storing the request's new tokens would make
 the cheapest backend evict, the request goes to the candidate, among those
 with the same matched prefix that are not overloaded and cost at most
@@ -119,6 +135,9 @@ class RoutingConfig:
         of session 46; module docstring).
     seed_when_full: also seed when the cheapest backend has a request in flight for each of
         its decode slots, whatever the prefix (False: the rule before session 48).
+    slot_wait_weight: cost per token of the cheapest backend's wait for a decode slot when it
+        has none free, against backends with compute to spare ("The wait for a decode slot" in
+        the module docstring; 0: none, the rule before session 49).
     """
 
     policy: str = "cache_aware"
@@ -134,6 +153,7 @@ class RoutingConfig:
     seed_empty: bool = True
     seed_claim_factor: float = 2.0
     seed_when_full: bool = True
+    slot_wait_weight: float = 1.0
     _turn: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
 
     def __post_init__(self):
@@ -156,12 +176,14 @@ class Scored:
     free_cache: int = 0
     tiebreak: int = 0
     evicts: bool = False
+    wait: float = 0.0  # its wait for a decode slot, in prefill tokens, when counted (`_relieve`)
 
     def explain(self) -> str:
         flag = (",overloaded" if self.overloaded else "") + (",evicts" if self.evicts else "")
+        wait = f",wait={self.wait:.0f}" if self.wait else ""
         return (
             f"{self.cand.backend_id}:matched={self.matched},queued={self.queued},"
-            f"active={self.active},load={self.load:.0f},cost={self.cost:.0f}{flag}"
+            f"active={self.active},load={self.load:.0f}{wait},cost={self.cost:.0f}{flag}"
         )
 
 
@@ -170,7 +192,7 @@ class Decision:
     """Candidates ranked best first (empty when none is live)."""
 
     ranked: list[Scored] = field(default_factory=list)
-    reason: str = ""  # "prefix", "load", "seed", "placement", "affinity", "balance", "round_robin"
+    reason: str = ""  # "prefix", "load", "wait", "seed", "placement", "affinity", "balance", "round_robin"
 
     @property
     def best(self) -> Optional[Scored]:
@@ -190,6 +212,48 @@ def servable_blocks(c: Candidate, pending_blocks: int, block_size: int, short_cl
     if computing > c.saved_blocks and (short_claims or computing * block_size >= c.min_hit_tokens):
         return computing
     return c.saved_blocks
+
+
+def slot_wait(c: Candidate, active: int) -> float:
+    """The wait for a decode slot on ``c`` of a request sent now, in tokens of prefill ``c``
+    does meanwhile: ``(active - decode_slots + 1) / decode_slots * decode_seconds * prefill_tps``
+    with ``active`` requests in flight there (the gateways' count), 0 below the slots or while
+    any of those figures is unpublished or unmeasured (module docstring)."""
+    slots = c.decode_slots
+    if slots <= 0 or active < slots or c.decode_seconds <= 0 or c.prefill_tps <= 0:
+        return 0.0
+    return (active - slots + 1) / slots * c.decode_seconds * c.prefill_tps
+
+
+def _order(s: Scored) -> tuple:
+    return (s.overloaded, s.cost, s.active, -s.free_cache, s.tiebreak)
+
+
+def _spare(s: Scored) -> bool:
+    """``s`` has compute to spare: no prompt queued and at most a quarter of its decode slots in
+    use (none when it publishes no slots), in the gateways' figures and its own heartbeat's."""
+    c = s.cand
+    return (not s.overloaded and s.queued == 0 and c.queued_prefill_tokens == 0
+            and max(s.active, c.active) <= c.decode_slots // 4)
+
+
+def _relieve(out: list[Scored], weight: float) -> Optional[Scored]:
+    """A backend with compute to spare to take the request from ``out[0]`` (ranked by cost),
+    which has no decode slot free for it, or None: the cheapest spare one whose cost is under
+    ``out[0]``'s plus ``weight`` times its wait for a slot (`slot_wait`, stored in ``wait`` and
+    added to its cost so the affinity slack sees it too). Only a spare backend: the prefill a
+    move adds costs nothing there, while on a busy one it delays the prompts queued there
+    (counting the wait against every backend, or against their queued prefill too, moved
+    conversation-trace turns off their owners for no TTFT gain; docs/routing.md, "The wait for
+    a decode slot")."""
+    best = out[0]
+    wait = slot_wait(best.cand, best.active) if weight > 0 else 0.0
+    if wait <= 0:
+        return None
+    best.wait = wait
+    best.cost += weight * wait
+    spare = [s for s in out[1:] if _spare(s) and s.cost < best.cost]
+    return min(spare, key=_order) if spare else None
 
 
 def _seed(out: list[Scored], block_size: int, claim_factor: float, when_full: bool = True) -> Optional[Scored]:
@@ -309,8 +373,13 @@ def rank(
     least = min(s.load for s in out)
     for s in out:
         s.overloaded = s.load - least > cfg.balance_abs_tokens and s.load > cfg.balance_rel * least
-    out.sort(key=lambda s: (s.overloaded, s.cost, s.active, -s.free_cache, s.tiebreak))
+    out.sort(key=_order)
     reason = "prefix" if out[0].matched else "load"
+    spare = _relieve(out, cfg.slot_wait_weight)
+    if spare is not None:
+        out.remove(spare)
+        out.insert(0, spare)
+        reason = "wait"
     if any(s.overloaded for s in out) and max(out, key=lambda s: s.matched).overloaded and not out[0].overloaded:
         reason = "balance"
     placed = _place(out, cfg.placement_slack_tokens)

@@ -615,9 +615,11 @@ def idle_beside_busy_lines(records: list[dict]) -> list[str]:
     only the table showed it). The gateways send a request where its
     prefix is cached unless the load there outweighs it; since session 48 a backend holding none
     of it takes a request that would wait for a slot (docs/routing.md, "Seeding an empty
-    backend"), but one holding part of it (a shared system prompt) still loses to the longer
-    prefix cached on the full one, and gateways that do not see the slots (an older backend)
-    do not seed. A snapshot: one such moment as a burst arrives is possible; a line that stays is not."""
+    backend"), and since session 49 one holding part of it (a shared system prompt) takes it when
+    the wait for a slot outweighs the prefill the longer prefix saves ("The wait for a decode
+    slot"); a short wait beside a long cached history keeps it there, and gateways that do not
+    see the slots (an older backend) do neither. A snapshot: one such moment as a burst arrives is
+    possible; a line that stays is not."""
     views = [backend_view(r) for r in records]
     live = [v for v in views if not (v["silent"] or v["left_out"] or v["unreachable"])]
     full = [v for v in live if v["slots"] and v["active"] >= v["slots"] and v["waiting"] > 0]
@@ -627,15 +629,15 @@ def idle_beside_busy_lines(records: list[dict]) -> list[str]:
     out = []
     for v in live:
         # Idle, or nearly (helper-89: 1 of 16 slots used beside a peer at 19/16 said nothing).
-        if v["state"] != "ready" or v["waiting"] or (v["active"] > v["slots"] // 4 if v["slots"] else v["active"]):
+        if v["state"] != "ready" or v["waiting"] or v["active"] > v["slots"] // 4:  # no slots published: idle only
             continue
         doing = ("has nothing to do" if v["active"] == 0 and v["queued"] == 0
                  else f"runs {v['active']} of its {v['slots']} decode slots")
         out.append(f"backend {v['id']} {doing} while {busiest['id']} has all {busiest['slots']} decode slots "
                    f"busy and {busiest['waiting']} requests waiting for one ({busiest['queued']} prompt tokens "
                    f"queued): the gateways send a request where the longest prefix of it is cached unless the "
-                   f"load there outweighs it, so conversations cached there stay (docs/routing.md, \"Seeding an "
-                   f"empty backend\")")
+                   f"load there, or its wait for a slot, outweighs the prefill that saves, so conversations with "
+                   f"a long history cached there stay (docs/routing.md, \"The wait for a decode slot\")")
     return out
 
 

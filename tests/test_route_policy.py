@@ -142,6 +142,47 @@ def test_an_empty_idle_backend_takes_a_request_its_owner_has_no_decode_slot_for(
     assert rank(cands(10), 9000, 64, inflight={"a": (6, 0)}).reason == "seed"
 
 
+def test_a_conversation_leaves_an_owner_with_every_decode_slot_taken_for_a_backend_holding_its_system_prompt():
+    """helper-89 (session 48): "a" holds a conversation's 9,472 tokens with 18 requests in
+    flight on 16 decode slots; "b" holds the 8,000-token system prompt with one. At load
+    weight alone "a" cost 601 against "b"'s 1,929 tokens, so the turn waited for a slot there.
+    Its wait: (18 - 16 + 1) / 16 x 9 s a request decodes x 1,600 prefill tokens/s = 2,700 tokens
+    (the sim's M4 Max figures for 200-token answers at 16 x 9k context) puts "a" at 2,866
+    against "b"'s 1,508 (1,500 to prefill). At 2.5 s of decode (a wait of 750 tokens) "a" keeps it:
+    a shorter wait than the prefill it saves. Only a backend with compute to spare takes it: at
+    most a quarter of its slots in use and no prompt queued (the prefill a move adds would
+    delay a busy one's own queue)."""
+
+    def cands(active=18, held=9.0, tps=1600.0, slots=16, b_active=1, b_queued=0, b_heartbeat=0):
+        a = Candidate("a", 1, "http://a", active=0, queued_prefill_tokens=0, state="ready", depth_blocks=148,
+                      saved_blocks=148, gw_requests=active, cache_bytes=10**9, decode_slots=slots,
+                      prefill_tps=tps, decode_seconds=held)
+        b = Candidate("b", 2, "http://b", active=b_heartbeat, queued_prefill_tokens=0, state="ready",
+                      depth_blocks=125, saved_blocks=125, gw_requests=b_active, gw_prefill_tokens=b_queued,
+                      cache_bytes=10**9, decode_slots=16, prefill_tps=tps, decode_seconds=held)
+        return [a, b]
+
+    d = rank(cands(), 9500, 64)
+    assert d.best.cand.backend_id == "b" and d.reason == "wait"
+    a = d.ranked[1]
+    assert (a.matched, a.wait) == (9472, pytest.approx(2700.0))
+    assert a.cost == pytest.approx(28 + 0.03 * 18 * 256 + 2700)
+    assert d.best.cost == pytest.approx(1500 + 0.03 * 256) and d.best.wait == 0
+    assert "wait=2700" in a.explain() and "wait" not in d.best.explain()
+    assert rank(cands(held=2.5), 9500, 64).best.cand.backend_id == "a"
+    assert rank(cands(b_active=4), 9500, 64).reason == "wait"  # a quarter of its slots
+    for kw in ({"b_active": 5}, {"b_queued": 64}, {"b_heartbeat": 5}):  # no compute to spare
+        d = rank(cands(**kw), 9500, 64)
+        assert (d.best.cand.backend_id, d.reason) == ("a", "prefix"), kw
+        assert d.best.wait == pytest.approx(2700.0), kw
+    # A free slot on "a", or figures not measured or published yet: no wait.
+    for kw in ({"active": 15}, {"held": 0.0}, {"tps": 0.0}, {"slots": 0}):
+        d = rank(cands(**kw), 9500, 64)
+        assert d.best.cand.backend_id == "a" and d.best.wait == 0, kw
+    # Weight 0: the rule before (A/B runs).
+    assert rank(cands(), 9500, 64, cfg=RoutingConfig(slot_wait_weight=0)).best.cand.backend_id == "a"
+
+
 def test_an_empty_idle_backend_takes_a_shared_prefix_once_its_owner_is_busier_than_the_prefix():
     # 2,200-token prompt: on "a" 152 to prefill + 0.03 x (3,000 + 256) = 250 tokens of cost,
     # on "b" 2,200; at load_weight alone "a" keeps it until its load passes ~68k tokens.

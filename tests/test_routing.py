@@ -288,6 +288,76 @@ def test_a_backend_added_beside_an_owner_with_every_decode_slot_taken_takes_the_
     assert int(b0_row["matched"]) >= 640 and b0_row["active"] == "1", h["X-Mlxgw-Candidates"]  # passed over
 
 
+def test_a_conversation_leaves_an_owner_with_every_decode_slot_taken_for_a_backend_with_its_system_prompt(
+        make_stack, redis_server):
+    """A conversation's next turn, owned by a backend whose every decode slot is taken, goes to
+    an idle one that holds a shorter prefix (the system prompt) when the wait for a slot
+    costs more than the prefill it would save: the owner's measured decode time and prefill
+    rate, from its registry record through the lookup (`gateway.route.slot_wait`; helper-89:
+    turns waited on an owner with 18 requests on 16 slots beside a backend with one). A gateway
+    with ``--slot-wait-weight 0`` (the rule before) keeps such a turn on the owner."""
+    import http.client
+
+    from mlxgw import schema
+
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim", "--decode-concurrency", "1", "--sim-decode-rate", "50")
+    b1 = s.add_backend("b1", None, "--engine", "sim")
+    g0 = s.add_gateway()
+    g1 = s.add_gateway("--slot-wait-weight", "0")
+    s.wait()
+    system = {"role": "system", "content": words(100, seed=81)}
+
+    def chat(url, messages, max_tokens=2):
+        status, h, body = post(url + "/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens})
+        assert status == 200, body
+        return h, json.loads(body)
+
+    def row(h, backend):
+        cand = next(c for c in h["X-Mlxgw-Candidates"].split() if c.startswith(backend + ":"))
+        return dict(kv.split("=") for kv in cand[len(backend) + 1:].split(",") if "=" in kv)
+
+    chat(b1.url, [system, {"role": "user", "content": "hello"}])  # b1 holds the system prompt
+    # Two conversations' first turns on b0, 25-token answers at 50 tokens/s: ~0.5 s of decode each.
+    turns = []
+    for seed in (82, 83):
+        first = [system, {"role": "user", "content": words(150, seed=seed)}]
+        _, body = chat(b0.url, first, max_tokens=25)
+        turns.append((first, first + [body["choices"][0]["message"], {"role": "user", "content": words(10, seed=seed)}]))
+    k = schema.Keys(s.namespace, s.model_name)
+    r = redis_server.client()
+    deadline = time.time() + 10
+    while time.time() < deadline and not (float(r.hget(k.backend("b0"), "decode_seconds") or 0) > 0
+                                          and float(r.hget(k.backend("b0"), "prefill_tps") or 0) > 0):
+        time.sleep(0.1)
+    took = float(r.hget(k.backend("b0"), "decode_seconds"))
+    assert 0.3 < took < 3.0, took  # 24 tokens after the first at 50/s: ~0.5 s
+    assert get_json(b0.url + "/health")["decode_seconds"] == took
+    # b0's one slot taken through g1 (the first turn again: b0 owns all of it), for 40 s unless
+    # closed, which cancels it; g0 counts it from g1's published in-flight figures.
+    sent = time.time()
+    busy = http.client.HTTPConnection("127.0.0.1", g1.port, timeout=60)
+    busy.request("POST", "/v1/chat/completions", json.dumps({"messages": turns[0][0], "max_tokens": 2000, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = busy.getresponse()
+    assert resp.status == 200 and resp.getheader("X-Mlxgw-Backend") == "b0"
+    time.sleep(max(0.0, sent + 1.2 - time.time()))  # its prompt out of the queued figure
+    moved, _ = chat(g0.url, turns[0][1])
+    kept = {}
+    waiter = threading.Thread(target=lambda: kept.update(chat(g1.url, turns[1][1])[0]))
+    waiter.start()  # waits for b0's slot
+    while get_json(b0.url + "/health")["active"] < 2 and time.time() < sent + 30:
+        time.sleep(0.05)
+    busy.close()
+    waiter.join(60)
+    assert (moved["X-Mlxgw-Backend"], moved["X-Mlxgw-Route-Reason"]) == ("b1", "wait"), moved["X-Mlxgw-Candidates"]
+    b0_row, b1_row = row(moved, "b0"), row(moved, "b1")
+    assert b0_row["active"] == "1" and float(b0_row["wait"]) > 0, moved["X-Mlxgw-Candidates"]
+    assert 0 < int(b1_row["matched"]) < int(b0_row["matched"]), moved["X-Mlxgw-Candidates"]  # b0 owned more
+    assert (kept["X-Mlxgw-Backend"], kept["X-Mlxgw-Route-Reason"]) == ("b0", "prefix"), kept["X-Mlxgw-Candidates"]
+    assert row(kept, "b0")["active"] == "1" and "wait" not in row(kept, "b0"), kept["X-Mlxgw-Candidates"]
+
+
 def test_session_affinity_keeps_routing_without_redis(demo_model):
     r = RedisServer().start()
     s = Stack(r.url, demo_model)

@@ -449,8 +449,9 @@ def test_an_idle_backend_beside_one_whose_requests_wait_for_a_slot_is_named():
     b0 = {**beat, "id": "b0", "active": "16", "waiting": "9", "queued_prefill_tokens": "41000"}
     b1 = {**beat, "id": "b1", "active": "0", "waiting": "0", "queued_prefill_tokens": "0"}
     tail = ("b0 has all 16 decode slots busy and 9 requests waiting for one (41000 prompt tokens queued): the "
-            "gateways send a request where the longest prefix of it is cached unless the load there outweighs it, "
-            "so conversations cached there stay (docs/routing.md, \"Seeding an empty backend\")")
+            "gateways send a request where the longest prefix of it is cached unless the load there, or its wait "
+            "for a slot, outweighs the prefill that saves, so conversations with a long history cached there stay "
+            "(docs/routing.md, \"The wait for a decode slot\")")
     line = "backend b1 has nothing to do while " + tail
     assert idle_beside_busy_lines([b0, b1]) == [line]
     # helper-89: 1 of 16 slots in use beside a peer at 19/16 said nothing; up to a quarter is named.
