@@ -533,8 +533,9 @@ async def _serve(engine, reporter: Reporter, cfg: BackendConfig, args) -> int:
     mib = engine.cache.max_bytes / 2**20
     opt_in = "".join([f"; admits while the KV in flight stays within {args.max_inflight_share:g} of the budget"
                       if args.max_inflight_share else "", "; pins hits by reference" if args.pin_by_reference else ""])
-    log.info("backend %s registered at %s (model %s, epoch %d; prompt cache %s MiB, %s, %s layout; "
-             "%d decode slots%s)", cfg.backend_id, reporter.url, cfg.model_name, reporter.epoch,
+    log.info("backend %s registered at %s (model %s from %s, files %s, epoch %d; prompt cache %s MiB, %s, "
+             "%s layout; %d decode slots%s)", cfg.backend_id, reporter.url, cfg.model_name,
+             reporter.extra["model_path"], reporter.extra["model_files"], reporter.epoch,
              f"{mib:.0f}" if mib >= 10 else f"{mib:.3g}", count(engine.cache.max_entries, "entry", "entries"),
              engine.cache.layout, engine.decode_concurrency, opt_in)
     log.info("backend %s: a request that sets no sampling gets %s", cfg.backend_id,

@@ -638,6 +638,9 @@ async def handle_health(request: web.Request) -> web.Response:
         "redis": reporter.redis_ok,
         "redis_problem": reporter.redis_problem,  # why it last failed; null while it answers
         "reports_late": reporter.reports_late,
+        # What it serves: `mlxgw status` names backends of one model whose files differ.
+        "model_path": reporter.extra.get("model_path"),
+        "model_files": reporter.extra.get("model_files"),
         **engine.stats(),
         # The cache settings of the registry record (`backend.main`), so an operator sees what is on.
         **{k: reporter.extra[k] for k in HEALTH_SETTINGS if k in reporter.extra},

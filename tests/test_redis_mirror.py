@@ -167,6 +167,10 @@ def test_cache_figures_reach_the_registry_with_each_save(make_stack, redis_serve
     assert rec["cache_layout"] == "shared" and rec["auth"] == "none"  # started by hand without the token
     log = b0.log_path.read_text()
     assert "registered at" in log and "shared layout; 16 decode slots)" in log
+    # What it serves, as in its record (`mlxgw status` compares model_files across a model's backends).
+    h = get_json(b0.url + "/health")
+    assert (h["model_path"], h["model_files"]) == (rec["model_path"], rec["model_files"]) and len(h["model_files"]) == 16
+    assert f"(model {s.model_name} from {rec['model_path']}, files {rec['model_files']}, epoch " in log
     # Started by hand without the internal token (as here): it says anything local may skip the gateways.
     assert "backend b0 has no internal token: anything that reaches http://127.0.0.1:" in log
     # The next victim is the first entry (least recently used; the second request's lookup
