@@ -71,6 +71,8 @@ SAVE_SECONDS = 600.0
 #: Seconds without a new request before an idle save may start (helper-52: a save 46 ms after
 #: an answer held the agent's next turn 3.6 s); shorter when the save interval is shorter.
 IDLE_SAVE_QUIET_SECONDS = 30.0
+#: Seconds of prefill steps `MLXEngine.prefill_tps` is measured over.
+PREFILL_RATE_WINDOW = 0.5
 #: Weight of the latest request in `MLXEngine.decode_seconds` (about the last 10 requests count).
 DECODE_SECONDS_SMOOTHING = 0.1
 HOLD_SCAN = 16  # waiting requests looked at per admission pass (bounds the prefix comparisons)
@@ -227,6 +229,16 @@ class Engine:
         for the answer any more (client gone, timeout), so its save must not
         evict other entries (docs/cache-policy.md)."""
         raise NotImplementedError
+
+    def decode_seconds_now(self) -> float:
+        """Seconds a request decodes here (first token to end), for the gateways' estimate of the
+        wait for a decode slot: the moving average of the requests that ended
+        (``decode_seconds``), or, when longer, the mean time the requests decoding now have
+        decoded so far (helper-90: answers ten times longer than the last ones held every slot
+        while the average still said 3 s)."""
+        now = time.monotonic()
+        running = [now - lv.first_token_at for lv in list(self._live.values()) if lv.first_token_at]
+        return max(self.decode_seconds, sum(running) / len(running)) if running else self.decode_seconds
 
     def stats(self) -> dict:
         raise NotImplementedError
@@ -400,6 +412,8 @@ class MLXEngine(Engine):
         self.misses = 0
         self.prefill_tps = 0.0
         self._prefill_window = [0, 0.0]  # prompt tokens, seconds of steps that computed them
+        self._prefill_rate_measured = False  # a whole PREFILL_RATE_WINDOW measured
+        self._prefill_step: Optional[tuple[float, int, float]] = None  # the last step's (began, prompt tokens, own time)
         self.decode_tps = 0.0
         # Seconds a request decodes (its first token to its end), a moving average over the last
         # ~10 (`DECODE_SECONDS_SMOOTHING`): gateways turn requests in flight past the decode
@@ -481,7 +495,7 @@ class MLXEngine(Engine):
             "generated_tokens": self.generated_tokens_total,
             "prefill_tps": round(self.prefill_tps, 1),
             "decode_tps": round(self.decode_tps, 1),
-            "decode_seconds": round(self.decode_seconds, 3),
+            "decode_seconds": round(self.decode_seconds_now(), 3),
             **self.disk_figures(),
             # --cache-dir: what the start restored (backend.persist)
             "restored_entries": self.restored.entries if self.restored else 0,
@@ -702,6 +716,9 @@ class MLXEngine(Engine):
             idle = not self._live and not self._waiting
             if not idle:
                 self._last_busy = time.monotonic()
+            elif self._prefill_step is not None:  # no next step soon: the last one's own time
+                self._count_prefill(*self._prefill_step[1:])
+                self._prefill_step = None
             try:
                 req = self._incoming.get(timeout=0.05) if idle else self._incoming.get_nowait()
                 # A hit on the disk tier is read by its reader thread (cache rule 8) while the
@@ -986,8 +1003,27 @@ class MLXEngine(Engine):
         req.emit(GenEvent("start", cached=hit.reused, total=len(prompt)))
         return live
 
+    def _count_prefill(self, tokens: int, seconds: float) -> None:
+        """Add one step's prompt tokens and time to the prefill rate's window; publish
+        ``prefill_tps`` once the window holds `PREFILL_RATE_WINDOW` seconds (and, until the
+        first window is full, the rate so far: a backend that has prefilled only short prompts
+        still has one)."""
+        w = self._prefill_window
+        w[0] += tokens
+        w[1] += seconds
+        full = w[1] >= PREFILL_RATE_WINDOW
+        if full or not self._prefill_rate_measured:
+            self.prefill_tps = w[0] / w[1]
+        if full:
+            self._prefill_rate_measured = True
+            self._prefill_window = [0, 0.0]
+
     def _step(self) -> None:
         t0 = time.perf_counter()
+        if self._prefill_step is not None:  # the last step's whole cycle, to this one's start
+            began, tokens, _ = self._prefill_step
+            self._count_prefill(tokens, t0 - began)
+            self._prefill_step = None
         prompt_resps, gen_resps = self._bg.next()
         dt = time.perf_counter() - t0
         prefilled = 0
@@ -1020,16 +1056,16 @@ class MLXEngine(Engine):
                         self.cache.insert(list(tokens), kv, "system")
                 live.save_system_at = 0
         self.prefill_tokens_total += prefilled
-        if stepped and dt > 0:
-            # Over at least 0.25 s of prefill steps, or up to the last prompt's end.
-            # Not ``prefilled`` over this step: a prompt prefilled over several steps
-            # counted whole in its last one (a rate overstated a thousandfold).
-            w = self._prefill_window
-            w[0] += stepped
-            w[1] += dt
-            if w[1] >= 0.25 or not any(lv.prompt_left > 0 for lv in self._live.values()):
-                self.prefill_tps = w[0] / w[1]
-                self._prefill_window = [0, 0.0]
+        # The prefill rate: prompt tokens over the time of the steps that computed them, from
+        # each step's start to the next one's (the batch's work is evaluated lazily, and the
+        # sim makes up its steps' time between calls: a call's own time over- or understated
+        # a short prompt's rate several times, helper-90), over at least PREFILL_RATE_WINDOW
+        # seconds. Not ``prefilled`` over this step (a prompt prefilled over several steps
+        # counted whole in its last one: a rate overstated a thousandfold), nor a step that
+        # feeds only a prompt's last token (mlx-lm feeds it to the first decode step: a decode
+        # step's time for one token read as a rate of ~140 tokens/s, helper-90).
+        if stepped > 1 and dt > 0:
+            self._prefill_step = (t0, stepped, dt)  # counted when the next step begins
         if gen_resps and dt > 0 and not prompt_resps:
             self.decode_tps = len(gen_resps) / dt
         for r in gen_resps:

@@ -50,11 +50,12 @@ The load figure counts a running request as ``decode_weight`` tokens, which does
 say that: 20 agents on a shared 8,000-token system prompt kept an added backend idle
 beside an owner with all 16 slots busy and 4 requests waiting (``seed_when_full``).
 
-The wait for a decode slot: when the cheapest backend has a request in flight
-for each of its ``S`` decode slots, this one would wait for a slot there:
+The wait for a decode slot (checked last): when the chosen backend has a request
+in flight for each of its ``S`` decode slots, this one would wait for a slot there:
 ``wait = (active - S + 1) / S * decode_seconds * prefill_tps`` tokens of prefill
 (slots free at about ``S`` per ``decode_seconds``, the mean time a request
-decodes there, first token to end; both figures measured by the backend and
+decodes there, first token to end, or what the running ones have run if longer;
+both figures measured by the backend and
 read from its registry record; `slot_wait`). Its cost grows by
 ``slot_wait_weight`` times that, and a backend with compute to spare (no prompt
 queued, at most a quarter of its decode slots in use) that is now cheaper takes
@@ -135,7 +136,7 @@ class RoutingConfig:
         of session 46; module docstring).
     seed_when_full: also seed when the cheapest backend has a request in flight for each of
         its decode slots, whatever the prefix (False: the rule before session 48).
-    slot_wait_weight: cost per token of the cheapest backend's wait for a decode slot when it
+    slot_wait_weight: cost per token of the chosen backend's wait for a decode slot when it
         has none free, against backends with compute to spare ("The wait for a decode slot" in
         the module docstring; 0: none, the rule before session 49).
     """
@@ -238,8 +239,8 @@ def _spare(s: Scored) -> bool:
 
 
 def _relieve(out: list[Scored], weight: float) -> Optional[Scored]:
-    """A backend with compute to spare to take the request from ``out[0]`` (ranked by cost),
-    which has no decode slot free for it, or None: the cheapest spare one whose cost is under
+    """A backend with compute to spare to take the request from ``out[0]`` (the choice so far,
+    after placement, affinity and seeding), which has no decode slot free for it, or None: the cheapest spare one whose cost is under
     ``out[0]``'s plus ``weight`` times its wait for a slot (`slot_wait`, stored in ``wait`` and
     added to its cost so the affinity slack sees it too). Only a spare backend: the prefill a
     move adds costs nothing there, while on a busy one it delays the prompts queued there
@@ -375,11 +376,6 @@ def rank(
         s.overloaded = s.load - least > cfg.balance_abs_tokens and s.load > cfg.balance_rel * least
     out.sort(key=_order)
     reason = "prefix" if out[0].matched else "load"
-    spare = _relieve(out, cfg.slot_wait_weight)
-    if spare is not None:
-        out.remove(spare)
-        out.insert(0, spare)
-        reason = "wait"
     if any(s.overloaded for s in out) and max(out, key=lambda s: s.matched).overloaded and not out[0].overloaded:
         reason = "balance"
     placed = _place(out, cfg.placement_slack_tokens)
@@ -400,4 +396,9 @@ def rank(
         out.remove(seeded)
         out.insert(0, seeded)
         reason = "seed"
+    spare = _relieve(out, cfg.slot_wait_weight)
+    if spare is not None:
+        out.remove(spare)
+        out.insert(0, spare)
+        reason = "wait"
     return Decision(out, reason)

@@ -21,7 +21,7 @@ import redis
 from . import schema
 from .redis_client import connect as redis_connect
 from .redis_client import redis_problem, refusal_kind
-from .util import redact_url, serve_url_file
+from .util import count, redact_url, serve_url_file
 
 # Event data fields worth showing (block lists are long and meaningless to people).
 _EVENT_FIELDS = ("request", "reason", "matched", "prompt_tokens", "lookup", "tokens", "cache_type", "tier", "url",
@@ -634,7 +634,7 @@ def idle_beside_busy_lines(records: list[dict]) -> list[str]:
         doing = ("has nothing to do" if v["active"] == 0 and v["queued"] == 0
                  else f"runs {v['active']} of its {v['slots']} decode slots")
         out.append(f"backend {v['id']} {doing} while {busiest['id']} has all {busiest['slots']} decode slots "
-                   f"busy and {busiest['waiting']} requests waiting for one ({busiest['queued']} prompt tokens "
+                   f"busy and {count(busiest['waiting'], 'request')} waiting for one ({busiest['queued']} prompt tokens "
                    f"queued): the gateways send a request where the longest prefix of it is cached unless the "
                    f"load there, or its wait for a slot, outweighs the prefill that saves, so conversations with "
                    f"a long history cached there stay (docs/routing.md, \"The wait for a decode slot\")")

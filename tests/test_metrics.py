@@ -175,6 +175,37 @@ def test_prefill_rate_counts_each_step_not_the_whole_prompt(make_stack):
     assert prompt / took / 8 < rate < 1.5 * prompt / took, (rate, prompt, took)
 
 
+def test_prefill_rate_of_short_prompts_beside_a_decode_is_the_engines_rate(make_stack):
+    """helper-90: a sim backend prefilling at 1,622 tokens/s reported 137 after prompts of ~500
+    new tokens beside a running decode (the prompt's last token, fed by a decode step, measured
+    alone) and 2,100-4,000 on an idle backend (each step's own time, which the sim makes up
+    between calls). The rate a gateway turns a wait for a decode slot into tokens with
+    (`gateway.route.slot_wait`) now stays within a third of the engine's."""
+    import http.client
+
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim", "--sim-decode-rate", "50")
+    s.wait()
+    rates = []
+    for beside in (False, True):
+        busy = None
+        if beside:  # one long answer decoding throughout (closed below, which cancels it)
+            busy = http.client.HTTPConnection("127.0.0.1", b0.port, timeout=60)
+            busy.request("POST", "/v1/chat/completions", json.dumps({
+                "model": "demo-tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 2000,
+                "stream": True}), {"Content-Type": "application/json"})
+            assert busy.getresponse().status == 200
+        for i in range(4):  # ~500 new tokens each, ~0.3 s of prefill at the sim's rate
+            status, _, body = post(b0.url + "/v1/chat/completions", {
+                "model": "demo-tiny", "messages": [{"role": "user", "content": words(380, seed=300 + 10 * beside + i)}],
+                "max_tokens": 2})
+            assert status == 200, body
+        rates.append(get_json(b0.url + "/health")["prefill_tps"])
+        if busy is not None:
+            busy.close()
+    assert all(1622 / 1.35 < r < 1622 * 1.35 for r in rates), rates
+
+
 def test_a_hit_is_at_least_one_block(make_stack):
     """`hits` / `misses` (/health, the registry, the dashboard) count a request as a hit when it
     reused at least one block (64 tokens here). Reusing just the chat template's shared first
