@@ -240,19 +240,18 @@ def _spare(s: Scored) -> bool:
 
 def _relieve(out: list[Scored], weight: float) -> Optional[Scored]:
     """A backend with compute to spare to take the request from ``out[0]`` (the choice so far,
-    after placement, affinity and seeding), which has no decode slot free for it, or None: the cheapest spare one whose cost is under
-    ``out[0]``'s plus ``weight`` times its wait for a slot (`slot_wait`, stored in ``wait`` and
-    added to its cost so the affinity slack sees it too). Only a spare backend: the prefill a
-    move adds costs nothing there, while on a busy one it delays the prompts queued there
-    (counting the wait against every backend, or against their queued prefill too, moved
-    conversation-trace turns off their owners for no TTFT gain; docs/routing.md, "The wait for
-    a decode slot")."""
+    after placement, affinity and seeding), which has no decode slot free for it, or None: the
+    cheapest spare one whose cost is under ``out[0]``'s plus ``weight`` times its wait for a slot
+    (`slot_wait`, stored in ``wait``, shown at any weight, so a request that waits says so: helper-90,
+    and added to its cost). Only a spare backend: the prefill a move adds costs nothing there,
+    while on a busy one it delays the prompts queued there (counting the wait against every
+    backend, or against their queued prefill too, moved conversation-trace turns off their
+    owners for no TTFT gain; docs/routing.md, "The wait for a decode slot")."""
     best = out[0]
-    wait = slot_wait(best.cand, best.active) if weight > 0 else 0.0
-    if wait <= 0:
+    best.wait = slot_wait(best.cand, best.active)
+    if best.wait <= 0 or weight <= 0:
         return None
-    best.wait = wait
-    best.cost += weight * wait
+    best.cost += weight * best.wait
     spare = [s for s in out[1:] if _spare(s) and s.cost < best.cost]
     return min(spare, key=_order) if spare else None
 

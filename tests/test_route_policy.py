@@ -179,8 +179,10 @@ def test_a_conversation_leaves_an_owner_with_every_decode_slot_taken_for_a_backe
     for kw in ({"active": 15}, {"held": 0.0}, {"tps": 0.0}, {"slots": 0}):
         d = rank(cands(**kw), 9500, 64)
         assert d.best.cand.backend_id == "a" and d.best.wait == 0, kw
-    # Weight 0: the rule before (A/B runs).
-    assert rank(cands(), 9500, 64, cfg=RoutingConfig(slot_wait_weight=0)).best.cand.backend_id == "a"
+    # Weight 0: the rule before (A/B runs); the wait is shown, not counted.
+    d = rank(cands(), 9500, 64, cfg=RoutingConfig(slot_wait_weight=0))
+    assert (d.best.cand.backend_id, d.best.wait) == ("a", pytest.approx(2700.0))
+    assert d.best.cost == pytest.approx(28 + 0.03 * 18 * 256)
 
 
 def test_an_empty_idle_backend_takes_a_shared_prefix_once_its_owner_is_busier_than_the_prefix():
