@@ -230,16 +230,6 @@ class Engine:
         evict other entries (docs/cache-policy.md)."""
         raise NotImplementedError
 
-    def decode_seconds_now(self) -> float:
-        """Seconds a request decodes here (first token to end), for the gateways' estimate of the
-        wait for a decode slot: the moving average of the requests that ended
-        (``decode_seconds``), or, when longer, the mean time the requests decoding now have
-        decoded so far (helper-90: answers ten times longer than the last ones held every slot
-        while the average still said 3 s)."""
-        now = time.monotonic()
-        running = [now - lv.first_token_at for lv in list(self._live.values()) if lv.first_token_at]
-        return max(self.decode_seconds, sum(running) / len(running)) if running else self.decode_seconds
-
     def stats(self) -> dict:
         raise NotImplementedError
 
@@ -470,6 +460,16 @@ class MLXEngine(Engine):
         return {"disk_entries": len(d), "disk_bytes": d.nbytes, "disk_budget_bytes": d.max_bytes,
                 "disk_spills": d.spills, "disk_reads": d.reads, "disk_read_tokens": d.read_tokens,
                 "disk_evictions": d.evictions, "disk_failures": d.failures, "disk_write_bytes": d.write_bytes}
+
+    def decode_seconds_now(self) -> float:
+        """Seconds a request decodes here (first token to end), for the gateways' estimate of the
+        wait for a decode slot: the moving average of the requests that ended
+        (``decode_seconds``), or, when longer, the mean time the requests decoding now have
+        decoded so far (helper-90: answers ten times longer than the last ones held every slot
+        while the average still said 3 s)."""
+        now = time.monotonic()
+        running = [now - lv.first_token_at for lv in list(self._live.values()) if lv.first_token_at]
+        return max(self.decode_seconds, sum(running) / len(running)) if running else self.decode_seconds
 
     def stats(self) -> dict:
         return {

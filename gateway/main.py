@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seed an empty, idle backend only by load against prefix, not also when the chosen backend "
                         "has a request in flight for each of its decode slots (the rule before session 48)")
     p.add_argument("--slot-wait-weight", type=non_negative_float, default=RoutingConfig.slot_wait_weight,
-                   help="cost per token of the wait for a decode slot on the cheapest backend when it has a "
+                   help="cost per token of the wait for a decode slot on the chosen backend when it has a "
                         "request in flight for each of its slots (its measured decode time and prefill rate turned "
                         "into tokens), against backends with compute to spare (0: none, the rule before "
                         "session 49; docs/routing.md)")
@@ -89,7 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "when it changed (ms)")
     # An empty one overrode MLXGW_INTERNAL_TOKEN, and every backend refused the gateway (helper-67).
     p.add_argument("--internal-token", default=os.environ.get("MLXGW_INTERNAL_TOKEN") or None, type=non_empty_arg)
-    p.add_argument("--read-timeout", type=non_negative_float, default=300.0, help="seconds of backend silence before failing over (0: no limit); a request waiting for a "
+    p.add_argument("--read-timeout", type=non_negative_float, default=300.0,
+                   help="seconds of backend silence before failing over (0: no limit); a request waiting for a "
                         "decode slot is silent until its prefill starts, so keep this above the longest such wait")
     p.add_argument("--gone-after", type=non_negative_float, default=3.0,
                    help="seconds a backend may be out of the Redis registry (no heartbeat: hung or dead) before "

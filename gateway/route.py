@@ -55,8 +55,8 @@ in flight for each of its ``S`` decode slots, this one would wait for a slot the
 ``wait = (active - S + 1) / S * decode_seconds * prefill_tps`` tokens of prefill
 (slots free at about ``S`` per ``decode_seconds``, the mean time a request
 decodes there, first token to end, or what the running ones have run if longer;
-both figures measured by the backend and
-read from its registry record; `slot_wait`). Its cost grows by
+both figures measured by the backend and read from its registry record;
+`slot_wait`). Its cost grows by
 ``slot_wait_weight`` times that, and a backend with compute to spare (no prompt
 queued, at most a quarter of its decode slots in use) that is now cheaper takes
 the request (reason ``wait``): a conversation whose history the full backend
@@ -177,7 +177,7 @@ class Scored:
     free_cache: int = 0
     tiebreak: int = 0
     evicts: bool = False
-    wait: float = 0.0  # its wait for a decode slot, in prefill tokens, when counted (`_relieve`)
+    wait: float = 0.0  # the chosen one's wait for a decode slot, in prefill tokens, when it has none (`_relieve`)
 
     def explain(self) -> str:
         flag = (",overloaded" if self.overloaded else "") + (",evicts" if self.evicts else "")
