@@ -431,6 +431,9 @@ async def handle_health(request: web.Request) -> web.Response:
         "redis": st.index.healthy,
         "degraded": not st.index.healthy,
         "backends": live,
+        # Of those, the ones still loading (registered, not ready): not routed to yet.
+        "starting": {m: [c.backend_id for c in st.index.snapshot.get(m, []) if c.state == "starting"]
+                     for m in st.tokenizers.models},
         "not_served": other,
         "lookups": st.index.lookups,
         "lookups_stretched": st.index.lookups_stretched,

@@ -284,6 +284,9 @@ class Stack:
             while time.time() < deadline:
                 body = http.get_json(g.url + "/health") or {}
                 seen = set((body.get("backends") or {}).get(self.model_name, []))
+                # Listed as ready: a registry refresh from before a backend was ready lists it
+                # `starting` (backend_up 0 in a test's first scrape, CI at 1071335).
+                seen -= set((body.get("starting") or {}).get(self.model_name, []))
                 if seen >= want:
                     break
                 time.sleep(0.1)

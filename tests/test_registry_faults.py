@@ -377,3 +377,33 @@ def test_the_event_feed_shows_a_killed_backend_lost_and_its_next_start(make_stac
     out = subprocess.run([sys.executable, "-m", "mlxgw", "status", "--redis-url", s.redis_url,
                           "--namespace", s.namespace], capture_output=True, text=True, timeout=60).stdout
     assert re.search(r"lost\s+b0\s+silent_s=", out) and re.search(r"started\s+b1\s+url=\S+ previous=vanished", out), out
+
+
+def test_a_backend_still_loading_is_listed_as_starting_and_not_routed_to(make_stack):
+    """A backend registers as `starting` while it loads its model and turns `ready` after: the
+    gateway's /health lists it among the live backends and under `starting` meanwhile, and
+    routes nothing there (the test harness waits for that list to empty: a refresh from
+    before a backend was ready made a test's first scrape read backend_up 0, CI at 1071335)."""
+    from mlxgw.schema import Keys
+
+    s = make_stack()
+    s.add_backend("b0", None, "--engine", "sim")
+    g = s.add_gateway()
+    s.wait()
+    assert get_json(g.url + "/health")["starting"] == {"demo-tiny": []}
+    r, k = redis_lib.Redis.from_url(s.redis_url), Keys(s.namespace, s.model_name)
+    rec = {a.decode(): v.decode() for a, v in r.hgetall(k.backend("b0")).items()}
+    deadline = time.time() + 10
+    while "loading" not in get_json(g.url + "/health")["starting"]["demo-tiny"] and time.time() < deadline:
+        r.hset(k.backend("loading"), mapping={**rec, "id": "loading", "state": "starting", "active": "0",
+                                              "cache_bytes": "0", "cache_budget_bytes": str(2**40),
+                                              "last_heartbeat": f"{time.time():.3f}"})
+        r.expire(k.backend("loading"), 30)
+        r.zadd(k.backends, {"loading": time.time()})
+        time.sleep(0.2)
+    h = get_json(g.url + "/health")
+    assert sorted(h["backends"]["demo-tiny"]) == ["b0", "loading"] and h["starting"] == {"demo-tiny": ["loading"]}
+    # The most free cache would take a cold prompt first: it is not a candidate while starting.
+    answers = [_ask(g.url, f"cold {i} " * 30) for i in range(3)]
+    assert [(st, hd["X-Mlxgw-Backend"]) for st, hd, _ in answers] == [(200, "b0")] * 3
+    assert all("loading" not in hd["X-Mlxgw-Candidates"] for _, hd, _ in answers)
