@@ -199,6 +199,12 @@ def test_two_gateways_share_load_and_decisions(make_stack, redis_server):
     assert {e["data"]["gateway"] for e in routed} == gateways, routed[:2]
 
 
+def _candidate(h, backend: str) -> dict:
+    """``backend``'s figures in a response's X-Mlxgw-Candidates: {"matched": "640", "active": "1", ...}."""
+    cand = next(c for c in h["X-Mlxgw-Candidates"].split() if c.startswith(backend + ":"))
+    return dict(kv.split("=") for kv in cand[len(backend) + 1:].split(",") if "=" in kv)
+
+
 def _ask_after(url, system, user):
     """A 2-token chat answer to ``system`` then ``user``; its response headers."""
     status, h, body = post(url + "/v1/chat/completions", {
@@ -283,8 +289,7 @@ def test_a_backend_added_beside_an_owner_with_every_decode_slot_taken_takes_the_
     busy.close()
     assert (h["X-Mlxgw-Backend"], h["X-Mlxgw-Route-Reason"]) == ("b1", "seed"), h["X-Mlxgw-Candidates"]
     assert h["X-Mlxgw-Matched-Tokens"] == "0"
-    b0_row = dict(kv.split("=") for kv in next(
-        c for c in h["X-Mlxgw-Candidates"].split() if c.startswith("b0:"))[3:].split(",") if "=" in kv)
+    b0_row = _candidate(h, "b0")
     assert int(b0_row["matched"]) >= 640 and b0_row["active"] == "1", h["X-Mlxgw-Candidates"]  # passed over
 
 
@@ -312,10 +317,6 @@ def test_a_conversation_leaves_an_owner_with_every_decode_slot_taken_for_a_backe
         status, h, body = post(url + "/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens})
         assert status == 200, body
         return h, json.loads(body)
-
-    def row(h, backend):
-        cand = next(c for c in h["X-Mlxgw-Candidates"].split() if c.startswith(backend + ":"))
-        return dict(kv.split("=") for kv in cand[len(backend) + 1:].split(",") if "=" in kv)
 
     chat(b1.url, [system, {"role": "user", "content": "hello"}])  # b1 holds the system prompt
     # Two conversations' first turns on b0, 25-token answers at 50 tokens/s: ~0.5 s of decode each.
@@ -351,14 +352,14 @@ def test_a_conversation_leaves_an_owner_with_every_decode_slot_taken_for_a_backe
     busy.close()
     waiter.join(60)
     assert (moved["X-Mlxgw-Backend"], moved["X-Mlxgw-Route-Reason"]) == ("b1", "wait"), moved["X-Mlxgw-Candidates"]
-    b0_row, b1_row = row(moved, "b0"), row(moved, "b1")
+    b0_row, b1_row = _candidate(moved, "b0"), _candidate(moved, "b1")
     assert b0_row["active"] == "1" and float(b0_row["wait"]) > 0, moved["X-Mlxgw-Candidates"]
     assert 0 < int(b1_row["matched"]) < int(b0_row["matched"]), moved["X-Mlxgw-Candidates"]  # b0 owned more
     assert (kept["X-Mlxgw-Backend"], kept["X-Mlxgw-Route-Reason"]) == ("b0", "prefix"), kept["X-Mlxgw-Candidates"]
     # It waited, and says so: its wait is shown, not counted.
-    kept_b0 = row(kept, "b0")
+    kept_b0 = _candidate(kept, "b0")
     assert kept_b0["active"] == "1" and float(kept_b0["wait"]) > 0, kept["X-Mlxgw-Candidates"]
-    assert float(kept_b0["cost"]) < float(row(kept, "b1")["cost"]), kept["X-Mlxgw-Candidates"]
+    assert float(kept_b0["cost"]) < float(_candidate(kept, "b1")["cost"]), kept["X-Mlxgw-Candidates"]
 
 
 def test_session_affinity_keeps_routing_without_redis(demo_model):
