@@ -342,7 +342,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
         if pr.stream:
             resp = await _stream(request, choices, pr, reporter, engine, cfg.request_timeout)
         else:
-            resp = await _collect(choices, reporter, engine, cfg.request_timeout, pr.return_token_ids)
+            resp = await _collect(request, choices, reporter, engine, cfg.request_timeout, pr.return_token_ids)
         finished = True
         return resp
     finally:
@@ -398,18 +398,22 @@ class GenerationTimeout(RequestError):
                          status=504, type="server_error", code="timeout")
 
 
-async def _next_event(events: asyncio.Queue, submitted_at: float, timeout: float):
+async def _next_event(events: asyncio.Queue, submitted_at: float, timeout: float, tick: float = 0.0):
     """The next item of ``events`` (a request's engine events), or GenerationTimeout once
     ``timeout`` seconds have passed since ``submitted_at`` (a server-side cancel: the
     caller's ``finally`` cancels generation and the engine saves the cache). A ``timeout``
-    of 0 is no limit (it timed every request out at once)."""
-    if timeout <= 0:
+    of 0 is no limit (it timed every request out at once). ``tick`` > 0: None once ``tick``
+    seconds pass first with no event (the caller sends a keep-alive)."""
+    limit = submitted_at + timeout - time.monotonic() if timeout > 0 else None
+    wait = limit if tick <= 0 else tick if limit is None else min(limit, tick)
+    if wait is None:
         return await events.get()
-    left = submitted_at + timeout - time.monotonic()
     try:
-        return await asyncio.wait_for(events.get(), max(left, 0.0))
+        return await asyncio.wait_for(events.get(), max(wait, 0.0))
     except asyncio.TimeoutError:
-        raise GenerationTimeout(timeout) from None
+        if limit is not None and limit <= wait:
+            raise GenerationTimeout(timeout) from None
+        return None
 
 
 async def _collect_choice(ch: Choice, engine, timeout: float, token_ids: bool) -> dict:
@@ -444,14 +448,42 @@ async def _collect_choice(ch: Choice, engine, timeout: float, token_ids: bool) -
     return body
 
 
-async def _collect(choices: list[Choice], reporter, engine, timeout: float, token_ids: bool = False) -> web.Response:
-    bodies = await asyncio.gather(*(_collect_choice(ch, engine, timeout, token_ids) for ch in choices))
+async def _collect(request, choices: list[Choice], reporter, engine, timeout: float,
+                   token_ids: bool = False) -> web.StreamResponse:
+    """The whole answer as one JSON body. One that takes over `schema.KEEPALIVE_SECONDS` sends
+    its headers (200, no `schema.CACHED_TOKENS`: its usage has the count) and a newline each
+    `schema.KEEPALIVE_SECONDS` until the body, so a gateway's read timeout measures silence, not
+    the answer's length (helper-90: every non-streamed answer longer than ``--read-timeout`` was
+    retried on another backend). A failure after the headers is the error body with that 200."""
+    work = asyncio.ensure_future(asyncio.gather(*(_collect_choice(ch, engine, timeout, token_ids) for ch in choices)))
+    resp = None
+    try:
+        while not (await asyncio.wait({work}, timeout=schema.KEEPALIVE_SECONDS))[0]:
+            if resp is None:
+                resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+                await resp.prepare(request)
+            await resp.write(b"\n")
+        bodies = work.result()
+    except RequestError as e:
+        if resp is None:
+            raise
+        for ch in choices:  # as the caller does for an error it sees: stop generating, save the cache
+            engine.cancel(ch.req.rid, abandoned=True)
+        await resp.write(json.dumps(e.body()).encode())
+        await resp.write_eof()
+        return resp
+    finally:
+        work.cancel()  # the client left (this handler cancelled): the caller cancels the generation
     await reporter.settle()
     body = bodies[0]
     body["choices"] = [b["choices"][0] for b in bodies]
     body["usage"] = _usage(choices)
     cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
-    return web.json_response(body, headers={"X-Mlxgw-Cached-Tokens": str(cached)})
+    if resp is None:
+        return web.json_response(body, headers={schema.CACHED_TOKENS: str(cached)})
+    await resp.write(json.dumps(body).encode())
+    await resp.write_eof()
+    return resp
 
 
 def effective_top_k(top_k: int, engine) -> int:
@@ -476,7 +508,7 @@ async def _stream(request, choices: list[Choice], pr, reporter, engine, timeout:
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",
-            "X-Mlxgw-Cached-Tokens": "0",
+            schema.CACHED_TOKENS: "0",
         }
     )
     submitted_at = choices[0].req.submitted_at
@@ -488,10 +520,11 @@ async def _stream(request, choices: list[Choice], pr, reporter, engine, timeout:
         events, one = asyncio.Queue(), None
         pumps = [asyncio.create_task(_pump(ch, events)) for ch in choices]
     try:
-        started = False
+        started = False  # headers sent
+        begun = False  # an engine event came (the first: its prefill started, with its cache hit)
         while True:
             try:
-                item = await _next_event(events, submitted_at, timeout)
+                item = await _next_event(events, submitted_at, timeout, 0.0 if begun else schema.KEEPALIVE_SECONDS)
             except GenerationTimeout as e:
                 if not started:
                     raise  # nothing sent yet: a plain 504
@@ -499,10 +532,23 @@ async def _stream(request, choices: list[Choice], pr, reporter, engine, timeout:
                     engine.cancel(ch.req.rid, abandoned=True)
                 await resp.write(_sse(e.body()))
                 break
+            if item is None:
+                # Waiting for a decode slot: headers now, without the cache hit it does not know
+                # yet, and a comment each tick (`schema.QUEUED_COMMENT`)
+                if not started:
+                    del resp.headers[schema.CACHED_TOKENS]
+                    await resp.prepare(request)
+                    started = True
+                await resp.write(schema.QUEUED_COMMENT)
+                continue
             ch, ev = (one, item) if one is not None else item
+            if not begun:
+                begun = True
+                if ev.kind == "start" and started:
+                    await resp.write(schema.cached_comment(ev.cached))
+                elif ev.kind == "start":  # the first choice to start: the one computing the prompt
+                    resp.headers[schema.CACHED_TOKENS] = str(ev.cached)
             if not started:
-                if ev.kind == "start":  # the first choice to start: the one computing the prompt
-                    resp.headers["X-Mlxgw-Cached-Tokens"] = str(ev.cached)
                 await resp.prepare(request)
                 started = True
             if ev.kind == "start":

@@ -90,8 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # An empty one overrode MLXGW_INTERNAL_TOKEN, and every backend refused the gateway (helper-67).
     p.add_argument("--internal-token", default=os.environ.get("MLXGW_INTERNAL_TOKEN") or None, type=non_empty_arg)
     p.add_argument("--read-timeout", type=non_negative_float, default=300.0,
-                   help="seconds of backend silence before failing over (0: no limit); a request waiting for a "
-                        "decode slot is silent until its prefill starts, so keep this above the longest such wait")
+                   help="seconds of backend silence before failing over (0: no limit); a backend sends a "
+                        "keep-alive each second while a request waits there or a whole answer is computed")
     p.add_argument("--gone-after", type=non_negative_float, default=3.0,
                    help="seconds a backend may be out of the Redis registry (no heartbeat: hung or dead) before "
                         "the requests waiting on it go to another backend, or a stream it began ends with an "

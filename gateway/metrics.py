@@ -28,6 +28,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mlxgw import metric_buckets as B
+from mlxgw import schema
 
 from .index import LEFT_SHOWN
 
@@ -183,7 +184,7 @@ def request_done(m: GatewayMetrics, *, rid: str, model: str, prompt_tokens: int,
     backend = used.backend_id if used is not None else "-"
     matched = int(used.headers.get("X-Mlxgw-Matched-Tokens", 0)) if used is not None else 0
     # A client that left mid-stream has no response here; the backend's own header counts it.
-    raw = (used.answer_headers or {}).get("X-Mlxgw-Cached-Tokens") if used is not None else None
+    raw = (used.answer_headers or {}).get(schema.CACHED_TOKENS) if used is not None else None
     cached = int(raw) if raw is not None else None
     ttft = (used.first_byte_at - t0) if used is not None and used.first_byte_at else None
     if resp is not None and resp.status >= 400 and outcome == "ok":

@@ -35,6 +35,7 @@ from typing import Callable, Mapping, Optional, Protocol
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from mlxgw import schema
 from mlxgw.rlimit import out_of_resources
@@ -117,6 +118,36 @@ class Attempt:
     answer_headers: Optional[Mapping[str, str]] = None
     # Why the backend cut this stream, from its `schema.failed_comment`: (fatal, reason)
     cut_why: Optional[tuple] = None
+
+
+def _set_cached(a: Attempt, cached: int) -> None:
+    """Record the cache hit (prompt tokens) a backend sent after its headers as if it had been one
+    of them: the metrics, the access log and the client's headers read it there."""
+    headers = CIMultiDict(a.answer_headers or {})
+    headers[schema.CACHED_TOKENS] = str(cached)
+    a.answer_headers = headers
+
+
+def _late_answer(up: aiohttp.ClientResponse, data: bytes) -> Optional[tuple[bytes, Optional[int], Optional[str]]]:
+    """For a whole JSON answer whose headers the backend sent before it was done (no
+    `schema.CACHED_TOKENS`; it sent newlines while it worked, `backend.server._collect`): the
+    body without them, its usage's cached tokens (None: none given) and its error message (None:
+    no error; the 200 went out before it failed). None for an answer sent whole."""
+    if up.status != 200 or schema.CACHED_TOKENS in up.headers:
+        return None
+    data = data.lstrip()
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return data, None, None  # not ours to judge: passed on as it came
+    if not isinstance(obj, dict):
+        return data, None, None
+    if "error" in obj:
+        err = obj["error"] if isinstance(obj["error"], dict) else {}
+        return data, None, str(err.get("message") or obj["error"])
+    details = (obj.get("usage") or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    return data, int(cached) if isinstance(cached, int) else None, None
 
 
 class Transform(Protocol):
@@ -578,7 +609,20 @@ class Proxy:
                             try:
                                 data = await up.read()
                             except aiohttp.ClientPayloadError as e:
+                                if schema.CACHED_TOKENS not in up.headers:
+                                    # Only its keep-alive newlines came (it writes its body whole)
+                                    raise aiohttp.ServerDisconnectedError(f"closed after its headers: {e}") from e
                                 raise aiohttp.ClientConnectionError(f"answer cut off: {e}") from e
+                            late = _late_answer(up, data)
+                            if late is not None:  # headers sent before the answer was done
+                                data, cached, failure = late
+                                if failure is not None:  # what a 5xx would have said
+                                    last_err = f"backend {a.backend_id} failed: {failure}"
+                                    errs.append(last_err)
+                                    timed_out = False
+                                    continue
+                                if cached is not None:
+                                    _set_cached(a, cached)
                     a.answered = True
                     if not is_sse:
                         self.inflight.started(a.backend_id, handle)
@@ -597,7 +641,10 @@ class Proxy:
                             out = web.StreamResponse(status=up.status)
                             self._copy_headers(out, up, a, transform)
                             await out.prepare(request)
-                            first = t_feed(b"")
+                            # A backend that sent its headers while the request waited for a decode
+                            # slot sends its cache hit later (`schema.cached_comment`): a dialect's
+                            # opening event (Anthropic's message_start has the usage) waits for it.
+                            first = t_feed(b"") if schema.CACHED_TOKENS in up.headers else b""
                             if first:
                                 await self._write(request, out, first)
                         else:
@@ -688,12 +735,13 @@ class Proxy:
 
     @staticmethod
     def _copy_headers(out: web.StreamResponse, up: aiohttp.ClientResponse, a: Attempt, transform) -> None:
-        for k, v in up.headers.items():
+        headers = a.answer_headers if a.answer_headers is not None else up.headers  # with a late cache hit
+        for k, v in headers.items():
             if k.lower() not in _SKIP:
                 out.headers[k] = v
         out.headers.update(a.headers)
         if transform is not None:
-            out.headers.update(transform.begin(up.status, up.headers, a.headers))
+            out.headers.update(transform.begin(up.status, headers, a.headers))
 
     async def _stream_body(self, request, out, up, a: Attempt, handle: int, transform, t_feed) -> Optional[BaseException]:
         """Copy (or transform) the backend's event stream to the client.
@@ -718,6 +766,15 @@ class Proxy:
             if chunk and schema.FAILED_MARK in chunk:  # the backend is about to cut the stream: why
                 chunk, why = schema.parse_failed_comment(chunk, at_line_start=tail[-1:] == b"\n")
                 a.cut_why = why or a.cut_why
+            if chunk and (schema.QUEUED_COMMENT in chunk or schema.CACHED_MARK in chunk):
+                # The request waits for a decode slot there, then its cache hit (`schema.KEEPALIVE_SECONDS`)
+                chunk, queued, cached = schema.parse_queue_comments(chunk, at_line_start=tail[-1:] == b"\n")
+                if cached is not None:
+                    _set_cached(a, cached)
+                    if transform is not None:
+                        transform.cached_tokens = cached
+                if queued and tail == b"\n\n":
+                    await self._write(request, out, transform.keepalive() if transform else KEEPALIVE)
             if chunk:
                 tail = (tail + chunk)[-2:]
                 if prefill_open and b"data:" in chunk:

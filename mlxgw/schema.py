@@ -299,6 +299,49 @@ def parse_failed_comment(chunk: bytes, at_line_start: bool = True) -> tuple[byte
     return chunk[:at] + chunk[end:], (kind == "fatal", why)
 
 
+# A backend answer's keep-alive while its request has not begun (helper-90: a request waiting
+# for a decode slot sent nothing, not even headers, so a gateway `--read-timeout` shorter than the
+# wait failed a healthy, full backend over). After `KEEPALIVE_SECONDS` without its first engine
+# event a stream sends its headers without `CACHED_TOKENS` (its prefill has not looked the cache
+# up yet), `QUEUED_COMMENT` each `KEEPALIVE_SECONDS` until the prefill starts, then
+# `cached_comment`; a non-streamed answer sends a newline each `KEEPALIVE_SECONDS` (JSON allows
+# leading whitespace) and its usage carries the count. A gateway reads both and sends neither.
+CACHED_TOKENS = "X-Mlxgw-Cached-Tokens"
+KEEPALIVE_SECONDS = 1.0
+QUEUED_COMMENT = b": mlxgw-queued\n\n"
+CACHED_MARK = b": mlxgw-cached "
+
+
+def cached_comment(cached: int) -> bytes:
+    """`CACHED_MARK`'s comment: the prompt tokens (int) the backend read from its prompt cache."""
+    return CACHED_MARK + str(int(cached)).encode() + b"\n\n"
+
+
+def parse_queue_comments(chunk: bytes, at_line_start: bool = True) -> tuple[bytes, int, Optional[int]]:
+    """``chunk`` without its `QUEUED_COMMENT` and `cached_comment` lines, how many queued
+    comments it held, and the cached count (None: no such comment). Only comments at the start
+    of a line count, as in `parse_failed_comment`; ``at_line_start``: whether ``chunk`` starts one."""
+    queued, cached = 0, None
+    for mark in (QUEUED_COMMENT, CACHED_MARK):
+        at = chunk.find(mark)
+        while at >= 0:
+            if not (chunk[at - 1:at] == b"\n" if at else at_line_start):
+                at = chunk.find(mark, at + 1)
+                continue
+            end = chunk.find(b"\n\n", at)
+            end = len(chunk) if end < 0 else end + 2
+            if mark is QUEUED_COMMENT:
+                queued += 1
+            else:
+                try:
+                    cached = int(chunk[at + len(mark):end].strip())
+                except ValueError:
+                    pass
+            chunk = chunk[:at] + chunk[end:]
+            at = chunk.find(mark, at)
+    return chunk, queued, cached
+
+
 # The header every backend answer carries with its backend id: a gateway that reached something
 # else at a backend's registered URL (another backend, another server) can tell.
 SERVED_BY = "X-Mlxgw-Served-By"

@@ -245,8 +245,8 @@ def test_server_timeout_saves(backend, tok, stream):
         reply = "".join(
             json.loads(ln[6:])["choices"][0]["delta"].get("content") or "" for ln in lines[:-2]
         )
-    else:
-        assert status == 504
+    else:  # its headers went out after a second (a newline each second since): the error body after them
+        assert status == 200 and raw.startswith(b"\n")
         assert json.loads(raw)["error"]["code"] == "timeout"
         reply = None
     wait_idle(backend)

@@ -748,3 +748,109 @@ def test_an_engine_failure_mid_stream_ends_the_clients_stream_as_a_failure(make_
         time.sleep(0.2)
     assert "outcome=backend_failed" in s.gateway.log_path.read_text()
     assert b0.proc.poll() is None and get_json(b0.url + "/health")["batch_failures"] == 1
+
+
+def _cached_total(gateway_url: str) -> float:
+    """The gateway's ``mlxgw:gateway_cached_tokens_total`` over every model."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(gateway_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "mlxgw:gateway_cached_tokens_total")
+
+
+def test_requests_waiting_for_a_decode_slot_outlast_a_short_read_timeout(make_stack):
+    """A request waiting at its backend for a decode slot, streamed or not, gets its answer from
+    that backend however long the wait, with the gateway's ``--read-timeout`` shorter: the backend
+    sends its headers and a keep-alive each second (`schema.KEEPALIVE_SECONDS`), then its cache
+    hit, which the usage, the metrics, Anthropic's message_start and a whole answer's
+    ``X-Mlxgw-Cached-Tokens`` all give (helper-90: at ``--read-timeout 5`` a request that
+    waited 11.7 s was retried elsewhere and the full, healthy backend's circuit opened)."""
+    import threading
+
+    import anthropic
+
+    s = make_stack()
+    # One sequence at a time (the sim raises the decode slots to the prefill concurrency)
+    b0 = s.add_backend("b0", None, "--engine", "sim", "--decode-concurrency", "1", "--prefill-concurrency", "1",
+                       "--sim-decode-rate", "20")
+    g = s.add_gateway("--read-timeout", "2.5")
+    s.wait()
+    text = words(300, seed=91)
+    assert _ask(g.url, text)[0] == 200  # b0 holds it
+    # b0's only decode slot taken for ~6 s (120 tokens at 20 per second)
+    busy_conn, busy = _open_stream(g.url, "/v1/chat/completions", {
+        "model": "demo-tiny", "messages": [{"role": "user", "content": words(30, seed=92)}],
+        "max_tokens": 120, "stream": True})
+    assert busy.status == 200
+    deadline = time.time() + 20
+    while not _busy(b0) and time.time() < deadline:
+        time.sleep(0.05)
+    before = _cached_total(g.url)
+    out = {}
+
+    def streamed():
+        client = openai.OpenAI(base_url=g.url + "/v1", api_key="x", max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(
+            model="demo-tiny", messages=[{"role": "user", "content": text}], max_tokens=2, stream=True,
+            stream_options={"include_usage": True})
+        chunks = list(raw.parse())
+        out["openai"] = (raw.headers.get("X-Mlxgw-Backend"), raw.headers.get("X-Mlxgw-Route-Reason"),
+                         chunks[-1].usage.prompt_tokens_details.cached_tokens)
+
+    def whole():
+        status, h, body = _ask(g.url, text, max_tokens=2)
+        out["whole"] = (status, h.get("X-Mlxgw-Backend"), h.get("X-Mlxgw-Cached-Tokens"),
+                        json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    def claude():
+        client = anthropic.Anthropic(base_url=g.url, api_key="x", max_retries=0)
+        with client.messages.stream(model="demo-tiny", max_tokens=2,
+                                    messages=[{"role": "user", "content": text}]) as st:
+            events = list(st)
+        start = next(e for e in events if e.type == "message_start")
+        out["anthropic"] = (start.message.usage.cache_read_input_tokens,
+                            st.get_final_message().usage.cache_read_input_tokens)
+
+    t0 = time.time()
+    threads = [threading.Thread(target=f) for f in (streamed, whole, claude)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    took = time.time() - t0
+    busy_conn.close()
+    assert took > 2.5 + 1, took  # they waited longer than the read timeout
+    # The reference: the same prompt's cache hit when nothing waits (headers with the count)
+    status, h, body = _ask(g.url, text, max_tokens=2)
+    hit = json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert status == 200 and int(h["X-Mlxgw-Cached-Tokens"]) == hit > 250, (h, body)
+    assert out["openai"] == ("b0", "prefix", hit), out
+    assert out["whole"] == (200, "b0", str(hit), hit), out
+    assert out["anthropic"] == (hit, hit), out
+    # These four and the request that held the slot (over before they began)
+    assert _cached_total(g.url) - before == 4 * hit + int(busy.getheader("X-Mlxgw-Cached-Tokens"))
+    health = get_json(g.url + "/health")
+    assert (health["retries"], health["circuit_open"]) == (0, []), health
+
+
+def test_a_whole_answer_that_fails_after_its_headers_is_an_error_not_a_200(make_stack):
+    """A non-streamed answer sends its headers (200) and keep-alive newlines once it has taken a
+    second; the backend's ``--request-timeout`` ending it then is an error body after them, which
+    a gateway takes for the failure it is (tried elsewhere, here nowhere: 503 with the reason),
+    never a 200 with an error inside."""
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim", "--sim-decode-rate", "5", "--request-timeout", "2")
+    g = s.add_gateway()
+    s.wait()
+    body = {"model": "demo-tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 100}
+    status, h, raw = post(b0.url + "/v1/chat/completions", body)
+    assert status == 200 and raw.startswith(b"\n") and "X-Mlxgw-Cached-Tokens" not in h, (status, h, raw)
+    assert json.loads(raw)["error"]["code"] == "timeout", raw
+    status, h, raw = post(g.url + "/v1/chat/completions", body)
+    err = json.loads(raw)["error"]
+    assert status == 503 and err["code"] == "backend_unavailable", (status, raw)
+    assert "b0 failed: generation timed out after 2 s" in err["message"], err

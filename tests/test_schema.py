@@ -126,6 +126,22 @@ def test_event_roundtrip():
     assert d["data"] == {"tokens": 5, "blocks": 1}
 
 
+def test_the_queue_comments_are_taken_out_and_the_cached_count_read():
+    """A backend's keep-alives while a request waits for a decode slot and the cache hit it sends
+    once the prefill starts (`schema.parse_queue_comments`): counted, read and taken out of
+    whatever chunk they arrive in; the marks' words inside an answer are left alone."""
+    from mlxgw import schema
+
+    q, c = schema.QUEUED_COMMENT, schema.cached_comment(573)
+    assert c == b": mlxgw-cached 573\n\n"
+    assert schema.parse_queue_comments(q + q + c + b": keepalive 512/574\n\n") == (b": keepalive 512/574\n\n", 2, 573)
+    assert schema.parse_queue_comments(q) == (b"", 1, None)
+    said = b'data: {"content": "x\\n: mlxgw-cached 9"}\n\n'
+    assert schema.parse_queue_comments(said) == (said, 0, None)
+    assert schema.parse_queue_comments(b": mlxgw-cached 9\n\n", at_line_start=False) == (b": mlxgw-cached 9\n\n", 0, None)
+    assert schema.parse_queue_comments(c + b"data: [DONE]\n\n") == (b"data: [DONE]\n\n", 0, 573)
+
+
 def test_the_failed_comment_is_found_in_any_chunk_and_taken_out():
     """A backend's reason for cutting a stream (`schema.failed_comment`) may arrive glued to the
     data before it: the gateway takes it out whole and keeps the rest."""

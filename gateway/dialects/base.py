@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from typing import Mapping, Optional
 
+from mlxgw import schema
 from mlxgw.protocol import new_id  # noqa: F401 - the dialects' ids (re-exported)
 
 
@@ -152,7 +153,7 @@ class ChatTransform:
         self.status = status
         self.request_id = route.get("request-id", "")  # the routed request's (Anthropic error bodies)
         self.prompt_tokens = int(route.get("X-Mlxgw-Prompt-Tokens", "0") or 0)
-        self.cached_tokens = int(headers.get("X-Mlxgw-Cached-Tokens", "0") or 0)
+        self.cached_tokens = int(headers.get(schema.CACHED_TOKENS, "0") or 0)
         if status >= 400 or not headers.get("Content-Type", "").startswith("text/event-stream"):
             self.buffered = True
             return {"Content-Type": "application/json"}
