@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from mlxgw import schema
-from mlxgw.config import ModelConfig
+from mlxgw.config import ENGINES, ModelConfig
 from mlxgw.prompt import tokenizer_fingerprint
 from mlxgw.redis_client import redis_problem
 from mlxgw.rlimit import raise_open_files_limit
@@ -161,7 +161,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inflight-claims", action=argparse.BooleanOptionalAction, default=True,
                    help="report a request's prompt blocks as owned from its arrival until it ends, so every "
                         "gateway sends its siblings here (docs/redis-schema.md); off: only saved entries")
-    p.add_argument("--engine", choices=["mlx", "sim"], default="mlx",
+    p.add_argument("--engine", choices=ENGINES, default="mlx",
                    help="mlx: the model; sim: a timing model, no weights (docs/sim.md)")
     p.add_argument(
         "--internal-token",

@@ -22,12 +22,18 @@ else:  # pragma: no cover
 from . import schema
 
 
+ENGINES = ("mlx", "sim")  # `mlxgw backend --engine`
+
+
 @dataclass
 class ModelConfig:
     """One served model and its backends (ports ``port .. port + backends - 1``)."""
 
     name: str = ""
     path: str = ""  # empty: the demo model
+    # "mlx": the model computes; "sim": the simulated engine (docs/sim.md: the model's tokenizer and
+    # config, no weights loaded, prefill and decode timed as on an Apple Silicon Mac)
+    engine: str = "mlx"
     backends: int = 2
     port: int = 8100
     # The backends' listen address: loopback reaches a gateway on this machine only; "0.0.0.0"
@@ -140,6 +146,8 @@ def load(path: str) -> ServeConfig:
         if m.cache_layout not in LAYOUTS:
             raise ValueError(f"{path} [[models]]: cache_layout must be one of {', '.join(LAYOUTS)}, "
                              f"not {m.cache_layout!r}")
+        if m.engine not in ENGINES:
+            raise ValueError(f"{path} [[models]]: engine must be one of {', '.join(ENGINES)}, not {m.engine!r}")
     remotes = [_pick(RemoteBackend, r, f"{path} [[remote_backends]]") for r in data.pop("remote_backends", [])]
     if data:
         raise ValueError(f"{path}: unknown sections {sorted(data)}")
@@ -351,7 +359,8 @@ def apply_flags(cfg: ServeConfig, args) -> ServeConfig:
                        ("cache_entries", "cache_entries"), ("cache_layout", "cache_layout"),
                        ("decode_concurrency", "decode_concurrency"), ("cache_dir", "cache_dir"),
                        ("cache_save_interval", "cache_save_interval"), ("disk_cache_bytes", "disk_cache_bytes"),
-                       ("max_inflight_share", "max_inflight_share"), ("pin_by_reference", "pin_by_reference")):
+                       ("max_inflight_share", "max_inflight_share"), ("pin_by_reference", "pin_by_reference"),
+                       ("engine", "engine")):
         v = getattr(args, flag, None)
         if v is not None:
             setattr(m0, attr, v)

@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=non_empty_arg, help="model path or repo id (default: the offline demo model)")
     p.add_argument("--served-name", type=non_empty_arg, help="model name clients use (default: the dir name)")
     p.add_argument("--backends", type=positive_int, help="backend processes for the model (default 2)")
+    p.add_argument("--engine", choices=config_mod.ENGINES,
+                   help="mlx (default): the model computes; sim: simulated backends, the model's tokenizer and "
+                        "timing of an Apple Silicon Mac, no weights (docs/sim.md)")
     p.add_argument("--redis-url", type=redis_url_arg, help="Redis URL; default: start a private embedded redis-server")
     p.add_argument("--redis-port", type=port_arg, help="the embedded redis-server's port (default: a free one)")
     p.add_argument("--host", type=non_empty_arg, help="gateway listen address (default 127.0.0.1; :: is IPv6 only, 0.0.0.0 IPv4 only (asyncio's binding, as nginx's [::]))")
@@ -135,6 +138,7 @@ def weights_bytes(model_path: str) -> int:
 
 def check_memory(models: list[config_mod.ModelConfig]) -> Optional[str]:
     """An error message when N copies of the weights (plus 20%) exceed available memory."""
+    models = [m for m in models if m.engine != "sim"]  # loads no weights
     need = sum(int(weights_bytes(m.path) * 1.2) * m.backends for m in models)
     have = available_memory_bytes()
     if need > have:
@@ -150,6 +154,7 @@ def budget_warning(models: list[config_mod.ModelConfig], total_memory: Optional[
     default: psutil's total): the budgets would then never bind, and the machine swaps or the
     backends are killed first (helper-62: `--cache-bytes 1TB` started silently). A warning, not
     an error, since a cache fills its budget only under enough traffic."""
+    models = [m for m in models if m.engine != "sim"]  # neither weights nor KV in memory
     if total_memory is None:
         import psutil
 
@@ -435,7 +440,7 @@ def backend_model_flags(m: config_mod.ModelConfig) -> list[str]:
             *(["--max-inflight-share", str(m.max_inflight_share)] if m.max_inflight_share else []),
             *(["--default-temperature", str(m.default_temperature)] if m.default_temperature is not None else []),
             "--sampling-defaults", m.sampling_defaults,
-            "--request-timeout", str(m.request_timeout)]
+            "--request-timeout", str(m.request_timeout), "--engine", m.engine]
 
 
 def check_cache_dirs(models: list[config_mod.ModelConfig]) -> Optional[str]:
@@ -658,6 +663,11 @@ def _cli() -> str:
     return str(script) if script.exists() else f"{sys.executable} -m mlxgw"
 
 
+def _slots(m: config_mod.ModelConfig) -> str:
+    sim = ", simulated: docs/sim.md" if m.engine == "sim" else ""
+    return f"{m.name}: {m.decode_concurrency} decode slots each{sim}"
+
+
 def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None:
     base = local_base_url(cfg.host, cfg.port)
     # helper-69: a serve under --namespace printed recipes that looked under the default one
@@ -669,7 +679,7 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
         f"  anthropic  {base}   (Anthropic SDK base URL: the SDK adds /v1)",
         f"  models     {', '.join(m.name for m in cfg.models)}",
         f"  backends   {', '.join(c.name + ' ' + c.url for c in children)}"
-        f"   ({', '.join(f'{m.name}: {m.decode_concurrency} decode slots each' for m in cfg.models)})",
+        f"   ({', '.join(_slots(m) for m in cfg.models)})",
         f"  redis      {redact_url(redis_url)}{' (embedded)' if embedded else ''}",
         f"  dashboard  {base}/dashboard   metrics  {base}/metrics",
         f"  api keys   {_keys_summary(cfg)}",
@@ -691,7 +701,7 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
     from backend.main import budget_warnings, model_kv_bytes_per_token
 
     for m in cfg.models:  # each backend logged them above, among its start-up lines
-        kv = model_kv_bytes_per_token(m.path) if m.path else None
+        kv = model_kv_bytes_per_token(m.path) if m.path and m.engine != "sim" else None  # as the backend says
         lines += [f"  warning    {m.name}: {w}" for w in budget_warnings(str(m.cache_bytes), parse_bytes(m.cache_bytes),
                                                                            kv_per_token=kv)]
     print("\n".join(lines + [""]), file=sys.stderr, flush=True)

@@ -574,6 +574,44 @@ def test_serve_cache_layout_flag_reaches_the_backends(tmp_path):
         parser.parse_args(["--cache-layout", "bogus"])
 
 
+def test_serve_engine_sim_starts_simulated_backends_and_checks_no_weights(tmp_path):
+    """`mlxgw serve --engine sim` / ``[[models]] engine = "sim"`` (helper-90): every backend of
+    the model runs the simulated engine, which loads no weights, so the memory check and the
+    budget warning leave it out; ``mlx`` stays the default and anything else is a config error."""
+    from backend.main import add_arguments as backend_arguments
+    from mlxgw import launcher
+
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    bp = argparse.ArgumentParser()
+    backend_arguments(bp)
+
+    def engine_of(cfg):
+        return bp.parse_args(["--model", "m", *launcher.backend_model_flags(cfg.models[0])]).engine
+
+    assert engine_of(config.apply_flags(config.ServeConfig(), parser.parse_args([]))) == "mlx"
+    sim = config.apply_flags(config.ServeConfig(), parser.parse_args(["--engine", "sim", "--cache-bytes", "1TB"]))
+    assert engine_of(sim) == "sim"
+    p = tmp_path / "c.toml"
+    p.write_text('[[models]]\nname = "m"\nengine = "sim"\n')
+    assert engine_of(config.load(str(p))) == "sim"
+    # Weights of 1 TiB (a file that size, sparse) on each of 2 backends: refused for mlx, not for sim
+    model = tmp_path / "big"
+    model.mkdir()
+    with open(model / "model.safetensors", "wb") as f:
+        f.truncate(2**40)
+    sim.models[0].path = str(model)
+    assert launcher.check_memory(sim.models) is None and launcher.budget_warning(sim.models) is None
+    sim.models[0].engine = "mlx"
+    assert "not enough memory" in launcher.check_memory(sim.models)
+    assert "1024.00 GiB of weights" in launcher.budget_warning(sim.models)
+    p.write_text('[[models]]\nname = "m"\nengine = "cuda"\n')
+    with pytest.raises(ValueError, match="engine must be one of mlx, sim, not 'cuda'"):
+        config.load(str(p))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--engine", "cuda"])
+
+
 def test_serve_cache_dir_gives_each_backend_a_directory_of_its_own(tmp_path):
     """`mlxgw serve --cache-dir DIR` / ``[[models]] cache_dir``: backend i of model M keeps its
     prompt cache in DIR/M-i (two backends may not share one: backend.persist.CacheDirLock)."""
