@@ -453,8 +453,9 @@ async def _collect(request, choices: list[Choice], reporter, engine, timeout: fl
     """The whole answer as one JSON body. One that takes over `schema.KEEPALIVE_SECONDS` sends
     its headers (200, no `schema.CACHED_TOKENS`: its usage has the count) and a newline each
     `schema.KEEPALIVE_SECONDS` until the body, so a gateway's read timeout measures silence, not
-    the answer's length (helper-90: every non-streamed answer longer than ``--read-timeout`` was
-    retried on another backend). A failure after the headers is the error body with that 200."""
+    the answer's length (until session 50 every non-streamed answer longer than ``--read-timeout``
+    was retried on another backend, found beside helper-90's queued stream). A failure after the
+    headers is the error body with that 200."""
     work = asyncio.ensure_future(asyncio.gather(*(_collect_choice(ch, engine, timeout, token_ids) for ch in choices)))
     resp = None
     try:
