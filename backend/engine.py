@@ -274,7 +274,7 @@ class MLXEngine(Engine):
         cache_bytes: byte budget; in-flight requests' KV counts against it.
         decode_concurrency / prefill_concurrency / prefill_step_size: passed to
             ``BatchGenerator`` (completion_batch_size, prefill_batch_size,
-            prefill_step_size).
+            prefill_step_size); prefill_concurrency is lowered to decode_concurrency.
         save_at_prefill_end: hold back a waiting request that shares at least
             the cache's ``min_hit_tokens`` of a prompt being prefilled, and save
             that prompt when its prefill ends (into free space only, never
@@ -378,7 +378,10 @@ class MLXEngine(Engine):
         self.cache = cache
         self.cache_bytes = cache_bytes
         self.decode_concurrency = decode_concurrency
-        self.prefill_concurrency = prefill_concurrency
+        # No more prompts in prefill than decode slots: mlx-lm's BatchGenerator raises its
+        # completion_batch_size to prefill_batch_size, so one decode slot with the default 2
+        # prefills ran two answers at once while /health, the record and the gateways said 1 (helper-91)
+        self.prefill_concurrency = min(prefill_concurrency, decode_concurrency)
         self.prefill_step_size = prefill_step_size
         self._incoming: "queue.Queue[GenRequest]" = queue.Queue()
         self._cancels: "queue.Queue[str]" = queue.Queue()
@@ -468,7 +471,9 @@ class MLXEngine(Engine):
         decoded so far (helper-90: answers ten times longer than the last ones held every slot
         while the average still said 3 s)."""
         now = time.monotonic()
-        running = [now - lv.first_token_at for lv in list(self._live.values()) if lv.first_token_at]
+        # Before the model loaded there is no loop state (helper-91: /health answered 500 then)
+        live = getattr(self, "_live", {})
+        running = [now - lv.first_token_at for lv in list(live.values()) if lv.first_token_at]
         return max(self.decode_seconds, sum(running) / len(running)) if running else self.decode_seconds
 
     def stats(self) -> dict:

@@ -103,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "16); a request beyond them waits for one to end. Each running sequence holds "
                         "its whole context's KV (docs/cache-policy.md, 'Decode slots')")
     p.add_argument("--prefill-concurrency", type=positive_int, default=ModelConfig.prefill_concurrency,
-                   help="prompts prefilled side by side (mlx-lm's prefill_batch_size)")
+                   help="prompts prefilled side by side (mlx-lm's prefill_batch_size); at most --decode-concurrency")
     p.add_argument("--prefill-step-size", type=positive_int, default=512,
                    help="tokens of each prompt computed per prefill step (mlx-lm's prefill_step_size)")
     p.add_argument("--prefill-order", choices=PREFILL_ORDERS, default=DEFAULT_PREFILL_ORDER,
@@ -117,7 +117,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds the registry record outlives the last heartbeat (at least two intervals; "
                         f"default {schema.DEFAULT_HEARTBEAT_TTL:g}, or two intervals when that is more)")
     p.add_argument("--request-timeout", type=non_negative_float, default=ModelConfig.request_timeout,
-                   help="seconds a request may run (prefill + decode) before it is cancelled with a 504 / SSE error; "
+                   help="seconds from a request's arrival (its wait for a decode slot, prefill and decode) before "
+                        "it is cancelled with a 504 / SSE error, which gateways pass on without retrying; "
                         "its prompt cache is still saved (default %(default)s; 0: no limit; [[models]] request_timeout "
                         "under mlxgw serve)")
     p.add_argument("--cancel-prefill", action="store_true",
@@ -410,6 +411,10 @@ def run(args: argparse.Namespace) -> int:
     if why:
         log.warning("%s", why)
     budget = parse_bytes(args.cache_bytes)  # size_arg checked it
+    if args.prefill_concurrency > args.decode_concurrency:  # `MLXEngine` lowers it (helper-91)
+        log.warning("--prefill-concurrency %d is above --decode-concurrency %d: %d prompts are prefilled side by "
+                    "side, one per decode slot", args.prefill_concurrency, args.decode_concurrency,
+                    args.decode_concurrency)
     for line in budget_warnings(args.cache_bytes, budget, kv_per_token=None if args.engine == "sim"
                                 else model_kv_bytes_per_token(model_path)):
         log.warning("%s", line)

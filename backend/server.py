@@ -474,7 +474,10 @@ async def _collect(request, choices: list[Choice], reporter, engine, timeout: fl
         await resp.write_eof()
         return resp
     finally:
-        work.cancel()  # the client left (this handler cancelled): the caller cancels the generation
+        if not work.done():  # the client left (this handler cancelled): the caller cancels the generation
+            work.cancel()
+            # Read its CancelledError, or asyncio logs "exception was never retrieved" (helper-91)
+            work.add_done_callback(lambda f: f.cancelled() or f.exception())
     await reporter.settle()
     body = bodies[0]
     body["choices"] = [b["choices"][0] for b in bodies]

@@ -128,26 +128,27 @@ def _set_cached(a: Attempt, cached: int) -> None:
     a.answer_headers = headers
 
 
-def _late_answer(up: aiohttp.ClientResponse, data: bytes) -> Optional[tuple[bytes, Optional[int], Optional[str]]]:
+def _late_answer(up: aiohttp.ClientResponse, data: bytes) -> Optional[tuple]:
     """For a whole JSON answer whose headers the backend sent before it was done (no
-    `schema.CACHED_TOKENS`; it sent newlines while it worked, `backend.server._collect`): the
-    body without them, its usage's cached tokens (None: none given) and its error message (None:
-    no error; the 200 went out before it failed). None for an answer sent whole."""
+    `schema.CACHED_TOKENS`; it sent newlines while it worked, `backend.server._collect`):
+    ``(body, cached, failure, code)``: the body without the newlines, its usage's cached tokens
+    (None: none given), its error message and code (None, None: no error; the 200 went out
+    before it failed). None for an answer sent whole."""
     if up.status != 200 or schema.CACHED_TOKENS in up.headers:
         return None
     data = data.lstrip()
     try:
         obj = json.loads(data)
     except ValueError:
-        return data, None, None  # not ours to judge: passed on as it came
+        return data, None, None, None  # not ours to judge: passed on as it came
     if not isinstance(obj, dict):
-        return data, None, None
+        return data, None, None, None
     if "error" in obj:
         err = obj["error"] if isinstance(obj["error"], dict) else {}
-        return data, None, str(err.get("message") or obj["error"])
+        return data, None, str(err.get("message") or obj["error"]), err.get("code")
     details = (obj.get("usage") or {}).get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens")
-    return data, int(cached) if isinstance(cached, int) else None, None
+    return data, int(cached) if isinstance(cached, int) else None, None, None
 
 
 class Transform(Protocol):
@@ -168,6 +169,7 @@ class Transform(Protocol):
 
 
 KEEPALIVE = b": keepalive\n\n"
+ERROR_EVENT = b'\ndata: {"error"'  # a backend's error event, at a line's start (`backend.server._sse`)
 
 #: The backend id a backend puts on every answer (``backend.server``): the gateway checks that the
 #: backend it meant answered, not another one at the same URL.
@@ -585,7 +587,9 @@ class Proxy:
                             timed_out = False
                             a.free = True
                             continue
-                        if up.status >= 500 or up.status == 401:
+                        # A 504 is the backend's --request-timeout: the client's answer, not tried
+                        # elsewhere, where it would take as long again (helper-91); as on a stream
+                        if (up.status >= 500 and up.status != 504) or up.status == 401:
                             if up.status == 401:
                                 # The backend refuses this gateway's internal token: a setup
                                 # error between the two, not the client's credentials.
@@ -601,6 +605,7 @@ class Proxy:
                             continue
                         self.token_rejected.pop(a.backend_id, None)
                         a.answer_headers = up.headers
+                        status = up.status
                         is_sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
                         if not is_sse:
                             # A whole JSON answer: read it, then send headers and body in
@@ -615,8 +620,10 @@ class Proxy:
                                 raise aiohttp.ClientConnectionError(f"answer cut off: {e}") from e
                             late = _late_answer(up, data)
                             if late is not None:  # headers sent before the answer was done
-                                data, cached, failure = late
-                                if failure is not None:  # what a 5xx would have said
+                                data, cached, failure, code = late
+                                if code == "timeout":  # its --request-timeout: what its 504 would have been
+                                    status = 504
+                                elif failure is not None:  # what a 5xx would have said
                                     last_err = f"backend {a.backend_id} failed: {failure}"
                                     errs.append(last_err)
                                     timed_out = False
@@ -632,8 +639,8 @@ class Proxy:
                             # stream carries it as its error event.
                             await self._stream_json(request, out, data, transform, t_feed)
                             return out
-                        out = web.Response(status=up.status)
-                        self._copy_headers(out, up, a, transform)  # transform.begin before any feed
+                        out = web.Response(status=status)
+                        self._copy_headers(out, up, a, transform, status)  # transform.begin before any feed
                         out.body = t_feed(b"") + t_feed(data) + (transform.end() if transform else b"")
                         return out
                     try:
@@ -734,14 +741,18 @@ class Proxy:
         raise BackendUnavailable(unavailable_message(errs), timed_out)
 
     @staticmethod
-    def _copy_headers(out: web.StreamResponse, up: aiohttp.ClientResponse, a: Attempt, transform) -> None:
-        headers = a.answer_headers if a.answer_headers is not None else up.headers  # with a late cache hit
+    def _copy_headers(out: web.StreamResponse, up: aiohttp.ClientResponse, a: Attempt, transform,
+                      status: Optional[int] = None) -> None:
+        """The backend's headers (``a.answer_headers``: with a cache hit it sent later) and the
+        routing ones onto ``out``; ``status``: the answer's (a late failure's 504), default ``up``'s."""
+        status = up.status if status is None else status
+        headers = a.answer_headers if a.answer_headers is not None else up.headers
         for k, v in headers.items():
             if k.lower() not in _SKIP:
                 out.headers[k] = v
         out.headers.update(a.headers)
         if transform is not None:
-            out.headers.update(transform.begin(up.status, headers, a.headers))
+            out.headers.update(transform.begin(status, headers, a.headers))
 
     async def _stream_body(self, request, out, up, a: Attempt, handle: int, transform, t_feed) -> Optional[BaseException]:
         """Copy (or transform) the backend's event stream to the client.
@@ -775,6 +786,10 @@ class Proxy:
                         transform.cached_tokens = cached
                 if queued and tail == b"\n\n":
                     await self._write(request, out, transform.keepalive() if transform else KEEPALIVE)
+            if chunk and ERROR_EVENT in (b"\n" if tail[-1:] == b"\n" else b"") + chunk:
+                # The backend ended the answer with an error event (its --request-timeout): a
+                # failure, logged and counted so, though the stream's end is clean (helper-91)
+                a.failed = True
             if chunk:
                 tail = (tail + chunk)[-2:]
                 if prefill_open and b"data:" in chunk:

@@ -56,10 +56,9 @@ in flight for each of its ``S`` decode slots, this one would wait for a slot the
 (slots free at about ``S`` per ``decode_seconds``, the mean time a request
 decodes there, first token to end, or what the running ones have run if longer;
 both figures measured by the backend and read from its registry record;
-`slot_wait`). Its cost grows by
-``slot_wait_weight`` times that, and a backend with compute to spare (no prompt
-queued, at most a quarter of its decode slots in use) that is now cheaper takes
-the request (reason ``wait``): a conversation whose history the full backend
+`slot_wait`). A backend with compute to spare (no prompt queued, at most a
+quarter of its decode slots in use) whose cost is under the chosen one's plus
+``slot_wait_weight`` times that takes the request (reason ``wait``): a conversation whose history the full backend
 holds, beside one holding only its system prompt (helper-89: 18 requests on 16
 slots beside one with 1, the history outweighing the load figure's 256 tokens
 per running request). Only a spare backend: the prefill a move adds is free
@@ -177,7 +176,7 @@ class Scored:
     free_cache: int = 0
     tiebreak: int = 0
     evicts: bool = False
-    wait: float = 0.0  # the chosen one's wait for a decode slot, in prefill tokens, when it has none (`_relieve`)
+    wait: float = 0.0  # its wait for a decode slot, in prefill tokens, when it has none free (`_relieve`)
 
     def explain(self) -> str:
         flag = (",overloaded" if self.overloaded else "") + (",evicts" if self.evicts else "")
@@ -242,17 +241,19 @@ def _relieve(out: list[Scored], weight: float) -> Optional[Scored]:
     """A backend with compute to spare to take the request from ``out[0]`` (the choice so far,
     after placement, affinity and seeding), which has no decode slot free for it, or None: the
     cheapest spare one whose cost is under ``out[0]``'s plus ``weight`` times its wait for a slot
-    (`slot_wait`, stored in ``wait``, shown at any weight, so a request that waits says so: helper-90,
-    and added to its cost). Only a spare backend: the prefill a move adds costs nothing there,
-    while on a busy one it delays the prompts queued there (counting the wait against every
-    backend, or against their queued prefill too, moved conversation-trace turns off their
-    owners for no TTFT gain; docs/routing.md, "The wait for a decode slot")."""
+    (`slot_wait`). Each backend's wait is stored in ``wait`` and shown, at any weight, never
+    added to its cost, so the candidates' costs stay comparable and a request that waits says
+    so (helper-90; helper-91 read a chosen owner's cost with its wait beside a full peer's
+    without as the dearer one chosen). Only a spare backend: the prefill a move adds costs
+    nothing there, while on a busy one it delays the prompts queued there (counting the wait
+    against every backend, or against their queued prefill too, moved conversation-trace turns
+    off their owners for no TTFT gain; docs/routing.md, "The wait for a decode slot")."""
+    for s in out:
+        s.wait = slot_wait(s.cand, s.active)
     best = out[0]
-    best.wait = slot_wait(best.cand, best.active)
     if best.wait <= 0 or weight <= 0:
         return None
-    best.cost += weight * best.wait
-    spare = [s for s in out[1:] if _spare(s) and s.cost < best.cost]
+    spare = [s for s in out[1:] if _spare(s) and s.cost < best.cost + weight * best.wait]
     return min(spare, key=_order) if spare else None
 
 

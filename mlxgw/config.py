@@ -59,7 +59,7 @@ class ModelConfig:
     # Sampling temperature of a request that gives none, over the model's (0: greedy; the OpenAI and
     # Anthropic APIs default to 1.0): `mlxgw backend --default-temperature`; None: the model's.
     default_temperature: Optional[float] = None
-    # Seconds a request may run on a backend (prefill + decode) before it is cancelled with a 504 /
+    # Seconds from a request's arrival at a backend (queue, prefill, decode) before it is cancelled with a 504 /
     # an SSE error, its prompt cache still saved: `mlxgw backend --request-timeout` (0: no limit).
     request_timeout: float = 600.0
     # Keep the prompt caches across restarts: backend i saves to and restores from

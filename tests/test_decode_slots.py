@@ -162,3 +162,57 @@ def test_a_waiting_request_pinned_to_a_prompt_saved_meanwhile_queues_only_its_ta
     assert health["waiting"] == 1 and health["prefill_saves"] == 1, health
     assert usage["prompt_tokens"] == n and usage["prompt_tokens_details"]["cached_tokens"] >= 1200, usage
     assert health["queued_prefill_tokens"] == n - usage["prompt_tokens_details"]["cached_tokens"], (health, usage)
+
+
+def test_one_decode_slot_runs_one_answer_whatever_the_prefill_concurrency(make_stack):
+    """``--decode-concurrency 1`` with the default ``--prefill-concurrency`` 2 ran two answers at
+    once (mlx-lm raises its completion batch to the prefill batch) while ``/health``, the registry
+    record and the gateways said 1 (helper-91): the prefills are lowered to the decode slots, so
+    each answer's first token comes after the one before it ended."""
+    import http.client
+    import threading
+
+    from texts import words
+
+    s = make_stack()
+    b = s.add_backend("b0", None, "--engine", "sim", "--decode-concurrency", "1", "--sim-decode-rate", "20")
+    b.wait_healthy()
+    times = {}
+
+    def stream(i):
+        conn = http.client.HTTPConnection("127.0.0.1", b.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps({
+            "model": "demo-tiny", "max_tokens": 30, "stream": True,  # 1.5 s of decode each
+            "messages": [{"role": "user", "content": words(20, seed=i)}]}), {"Content-Type": "application/json"})
+        resp, first = conn.getresponse(), None
+        for line in resp:
+            if line.startswith(b"data:") and first is None:
+                first = time.monotonic()
+        times[i] = (first, time.monotonic())
+        conn.close()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    spans = sorted(times.values())
+    assert len(spans) == 3 and all(f is not None for f, _ in spans), times
+    for (_, end), (first, _) in zip(spans, spans[1:]):
+        assert first >= end - 0.05, spans  # one at a time: the next starts once one has ended
+    assert get_json(b.url + "/health")["decode_slots"] == 1
+    assert "--prefill-concurrency 2 is above --decode-concurrency 1" in b.log_path.read_text()
+
+
+def test_engine_figures_before_the_model_has_loaded(demo_model):
+    """A backend's ``/health`` during its start reads the engine's figures before the model has
+    loaded: they are zeros, not an AttributeError (helper-91: a 500 with a traceback on every
+    start, from the decode time of the running requests, which do not exist yet)."""
+    from backend.cache import PromptCache
+    from backend.engine import MLXEngine
+
+    cache = PromptCache(max_entries=8, max_bytes=2**30, layout="shared", share_min_tokens=16, min_hit_tokens=32)
+    eng = MLXEngine(str(demo_model), cache, 2**30, decode_concurrency=4, prefill_concurrency=8)
+    st = eng.stats()
+    assert (st["active"], st["waiting"], st["decode_slots"], st["decode_seconds"]) == (0, 0, 4, 0.0)
+    assert eng.prefill_concurrency == 4

@@ -837,20 +837,42 @@ def test_requests_waiting_for_a_decode_slot_outlast_a_short_read_timeout(make_st
     assert (health["retries"], health["circuit_open"]) == (0, []), health
 
 
-def test_a_whole_answer_that_fails_after_its_headers_is_an_error_not_a_200(make_stack):
-    """A non-streamed answer sends its headers (200) and keep-alive newlines once it has taken a
-    second; the backend's ``--request-timeout`` ending it then is an error body after them, which
-    a gateway takes for the failure it is (tried elsewhere, here nowhere: 503 with the reason),
-    never a 200 with an error inside."""
+def test_a_backends_request_timeout_is_the_clients_answer_not_retried_and_counted_an_error(make_stack):
+    """A backend's ``--request-timeout`` ends a request: a whole answer's headers went out after a
+    second (200, newlines since), so the error body follows them, which a gateway answers as the
+    504 it is, without sending the request to another backend, where it would take as long again
+    (helper-91: it was retried there, a stream was not); a stream's error event is logged and
+    counted a failure (it was ``ok``), and an Anthropic stream ends at its ``error`` event (it
+    went on with ``end_turn`` and ``message_stop``)."""
     s = make_stack()
-    b0 = s.add_backend("b0", None, "--engine", "sim", "--sim-decode-rate", "5", "--request-timeout", "2")
+    slow = ("--engine", "sim", "--sim-decode-rate", "5", "--request-timeout", "2")  # 100 tokens: 20 s
+    b0, b1 = s.add_backend("b0", None, *slow), s.add_backend("b1", None, *slow)
     g = s.add_gateway()
     s.wait()
     body = {"model": "demo-tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 100}
     status, h, raw = post(b0.url + "/v1/chat/completions", body)
     assert status == 200 and raw.startswith(b"\n") and "X-Mlxgw-Cached-Tokens" not in h, (status, h, raw)
     assert json.loads(raw)["error"]["code"] == "timeout", raw
+    before = {b.name: get_json(b.url + "/health")["requests"] for b in (b0, b1)}
+    t0 = time.time()
     status, h, raw = post(g.url + "/v1/chat/completions", body)
+    took = time.time() - t0
     err = json.loads(raw)["error"]
-    assert status == 503 and err["code"] == "backend_unavailable", (status, raw)
-    assert "b0 failed: generation timed out after 2 s" in err["message"], err
+    assert status == 504 and err["code"] == "timeout", (status, raw)
+    assert "generation timed out after 2 s" in err["message"] and 1.9 < took < 4, (err, took)
+    served = [b.name for b in (b0, b1) if get_json(b.url + "/health")["requests"] > before[b.name]]
+    assert served == [h["X-Mlxgw-Backend"]], (served, h)  # one backend ran it
+    health = get_json(g.url + "/health")
+    assert (health["retries"], health["errors"]) == (0, 1), health
+    # A stream: the backend's error event, counted as a failure
+    status, h, raw = post(g.url + "/v1/chat/completions", {**body, "stream": True})
+    events = _sse_events(raw)
+    assert status == 200 and events[-2]["error"]["code"] == "timeout" and events[-1] == "[DONE]", raw
+    health = get_json(g.url + "/health")
+    assert (health["retries"], health["errors"]) == (0, 2), health
+    # An Anthropic stream ends at its error event
+    status, h, raw = post(g.url + "/v1/messages", {"model": "demo-tiny", "max_tokens": 100, "stream": True,
+                                                     "messages": [{"role": "user", "content": "hello"}]})
+    kinds = [ln[7:] for ln in raw.decode().splitlines() if ln.startswith("event: ")]
+    assert status == 200 and kinds[0] == "message_start" and kinds[-1] == "error", kinds
+    assert "message_stop" not in kinds and "message_delta" not in kinds, kinds

@@ -166,7 +166,7 @@ def test_a_conversation_leaves_an_owner_with_every_decode_slot_taken_for_a_backe
     assert d.best.cand.backend_id == "b" and d.reason == "wait"
     a = d.ranked[1]
     assert (a.matched, a.wait) == (9472, pytest.approx(2700.0))
-    assert a.cost == pytest.approx(28 + 0.03 * 18 * 256 + 2700)
+    assert a.cost == pytest.approx(28 + 0.03 * 18 * 256)  # the wait shown beside it, not in it
     assert d.best.cost == pytest.approx(1500 + 0.03 * 256) and d.best.wait == 0
     assert "wait=2700" in a.explain() and "wait" not in d.best.explain()
     assert rank(cands(held=2.5), 9500, 64).best.cand.backend_id == "a"

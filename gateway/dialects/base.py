@@ -206,6 +206,8 @@ class ChatTransform:
             # so it passes as it came, in every dialect.
             return raw.encode() + b"\n\n" if raw.startswith(":") else b""
         payload = "\n".join(data)
+        if self.done:  # after an error event, which ended the answer: not a finish too (helper-91)
+            return b""
         if payload == "[DONE]":
             self.done = True
             return self.on_done()
