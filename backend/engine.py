@@ -476,6 +476,13 @@ class MLXEngine(Engine):
         running = [now - lv.first_token_at for lv in list(live.values()) if lv.first_token_at]
         return max(self.decode_seconds, sum(running) / len(running)) if running else self.decode_seconds
 
+    def loop_silent_for(self) -> float:
+        """Seconds since the engine thread last went round its loop (0 before it started): a few
+        milliseconds while it works or idles, a step's length at most, unless a step hangs
+        (a Metal hang, say) while the HTTP side and the heartbeat go on."""
+        at = getattr(self, "_loop_at", None)
+        return 0.0 if at is None else time.monotonic() - at
+
     def stats(self) -> dict:
         return {
             "active": self.active,
@@ -718,6 +725,7 @@ class MLXEngine(Engine):
 
     def _loop(self) -> None:
         while not self._stop:
+            self._loop_at = time.monotonic()  # `loop_silent_for`: a step that never returns stops it
             idle = not self._live and not self._waiting
             if not idle:
                 self._last_busy = time.monotonic()

@@ -24,7 +24,7 @@ from mlxgw.redis_client import redis_problem
 from mlxgw.rlimit import raise_open_files_limit
 from mlxgw.stopping import PARENT_ENV, Stopper
 from mlxgw.util import (WILDCARD_LOOPBACK, deadline, http_base, is_loopback, namespace_arg, non_empty_arg, non_negative_float, non_negative_int, parse_bytes, port_arg, redis_url_arg,
-                        count, positive_int, seconds_arg, share_arg, share_or_off_arg, size_arg, size_text, temperature_arg)
+                        count, positive_float, positive_int, seconds_arg, share_arg, share_or_off_arg, size_arg, size_text, temperature_arg)
 
 from . import persist, sim
 from .cache import LAYOUTS, KVOps, PromptCache
@@ -116,6 +116,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-ttl", type=seconds_arg(2 * MIN_HEARTBEAT_INTERVAL, MAX_HEARTBEAT_TTL),
                    help=f"seconds the registry record outlives the last heartbeat (at least two intervals; "
                         f"default {schema.DEFAULT_HEARTBEAT_TTL:g}, or two intervals when that is more)")
+    p.add_argument("--engine-stall-seconds", type=positive_float, default=30.0,
+                   help="a request's keep-alives stop once the engine thread has made no progress for this long "
+                        "(a hung step), so a gateway's --read-timeout tries another backend")
     p.add_argument("--request-timeout", type=non_negative_float, default=ModelConfig.request_timeout,
                    help="seconds from a request's arrival (its wait for a decode slot, prefill and decode) before "
                         "it is cancelled with a 504 / SSE error, which gateways pass on without retrying; "
@@ -495,7 +498,7 @@ def run(args: argparse.Namespace) -> int:
     reporter.info = lambda: {**engine.stats(), **metrics.record_fields()}
     reporter.cache_figures = engine.cache_figures
     cfg = BackendConfig(backend_id, name, str(model_path), internal_token=args.internal_token,
-                        request_timeout=args.request_timeout,
+                        request_timeout=args.request_timeout, engine_stall_seconds=args.engine_stall_seconds,
                         sampling=sampling_defaults(model_path, args.sampling_defaults, args.default_temperature))
     try:
         return asyncio.run(_serve(engine, reporter, cfg, args))

@@ -82,6 +82,9 @@ class BackendConfig:
     model_path: str
     max_body_bytes: int = 64 * 1024 * 1024
     request_timeout: float = 600.0
+    # Keep-alives stop once the engine thread has not gone round its loop for this long (s), so a
+    # gateway's --read-timeout still finds a hung engine (`Engine.loop_silent_for`)
+    engine_stall_seconds: float = 30.0
     internal_token: Optional[str] = None
     # What a request that sets none of these samples with (`sampling_defaults`): the model's
     # generation_config.json, and `mlxgw backend --default-temperature` over it; empty: greedy.
@@ -340,9 +343,10 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
     finished = False
     try:
         if pr.stream:
-            resp = await _stream(request, choices, pr, reporter, engine, cfg.request_timeout)
+            resp = await _stream(request, choices, pr, reporter, engine, cfg.request_timeout, cfg.engine_stall_seconds)
         else:
-            resp = await _collect(request, choices, reporter, engine, cfg.request_timeout, pr.return_token_ids)
+            resp = await _collect(request, choices, reporter, engine, cfg.request_timeout, pr.return_token_ids,
+                                  cfg.engine_stall_seconds)
         finished = True
         return resp
     finally:
@@ -449,7 +453,7 @@ async def _collect_choice(ch: Choice, engine, timeout: float, token_ids: bool) -
 
 
 async def _collect(request, choices: list[Choice], reporter, engine, timeout: float,
-                   token_ids: bool = False) -> web.StreamResponse:
+                   token_ids: bool = False, stall: float = 30.0) -> web.StreamResponse:
     """The whole answer as one JSON body. One that takes over `schema.KEEPALIVE_SECONDS` sends
     its headers (200, no `schema.CACHED_TOKENS`: its usage has the count) and a newline each
     `schema.KEEPALIVE_SECONDS` until the body, so a gateway's read timeout measures silence, not
@@ -463,7 +467,8 @@ async def _collect(request, choices: list[Choice], reporter, engine, timeout: fl
             if resp is None:
                 resp = web.StreamResponse(headers={"Content-Type": "application/json"})
                 await resp.prepare(request)
-            await resp.write(b"\n")
+            if _engine_moves(engine, stall):
+                await resp.write(b"\n")
         bodies = work.result()
     except RequestError as e:
         if resp is None:
@@ -506,7 +511,15 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def _stream(request, choices: list[Choice], pr, reporter, engine, timeout: float) -> web.StreamResponse:
+def _engine_moves(engine, stall: float) -> bool:
+    """Whether a keep-alive may go out: the engine thread went round its loop within ``stall``
+    seconds. A hung engine's requests then fall silent, and a gateway's --read-timeout tries
+    another backend, as before keep-alives covered the wait for a decode slot."""
+    return engine.loop_silent_for() < stall
+
+
+async def _stream(request, choices: list[Choice], pr, reporter, engine, timeout: float,
+                  stall: float = 30.0) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
@@ -543,7 +556,8 @@ async def _stream(request, choices: list[Choice], pr, reporter, engine, timeout:
                     del resp.headers[schema.CACHED_TOKENS]
                     await resp.prepare(request)
                     started = True
-                await resp.write(schema.QUEUED_COMMENT)
+                if _engine_moves(engine, stall):
+                    await resp.write(schema.QUEUED_COMMENT)
                 continue
             ch, ev = (one, item) if one is not None else item
             if not begun:
@@ -679,9 +693,12 @@ HEALTH_SETTINGS = ("cache_budget_bytes", "cache_layout", "min_hit_tokens", "max_
 async def handle_health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     reporter = request.app[REPORTER]
-    ok = not engine.failed and reporter.state == "ready"
+    # A hung engine thread (no loop for --engine-stall-seconds) is not healthy, though the HTTP side
+    # answers: a gateway's circuit for it stays open instead of closing on the next probe
+    stalled = not _engine_moves(engine, request.app[CONFIG].engine_stall_seconds)
+    ok = not engine.failed and reporter.state == "ready" and not stalled
     body = {
-        "status": "ok" if ok else ("failed" if engine.failed else reporter.state),
+        "status": "ok" if ok else ("failed" if engine.failed else "stalled" if stalled else reporter.state),
         "backend": request.app[CONFIG].backend_id,
         "epoch": reporter.epoch,
         "pid": os.getpid(),

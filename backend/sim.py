@@ -117,6 +117,7 @@ class SimTiming:
     disk_read_rate: float = DEFAULT_DISK_READ_RATE
     disk_write_rate: float = DEFAULT_DISK_WRITE_RATE
     fail_after: int = 0  # --sim-fail-after: the engine thread dies past this many requests (0: never)
+    hang_after: int = 0  # --sim-hang-after: the engine thread hangs past this many requests (0: never)
 
     @property
     def t_weights(self) -> float:
@@ -360,6 +361,8 @@ class SimBatchGenerator:
         """
         if self.timing.fail_after and self._uid > self.timing.fail_after:
             raise RuntimeError(f"simulated engine failure after {self.timing.fail_after} requests (--sim-fail-after)")
+        while self.timing.hang_after and self._uid > self.timing.hang_after:
+            time.sleep(1.0)  # a step that never returns (a GPU hang): the HTTP side and heartbeat go on
         began = self.clock()
         gen_resps: list[GenResponse] = []
         prompt_resps: list[PromptResponse] = []
@@ -551,6 +554,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sim-fail-after", type=int, default=0,
                    help="a fault to test supervision with: the engine thread raises once more than this many "
                         "requests arrived (0, the default: never)")
+    g.add_argument("--sim-hang-after", type=int, default=0,
+                   help="a fault to test gateways with: the engine thread hangs once more than this many "
+                        "requests arrived (0, the default: never)")
 
 
 def timing_from_args(args) -> SimTiming:
@@ -579,4 +585,5 @@ def timing_from_args(args) -> SimTiming:
         disk_read_rate=args.sim_disk_read_rate,
         disk_write_rate=args.sim_disk_write_rate,
         fail_after=max(0, args.sim_fail_after),
+        hang_after=max(0, args.sim_hang_after),
     )

@@ -876,3 +876,38 @@ def test_a_backends_request_timeout_is_the_clients_answer_not_retried_and_counte
     kinds = [ln[7:] for ln in raw.decode().splitlines() if ln.startswith("event: ")]
     assert status == 200 and kinds[0] == "message_start" and kinds[-1] == "error", kinds
     assert "message_stop" not in kinds and "message_delta" not in kinds, kinds
+
+
+def test_a_request_on_a_hung_engine_falls_silent_and_is_tried_elsewhere(make_stack):
+    """Keep-alives cover a wait for a decode slot, not a hung engine: once the engine thread has
+    not gone round its loop for ``--engine-stall-seconds``, a waiting request's keep-alives stop,
+    so the gateway's ``--read-timeout`` tries the next backend, streamed or not, as it did before
+    keep-alives (the request would otherwise hold on until the backend's ``--request-timeout``),
+    and the backend's ``/health`` says ``stalled`` (503), so the circuit stays open."""
+    s = make_stack()
+    b0 = s.add_backend("b0", None, "--engine", "sim", "--sim-hang-after", "1", "--engine-stall-seconds", "2",
+                       "--request-timeout", "60")
+    b1 = s.add_backend("b1", None, "--engine", "sim")
+    gateways = {False: s.add_gateway("--read-timeout", "3"), True: s.add_gateway("--read-timeout", "3")}
+    s.wait()
+    text = words(300, seed=95)
+    assert post(b0.url + "/v1/chat/completions", {"model": "demo-tiny", "max_tokens": 2,
+                                                  "messages": [{"role": "user", "content": text}]})[0] == 200
+    for stream, g in gateways.items():  # b0 owns the prompt; its engine hangs on its second request
+        t0 = time.time()
+        status, h, raw = _ask(g.url, text + (" streamed" if stream else " whole"), max_tokens=2, stream=stream)
+        took = time.time() - t0
+        assert status == 200 and 4 < took < 20, (status, took)  # ~2 s of keep-alives, 3 s of silence, then b1
+        if stream:  # its headers went out from b0 (the first choice); b1's events follow on the same stream
+            events = _sse_events(raw)
+            assert h["X-Mlxgw-Backend"] == "b0" and events[-1] == "[DONE]" and "error" not in events[-2], (h, raw)
+        else:
+            assert (h["X-Mlxgw-Backend"], h["X-Mlxgw-Route-Reason"]) == ("b1", "retry"), h
+            assert json.loads(raw)["usage"]["completion_tokens"] == 2, raw
+        assert get_json(b0.url + "/health")["status"] == "stalled"
+        health = get_json(g.url + "/health")
+        assert (health["retries"], health["circuit_open"]) == (1, ["b0"]), health
+        time.sleep(1.5)  # a probe of b0's /health: still 503, so its circuit stays open
+        t0 = time.time()
+        assert _ask(g.url, text + " again")[1]["X-Mlxgw-Backend"] == "b1" and time.time() - t0 < 2
+    assert get_json(b1.url + "/health")["requests"] == 4
