@@ -116,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-ttl", type=seconds_arg(2 * MIN_HEARTBEAT_INTERVAL, MAX_HEARTBEAT_TTL),
                    help=f"seconds the registry record outlives the last heartbeat (at least two intervals; "
                         f"default {schema.DEFAULT_HEARTBEAT_TTL:g}, or two intervals when that is more)")
-    p.add_argument("--engine-stall-seconds", type=positive_float, default=30.0,
+    p.add_argument("--engine-stall-seconds", type=positive_float, default=BackendConfig.engine_stall_seconds,
                    help="a request's keep-alives stop once the engine thread has made no progress for this long "
                         "(a hung step), so a gateway's --read-timeout tries another backend")
     p.add_argument("--request-timeout", type=non_negative_float, default=ModelConfig.request_timeout,

@@ -453,7 +453,7 @@ async def _collect_choice(ch: Choice, engine, timeout: float, token_ids: bool) -
 
 
 async def _collect(request, choices: list[Choice], reporter, engine, timeout: float,
-                   token_ids: bool = False, stall: float = 30.0) -> web.StreamResponse:
+                   token_ids: bool, stall: float) -> web.StreamResponse:
     """The whole answer as one JSON body. One that takes over `schema.KEEPALIVE_SECONDS` sends
     its headers (200, no `schema.CACHED_TOKENS`: its usage has the count) and a newline each
     `schema.KEEPALIVE_SECONDS` until the body, so a gateway's read timeout measures silence, not
@@ -519,7 +519,7 @@ def _engine_moves(engine, stall: float) -> bool:
 
 
 async def _stream(request, choices: list[Choice], pr, reporter, engine, timeout: float,
-                  stall: float = 30.0) -> web.StreamResponse:
+                  stall: float) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
