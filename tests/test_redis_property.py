@@ -53,7 +53,7 @@ def test_redis_equals_live_entries_after_300_mixed_requests(make_stack, redis_se
     # ~512 bytes of KV per token on the demo model: a 1 MB budget holds
     # roughly 2,000 tokens, so the sessions below keep evicting each other.
     b = s.add_backend("b0", None, "--cache-bytes", "1MB", "--cache-entries", "8",
-                      "--prefill-step-size", "32", "--request-timeout", "1", "--min-hit-tokens", "32")
+                      "--prefill-step-size", "32", "--request-timeout", "2", "--min-hit-tokens", "32")
     b.wait_healthy()
     log_start = b.log_path.stat().st_size
     systems = [words(120, seed=900), words(90, seed=901)]
@@ -72,7 +72,7 @@ def test_redis_equals_live_entries_after_300_mixed_requests(make_stack, redis_se
             idx = len(sessions) - 1
         ending = rng.choices(
             ["length", "eos", "stop", "retry", "mid_decode", "mid_prefill", "timeout"],
-            weights=[30, 15, 15, 10, 12, 12, 1],  # a timeout costs its full second: few of them
+            weights=[30, 15, 15, 10, 12, 12, 1],  # a timeout costs its full 2 s: few of them
         )[0]
         counts[ending] = counts.get(ending, 0) + 1
         body = {"messages": msgs, "max_tokens": rng.randint(1, 6)}
@@ -90,15 +90,20 @@ def test_redis_equals_live_entries_after_300_mixed_requests(make_stack, redis_se
             reply = None
         else:
             status, _, raw = post(b.url + "/v1/chat/completions", body, timeout=60)
+            out = json.loads(raw)
+            if ending != "timeout" and "error" in out and out["error"].get("code") == "timeout":
+                # The timeout counts from arrival (queue included): on a loaded 2-core CI machine a short
+                # answer queued behind a cancelled one can meet it too, which is that ending, not a failure.
+                counts["late_timeout"] = counts.get("late_timeout", 0) + 1
+                ending = "timeout"
             if ending == "timeout":
-                # A 504, or, when the keep-alive tick (also 1 s) came first, the error after a 200's
+                # A 504, or, when the 1 s keep-alive tick came first, the error after a 200's
                 # newlines (docs/api.md, "Waiting at a backend")
-                assert json.loads(raw)["error"]["code"] == "timeout", raw
+                assert out["error"]["code"] == "timeout", raw
                 assert status == 504 or (status == 200 and raw.startswith(b"\n")), (status, raw)
                 reply = None
             else:
-                assert status == 200, raw
-                out = json.loads(raw)
+                assert status == 200 and "usage" in out, (status, raw)
                 u = out["usage"]
                 assert u["prompt_tokens_details"]["cached_tokens"] <= u["prompt_tokens"] - 1
                 reply = out["choices"][0]["message"]["content"]
@@ -107,7 +112,8 @@ def test_redis_equals_live_entries_after_300_mixed_requests(make_stack, redis_se
                 msgs = msgs + [{"role": "assistant", "content": reply}]
             sessions[idx] = msgs + [{"role": "user", "content": words(rng.randint(5, 40), seed=20_000 + i)}]
 
-    assert set(counts) == {"length", "eos", "stop", "retry", "mid_decode", "mid_prefill", "timeout"}
+    assert set(counts) - {"late_timeout"} == {"length", "eos", "stop", "retry", "mid_decode", "mid_prefill", "timeout"}
+    assert counts.get("late_timeout", 0) <= 10, counts  # a few on a loaded machine, not the rule
     deadline = time.time() + 30
     while get_json(b.url + "/health")["active"] and time.time() < deadline:
         time.sleep(0.1)
