@@ -29,21 +29,58 @@ _given: set[int] = set()  # ports free_port handed out in this process
 PORT_RETRIES = 3  # moves to a new port a server on a port chosen here may make (`Proc.restart_if_port_lost`)
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on, never one this process was given before.
+def _port_slice() -> range:
+    """This process's share of the loopback ports tests and benchmarks give servers.
 
-    The probe socket is closed before the caller's server binds, so the OS may
-    hand the same port out again meanwhile: a stack's second backend and its
-    gateway once got the same port, and the slower one exited with "address
-    already in use" (`Proc.restart_if_port_lost` covers other processes).
+    Below the OS's ephemeral range (Linux: ip_local_port_range, 32768 up by
+    default; macOS: 49152 up), so no outgoing connection's local port takes a
+    server's port between its probe and its bind, or while a launcher restarts
+    a killed backend on it (CI once failed on "address already in use"); split
+    by pytest-xdist worker, so two test processes never hand out the same port.
     """
-    for _ in range(1000):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _given:
-            _given.add(port)
-            return port
+    low, high = 20000, 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = min(high, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        pass
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    if high - low < 100 * count:  # an unusual ephemeral range: fall back to the whole of it
+        return range(1024, 65536)
+    width = (high - low) // count
+    return range(low + index * width, low + (index + 1) * width)
+
+
+_cursor: list[int] = []  # next port to try in this process's slice
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on, never one this process was given before,
+    from this process's slice (`_port_slice`).
+
+    The probe socket is closed before the caller's server binds, so another
+    program may still bind it meanwhile (`Proc.restart_if_port_lost` moves then).
+
+    Raises:
+        RuntimeError: every port of the slice was given or is in use.
+    """
+    ports = _port_slice()
+    if not _cursor:
+        _cursor.append(ports.start + (os.getpid() * 7919) % len(ports))  # a different start per run
+    for _ in range(len(ports)):
+        port = _cursor[0]
+        _cursor[0] = port + 1 if port + 1 < ports.stop else ports.start
+        if port in _given:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        _given.add(port)
+        return port
     raise RuntimeError("no free loopback port this process was not given before")
 
 

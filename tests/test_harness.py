@@ -66,6 +66,28 @@ def test_free_port_never_gives_a_port_twice():
     assert free_port() not in {base, base + 1, base + 2}
 
 
+def test_free_ports_lie_below_the_ephemeral_range_one_slice_per_test_process(monkeypatch):
+    """An outgoing connection's local port comes from the ephemeral range: a server port chosen
+    there could be taken between its probe and its bind, or while a launcher restarts a killed
+    backend on it (CI's "address already in use" in test_launcher)."""
+    from mlxgw.harness import _port_slice, free_port
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except OSError:  # macOS: 49152 up
+        ephemeral_low = 49152
+    assert all(20000 <= free_port() < ephemeral_low for _ in range(50))
+    slices = []
+    for w in range(3):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{w}")
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+        slices.append(set(_port_slice()))
+    assert all(len(x) >= 1000 for x in slices)
+    assert not (slices[0] & slices[1]) and not (slices[1] & slices[2]) and not (slices[0] & slices[2])
+    assert max(max(x) for x in slices) < ephemeral_low
+
+
 def test_a_benchmark_stopped_by_sigterm_stops_its_redis_server(tmp_path):
     """`exit_on_sigterm` (every bench script's first call) turns SIGTERM into SystemExit, so the
     script's ``finally`` stops what it started; with Python's default a killed replay left its
