@@ -229,12 +229,19 @@ def _order(s: Scored) -> tuple:
     return (s.overloaded, s.cost, s.active, -s.free_cache, s.tiebreak)
 
 
+def spare_slots(slots: int) -> int:
+    """The decode slots a backend may have in use and still count as having compute to spare (a
+    quarter of its ``slots``, rounded down; 0 when it publishes none): `_spare` here, and the
+    status CLI's line on an idle backend beside a busy one."""
+    return slots // 4
+
+
 def _spare(s: Scored) -> bool:
     """``s`` has compute to spare: no prompt queued and at most a quarter of its decode slots in
     use (none when it publishes no slots), in the gateways' figures and its own heartbeat's."""
     c = s.cand
     return (not s.overloaded and s.queued == 0 and c.queued_prefill_tokens == 0
-            and max(s.active, c.active) <= c.decode_slots // 4)
+            and max(s.active, c.active) <= spare_slots(c.decode_slots))
 
 
 def _relieve(out: list[Scored], weight: float) -> Optional[Scored]:

@@ -71,6 +71,12 @@ class ModelConfig:
     # up to this many bytes per backend (a size string or a number of bytes); empty: no disk tier.
     disk_cache_bytes: str = ""
 
+    @property
+    def loads_weights(self) -> bool:
+        """True when its backends load the model's weights and hold real KV in memory (not the
+        simulated engine, which has neither)."""
+        return self.engine != "sim"
+
 
 @dataclass
 class RemoteBackend:

@@ -138,7 +138,7 @@ def weights_bytes(model_path: str) -> int:
 
 def check_memory(models: list[config_mod.ModelConfig]) -> Optional[str]:
     """An error message when N copies of the weights (plus 20%) exceed available memory."""
-    models = [m for m in models if m.engine != "sim"]  # loads no weights
+    models = [m for m in models if m.loads_weights]
     need = sum(int(weights_bytes(m.path) * 1.2) * m.backends for m in models)
     have = available_memory_bytes()
     if need > have:
@@ -154,7 +154,7 @@ def budget_warning(models: list[config_mod.ModelConfig], total_memory: Optional[
     default: psutil's total): the budgets would then never bind, and the machine swaps or the
     backends are killed first (helper-62: `--cache-bytes 1TB` started silently). A warning, not
     an error, since a cache fills its budget only under enough traffic."""
-    models = [m for m in models if m.engine != "sim"]  # neither weights nor KV in memory
+    models = [m for m in models if m.loads_weights]
     if total_memory is None:
         import psutil
 
@@ -664,7 +664,7 @@ def _cli() -> str:
 
 
 def _slots(m: config_mod.ModelConfig) -> str:
-    sim = ", simulated: docs/sim.md" if m.engine == "sim" else ""
+    sim = "" if m.loads_weights else ", simulated: docs/sim.md"
     return f"{m.name}: {m.decode_concurrency} decode slots each{sim}"
 
 
@@ -701,7 +701,7 @@ def _summary(cfg, redis_url: str, embedded: bool, children: list[Child]) -> None
     from backend.main import budget_warnings, model_kv_bytes_per_token
 
     for m in cfg.models:  # each backend logged them above, among its start-up lines
-        kv = model_kv_bytes_per_token(m.path) if m.path and m.engine != "sim" else None  # as the backend says
+        kv = model_kv_bytes_per_token(m.path) if m.path and m.loads_weights else None  # as the backend says
         lines += [f"  warning    {m.name}: {w}" for w in budget_warnings(str(m.cache_bytes), parse_bytes(m.cache_bytes),
                                                                            kv_per_token=kv)]
     print("\n".join(lines + [""]), file=sys.stderr, flush=True)

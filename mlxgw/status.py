@@ -18,6 +18,8 @@ from typing import Optional
 
 import redis
 
+from gateway.route import spare_slots
+
 from . import schema
 from .redis_client import connect as redis_connect
 from .redis_client import redis_problem, refusal_kind
@@ -629,7 +631,7 @@ def idle_beside_busy_lines(records: list[dict]) -> list[str]:
     out = []
     for v in live:
         # Idle, or nearly (helper-89: 1 of 16 slots used beside a peer at 19/16 said nothing).
-        if v["state"] != "ready" or v["waiting"] or v["active"] > v["slots"] // 4:  # no slots published: idle only
+        if v["state"] != "ready" or v["waiting"] or v["active"] > spare_slots(v["slots"]):  # no slots published: idle only
             continue
         doing = ("has nothing to do" if v["active"] == 0 and v["queued"] == 0
                  else f"runs {v['active']} of its {v['slots']} decode slots")
