@@ -97,15 +97,23 @@ def common_prefix(a, b) -> int:
 class DriftDetector:
     """Remembers recent prompts by their conversation history; flags re-rendered history.
 
-    A prompt is filed under a hash of its non-system messages (system prompts
-    are left out so that a changed system prompt is caught, not hidden). A new
-    prompt whose non-system messages extend a filed one by at least one
-    message should start with that prompt's tokens, except the generation
-    prompt at its end; if the common token prefix falls more than ``slack``
-    tokens short of that, it is a drift.
+    A prompt is filed under a hash of its non-system messages, and again under
+    that hash with its system messages: a new prompt whose non-system messages
+    extend a filed one by at least one message should start with that prompt's
+    tokens, except the generation prompt at its end; if the common token
+    prefix falls more than ``slack`` tokens short of that, it is a drift.
+
+    Of the filed prompts of the longest shared history, one with the same
+    system messages is compared first: the same conversation, whose old turns
+    must render the same. Only when none has them is one with other system
+    messages compared, so a system prompt changed between two turns (a date in
+    it) is caught, while two agents with different system prompts that opened
+    with the same exchange (helper-92: identical greedy replies, or a client's
+    fixed first message) are not taken for one conversation.
 
     Args:
-        capacity: prompts remembered (LRU; 4 bytes per token each).
+        capacity: histories remembered (LRU; 4 bytes per token each, a
+            prompt's two filings share one array).
         slack: tokens at the end of a prompt allowed to differ (the generation
             prompt, e.g. ``<|im_start|>assistant\\n``, and a template's
             closing of the last turn).
@@ -125,6 +133,11 @@ class DriftDetector:
     def observe(self, model: str, messages: list[dict], ids: list[int]) -> Optional[Drift]:
         """Check ``ids`` against the prompt of the longest filed history, then file it."""
         conv = [m for m in messages if m.get("role") not in SYSTEM_ROLES]
+        system = hashlib.blake2b(digest_size=16)
+        for m in messages:
+            if m.get("role") in SYSTEM_ROLES:
+                _digest(system, m)
+        sys_key = system.digest()
         h = hashlib.blake2b(model.encode(), digest_size=16)
         keys = []
         for m in conv:
@@ -132,7 +145,9 @@ class DriftDetector:
             keys.append((model, h.copy().digest()))
         found = None
         for k in range(len(keys) - 2, self.min_history - 2, -1):  # strictly shorter histories, longest first
-            prev = self._seen.get(keys[k])
+            prev = self._seen.get(keys[k] + (sys_key,))  # this conversation's own, when filed
+            if prev is None:
+                prev = self._seen.get(keys[k])  # one whose system messages differ
             if prev is not None:
                 found = (k + 1, prev)
                 break
@@ -149,8 +164,9 @@ class DriftDetector:
                 log.warning("prefix drift model=%s: previous prompt of the same %d-message history (%d tokens) "
                             "diverges at token %d", model, shared, len(prev), at)
         if keys:
-            self._seen[keys[-1]] = cur
-            self._seen.move_to_end(keys[-1])
-            while len(self._seen) > self.capacity:
+            for key in (keys[-1], keys[-1] + (sys_key,)):
+                self._seen[key] = cur
+                self._seen.move_to_end(key)
+            while len(self._seen) > 2 * self.capacity:
                 self._seen.popitem(last=False)
         return drift
