@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from mlxgw.protocol import RequestError
+from mlxgw.protocol import RequestError, forced_tool_names
 
 log = logging.getLogger("mlxgw.backend.toolchoice")
 
@@ -47,29 +47,17 @@ def _lltokenizer(tokenizer):
 
 
 def forced_tools(tools: Optional[list], tool_choice) -> Optional[list[dict]]:
-    """The tools a ``tool_choice`` forces a call to (None: nothing is forced).
+    """The function definitions a ``tool_choice`` forces a call to (None: nothing is forced);
+    the forms and their rules are `mlxgw.protocol.forced_tool_names`'.
 
     Raises:
-        RequestError: 400, ``tool_choice`` names a function not in ``tools``
-            or forces a call with no tools.
+        RequestError: 400, as `forced_tool_names`.
     """
-    if tool_choice in (None, "auto", "none"):
+    names = forced_tool_names(tools, tool_choice)
+    if names is None:
         return None
     fns = [t.get("function") or {} for t in tools or [] if t.get("type", "function") == "function"]
-    if tool_choice == "required":
-        if not fns:
-            raise RequestError("tool_choice 'required' needs 'tools'", param="tool_choice")
-        return fns
-    if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name")
-        if not isinstance(name, str):  # it said "names 'None'" (helper-60)
-            raise RequestError("'tool_choice.function.name' must name a function in 'tools'",
-                               param="tool_choice.function.name")
-        chosen = [f for f in fns if f.get("name") == name]
-        if not chosen:
-            raise RequestError(f"tool_choice names '{name}', which is not in 'tools'", param="tool_choice")
-        return chosen
-    raise RequestError("'tool_choice' must be 'none', 'auto', 'required' or a named function", param="tool_choice")
+    return [f for f in fns if f.get("name") in names]
 
 
 def _token_or_text(tokenizer, text: str) -> str:

@@ -421,6 +421,65 @@ def _validate_tools(tools) -> Optional[list]:
     return tools or None
 
 
+def forced_tool_names(tools: Optional[list], tool_choice) -> Optional[list[str]]:
+    """The names of the function tools ``tool_choice`` forces a call to, in ``tools``' order, or
+    None when no call is forced.
+
+    Forms (OpenAI's Chat Completions): ``"none"`` / ``"auto"`` / None (not forced),
+    ``"required"`` (any tool), ``{"type": "function", "function": {"name"}}`` (that one), and
+    ``{"type": "allowed_tools", "allowed_tools": {"mode", "tools": [{"type": "function",
+    "function": {"name"}}, ...]}}``: mode ``required`` forces a call to one of those, so a
+    client keeps one ``tools`` list (and its cached prefix) while it narrows the choice; mode
+    ``auto`` is not forced, and the model may then call any of ``tools`` (no grammar here allows
+    "text, or a call to one of these").
+
+    Raises:
+        RequestError: 400 for another form (``custom``: chat serves function tools only), a
+            name not in ``tools``, or a forced call with no tools.
+    """
+    if tool_choice in (None, "auto", "none"):
+        return None
+    names = [(t.get("function") or {}).get("name") for t in tools or [] if t.get("type", "function") == "function"]
+    if tool_choice == "required":
+        if not names:
+            raise RequestError("tool_choice 'required' needs 'tools'", param="tool_choice")
+        return names
+    if not isinstance(tool_choice, dict):
+        raise RequestError("'tool_choice' must be 'none', 'auto', 'required' or an object", param="tool_choice")
+    kind = tool_choice.get("type", "function")
+    if kind == "allowed_tools":
+        allowed = tool_choice.get("allowed_tools")
+        mode = allowed.get("mode") if isinstance(allowed, dict) else None
+        if mode not in ("auto", "required"):
+            raise RequestError("'tool_choice.allowed_tools.mode' must be 'auto' or 'required'",
+                               param="tool_choice.allowed_tools.mode")
+        listed = allowed.get("tools")
+        if not isinstance(listed, list) or not listed:
+            raise RequestError("'tool_choice.allowed_tools.tools' must be a non-empty array of tools",
+                               param="tool_choice.allowed_tools.tools")
+        chosen = []
+        for i, t in enumerate(listed):
+            p = f"tool_choice.allowed_tools.tools[{i}]"
+            name = (t.get("function") or {}).get("name") if isinstance(t, dict) and isinstance(t.get("function"), dict) else None
+            if not isinstance(name, str) or not isinstance(t, dict) or t.get("type", "function") != "function":
+                raise RequestError(f"'{p}' must be a function tool, {{\"type\": \"function\", \"function\": "
+                                   f"{{\"name\": ...}}}}", param=p)
+            if name not in names:
+                raise RequestError(f"'{p}' names '{name}', which is not in 'tools'", param=p)
+            chosen.append(name)
+        return [n for n in names if n in chosen] if mode == "required" else None
+    if kind != "function":
+        raise RequestError(f"'tool_choice.type' must be 'function' or 'allowed_tools' (chat serves function "
+                           f"tools only), not {json.dumps(kind)}", param="tool_choice.type")
+    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice.get("function"), dict) else None
+    if not isinstance(name, str):  # it said "names 'None'" (helper-60)
+        raise RequestError("'tool_choice.function.name' must name a function in 'tools'",
+                           param="tool_choice.function.name")
+    if name not in names:
+        raise RequestError(f"tool_choice names '{name}', which is not in 'tools'", param="tool_choice")
+    return [name]
+
+
 def _response_format(body: dict) -> Optional[dict]:
     """The JSON schema ``response_format`` asks for: None for ``text`` (or none),
     ``{"type": "object"}`` for ``json_object``, ``json_schema.schema`` for ``json_schema``.
@@ -836,6 +895,7 @@ def parse_openai(body: dict, kind: str) -> ParsedRequest:
         req.messages = normalize_messages(_validate_messages(body.get("messages")))
         req.tools = _validate_tools(body.get("tools"))
         req.tool_choice = body.get("tool_choice")
+        forced_tool_names(req.tools, req.tool_choice)  # a 400 here, before any backend is chosen
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) >= 1 and all(isinstance(p, (str, list)) for p in prompt):

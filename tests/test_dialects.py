@@ -700,3 +700,52 @@ def test_anthropic_output_format_is_a_json_answer(stack2):
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="demo-tiny", max_tokens=5, messages=[{"role": "user", "content": "hi"}],
                                extra_body={"output_format": {"type": "json_schema"}})
+
+
+TIME = {"name": "get_time", "description": "Current local time in a city",  # an enum: the demo model ends its string
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Rome", "Lima"]}}, "required": ["city"],
+                       "additionalProperties": False}}
+
+
+def test_allowed_tools_forces_a_call_among_them_with_every_tool_in_the_prompt(stack):
+    """helper-92: OpenAI's ``allowed_tools`` tool_choice got a 400 naming a field the request did
+    not have, from the backend after routing. ``required`` forces a call to one of the listed
+    tools while the prompt keeps them all (its cached prefix); ``auto`` forces nothing."""
+    from mlxgw.httpget import post
+
+    client = _oai(stack)
+    tools = CHAT_TOOLS + [{"type": "function", "function": TIME}]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    only_time = {"type": "allowed_tools", "allowed_tools": {
+        "mode": "required", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}
+    forced = client.chat.completions.create(model="demo-tiny", messages=msgs, tools=tools, tool_choice=only_time,
+                                            max_tokens=64)
+    (call,) = forced.choices[0].message.tool_calls
+    assert forced.choices[0].finish_reason == "tool_calls" and call.function.name == "get_time"
+    assert json.loads(call.function.arguments)["city"] in ("Rome", "Lima")
+    free = client.chat.completions.create(model="demo-tiny", messages=msgs, tools=tools, max_tokens=2, tool_choice={
+        "type": "allowed_tools", "allowed_tools": {**only_time["allowed_tools"], "mode": "auto"}})
+    assert free.usage.prompt_tokens == forced.usage.prompt_tokens  # every tool rendered either way
+    # The Responses API's flat form; a built-in tool in the list is left out.
+    r = client.responses.create(model="demo-tiny", input="Weather in Paris?", max_output_tokens=64,
+                                tools=RESPONSES_TOOLS + [{"type": "function", **TIME}],
+                                tool_choice={"type": "allowed_tools", "mode": "required", "tools": [
+                                    {"type": "web_search_preview"}, {"type": "function", "name": "get_time"}]})
+    (fc,) = r.output
+    assert fc.type == "function_call" and fc.name == "get_time"
+    # Refused by the gateway before a backend is chosen, naming the field at fault.
+    bad = [({"type": "custom", "custom": {"name": "get_time"}}, "tool_choice.type"),
+           ({"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+               {"type": "function", "function": {"name": "missing"}}]}}, "tool_choice.allowed_tools.tools[0]"),
+           ({"type": "allowed_tools", "allowed_tools": {"mode": "any", "tools": only_time["allowed_tools"]["tools"]}},
+            "tool_choice.allowed_tools.mode"),
+           ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}, "tool_choice.allowed_tools.tools")]
+    for tc, param in bad:
+        status, headers, raw = post(stack.gateway.url + "/v1/chat/completions",
+                                    {"model": "demo-tiny", "messages": msgs, "tools": tools, "tool_choice": tc})
+        err = json.loads(raw)["error"]
+        assert (status, err["param"], err["type"]) == (400, param, "invalid_request_error"), raw
+        assert "x-mlxgw-backend" not in {k.lower() for k in headers}, headers
+    status, _, raw = post(stack.gateway.url + "/v1/responses", {"model": "demo-tiny", "input": "x", "tools": RESPONSES_TOOLS,
+                          "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [{"type": "web_search_preview"}]}})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "tool_choice.tools", raw

@@ -204,6 +204,19 @@ def convert_tool_choice(tc):
         if not isinstance(tc.get("name"), str):
             raise RequestError(f"'tool_choice.name' must name a {tc['type']} tool", param="tool_choice.name")
         return {"type": "function", "function": {"name": tc["name"]}}  # a custom tool is a function here
+    if isinstance(tc, dict) and tc.get("type") == "allowed_tools":
+        # The Responses form, flat: {"type": "allowed_tools", "mode", "tools": [{"type", "name"}]}
+        listed = tc.get("tools")
+        if not isinstance(listed, list):
+            raise RequestError("'tool_choice.tools' must be an array of tools", param="tool_choice.tools")
+        fns = [{"type": "function", "function": {"name": t.get("name")}} for t in listed
+               if isinstance(t, dict) and t.get("type") in ("function", "custom")]  # built-in ones are not served
+        if not fns:
+            if tc.get("mode") == "required":
+                raise RequestError("'tool_choice' requires a call to one of 'tool_choice.tools' but none is a "
+                                   "function or custom tool", param="tool_choice.tools")
+            return "auto"
+        return {"type": "allowed_tools", "allowed_tools": {"mode": tc.get("mode"), "tools": fns}}
     if isinstance(tc, dict) and isinstance(tc.get("type"), str) and tc["type"]:
         return "auto"  # a built-in tool: not ours to force
     raise RequestError("'tool_choice' must be auto, none, required or a function", param="tool_choice")
