@@ -64,10 +64,25 @@ spec="."
 # Imports go through mlxgw's guard: a bare `import mlx_lm` fails under a hard open-files
 # limit below 4096 (mlx-lm issue 1589), where mlxgw itself runs fine.
 IMPORT_CHECK="from mlxgw.rlimit import guard_mlx_lm_import; guard_mlx_lm_import(); import mlx_lm, aiohttp, redis"
+imports_ok=1
 if ! .venv/bin/python -c "$IMPORT_CHECK" >/dev/null 2>&1; then
+  imports_ok=0
   echo "installing mlxgw and its dependencies into .venv (first run: mlx, mlx-lm, transformers," \
        "about 400 MB on Linux x86_64; from under a minute with a warm pip cache to a few minutes)..." >&2
+fi
+# A start after a finished install of the same pyproject.toml and extras skips pip (helper-92: each
+# start spent ~6 s and asked PyPI again); the package is editable, so code changes need no install.
+STAMP=.venv/.mlxgw-installed
+key=$(.venv/bin/python -c 'import hashlib, sys; print(hashlib.sha256(open("pyproject.toml", "rb").read()
+      + sys.argv[1].encode()).hexdigest())' "$spec")
+if [[ $imports_ok == 1 && -f "$STAMP" ]] && grep -qxF "$key" "$STAMP"; then
+  exit 0
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e "$spec" 2>&1 | grep -v -E "^(WARNING: Location|  )" >&2 || true
 .venv/bin/python -c "$IMPORT_CHECK" || { echo "install failed" >&2; exit 1; }
+# pip printed its errors above but exits 0 through the pipe: check the extras' own imports too
+if [[ "$extras" == *test* ]]; then
+  .venv/bin/python -c "import pytest, xdist, openai, anthropic" || { echo "install of the test extras failed" >&2; exit 1; }
+fi
+echo "$key" >> "$STAMP"

@@ -56,3 +56,39 @@ def test_setup_script_import_check_passes_under_a_low_hard_open_files_limit():
     # must still pass either way.
     assert bare.returncode == 0 or "not allowed to raise maximum limit" in bare.stderr
     assert guarded.returncode == 0 and guarded.stdout.strip() == "(2048, 2048)", guarded.stderr
+
+
+def test_setup_script_skips_pip_once_this_pyproject_and_extras_are_installed(tmp_path):
+    """helper-92: every `scripts/serve.sh` start ran pip (upgrade and editable install, ~6 s,
+    asking PyPI each time). After a finished install of the same pyproject.toml and extras it
+    runs none; another extras set, or a changed pyproject.toml, installs again."""
+    import os
+    import stat
+
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    log = tmp_path / "pip.log"
+    # This venv's Python, except that pip only writes down what it was asked
+    fake = bin_dir / "python"
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" = "pip" ]; then echo "$*" >> {log}; exit 0; fi\n'
+                    f'exec {sys.executable} "$@"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+
+    def setup(*extras: str) -> list[str]:
+        before = log.read_text().splitlines() if log.exists() else []
+        r = subprocess.run(["bash", str(tmp_path / "scripts" / "setup.sh"), *extras], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "PYTHON": sys.executable})
+        assert r.returncode == 0, r.stderr
+        return (log.read_text().splitlines() if log.exists() else [])[len(before):]
+
+    assert setup() == ["-m pip install -q --upgrade pip", "-m pip install -q -e ."]
+    assert setup() == []
+    assert setup("test") == ["-m pip install -q --upgrade pip", "-m pip install -q -e .[test]"]
+    assert setup("test") == [] and setup() == []
+    with open(tmp_path / "pyproject.toml", "a") as f:
+        f.write("\n# a changed dependency list\n")
+    assert setup() == ["-m pip install -q --upgrade pip", "-m pip install -q -e ."]
+    assert setup() == []
