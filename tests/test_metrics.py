@@ -112,12 +112,13 @@ def test_metrics_move_with_traffic(make_stack):
     assert choice["message"]["content"].startswith("<tool_call>"), choice
     assert _v(_scrape(b)[1], "mlxgw:tool_calls_unparsed_total", model_name=m) == 1
 
-    # An answer the backend refused (a 400: the forced tool is not among the tools) is no first
-    # token: counted by outcome, left out of the TTFT histogram (helper-84: it lowered the quantiles).
+    # An answer the backend refused (a 400: its grammar compiler refuses the schema; a forced tool
+    # not among the tools is the gateway's own 400 since session 51) is no first token: counted by
+    # outcome, left out of the TTFT histogram (helper-84: it lowered the quantiles).
     ttfts = _v(_scrape(g)[1], "mlxgw:gateway_time_to_first_token_seconds_count", model_name=m)
-    st_r, _, raw_r = post(g + "/v1/chat/completions", {**msg, "tools": tools, "max_tokens": 4,
-                                                       "tool_choice": {"type": "function", "function": {"name": "g"}}})
-    assert st_r == 400, raw_r
+    st_r, _, raw_r = post(g + "/v1/chat/completions", {**msg, "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "nonsense"}}}})
+    assert st_r == 400 and json.loads(raw_r)["error"]["param"] == "response_format", raw_r
     _, vg = _scrape(g)
     assert _v(vg, "mlxgw:gateway_requests_total", model_name=m, outcome="http_400") == 1
     assert _v(vg, "mlxgw:gateway_time_to_first_token_seconds_count", model_name=m) == ttfts

@@ -189,13 +189,15 @@ def test_backend_refuses_requests_without_the_internal_token(sec):
 
 
 def test_a_backend_4xx_reaches_anthropic_clients_as_an_anthropic_error(sec):
-    # The gateway passes tool choices through, and the backend refuses one naming a tool that
-    # is not in `tools`: its JSON 400 must come out as an Anthropic error, streamed or not
-    # (the dialect's transform has to see the status before the body).
+    # The backend's grammar compiler refuses a forced tool whose schema holds a broken regex (the
+    # gateway passes schemas through): its JSON 400 must come out as an Anthropic error, streamed
+    # or not (the dialect's transform has to see the status before the body). A tool name not in
+    # `tools` was the case until session 51, when the gateway began refusing it before routing.
     g = sec.gateways[1]
     body = {"model": "demo-tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
-            "tools": [{"name": "get_weather", "description": "w", "input_schema": {"type": "object", "properties": {}}}],
-            "tool_choice": {"type": "tool", "name": "nope"}}
+            "tools": [{"name": "get_weather", "description": "w", "input_schema": {
+                "type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}}],
+            "tool_choice": {"type": "tool", "name": "get_weather"}}
     before = json.loads(_get(g.url + "/health", key=KEYS["val"])[2])
     errors = before["errors"]
     for stream in (False, True):
@@ -203,7 +205,8 @@ def test_a_backend_4xx_reaches_anthropic_clients_as_an_anthropic_error(sec):
         err = json.loads(raw)
         assert status == 400 and hdrs["Content-Type"].startswith("application/json"), (stream, hdrs, raw)
         assert err["type"] == "error" and err["error"] == {
-            "type": "invalid_request_error", "message": "tool_choice names 'nope', which is not in 'tools'"}
+            "type": "invalid_request_error",
+            "message": "cannot constrain the answer to this tool call: regex parse error: (( error: unclosed group"}
     after = json.loads(_get(g.url + "/health", key=KEYS["val"])[2])
     assert after["errors"] == errors + 2  # passed-through errors count
     assert after["requests"] == before["requests"] + 2  # both reached routing
