@@ -749,3 +749,9 @@ def test_allowed_tools_forces_a_call_among_them_with_every_tool_in_the_prompt(st
     status, _, raw = post(stack.gateway.url + "/v1/responses", {"model": "demo-tiny", "input": "x", "tools": RESPONSES_TOOLS,
                           "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [{"type": "web_search_preview"}]}})
     assert status == 400 and json.loads(raw)["error"]["param"] == "tool_choice.tools", raw
+    for tc, param in (({"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "nope"}]},
+                       "tool_choice.tools[0]"),
+                      ({"type": "allowed_tools", "mode": "any", "tools": []}, "tool_choice.mode")):
+        status, _, raw = post(stack.gateway.url + "/v1/responses",
+                              {"model": "demo-tiny", "input": "x", "tools": RESPONSES_TOOLS, "tool_choice": tc})
+        assert status == 400 and json.loads(raw)["error"]["param"] == param, raw  # the client's own field

@@ -206,6 +206,8 @@ def convert_tool_choice(tc):
         return {"type": "function", "function": {"name": tc["name"]}}  # a custom tool is a function here
     if isinstance(tc, dict) and tc.get("type") == "allowed_tools":
         # The Responses form, flat: {"type": "allowed_tools", "mode", "tools": [{"type", "name"}]}
+        if tc.get("mode") not in ("auto", "required"):
+            raise RequestError("'tool_choice.mode' must be 'auto' or 'required'", param="tool_choice.mode")
         listed = tc.get("tools")
         if not isinstance(listed, list):
             raise RequestError("'tool_choice.tools' must be an array of tools", param="tool_choice.tools")
@@ -246,6 +248,14 @@ def to_chat(body: dict) -> dict:
                            param="n", code="unsupported_parameter")
     out = chat_request(body, lambda: convert_input(body.get("instructions"), body.get("input")),
                        lambda: convert_tools(body.get("tools")), convert_tool_choice)
+    allowed = out.get("tool_choice")
+    if isinstance(allowed, dict) and allowed.get("type") == "allowed_tools":
+        # Named here in the client's own (flat) fields; the chat parse would say "allowed_tools.tools"
+        names = {(t.get("function") or {}).get("name") for t in out.get("tools") or ()}
+        for i, t in enumerate(body["tool_choice"]["tools"]):
+            if isinstance(t, dict) and t.get("type") in ("function", "custom") and t.get("name") not in names:
+                raise RequestError(f"'tool_choice.tools[{i}]' names {json.dumps(t.get('name'))}, which is not in "
+                                   "'tools'", param=f"tool_choice.tools[{i}]")
     if body.get("max_output_tokens") is not None:  # checked here so the error names the client's field
         out["max_tokens"] = number_field(body, "max_output_tokens", None, lo=1, integer=True)
     for k in ("temperature", "top_p"):
