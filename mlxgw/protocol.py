@@ -449,7 +449,10 @@ def forced_tool_names(tools: Optional[list], tool_choice) -> Optional[list[str]]
     kind = tool_choice.get("type", "function")
     if kind == "allowed_tools":
         allowed = tool_choice.get("allowed_tools")
-        mode = allowed.get("mode") if isinstance(allowed, dict) else None
+        if not isinstance(allowed, dict):  # helper-93: the Responses API's flat form, sent to chat
+            raise RequestError("'tool_choice.allowed_tools' must be an object, {\"mode\": ..., \"tools\": [...]} "
+                               "(the flat form is the Responses API's)", param="tool_choice.allowed_tools")
+        mode = allowed.get("mode")
         if mode not in ("auto", "required"):
             raise RequestError("'tool_choice.allowed_tools.mode' must be 'auto' or 'required'",
                                param="tool_choice.allowed_tools.mode")

@@ -755,3 +755,20 @@ def test_allowed_tools_forces_a_call_among_them_with_every_tool_in_the_prompt(st
         status, _, raw = post(stack.gateway.url + "/v1/responses",
                               {"model": "demo-tiny", "input": "x", "tools": RESPONSES_TOOLS, "tool_choice": tc})
         assert status == 400 and json.loads(raw)["error"]["param"] == param, raw  # the client's own field
+    # helper-93: a typo'd type was taken for a built-in tool (answered unforced, 200), a function
+    # named as a custom tool was forced, and chat given the flat form blamed its mode.
+    time_tool = {"type": "function", **TIME}
+    for tc, param in (({"type": "fucntion", "name": "get_time"}, "tool_choice.type"),
+                      ({"type": "custom", "name": "get_time"}, "tool_choice.type"),
+                      ({"type": "allowed_tools", "mode": "required", "tools": [{"type": "custom", "name": "get_time"}]},
+                       "tool_choice.tools[0].type")):
+        status, headers, raw = post(stack.gateway.url + "/v1/responses",
+                                    {"model": "demo-tiny", "input": "x", "tools": [time_tool], "tool_choice": tc})
+        assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
+        assert "x-mlxgw-backend" not in {k.lower() for k in headers}, headers
+    ok = client.responses.create(model="demo-tiny", input="x", max_output_tokens=2, tools=RESPONSES_TOOLS,
+                                 tool_choice={"type": "web_search_preview"})  # a built-in tool it has: not forced
+    assert ok.status == "incomplete" and ok.output[0].type == "message"
+    status, _, raw = post(stack.gateway.url + "/v1/chat/completions", {"model": "demo-tiny", "messages": msgs, "tools": tools,
+                          "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "tool_choice.allowed_tools", raw

@@ -224,6 +224,36 @@ def convert_tool_choice(tc):
     raise RequestError("'tool_choice' must be auto, none, required or a function", param="tool_choice")
 
 
+def _check_tool_choice(body: dict) -> None:
+    """The tool_choice against the request's own tools, in the client's (flat) fields: a named
+    function or custom tool, or each one ``allowed_tools`` lists, must be in ``tools`` with that
+    type, and a built-in type must be one of the tools (helper-93: a typo such as ``fucntion``
+    was taken for a built-in tool and answered unforced; a function named as ``custom`` was
+    forced). Raises RequestError (400)."""
+    tc = body.get("tool_choice")
+    if not isinstance(tc, dict):
+        return
+    tools = [t for t in body.get("tools") or () if isinstance(t, dict)]
+    kinds = {t.get("name"): t.get("type") for t in tools if t.get("type") in ("function", "custom")}
+
+    def named(t: dict, param: str) -> None:
+        if t.get("name") not in kinds:
+            raise RequestError(f"'{param}' names {json.dumps(t.get('name'))}, which is not in 'tools'", param=param)
+        if kinds[t["name"]] != t.get("type"):
+            raise RequestError(f"'{param}' names the {kinds[t['name']]} tool {json.dumps(t['name'])} as a "
+                               f"{t.get('type')} tool", param=f"{param}.type" if param != "tool_choice" else "tool_choice.type")
+
+    if tc.get("type") in ("function", "custom"):
+        named(tc, "tool_choice")
+    elif tc.get("type") == "allowed_tools":
+        for i, t in enumerate(tc["tools"]):
+            if isinstance(t, dict) and t.get("type") in ("function", "custom"):
+                named(t, f"tool_choice.tools[{i}]")
+    elif tc.get("type") not in {t.get("type") for t in tools}:
+        raise RequestError(f"'tool_choice.type' {json.dumps(tc.get('type'))} is none of the request's tools' types "
+                           "(function, custom, or a built-in tool in 'tools')", param="tool_choice.type")
+
+
 def to_chat(body: dict) -> dict:
     """A Responses request -> the internal OpenAI chat request.
 
@@ -248,14 +278,7 @@ def to_chat(body: dict) -> dict:
                            param="n", code="unsupported_parameter")
     out = chat_request(body, lambda: convert_input(body.get("instructions"), body.get("input")),
                        lambda: convert_tools(body.get("tools")), convert_tool_choice)
-    allowed = out.get("tool_choice")
-    if isinstance(allowed, dict) and allowed.get("type") == "allowed_tools":
-        # Named here in the client's own (flat) fields; the chat parse would say "allowed_tools.tools"
-        names = {(t.get("function") or {}).get("name") for t in out.get("tools") or ()}
-        for i, t in enumerate(body["tool_choice"]["tools"]):
-            if isinstance(t, dict) and t.get("type") in ("function", "custom") and t.get("name") not in names:
-                raise RequestError(f"'tool_choice.tools[{i}]' names {json.dumps(t.get('name'))}, which is not in "
-                                   "'tools'", param=f"tool_choice.tools[{i}]")
+    _check_tool_choice(body)
     if body.get("max_output_tokens") is not None:  # checked here so the error names the client's field
         out["max_tokens"] = number_field(body, "max_output_tokens", None, lo=1, integer=True)
     for k in ("temperature", "top_p"):
