@@ -67,8 +67,8 @@ def free_port() -> int:
         RuntimeError: every port of the slice was given or is in use.
     """
     ports = _port_slice()
-    if not _cursor:
-        _cursor.append(ports.start + (os.getpid() * 7919) % len(ports))  # a different start per run
+    if not _cursor or _cursor[0] not in ports:
+        _cursor[:] = [ports.start + (os.getpid() * 7919) % len(ports)]  # a different start per run
     for _ in range(len(ports)):
         port = _cursor[0]
         _cursor[0] = port + 1 if port + 1 < ports.stop else ports.start
