@@ -382,7 +382,14 @@ class MLXEngine(Engine):
         # completion_batch_size to prefill_batch_size, so one decode slot with the default 2
         # prefills ran two answers at once while /health, the record and the gateways said 1 (helper-91)
         self.prefill_concurrency = min(prefill_concurrency, decode_concurrency)
+        if prefill_concurrency > decode_concurrency:
+            log.warning("--prefill-concurrency %d is above --decode-concurrency %d: %d prompts are prefilled side by "
+                        "side, one per decode slot", prefill_concurrency, decode_concurrency, decode_concurrency)
         self.prefill_step_size = prefill_step_size
+        # The engine thread's state (`_init_loop_state`) before it starts: /health and the
+        # heartbeat read these while the model loads (helper-91: /health answered 500 then)
+        self._live: dict[int, _Live] = {}
+        self._loop_at: Optional[float] = None  # when the thread last went round its loop (`loop_silent_for`)
         self._incoming: "queue.Queue[GenRequest]" = queue.Queue()
         self._cancels: "queue.Queue[str]" = queue.Queue()
         self._abandoned: set[str] = set()  # rids whose client is gone (set.add is atomic)
@@ -471,16 +478,14 @@ class MLXEngine(Engine):
         decoded so far (helper-90: answers ten times longer than the last ones held every slot
         while the average still said 3 s)."""
         now = time.monotonic()
-        # Before the model loaded there is no loop state (helper-91: /health answered 500 then)
-        live = getattr(self, "_live", {})
-        running = [now - lv.first_token_at for lv in list(live.values()) if lv.first_token_at]
+        running = [now - lv.first_token_at for lv in list(self._live.values()) if lv.first_token_at]
         return max(self.decode_seconds, sum(running) / len(running)) if running else self.decode_seconds
 
     def loop_silent_for(self) -> float:
         """Seconds since the engine thread last went round its loop (0 before it started): a few
         milliseconds while it works or idles, a step's length at most, unless a step hangs
         (a Metal hang, say) while the HTTP side and the heartbeat go on."""
-        at = getattr(self, "_loop_at", None)
+        at = self._loop_at
         return 0.0 if at is None else time.monotonic() - at
 
     def stats(self) -> dict:

@@ -414,10 +414,6 @@ def run(args: argparse.Namespace) -> int:
     if why:
         log.warning("%s", why)
     budget = parse_bytes(args.cache_bytes)  # size_arg checked it
-    if args.prefill_concurrency > args.decode_concurrency:  # `MLXEngine` lowers it (helper-91)
-        log.warning("--prefill-concurrency %d is above --decode-concurrency %d: %d prompts are prefilled side by "
-                    "side, one per decode slot", args.prefill_concurrency, args.decode_concurrency,
-                    args.decode_concurrency)
     for line in budget_warnings(args.cache_bytes, budget, kv_per_token=None if args.engine == "sim"
                                 else model_kv_bytes_per_token(model_path)):
         log.warning("%s", line)

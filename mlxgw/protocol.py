@@ -463,8 +463,9 @@ def forced_tool_names(tools: Optional[list], tool_choice) -> Optional[list[str]]
         chosen = []
         for i, t in enumerate(listed):
             p = f"tool_choice.allowed_tools.tools[{i}]"
-            name = (t.get("function") or {}).get("name") if isinstance(t, dict) and isinstance(t.get("function"), dict) else None
-            if not isinstance(name, str) or not isinstance(t, dict) or t.get("type", "function") != "function":
+            fn = t.get("function") if isinstance(t, dict) else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if not isinstance(name, str) or t.get("type", "function") != "function":
                 raise RequestError(f"'{p}' must be a function tool, {{\"type\": \"function\", \"function\": "
                                    f"{{\"name\": ...}}}}", param=p)
             if name not in names:
@@ -474,7 +475,8 @@ def forced_tool_names(tools: Optional[list], tool_choice) -> Optional[list[str]]
     if kind != "function":
         raise RequestError(f"'tool_choice.type' must be 'function' or 'allowed_tools' (chat serves function "
                            f"tools only), not {json.dumps(kind)}", param="tool_choice.type")
-    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice.get("function"), dict) else None
+    fn = tool_choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):  # it said "names 'None'" (helper-60)
         raise RequestError("'tool_choice.function.name' must name a function in 'tools'",
                            param="tool_choice.function.name")

@@ -241,7 +241,7 @@ def _check_tool_choice(body: dict) -> None:
             raise RequestError(f"'{param}' names {json.dumps(t.get('name'))}, which is not in 'tools'", param=param)
         if kinds[t["name"]] != t.get("type"):
             raise RequestError(f"'{param}' names the {kinds[t['name']]} tool {json.dumps(t['name'])} as a "
-                               f"{t.get('type')} tool", param=f"{param}.type" if param != "tool_choice" else "tool_choice.type")
+                               f"{t.get('type')} tool", param=f"{param}.type")
 
     if tc.get("type") in ("function", "custom"):
         named(tc, "tool_choice")
