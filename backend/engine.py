@@ -488,12 +488,24 @@ class MLXEngine(Engine):
         at = self._loop_at
         return 0.0 if at is None else time.monotonic() - at
 
+    def prefill_beside_tokens(self) -> int:
+        """The most uncached tokens (its prompt less its cache hit) a waiting request may have and
+        still start beside a running prefill rather than behind the queue: ``prefill_step_size``
+        with the ``"step-beside"`` order (`_pick_beside`; while fewer than ``prefill_concurrency``
+        prompts are prefilling), 0 with ``"fifo"`` and with ``"shorter-beside"``, whose bound is
+        what the running prefill has left (not published). Gateways read it in the lookup
+        (`gateway.route._seed`)."""
+        return self.prefill_step_size if self.prefill_order == "step-beside" and self.prefill_concurrency > 1 else 0
+
     def stats(self) -> dict:
         return {
             "active": self.active,
             # received, not yet in the batch: behind a prefill slot, a decode slot or a shared prefill
             "waiting": len(getattr(self, "_waiting", ())),
             "decode_slots": self.decode_concurrency,
+            # the most uncached tokens a request may have and start beside a running prefill
+            # (gateways' seeding rule, gateway.route._seed); 0: it waits behind the queue
+            "prefill_beside_tokens": self.prefill_beside_tokens(),
             "queued_prefill_tokens": max(0, self.queued_prefill_tokens),
             **self.cache_figures(),
             "requests": self.requests_total,

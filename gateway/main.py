@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=RoutingConfig.seed_when_full,
                    help="seed an empty, idle backend only by load against prefix, not also when the chosen backend "
                         "has a request in flight for each of its decode slots (the rule before session 48)")
+    p.add_argument("--no-seed-beside", dest="seed_beside", action="store_false", default=RoutingConfig.seed_beside,
+                   help="in the seeding comparison, count the chosen backend's queued prefill even when the "
+                        "request's remainder would start beside it there (the rule before session 52)")
     p.add_argument("--slot-wait-weight", type=non_negative_float, default=RoutingConfig.slot_wait_weight,
                    help="cost per token of the wait for a decode slot on the chosen backend when it has a "
                         "request in flight for each of its slots (its measured decode time and prefill rate turned "
@@ -204,7 +207,8 @@ def config_from_args(args) -> GatewayConfig:
                               heartbeat_load=args.heartbeat_load, pending_grace=args.pending_grace,
                               short_claims=args.short_claims, placement_slack_tokens=args.placement_slack_tokens,
                               seed_empty=args.seed_empty, seed_claim_factor=args.seed_claim_factor,
-                              seed_when_full=args.seed_when_full, slot_wait_weight=args.slot_wait_weight),
+                              seed_when_full=args.seed_when_full, seed_beside=args.seed_beside,
+                              slot_wait_weight=args.slot_wait_weight),
         gateway_id=args.gateway_id or f"{socket.gethostname()}:{args.port}",
         janitor_grace=args.janitor_grace,
         load_publish_interval=args.load_publish_ms / 1000,

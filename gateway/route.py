@@ -37,7 +37,12 @@ full (Dynamo's overlap weight 1, the request's own wait), not at
 ``load_weight``. At ``load_weight`` alone a prefix every backend shares (a
 system prompt) kept a new backend idle until its owners were ~33 times its
 length busier; once it has taken one such request it owns the prefix too and
-the usual cost applies. Past a prefix the chosen backend is still computing (a
+the usual cost applies. The load leaves out the chosen backend's queued prefill
+when the request's remainder starts beside it there: at most its published
+``prefill_beside_tokens`` (its ``step-beside`` prefill step) past a saved prefix
+(`seed_wait`; session 51 measured the whole load moving the synthetic trace's
+16-id continuations of 544 cached ids to idle backends, 0.971 of the oracle
+against 1.000). Past a prefix the chosen backend is still computing (a
 claim: a burst or a fan-out that pending ownership gathers there) the load must
 exceed ``seed_claim_factor`` (2) times it: the claim's own prefill, which a
 sibling waits for there and would redo elsewhere, plus as much again; an owner
@@ -135,6 +140,9 @@ class RoutingConfig:
         of session 46; module docstring).
     seed_when_full: also seed when the cheapest backend has a request in flight for each of
         its decode slots, whatever the prefix (False: the rule before session 48).
+    seed_beside: in that comparison, leave out the chosen backend's queued prefill when the
+        request's own remainder starts beside it there (``Candidate.prefill_beside_tokens``; module
+        docstring; False: the rule before session 52, its whole load).
     slot_wait_weight: cost per token of the chosen backend's wait for a decode slot when it
         has none free, against backends with compute to spare ("The wait for a decode slot" in
         the module docstring; 0: none, the rule before session 49).
@@ -153,6 +161,7 @@ class RoutingConfig:
     seed_empty: bool = True
     seed_claim_factor: float = 2.0
     seed_when_full: bool = True
+    seed_beside: bool = True
     slot_wait_weight: float = 1.0
     _turn: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
 
@@ -264,21 +273,38 @@ def _relieve(out: list[Scored], weight: float) -> Optional[Scored]:
     return min(spare, key=_order) if spare else None
 
 
-def _seed(out: list[Scored], block_size: int, claim_factor: float, when_full: bool = True) -> Optional[Scored]:
+def seed_wait(s: Scored, block_size: int, beside: bool = True) -> float:
+    """The wait (tokens of work) the seeding rule charges a request on ``s``: its load, less the
+    queued prefill when the request's remainder (``s.prefill`` tokens) starts beside that prefill
+    there rather than behind it: at most ``prefill_beside_tokens`` (the backend's ``step-beside``
+    prefill step) past a saved prefix (past a claim the request waits for the claimed prefill
+    anyway). Session 51 measured the whole load moving the synthetic trace's 16-id continuations
+    of 544 cached ids to idle backends (docs/routing.md, "Seeding an empty backend")."""
+    c = s.cand
+    if (beside and 0 < s.prefill <= c.prefill_beside_tokens
+            and c.saved_blocks * block_size >= s.matched):
+        return max(0.0, s.load - s.queued)
+    return s.load
+
+
+def _seed(out: list[Scored], block_size: int, claim_factor: float, when_full: bool = True,
+          beside: bool = True) -> Optional[Scored]:
     """An idle backend holding no prefix of the request to take it instead of ``out[0]`` (the
     choice so far), or None: see "Seeding" in the module docstring. Empty (of this request):
     no prefix of it saved or claimed there (helper-86: requiring an empty cache left a backend
     holding one unrelated 32-token entry idle for 6 minutes beside a busy peer); idle: no load
-    in the gateways' figures nor in its own heartbeat. Past a prefix the chosen backend only
-    claims (still computing it), its load must exceed ``claim_factor`` times the prefix (0:
-    never; `RoutingConfig.seed_claim_factor`). With ``when_full``, a chosen backend with a
-    request in flight for each of its decode slots is passed whatever its load and prefix."""
+    in the gateways' figures nor in its own heartbeat. The chosen backend's load, less what
+    the request would start beside (`seed_wait`, with ``beside``), must exceed the prefix it
+    would reuse there. Past a prefix the chosen backend only claims (still computing it), its
+    load must exceed ``claim_factor`` times the prefix (0: never;
+    `RoutingConfig.seed_claim_factor`). With ``when_full``, a chosen backend with a request in
+    flight for each of its decode slots is passed whatever its load and prefix."""
     best = out[0]
     if best.matched <= 0:
         return None
     slots = best.cand.decode_slots
     if not (when_full and slots > 0 and best.active >= slots):
-        if best.load <= best.matched:
+        if seed_wait(best, block_size, beside) <= best.matched:
             return None
         if best.cand.saved_blocks * block_size < best.matched and (
                 claim_factor <= 0 or best.load <= claim_factor * best.matched):
@@ -398,7 +424,8 @@ def rank(
             out.remove(pick)
             out.insert(0, pick)
             reason = "affinity"
-    seeded = _seed(out, block_size, cfg.seed_claim_factor, cfg.seed_when_full) if cfg.seed_empty else None
+    seeded = (_seed(out, block_size, cfg.seed_claim_factor, cfg.seed_when_full, cfg.seed_beside)
+              if cfg.seed_empty else None)
     if seeded is not None:
         out.remove(seeded)
         out.insert(0, seeded)

@@ -479,7 +479,7 @@ def block_value(epoch: int, saved: bool) -> str:
 # state, cache_bytes, cache_budget_bytes, depth_in_blocks, gw_requests,
 # gw_prefill_tokens, saved_depth_in_blocks, min_hit_tokens, cache_victim_used_at,
 # kv_bytes_per_token, block_size, tokenizer, auth, decode_slots, prefill_tps,
-# decode_seconds} (gw_* summed over
+# decode_seconds, prefill_beside_tokens} (gw_* summed over
 # the other live gateways; the depth counts saved copies and claims, the saved
 # depth saved copies only). A backend is live while its registry hash exists
 # (the heartbeat TTL); ownership counts only when the stored epoch equals the
@@ -495,11 +495,11 @@ for _, id in ipairs(ids) do
   local h = redis.call('HMGET', ARGV[1] .. id, 'epoch', 'url', 'active', 'queued_prefill_tokens', 'state',
                       'cache_bytes', 'cache_budget_bytes', 'min_hit_tokens', 'cache_victim_used_at',
                       'kv_bytes_per_token', 'block_size', 'tokenizer', 'auth', 'decode_slots',
-                      'prefill_tps', 'decode_seconds')
+                      'prefill_tps', 'decode_seconds', 'prefill_beside_tokens')
   if h[1] then
     table.insert(rows, {id, h[1], h[2] or '', h[3] or '0', h[4] or '0', h[5] or '', h[6] or '0', h[7] or '0', 0, 0, 0,
                         0, h[8] or '0', h[9] or '0', h[10] or '0', h[11] or '0', h[12] or '',
-                        h[13] or '', h[14] or '0', h[15] or '0', h[16] or '0'})
+                        h[13] or '', h[14] or '0', h[15] or '0', h[16] or '0', h[17] or '0'})
     table.insert(cids, id)
     table.insert(claimed, h[1] .. 'c')
   end
@@ -622,6 +622,9 @@ class Candidate:
     ``prefill_tps`` is its measured prefill rate (prompt tokens/s) and ``decode_seconds`` the
     mean time a request decoded there (s, first token to end); both 0 until measured or when not
     published. The routing cost turns requests past the slots into a wait with them.
+    ``prefill_beside_tokens``: a request with at most this many tokens to compute starts beside
+    a running prefill there rather than behind its queue (its ``step-beside`` prefill step; 0:
+    not published, or it waits behind the queue); the seeding rule reads it (gateway.route).
     """
 
     backend_id: str
@@ -645,6 +648,7 @@ class Candidate:
     decode_slots: int = 0
     prefill_tps: float = 0.0
     decode_seconds: float = 0.0
+    prefill_beside_tokens: int = 0
 
     @property
     def free_cache_bytes(self) -> int:
@@ -679,6 +683,7 @@ def parse_lookup(rows: list) -> list[Candidate]:
                 decode_slots=int(float(as_str(r[18]) or 0)) if len(r) > 18 else 0,
                 prefill_tps=float(as_str(r[19]) or 0) if len(r) > 19 else 0.0,
                 decode_seconds=float(as_str(r[20]) or 0) if len(r) > 20 else 0.0,
+                prefill_beside_tokens=int(float(as_str(r[21]) or 0)) if len(r) > 21 else 0,
             )
         )
     return out

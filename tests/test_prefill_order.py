@@ -22,6 +22,8 @@ import urllib.request
 import numpy as np
 import pytest
 
+from mlxgw.httpget import get_json
+
 
 def _ids(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(16, 3000, n).tolist()
@@ -61,6 +63,9 @@ def test_short_prompt_goes_beside_a_long_one_and_long_ones_keep_their_order(make
     st.add_backend("beside", None, *flags, "--prefill-order", "shorter-beside")
     st.add_backend("step", None, *flags)  # no flag: the default order is step-beside
     st.wait()
+    # What each publishes for the gateways' seeding rule (gateway.route.seed_wait): only step-beside
+    # bounds what starts beside a running prefill by a figure they know, its step.
+    assert [get_json(b.url + "/health")["prefill_beside_tokens"] for b in st.backends] == [0, 0, 64]
     out: dict[str, dict[str, float]] = {}
     runs = [threading.Thread(target=lambda b=b: out.__setitem__(b.name, _timed_requests(b.url))) for b in st.backends]
     for t in runs:

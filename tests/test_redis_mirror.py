@@ -181,3 +181,5 @@ def test_cache_figures_reach_the_registry_with_each_save(make_stack, redis_serve
     rows = r.eval(schema.LOOKUP_LUA, 1, k.backends, k.backend_prefix, "", "", "")
     (cand,) = schema.parse_lookup(rows)
     assert cand.victim_used_at == first["used_at"] and cand.kv_bytes_per_token == float(rec["kv_bytes_per_token"])
+    # ... and what a short remainder starts beside: one prefill step (512, step-beside by default).
+    assert cand.prefill_beside_tokens == int(rec["prefill_beside_tokens"]) == 512

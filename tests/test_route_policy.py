@@ -211,3 +211,36 @@ def test_an_empty_idle_backend_takes_a_shared_prefix_once_its_owner_is_busier_th
     # The rule before (A/B runs).
     d = rank(_seed_cands(3000), 2200, 64, cfg=RoutingConfig(seed_empty=False))
     assert d.best.cand.backend_id == "a" and d.reason == "prefix"
+
+
+def test_a_remainder_that_starts_beside_the_owners_prefill_is_not_seeded():
+    """Session 51's synthetic-trace case (sim ids, 16-id blocks, decode weight 8): a 560-id
+    prompt whose first 544 ids "a" holds saved, one 1,216-id prompt prefilling there; "b" idle
+    and empty. The 16 ids left are one prefill step there (``prefill_beside_tokens`` 16,
+    step-beside), so they start beside that prefill: the wait is the one running request's 8
+    ids, not 1,224, and the owner keeps it (the whole load moved it: 560 ids of prefill on "b"
+    for 16 on "a", 0.971 of the oracle against 1.000)."""
+    def cands(beside: int, saved: bool = True, queued: int = 1216):
+        a = Candidate("a", 1, "http://a", active=0, queued_prefill_tokens=0, state="ready", depth_blocks=34,
+                      saved_blocks=34 if saved else 0, gw_requests=1, gw_prefill_tokens=queued,
+                      cache_bytes=10**9, min_hit_tokens=32, prefill_beside_tokens=beside)
+        b = Candidate("b", 2, "http://b", active=0, queued_prefill_tokens=0, state="ready")
+        return [a, b]
+
+    cfg = RoutingConfig(decode_weight=8)
+    d = rank(cands(16), 560, 16, cfg=cfg)
+    assert (d.best.cand.backend_id, d.reason, d.best.matched, d.best.load) == ("a", "prefix", 544, 1224)
+    # The rule before (--no-seed-beside), or a backend whose step is shorter than the remainder or
+    # that publishes none (fifo, shorter-beside, older backends): the whole queue is the wait.
+    assert rank(cands(16), 560, 16, cfg=RoutingConfig(decode_weight=8, seed_beside=False)).reason == "seed"
+    assert rank(cands(15), 560, 16, cfg=cfg).reason == "seed"
+    assert rank(cands(0), 560, 16, cfg=cfg).reason == "seed"
+    # Past a claim (the prefix still computing there) the request waits for that prefill whatever
+    # its remainder: the whole load counts, past twice the prefix (1,224 > 1,088).
+    assert rank(cands(16, saved=False), 560, 16, cfg=cfg).reason == "seed"
+    # Busy with running decodes (the part a remainder does not start beside): 80 running x 8 =
+    # 640 > 544 seeds even with nothing queued.
+    busy = cands(16, queued=0)
+    busy[0].gw_requests = 80
+    d = rank(busy, 560, 16, cfg=cfg)
+    assert (d.best.cand.backend_id, d.reason) == ("b", "seed")
