@@ -234,7 +234,8 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
     ``left out`` when a live gateway does not route to it: ``left_out_by``, from `collect`),
     ``url problem`` when its check of its own registered URL failed: ``url_problem``),
     silent, left_out, unreachable, url, active, slots (decode slots, 0: not published), waiting (requests
-    not yet in the batch), active_text (``active/slots``), queued (prefill tokens), entries,
+    not yet in the batch), active_text (``active/slots``), queued (prefill tokens), prefill_tps (measured
+    prompt tokens/s), decode_seconds (mean seconds a request decodes), rates_text (`rates_text`), entries,
     cache_mb (MiB), cache_use (bytes / budget, 0..1, 0 without a budget),
     evictions (entries the budget evicted since start), disk_mb (MiB of KV in the disk tier, cache rule 8;
     0 without one), disk_reads (entries read back from it since start), requests, hit_ratio (cached / prompt tokens since start), age_s (since the
@@ -283,6 +284,10 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
         "hits": int(_f(rec, "hits")),
         "hit_ratio": round(_f(rec, "cached_tokens") / pt, 4) if pt else 0.0,
         "decode_tps": _f(rec, "decode_tps"),
+        # the routing's wait for a decode slot is built from these two (docs/routing.md)
+        "prefill_tps": _f(rec, "prefill_tps"),
+        "decode_seconds": _f(rec, "decode_seconds"),
+        "rates_text": rates_text(_f(rec, "prefill_tps"), _f(rec, "decode_seconds")),
         "age_s": round(age, 1),
         # since its process started, and its epoch (one more per start under this id): a
         # restarted or crash-looping backend shows here, not only in serve's log (helper-64)
@@ -290,6 +295,14 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
         "epoch": int(_f(rec, "epoch")),
         "load": (active, queued),
     }
+
+
+def rates_text(prefill_tps: float, decode_seconds: float) -> str:
+    """``"1840 / 3.2"``: a backend's measured prefill rate (prompt tokens/s) and mean decode time
+    of a request (s), the two figures the gateways turn a wait for a decode slot into tokens
+    with (docs/routing.md, "The wait for a decode slot"); ``-`` for one not measured yet (0)."""
+    return (f"{prefill_tps:.0f}" if prefill_tps > 0 else "-") + " / " + (
+        f"{decode_seconds:.1f}" if decode_seconds > 0 else "-")
 
 
 def duration_text(seconds: Optional[float]) -> str:
@@ -498,7 +511,7 @@ def total_row(records: list[dict]) -> list[str]:
     t = model_total(records)
     live = live_text(t)
     active = f"{t['active']}/{t['slots']}" if t["slots"] else str(t["active"])
-    return ["total", live, "", active, str(t["queued"]), str(t["entries"]), f"{t['cache_mb']:.1f}",
+    return ["total", live, "", active, str(t["queued"]), "", str(t["entries"]), f"{t['cache_mb']:.1f}",
             str(t["evictions"]), *([_disk_cell(t)] if has_disk_tier(records) else []), f"{t['hit_ratio']:.2f}", "", ""]
 
 
@@ -761,11 +774,13 @@ def run(args) -> int:
     for m, d in data.items():
         t = Table(title=f"model {m}{layouts_note(d['backends'])}")
         disk = has_disk_tier(d["backends"])
-        for col in ("backend", "state", "url", "active/slots", "queued tok", "entries", "cache MiB", "evictions",
+        for col in ("backend", "state", "url", "active/slots", "queued tok", "prefill tok/s / decode s", "entries",
+                    "cache MiB", "evictions",
                     *(["disk MiB / reads"] if disk else []), "hit ratio (tokens)", "heartbeat s", "up (epoch)"):
             t.add_column(col)
         for b in map(lambda r: backend_view(r, now), d["backends"]):
-            t.add_row(b["id"], b["state"], b["url"], b["active_text"], str(b["queued"]), str(b["entries"]),
+            t.add_row(b["id"], b["state"], b["url"], b["active_text"], str(b["queued"]), b["rates_text"],
+                      str(b["entries"]),
                       f"{b['cache_mb']:.1f}", str(b["evictions"]), *([_disk_cell(b)] if disk else []),
                       f"{b['hit_ratio']:.2f}", f"{b['age_s']:.1f}", f"{duration_text(b['up_s'])} ({b['epoch']})")
         if len(d["backends"]) > 1:

@@ -125,7 +125,7 @@ def test_status_total_row_sums_backends_and_pools_the_hit_ratio():
              "last_heartbeat": str(now - 60), "heartbeat_interval": "1"}]
     # 1000 cached of 4000 prompt tokens: 0.25, not the mean of 0.90 and 0.03; b is silent: its
     # cache counts, its stale request does not
-    assert total_row(recs) == ["total", "1 live", "", "2", "100", "4", "4.0", "1", "0.25", "", ""]
+    assert total_row(recs) == ["total", "1 live", "", "2", "100", "", "4", "4.0", "1", "0.25", "", ""]
 
 
 def test_cache_and_disk_mib_are_rounded_once_as_health_figures_would_be():
@@ -140,7 +140,7 @@ def test_cache_and_disk_mib_are_rounded_once_as_health_figures_would_be():
            "disk_reads": "1", "last_heartbeat": str(now), "heartbeat_interval": "1"}
     v = backend_view(rec, now)
     assert (f"{v['cache_mb']:.1f}", f"{v['disk_mb']:.1f}") == ("0.7", "0.7")
-    assert total_row([rec])[6:9] == ["0.7", "0", "0.7 / 1"]
+    assert total_row([rec])[7:10] == ["0.7", "0", "0.7 / 1"]
 
 
 def test_a_cache_the_kv_in_flight_empties_is_named():
@@ -189,6 +189,10 @@ def test_active_is_shown_against_the_decode_slots():
             {**base, "id": "b", "active": "3", "waiting": "0", "decode_slots": "16"}]
     assert [backend_view(r, now)["active_text"] for r in recs] == ["20/16", "3/16"]
     assert backend_view({**base, "id": "old", "active": "2"}, now)["active_text"] == "2"
+    # Beside them, the two measurements the gateways turn a wait for a slot into tokens with.
+    rated = {**recs[0], "prefill_tps": "1843.6", "decode_seconds": "3.249"}
+    assert [backend_view(r, now)["rates_text"] for r in (rated, {**rated, "decode_seconds": "0"}, recs[1])] == [
+        "1844 / 3.2", "1844 / -", "- / -"]
     t = model_total(recs)
     assert (t["active"], t["slots"], t["waiting"]) == (23, 32, 4)
     assert total_row(recs)[3] == "23/32"
