@@ -494,7 +494,7 @@ class MLXEngine(Engine):
         with the ``"step-beside"`` order (`_pick_beside`; while fewer than ``prefill_concurrency``
         prompts are prefilling), 0 with ``"fifo"`` and with ``"shorter-beside"``, whose bound is
         what the running prefill has left (not published). Gateways read it in the lookup
-        (`gateway.route._seed`)."""
+        (`gateway.route.seed_wait`)."""
         return self.prefill_step_size if self.prefill_order == "step-beside" and self.prefill_concurrency > 1 else 0
 
     def stats(self) -> dict:
@@ -504,7 +504,7 @@ class MLXEngine(Engine):
             "waiting": len(getattr(self, "_waiting", ())),
             "decode_slots": self.decode_concurrency,
             # the most uncached tokens a request may have and start beside a running prefill
-            # (gateways' seeding rule, gateway.route._seed); 0: it waits behind the queue
+            # (the gateways' seeding rule, gateway.route.seed_wait); 0: it waits behind the queue
             "prefill_beside_tokens": self.prefill_beside_tokens(),
             "queued_prefill_tokens": max(0, self.queued_prefill_tokens),
             **self.cache_figures(),

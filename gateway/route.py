@@ -143,6 +143,10 @@ class RoutingConfig:
     seed_beside: in that comparison, leave out the chosen backend's queued prefill when the
         request's own remainder starts beside it there (``Candidate.prefill_beside_tokens``; module
         docstring; False: the rule before session 52, its whole load).
+    seed_progress: in that comparison, count of this gateway's queued prefill on the chosen backend
+        only what its prefill rate has not had time to do since the oldest of those requests was sent
+        (`seed_wait`; off by default: session 52's replays could not tell it from the whole figure,
+        docs/routing.md).
     slot_wait_weight: cost per token of the chosen backend's wait for a decode slot when it
         has none free, against backends with compute to spare ("The wait for a decode slot" in
         the module docstring; 0: none, the rule before session 49).
@@ -162,6 +166,7 @@ class RoutingConfig:
     seed_claim_factor: float = 2.0
     seed_when_full: bool = True
     seed_beside: bool = True
+    seed_progress: bool = False
     slot_wait_weight: float = 1.0
     _turn: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
 
@@ -186,6 +191,7 @@ class Scored:
     tiebreak: int = 0
     evicts: bool = False
     wait: float = 0.0  # its wait for a decode slot, in prefill tokens, when it has none free (`_relieve`)
+    queued_left: float = 0.0  # of ``queued``, what may be left to do (`seed_wait`)
 
     def explain(self) -> str:
         flag = (",overloaded" if self.overloaded else "") + (",evicts" if self.evicts else "")
@@ -273,22 +279,25 @@ def _relieve(out: list[Scored], weight: float) -> Optional[Scored]:
     return min(spare, key=_order) if spare else None
 
 
-def seed_wait(s: Scored, block_size: int, beside: bool = True) -> float:
+def seed_wait(s: Scored, block_size: int, beside: bool = True, progress: bool = False) -> float:
     """The wait (tokens of work) the seeding rule charges a request on ``s``: its load, less the
     queued prefill when the request's remainder (``s.prefill`` tokens) starts beside that prefill
     there rather than behind it: at most ``prefill_beside_tokens`` (the backend's ``step-beside``
     prefill step) past a saved prefix (past a claim the request waits for the claimed prefill
     anyway). Session 51 measured the whole load moving the synthetic trace's 16-id continuations
-    of 544 cached ids to idle backends (docs/routing.md, "Seeding an empty backend")."""
+    of 544 cached ids to idle backends (docs/routing.md, "Seeding an empty backend"). Otherwise,
+    with ``progress`` (opt-in, `RoutingConfig.seed_progress`), the queued prefill counts what may
+    be left of it (``s.queued_left``): a prompt counts whole until its first token, however much
+    of it the backend has done."""
     c = s.cand
     if (beside and 0 < s.prefill <= c.prefill_beside_tokens
             and c.saved_blocks * block_size >= s.matched):
         return max(0.0, s.load - s.queued)
-    return s.load
+    return s.load - s.queued + s.queued_left if progress else s.load
 
 
 def _seed(out: list[Scored], block_size: int, claim_factor: float, when_full: bool = True,
-          beside: bool = True) -> Optional[Scored]:
+          beside: bool = True, progress: bool = False) -> Optional[Scored]:
     """An idle backend holding no prefix of the request to take it instead of ``out[0]`` (the
     choice so far), or None: see "Seeding" in the module docstring. Empty (of this request):
     no prefix of it saved or claimed there (helper-86: requiring an empty cache left a backend
@@ -304,7 +313,7 @@ def _seed(out: list[Scored], block_size: int, claim_factor: float, when_full: bo
         return None
     slots = best.cand.decode_slots
     if not (when_full and slots > 0 and best.active >= slots):
-        if seed_wait(best, block_size, beside) <= best.matched:
+        if seed_wait(best, block_size, beside, progress) <= best.matched:
             return None
         if best.cand.saved_blocks * block_size < best.matched and (
                 claim_factor <= 0 or best.load <= claim_factor * best.matched):
@@ -349,6 +358,7 @@ def rank(
     cfg: Optional[RoutingConfig] = None,
     session: Optional[str] = None,
     pending: Optional[dict[str, int]] = None,
+    prefill_age: Optional[dict[str, float]] = None,
 ) -> Decision:
     """Rank live backends for one request.
 
@@ -366,10 +376,13 @@ def rank(
         session: the client's session key, if any (affinity tie-break).
         pending: backend id -> prefix depth in blocks this gateway routed
             there and the backend has not reported yet (`gateway.pending`).
+        prefill_age: backend id -> seconds since the oldest request counted in this gateway's
+            prefill tokens there was sent (`gateway.proxy.InFlight.prefill_ages`).
     """
     cfg = cfg or RoutingConfig()
     inflight = inflight or {}
     pending = pending or {}
+    prefill_age = prefill_age or {}
     out: list[Scored] = []
     for c in candidates:
         if c.state not in ("ready", ""):
@@ -384,12 +397,19 @@ def rank(
             queued = own_tok + c.gw_prefill_tokens
             active = own_req + c.gw_requests
         load = queued + cfg.decode_weight * active
+        # The backend has been prefilling since the oldest of this gateway's requests queued there
+        # was sent: at its measured rate, that much of them may be done (the running prompt counts
+        # whole in the figure until its first token).
+        age = prefill_age.get(c.backend_id, 0.0)
+        own_left = max(0.0, own_tok - age * c.prefill_tps) if c.prefill_tps > 0 else own_tok
+        queued_left = queued - (own_tok - own_left)
         prefill = prompt_tokens - matched
         cost = prefill + cfg.load_weight * load
         tb = _hash(first_block, c.backend_id)
         # Would storing this prompt's new tokens, after the queued ones, make the cache evict?
         evicts = c.kv_bytes_per_token > 0 and c.free_cache_bytes < (queued + prefill) * c.kv_bytes_per_token
-        out.append(Scored(c, matched, prefill, queued, active, cost, load, False, c.free_cache_bytes, tb, evicts))
+        out.append(Scored(c, matched, prefill, queued, active, cost, load, False, c.free_cache_bytes, tb, evicts,
+                          queued_left=queued_left))
     if not out:
         return Decision([], "none")
 
@@ -424,8 +444,8 @@ def rank(
             out.remove(pick)
             out.insert(0, pick)
             reason = "affinity"
-    seeded = (_seed(out, block_size, cfg.seed_claim_factor, cfg.seed_when_full, cfg.seed_beside)
-              if cfg.seed_empty else None)
+    seeded = (_seed(out, block_size, cfg.seed_claim_factor, cfg.seed_when_full, cfg.seed_beside,
+                    cfg.seed_progress) if cfg.seed_empty else None)
     if seeded is not None:
         out.remove(seeded)
         out.insert(0, seeded)
