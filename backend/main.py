@@ -103,9 +103,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "16); a request beyond them waits for one to end. Each running sequence holds "
                         "its whole context's KV (docs/cache-policy.md, 'Decode slots')")
     p.add_argument("--prefill-concurrency", type=positive_int, default=ModelConfig.prefill_concurrency,
-                   help="prompts prefilled side by side (mlx-lm's prefill_batch_size); at most --decode-concurrency")
+                   help="prompts prefilled side by side (mlx-lm's prefill_batch_size; default %(default)s); at most "
+                        "--decode-concurrency")
     p.add_argument("--prefill-step-size", type=positive_int, default=512,
-                   help="tokens of each prompt computed per prefill step (mlx-lm's prefill_step_size)")
+                   help="tokens of each prompt computed per prefill step (mlx-lm's prefill_step_size; default "
+                        "%(default)s)")
     p.add_argument("--prefill-order", choices=PREFILL_ORDERS, default=DEFAULT_PREFILL_ORDER,
                    help="which waiting request takes a free prefill slot beside a running prefill: the oldest "
                         "(fifo), or the one with the fewest tokens to compute if fewer than the running one has "

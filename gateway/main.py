@@ -77,9 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=RoutingConfig.seed_when_full,
                    help="seed an empty, idle backend only by load against prefix, not also when the chosen backend "
                         "has a request in flight for each of its decode slots (the rule before session 48)")
-    p.add_argument("--no-seed-beside", dest="seed_beside", action="store_false", default=RoutingConfig.seed_beside,
-                   help="in the seeding comparison, count the chosen backend's queued prefill even when the "
-                        "request's remainder would start beside it there (the rule before session 52)")
+    p.add_argument("--seed-beside", action="store_true", default=RoutingConfig.seed_beside,
+                   help="in the seeding comparison, leave out the chosen backend's queued prefill when the "
+                        "request's remainder would start beside it there (opt-in: more hits kept, but such a turn "
+                        "decodes at the running prefill's pace; docs/routing.md, \"Seeding an empty backend\")")
     p.add_argument("--seed-progress", action="store_true", default=RoutingConfig.seed_progress,
                    help="in the seeding comparison, count this gateway's queued prefill on the chosen backend less "
                         "what its measured prefill rate has done since those requests were sent (opt-in; "
@@ -166,6 +167,17 @@ def parse_models(specs: list[str]) -> dict[str, str]:
             raise ValueError(f"--model: the name {name!r} is given twice")
         out[name] = path
     return out
+
+
+def routing_changes(routing: RoutingConfig) -> list[str]:
+    """``key=value`` for each routing setting that differs from its default (`RoutingConfig`
+    fields, in their order), for the start-up log: a config's or a flag's setting shows there
+    (helper-94 could confirm ``seed_progress`` only from the process list)."""
+    import dataclasses
+
+    default = RoutingConfig()
+    return [f"{f.name}={getattr(routing, f.name)}" for f in dataclasses.fields(RoutingConfig)
+            if not f.name.startswith("_") and getattr(routing, f.name) != getattr(default, f.name)]
 
 
 def config_from_args(args) -> GatewayConfig:
@@ -256,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
              host_port(args.host, args.port),  # helper-68: ":::8743"
              redact_url(cfg.redis_url), cfg.namespace,
              ", ".join(cfg.models) or "-", count(lim.max_in_flight, "request") if lim.max_in_flight else "unlimited requests", lim.max_connections or "unlimited")
+    changed = routing_changes(cfg.routing)
+    log.info("routing: %s", ", ".join(changed) if changed else f"{cfg.routing.policy}, the defaults")
     code = asyncio.run(_serve(app, cfg, args.host, args.port, args.drain_seconds))
     if code == 0:
         log.info("gateway %s stopped", cfg.gateway_id)

@@ -37,12 +37,13 @@ full (Dynamo's overlap weight 1, the request's own wait), not at
 ``load_weight``. At ``load_weight`` alone a prefix every backend shares (a
 system prompt) kept a new backend idle until its owners were ~33 times its
 length busier; once it has taken one such request it owns the prefix too and
-the usual cost applies. The load leaves out the chosen backend's queued prefill
-when the request's remainder starts beside it there: at most its published
-``prefill_beside_tokens`` (its ``step-beside`` prefill step) past a saved prefix
-(`seed_wait`; session 51 measured the whole load moving the synthetic trace's
-16-id continuations of 544 cached ids to idle backends, 0.971 of the oracle
-against 1.000). Past a prefix the chosen backend is still computing (a
+the usual cost applies. With ``seed_beside`` (opt-in) the load leaves out the
+chosen backend's queued prefill when the request's remainder starts beside it
+there: at most its published ``prefill_beside_tokens`` (its ``step-beside``
+prefill step) past a saved prefix (`seed_wait`): it kept the synthetic trace's
+long continuations on their owners (0.971 of the oracle against 1.000, session
+51), but a turn kept beside a long prefill decodes at that prefill's step pace
+(helper-94, a real backend: E2E 3.4-5.3 s against 0.92 s moved). Past a prefix the chosen backend is still computing (a
 claim: a burst or a fan-out that pending ownership gathers there) the load must
 exceed ``seed_claim_factor`` (2) times it: the claim's own prefill, which a
 sibling waits for there and would redo elsewhere, plus as much again; an owner
@@ -142,7 +143,9 @@ class RoutingConfig:
         its decode slots, whatever the prefix (False: the rule before session 48).
     seed_beside: in that comparison, leave out the chosen backend's queued prefill when the
         request's own remainder starts beside it there (``Candidate.prefill_beside_tokens``; module
-        docstring; False: the rule before session 52, its whole load).
+        docstring). Opt-in: it kept the synthetic trace's hits, but on a real backend a turn kept
+        beside a long prefill answered later than one moved (helper-94: E2E 3.4-5.3 s against
+        0.92 s, TTFT 0.99-1.24 s against 0.79-0.85 s; docs/routing.md).
     seed_progress: in that comparison, count of this gateway's queued prefill on the chosen backend
         only what its prefill rate has not had time to do since the oldest of those requests was sent
         (`seed_wait`; off by default: session 52's replays could not tell it from the whole figure,
@@ -165,7 +168,7 @@ class RoutingConfig:
     seed_empty: bool = True
     seed_claim_factor: float = 2.0
     seed_when_full: bool = True
-    seed_beside: bool = True
+    seed_beside: bool = False
     seed_progress: bool = False
     slot_wait_weight: float = 1.0
     _turn: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
@@ -279,7 +282,7 @@ def _relieve(out: list[Scored], weight: float) -> Optional[Scored]:
     return min(spare, key=_order) if spare else None
 
 
-def seed_wait(s: Scored, block_size: int, beside: bool = True, progress: bool = False) -> float:
+def seed_wait(s: Scored, block_size: int, beside: bool = False, progress: bool = False) -> float:
     """The wait (tokens of work) the seeding rule charges a request on ``s``: its load, less the
     queued prefill when the request's remainder (``s.prefill`` tokens) starts beside that prefill
     there rather than behind it: at most ``prefill_beside_tokens`` (the backend's ``step-beside``
@@ -297,13 +300,13 @@ def seed_wait(s: Scored, block_size: int, beside: bool = True, progress: bool = 
 
 
 def _seed(out: list[Scored], block_size: int, claim_factor: float, when_full: bool = True,
-          beside: bool = True, progress: bool = False) -> Optional[Scored]:
+          beside: bool = False, progress: bool = False) -> Optional[Scored]:
     """An idle backend holding no prefix of the request to take it instead of ``out[0]`` (the
     choice so far), or None: see "Seeding" in the module docstring. Empty (of this request):
     no prefix of it saved or claimed there (helper-86: requiring an empty cache left a backend
     holding one unrelated 32-token entry idle for 6 minutes beside a busy peer); idle: no load
     in the gateways' figures nor in its own heartbeat. The chosen backend's load, less what
-    the request would start beside (`seed_wait`, with ``beside``), must exceed the prefix it
+    the request would start beside (`seed_wait`, with ``beside``, opt-in), must exceed the prefix it
     would reuse there. Past a prefix the chosen backend only claims (still computing it), its
     load must exceed ``claim_factor`` times the prefix (0: never;
     `RoutingConfig.seed_claim_factor`). With ``when_full``, a chosen backend with a request in

@@ -640,8 +640,8 @@ def _wait_ready(children: list[Child], stopping, what: str, timeout: float = 600
         if msg != last and sys.stderr.isatty():
             print("\r" + msg, end="", file=sys.stderr, flush=True)
             last = msg
-        elif not sys.stderr.isatty() and time.time() - logged >= 5:  # a log line now and then when not a terminal
-            log.info("%s; waiting for %s", msg, ", ".join(sorted(pending)) or "-")
+        elif pending and not sys.stderr.isatty() and time.time() - logged >= 5:  # now and then when not a terminal
+            log.info("%s; waiting for %s", msg, ", ".join(sorted(pending)))
             logged = time.time()
         time.sleep(0.2)
     if sys.stderr.isatty():

@@ -298,11 +298,12 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
 
 
 def rates_text(prefill_tps: float, decode_seconds: float) -> str:
-    """``"1840 / 3.2"``: a backend's measured prefill rate (prompt tokens/s) and mean decode time
-    of a request (s), the two figures the gateways turn a wait for a decode slot into tokens
+    """``"1840 / 3.2"`` (``"3369 / 0.048"``): a backend's measured prefill rate (prompt tokens/s)
+    and mean decode time of a request (s), the two figures the gateways turn a wait for a decode slot into tokens
     with (docs/routing.md, "The wait for a decode slot"); ``-`` for one not measured yet (0)."""
-    return (f"{prefill_tps:.0f}" if prefill_tps > 0 else "-") + " / " + (
-        f"{decode_seconds:.1f}" if decode_seconds > 0 else "-")
+    # two significant digits below a second: a 48 ms decode read "0.0", a measured zero (helper-94)
+    d = "-" if decode_seconds <= 0 else f"{decode_seconds:.1f}" if decode_seconds >= 1 else f"{decode_seconds:.2g}"
+    return (f"{prefill_tps:.0f}" if prefill_tps > 0 else "-") + " / " + d
 
 
 def duration_text(seconds: Optional[float]) -> str:
@@ -750,8 +751,6 @@ def run(args) -> int:
                        "total": model_total([]), "disagreements": [], "open_backends": []}
         print(json.dumps(dict(sorted(data.items())), indent=2))
         return code
-    from rich.table import Table
-
     con = console()
     source = {"flag": "--redis-url", "env": "MLXGW_REDIS_URL", "serve": str(serve_url_file()),
               "default": "default"}[args.url_source]
@@ -772,20 +771,7 @@ def run(args) -> int:
         _print_events(con, gone.get(m, []))
     now = time.time()
     for m, d in data.items():
-        t = Table(title=f"model {m}{layouts_note(d['backends'])}")
-        disk = has_disk_tier(d["backends"])
-        for col in ("backend", "state", "url", "active/slots", "queued tok", "prefill tok/s / decode s", "entries",
-                    "cache MiB", "evictions",
-                    *(["disk MiB / reads"] if disk else []), "hit ratio (tokens)", "heartbeat s", "up (epoch)"):
-            t.add_column(col)
-        for b in map(lambda r: backend_view(r, now), d["backends"]):
-            t.add_row(b["id"], b["state"], b["url"], b["active_text"], str(b["queued"]), b["rates_text"],
-                      str(b["entries"]),
-                      f"{b['cache_mb']:.1f}", str(b["evictions"]), *([_disk_cell(b)] if disk else []),
-                      f"{b['hit_ratio']:.2f}", f"{b['age_s']:.1f}", f"{duration_text(b['up_s'])} ({b['epoch']})")
-        if len(d["backends"]) > 1:
-            t.add_section()
-            t.add_row(*total_row(d["backends"]))
+        t = status_table(m, d["backends"], now)
         if d["backends"]:
             con.print(t)
         else:  # an empty table's header says nothing; the model's name heads its line instead
@@ -794,6 +780,37 @@ def run(args) -> int:
             con.print(line, markup=False, highlight=False, soft_wrap=True)
         _print_events(con, d["recent_events"])
     return code
+
+
+def status_table(model: str, records: list[dict], now: float):
+    """The rich Table of one model's backends (`backend_view` of each registry record in
+    ``records``, and a ``total`` row when there are several). On a narrow terminal rich narrows the
+    columns: the backend id and state keep their whole width (helper-94: ``demo-t…`` at 120
+    columns) and a URL folds onto a second line instead of being cut."""
+    from rich.table import Table
+
+    t = Table(title=f"model {model}{layouts_note(records)}")
+    disk = has_disk_tier(records)
+    views = [backend_view(r, now) for r in records]
+    rows = [[b["id"], b["state"], b["url"], b["active_text"], str(b["queued"]), b["rates_text"], str(b["entries"]),
+             f"{b['cache_mb']:.1f}", str(b["evictions"]), *([_disk_cell(b)] if disk else []),
+             f"{b['hit_ratio']:.2f}", f"{b['age_s']:.1f}", f"{duration_text(b['up_s'])} ({b['epoch']})"]
+            for b in views]
+    total = total_row(records) if len(records) > 1 else None
+    for i, col in enumerate(("backend", "state", "url", "active/slots", "queued tok", "prefill tok/s / decode s",
+                             "entries", "cache MiB", "evictions", *(["disk MiB / reads"] if disk else []),
+                             "hit ratio (tokens)", "heartbeat s", "up (epoch)")):
+        if i < 2:  # never cut: what an operator reads a row by
+            t.add_column(col, no_wrap=True, min_width=max([len(r[i]) for r in rows + ([total] if total else [])]
+                                                          + [len(col)]))
+        else:
+            t.add_column(col, overflow="fold")
+    for r in rows:
+        t.add_row(*r)
+    if total:
+        t.add_section()
+        t.add_row(*total)
+    return t
 
 
 def _print_events(con, events: list[dict]) -> None:

@@ -64,9 +64,13 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
             f"{_fmt(last.get('rps'), '.2f')} req/s, token hit ratio {_fmt(last.get('hit_ratio'), '.2f')}, "
             f"{_fmt(last.get('gen_tps'), '.1f')} gen tok/s, TTFT {_fmt(last.get('ttft_ms'), '.1f')} ms"))
         t = Table(expand=False)
-        for col in ("backend", "state", "active/slots", "queued tok", "cache MiB", "use", "req", "hit ratio (tokens)",
-                    "hit ratio / interval", "gen tok/s", "TTFT ms", "heartbeat s"):  # sorted by load
-            t.add_column(col, no_wrap=True)
+        for i, col in enumerate(("backend", "state", "active/slots", "queued tok", "cache MiB", "use", "req",
+                                 "hit ratio (tokens)", "hit ratio / interval", "gen tok/s", "TTFT ms",
+                                 "heartbeat s")):  # sorted by load
+            # id and state never cut; the rest wrap on a narrow terminal (helper-94: with every column
+            # unwrappable, some rendered at zero width at 100 columns)
+            t.add_column(col, no_wrap=i < 2, min_width=max([len(col)] + [len(str(v["id" if i == 0 else "state"]))
+                                                                          for v in views]) if i < 2 else None)
         for v in views:
             s = hist.backend_series(m, v["id"])
             cur = s[-1] if s else {}

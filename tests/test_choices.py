@@ -276,7 +276,9 @@ def test_streamed_choices_open_with_the_first_token_not_before(make_stack):
     lines = [ln for ln in raw.decode().split("\n") if ln]
     progress = [i for i, ln in enumerate(lines) if ln.startswith(": keepalive")]
     data = [i for i, ln in enumerate(lines) if ln.startswith("data: {")]
-    assert len(progress) >= 3 and progress[-1] < data[0], lines[:12]
+    # The prompt's progress comes first; a second choice's own last progress comment may follow the
+    # first token on a loaded machine (CI at stop 59 saw one), which says nothing of the role chunks.
+    assert len([i for i in progress if i < data[0]]) >= 3, lines[:16]
     assert [json.loads(lines[i][6:])["choices"][0]["index"] for i in data[:2]] == [0, 1]
 
 

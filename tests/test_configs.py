@@ -774,3 +774,17 @@ def test_serve_flag_errors_name_the_flags_not_a_config_table(tmp_path):
     assert r.returncode == 2 and "config: --port (8100-8100) and the backend ports (--backend-port, --backends) " \
         "(8099-8100) overlap" in r.stderr, r.stderr
     assert as_flags("[[models]] a: backend_ports is odd") == "[[models]] a: backend_ports is odd"  # not a setting
+
+
+def test_the_gateway_start_log_names_the_routing_settings_that_differ_from_the_defaults():
+    """helper-94 could tell `seed_progress = true` had reached the gateway only from `ps`: the
+    start-up log's ``routing:`` line names each setting that is not the default."""
+    from gateway.main import add_arguments, config_from_args, routing_changes
+    from gateway.route import RoutingConfig
+
+    assert routing_changes(RoutingConfig()) == []
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--seed-progress", "--seed-beside", "--load-weight", "0.1", "--model", "m=/x"])
+    assert routing_changes(config_from_args(args).routing) == ["load_weight=0.1", "seed_beside=True",
+                                                               "seed_progress=True"]

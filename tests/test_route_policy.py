@@ -213,7 +213,7 @@ def test_an_empty_idle_backend_takes_a_shared_prefix_once_its_owner_is_busier_th
     assert d.best.cand.backend_id == "a" and d.reason == "prefix"
 
 
-def test_a_remainder_that_starts_beside_the_owners_prefill_is_not_seeded():
+def test_with_seed_beside_a_remainder_that_starts_beside_the_owners_prefill_is_not_seeded():
     """Session 51's synthetic-trace case (sim ids, 16-id blocks, decode weight 8): a 560-id
     prompt whose first 544 ids "a" holds saved, one 1,216-id prompt prefilling there; "b" idle
     and empty. The 16 ids left are one prefill step there (``prefill_beside_tokens`` 16,
@@ -227,12 +227,13 @@ def test_a_remainder_that_starts_beside_the_owners_prefill_is_not_seeded():
         b = Candidate("b", 2, "http://b", active=0, queued_prefill_tokens=0, state="ready")
         return [a, b]
 
-    cfg = RoutingConfig(decode_weight=8)
+    cfg = RoutingConfig(decode_weight=8, seed_beside=True)  # opt-in (--seed-beside)
     d = rank(cands(16), 560, 16, cfg=cfg)
     assert (d.best.cand.backend_id, d.reason, d.best.matched, d.best.load) == ("a", "prefix", 544, 1224)
-    # The rule before (--no-seed-beside), or a backend whose step is shorter than the remainder or
-    # that publishes none (fifo, shorter-beside, older backends): the whole queue is the wait.
-    assert rank(cands(16), 560, 16, cfg=RoutingConfig(decode_weight=8, seed_beside=False)).reason == "seed"
+    # The default (helper-94: a turn kept beside a long prefill decodes at its pace), or a backend
+    # whose step is shorter than the remainder or that publishes none (fifo, shorter-beside, older
+    # backends): the whole queue is the wait.
+    assert rank(cands(16), 560, 16, cfg=RoutingConfig(decode_weight=8)).reason == "seed"
     assert rank(cands(15), 560, 16, cfg=cfg).reason == "seed"
     assert rank(cands(0), 560, 16, cfg=cfg).reason == "seed"
     # Past a claim (the prefix still computing there) the request waits for that prefill whatever

@@ -468,3 +468,31 @@ def test_an_idle_backend_beside_one_whose_requests_wait_for_a_slot_is_named():
     assert idle_beside_busy_lines([b0, {**b1, "state": "draining"}]) == []
     assert idle_beside_busy_lines([b0, {**b1, "last_heartbeat": str(now - 60)}]) == []  # silent
     assert idle_beside_busy_lines([{**b0, "last_heartbeat": str(now - 60)}, b1]) == []  # the busy one silent
+
+
+def test_status_table_keeps_backend_ids_and_states_whole_on_a_narrow_terminal():
+    """helper-94: at 120 columns the table cut every backend id (``demo-t…``) and read a 48 ms
+    decode as ``0.0``; ids and states keep their width, a URL folds, short decodes keep two digits."""
+    import io
+
+    from rich.console import Console
+
+    from mlxgw.status import status_table
+
+    now = time.time()
+    base = {"state": "ready", "queued_prefill_tokens": "0", "last_heartbeat": str(now), "heartbeat_interval": "1",
+            "decode_slots": "16", "started_at": str(now - 100), "epoch": "1"}
+    recs = [{**base, "id": "demo-tiny-0", "url": "http://127.0.0.1:11941", "active": "1", "prefill_tps": "3369",
+             "decode_seconds": "0.048"},
+            {**base, "id": "demo-tiny-1", "url": "http://127.0.0.1:11942", "active": "0", "state": "draining"}]
+    for width in (80, 120):
+        con = Console(width=width, file=io.StringIO(), record=True)
+        con.print(status_table("demo-tiny", recs, now))
+        text = con.export_text()
+        rows = [line for line in text.splitlines() if "demo-tiny-" in line]
+        assert [r.split("│")[1:3] for r in rows] == [[" demo-tiny-0 ", " ready    "],
+                                                      [" demo-tiny-1 ", " draining "]], text
+        assert max(len(line) for line in text.splitlines()) <= width
+    con = Console(width=200, file=io.StringIO(), record=True)
+    con.print(status_table("demo-tiny", recs, now))
+    assert "│ 3369 / 0.048 " in con.export_text()
