@@ -40,10 +40,11 @@ length busier; once it has taken one such request it owns the prefix too and
 the usual cost applies. With ``seed_beside`` (opt-in) the load leaves out the
 chosen backend's queued prefill when the request's remainder starts beside it
 there: at most its published ``prefill_beside_tokens`` (its ``step-beside``
-prefill step) past a saved prefix (`seed_wait`): it kept the synthetic trace's
-long continuations on their owners (0.971 of the oracle against 1.000, session
-51), but a turn kept beside a long prefill decodes at that prefill's step pace
-(helper-94, a real backend: E2E 3.4-5.3 s against 0.92 s moved). Past a prefix the chosen backend is still computing (a
+prefill step) past a saved prefix (`seed_wait`). It keeps the synthetic trace's
+long continuations on their owners (1.000 of the oracle at budget 1.0 against
+the default's 0.971), but a turn kept beside a long prefill decodes at that
+prefill's step pace (helper-94, real backends: E2E 3.4-5.3 s kept against 0.92 s
+moved). Past a prefix the chosen backend is still computing (a
 claim: a burst or a fan-out that pending ownership gathers there) the load must
 exceed ``seed_claim_factor`` (2) times it: the claim's own prefill, which a
 sibling waits for there and would redo elsewhere, plus as much again; an owner
