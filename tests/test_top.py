@@ -496,3 +496,28 @@ def test_status_table_keeps_backend_ids_and_states_whole_on_a_narrow_terminal():
     con = Console(width=200, file=io.StringIO(), record=True)
     con.print(status_table("demo-tiny", recs, now))
     assert "│ 3369 / 0.048 " in con.export_text()
+
+
+def test_top_at_100_columns_wraps_headers_instead_of_dropping_columns():
+    """helper-94: with every column unwrappable, `mlxgw top` at 100 columns drew some at zero
+    width (empty headers); now ids and states stay whole and every column keeps its figures."""
+    import io
+
+    from mlxgw.top import History, render
+
+    now = time.time()
+    base = {"state": "ready", "queued_prefill_tokens": "0", "last_heartbeat": str(now), "heartbeat_interval": "1",
+            "decode_slots": "16", "requests": "10", "prompt_tokens": "1000", "cached_tokens": "460"}
+    data = {"demo-tiny": {"backends": [{**base, "id": "demo-tiny-0", "active": "1"},
+                                       {**base, "id": "demo-tiny-1", "active": "0", "state": "draining"}],
+                          "recent_events": [], "gateways": {}}}
+    hist = History()
+    hist.add(data, t=now - 2)
+    hist.add(data, t=now)
+    con = Console(width=100, file=io.StringIO(), record=True)
+    con.print(render(data, hist, "ns", now=now))
+    text = con.export_text()
+    rows = [line.split("│") for line in text.splitlines() if "demo-tiny-" in line]
+    assert [(r[1].strip(), r[2].strip(), r[3].strip(), r[8].strip()) for r in rows] == [
+        ("demo-tiny-0", "ready", "1/16", "0.46"), ("demo-tiny-1", "draining", "0/16", "0.46")], text
+    assert "┃  ┃" not in text and "┃┃" not in text, text
