@@ -234,8 +234,8 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
     ``left out`` when a live gateway does not route to it: ``left_out_by``, from `collect`),
     ``url problem`` when its check of its own registered URL failed: ``url_problem``),
     silent, left_out, unreachable, url, active, slots (decode slots, 0: not published), waiting (requests
-    not yet in the batch), active_text (``active/slots``), queued (prefill tokens), prefill_tps (measured
-    prompt tokens/s), decode_seconds (mean seconds a request decodes), rates_text (`rates_text`), entries,
+    not yet in the batch), active_text (``active/slots``), queued (prefill tokens), rates_text (measured
+    prefill tokens/s and mean decode seconds, `rates_text`), entries,
     cache_mb (MiB), cache_use (bytes / budget, 0..1, 0 without a budget),
     evictions (entries the budget evicted since start), disk_mb (MiB of KV in the disk tier, cache rule 8;
     0 without one), disk_reads (entries read back from it since start), requests, hit_ratio (cached / prompt tokens since start), age_s (since the
@@ -284,9 +284,7 @@ def backend_view(rec: dict, now: Optional[float] = None) -> dict:
         "hits": int(_f(rec, "hits")),
         "hit_ratio": round(_f(rec, "cached_tokens") / pt, 4) if pt else 0.0,
         "decode_tps": _f(rec, "decode_tps"),
-        # the routing's wait for a decode slot is built from these two (docs/routing.md)
-        "prefill_tps": _f(rec, "prefill_tps"),
-        "decode_seconds": _f(rec, "decode_seconds"),
+        # the two figures the routing's wait for a decode slot is built from (docs/routing.md)
         "rates_text": rates_text(_f(rec, "prefill_tps"), _f(rec, "decode_seconds")),
         "age_s": round(age, 1),
         # since its process started, and its epoch (one more per start under this id): a
@@ -782,6 +780,13 @@ def run(args) -> int:
     return code
 
 
+def add_whole_column(table, header: str, cells: list[str]) -> None:
+    """Add a column to rich ``table`` that a narrow terminal never cuts nor wraps: as wide as
+    ``header`` and its longest cell (the backend id and state columns of `mlxgw status` and
+    `mlxgw top`; helper-94 saw ids cut to ``demo-t…``)."""
+    table.add_column(header, no_wrap=True, min_width=max([len(header)] + [len(c) for c in cells]))
+
+
 def status_table(model: str, records: list[dict], now: float):
     """The rich Table of one model's backends (`backend_view` of each registry record in
     ``records``, and a ``total`` row when there are several). On a narrow terminal rich narrows the
@@ -801,8 +806,7 @@ def status_table(model: str, records: list[dict], now: float):
                              "entries", "cache MiB", "evictions", *(["disk MiB / reads"] if disk else []),
                              "hit ratio (tokens)", "heartbeat s", "up (epoch)")):
         if i < 2:  # never cut: what an operator reads a row by
-            t.add_column(col, no_wrap=True, min_width=max([len(r[i]) for r in rows + ([total] if total else [])]
-                                                          + [len(col)]))
+            add_whole_column(t, col, [r[i] for r in rows + ([total] if total else [])])
         else:
             t.add_column(col, overflow="fold")
     for r in rows:

@@ -16,8 +16,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .status import (REPLY_TIMEOUT, History, backend_view, collect, connect, console, event_line, live_text, model_total,
-                     problem_lines, unreachable)
+from .status import (REPLY_TIMEOUT, History, add_whole_column, backend_view, collect, connect, console, event_line,
+                     live_text, model_total, problem_lines, unreachable)
 from .redis_client import connect as redis_connect
 from .util import redact_url, serve_url_file
 
@@ -69,8 +69,10 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
                                  "heartbeat s")):  # sorted by load
             # id and state never cut; the rest wrap on a narrow terminal (helper-94: with every column
             # unwrappable, some rendered at zero width at 100 columns)
-            t.add_column(col, no_wrap=i < 2, min_width=max([len(col)] + [len(str(v["id" if i == 0 else "state"]))
-                                                                          for v in views]) if i < 2 else None)
+            if i < 2:
+                add_whole_column(t, col, [str(v["id" if i == 0 else "state"]) for v in views])
+            else:
+                t.add_column(col)
         for v in views:
             s = hist.backend_series(m, v["id"])
             cur = s[-1] if s else {}
