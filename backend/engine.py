@@ -497,6 +497,13 @@ class MLXEngine(Engine):
         (`gateway.route.seed_wait`)."""
         return self.prefill_step_size if self.prefill_order == "step-beside" and self.prefill_concurrency > 1 else 0
 
+    def decode_steps_per_token(self) -> float:
+        """Engine steps one output token takes: 1 (mlx-lm's ``BatchGenerator`` emits one token per
+        running sequence per step; the sim, whose token stands for several real ones, says more).
+        A request decoding beside a running prefill waits one prefill chunk per step, so gateways
+        turn an answer's tokens into the prefill that goes by meanwhile (`gateway.route.seed_wait`)."""
+        return 1.0
+
     def stats(self) -> dict:
         return {
             "active": self.active,
@@ -506,6 +513,7 @@ class MLXEngine(Engine):
             # the most uncached tokens a request may have and start beside a running prefill
             # (the gateways' seeding rule, gateway.route.seed_wait); 0: it waits behind the queue
             "prefill_beside_tokens": self.prefill_beside_tokens(),
+            "decode_steps_per_token": self.decode_steps_per_token(),
             "queued_prefill_tokens": max(0, self.queued_prefill_tokens),
             **self.cache_figures(),
             "requests": self.requests_total,

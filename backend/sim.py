@@ -504,6 +504,10 @@ class SimEngine(MLXEngine):
         super().__init__(model_path, cache, cache_bytes, **kw)
         self.timing = timing
 
+    def decode_steps_per_token(self) -> float:
+        """A sim output token stands for ``token_scale`` real decode steps (`SimBatchGenerator.next`)."""
+        return self.timing.token_scale
+
     def _load(self) -> None:
         from mlx_lm.utils import load_tokenizer
 

@@ -216,7 +216,7 @@ async def _route(request: web.Request, kind: str, path: str, body: Optional[dict
             transform.context_capped = True
 
     return await route_and_forward(request, st, info, body, ids, system_tokens, path, pr.stream, t0, transform,
-                                   batch=batch if pr.batch else None)
+                                   batch=batch if pr.batch else None, answer_tokens=None if pr.max_tokens is None else min(pr.max_tokens, info.context_length - longest))
 
 
 def session_key(request: web.Request, body: dict) -> Optional[str]:
@@ -230,11 +230,14 @@ def session_key(request: web.Request, body: dict) -> Optional[str]:
 
 async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: dict, ids: list[int],
                             system_tokens: int, path: str, stream: bool, t0: float,
-                            transform=None, batch: Optional[list[list[int]]] = None) -> web.StreamResponse:
+                            transform=None, batch: Optional[list[list[int]]] = None,
+                            answer_tokens: Optional[int] = None) -> web.StreamResponse:
     """Look up ownership, rank backends, forward; shared by every dialect.
 
     ``batch``: a completions request's prompts (token ids, ``ids`` first), answered on one
-    backend, the one the first prompt routes to (a batch of few-shot prompts shares its prefix)."""
+    backend, the one the first prompt routes to (a batch of few-shot prompts shares its prefix).
+    ``answer_tokens``: the request's ``max_tokens`` as forwarded (capped to the context; None:
+    unbounded), for the seeding rule (`gateway.route.seed_wait`)."""
     cfg = st.cfg
     st.counters["requests"] += 1  # reached routing (docs: errors is not a part of requests)
     packed = schema.token_bytes(ids)  # once, for the block hashes and the forward
@@ -254,6 +257,7 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         session_key(request, body),
         pending,
         st.proxy.inflight.prefill_ages() if cfg.routing.seed_progress else None,
+        answer_tokens,
     )
     ranked = [s for s in decision.ranked if not st.proxy.recently_failed(s.cand.backend_id)] or decision.ranked
     if not ranked:

@@ -77,10 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=RoutingConfig.seed_when_full,
                    help="seed an empty, idle backend only by load against prefix, not also when the chosen backend "
                         "has a request in flight for each of its decode slots (the rule before session 48)")
-    p.add_argument("--seed-beside", action="store_true", default=RoutingConfig.seed_beside,
-                   help="in the seeding comparison, leave out the chosen backend's queued prefill when the "
-                        "request's remainder would start beside it there (opt-in: more hits kept, but such a turn "
-                        "decodes at the running prefill's pace; docs/routing.md, \"Seeding an empty backend\")")
+    p.add_argument("--no-seed-beside", dest="seed_beside", action="store_false", default=RoutingConfig.seed_beside,
+                   help="in the seeding comparison, charge the chosen backend's whole queue even when the "
+                        "request's remainder would start beside its running prefill there and its answer "
+                        "(max_tokens) ends before that prefill does (the rule before session 53, for A/B runs; "
+                        "docs/routing.md, \"Seeding an empty backend\")")
     p.add_argument("--seed-progress", action="store_true", default=RoutingConfig.seed_progress,
                    help="in the seeding comparison, count this gateway's queued prefill on the chosen backend less "
                         "what its measured prefill rate has done since those requests were sent (opt-in; "

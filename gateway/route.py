@@ -37,14 +37,15 @@ full (Dynamo's overlap weight 1, the request's own wait), not at
 ``load_weight``. At ``load_weight`` alone a prefix every backend shares (a
 system prompt) kept a new backend idle until its owners were ~33 times its
 length busier; once it has taken one such request it owns the prefix too and
-the usual cost applies. With ``seed_beside`` (opt-in) the load leaves out the
-chosen backend's queued prefill when the request's remainder starts beside it
-there: at most its published ``prefill_beside_tokens`` (its ``step-beside``
-prefill step) past a saved prefix (`seed_wait`). It keeps the synthetic trace's
-long continuations on their owners (1.000 of the oracle at budget 1.0 against
-the default's 0.971), but a turn kept beside a long prefill decodes at that
-prefill's step pace (helper-94, real backends: E2E 3.4-5.3 s kept against 0.92 s
-moved). Past a prefix the chosen backend is still computing (a
+the usual cost applies. A request kept past a saved prefix whose remainder starts
+beside the chosen backend's running prefill there (at most its published
+``prefill_beside_tokens``, its ``step-beside`` prefill step) is charged, instead
+of the whole queue, the steps to its first token plus one prefill chunk per step
+of its answer (``max_tokens``) while that prefill lasts (`seed_wait`;
+``seed_beside``, session 53): a long prefix with a short answer stays, a short
+prefix beside a long prefill moves (helper-94, real backends: a 16-token turn
+kept beside a 7,053-token prefill answered after 3.4-5.3 s, moved after 0.92 s).
+Past a prefix the chosen backend is still computing (a
 claim: a burst or a fan-out that pending ownership gathers there) the load must
 exceed ``seed_claim_factor`` (2) times it: the claim's own prefill, which a
 sibling waits for there and would redo elsewhere, plus as much again; an owner
@@ -142,11 +143,10 @@ class RoutingConfig:
         of session 46; module docstring).
     seed_when_full: also seed when the cheapest backend has a request in flight for each of
         its decode slots, whatever the prefix (False: the rule before session 48).
-    seed_beside: in that comparison, leave out the chosen backend's queued prefill when the
-        request's own remainder starts beside it there (``Candidate.prefill_beside_tokens``; module
-        docstring). Opt-in: it kept the synthetic trace's hits, but on a real backend a turn kept
-        beside a long prefill answered later than one moved (helper-94: E2E 3.4-5.3 s against
-        0.92 s, TTFT 0.99-1.24 s against 0.79-0.85 s; docs/routing.md).
+    seed_beside: in that comparison, charge a request whose remainder starts beside the chosen
+        backend's running prefill (``Candidate.prefill_beside_tokens``) the steps to its first
+        token and one prefill chunk per step of its answer (``max_tokens``) while that prefill
+        lasts, not the whole queue (`seed_wait`; False: the rule before session 53, for A/B runs).
     seed_progress: in that comparison, count of this gateway's queued prefill on the chosen backend
         only what its prefill rate has not had time to do since the oldest of those requests was sent
         (`seed_wait`; off by default: session 52's replays could not tell it from the whole figure,
@@ -169,7 +169,7 @@ class RoutingConfig:
     seed_empty: bool = True
     seed_claim_factor: float = 2.0
     seed_when_full: bool = True
-    seed_beside: bool = False
+    seed_beside: bool = True
     seed_progress: bool = False
     slot_wait_weight: float = 1.0
     _turn: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
@@ -283,25 +283,49 @@ def _relieve(out: list[Scored], weight: float) -> Optional[Scored]:
     return min(spare, key=_order) if spare else None
 
 
-def seed_wait(s: Scored, block_size: int, beside: bool = False, progress: bool = False) -> float:
-    """The wait (tokens of work) the seeding rule charges a request on ``s``: its load, less the
-    queued prefill when the request's remainder (``s.prefill`` tokens) starts beside that prefill
-    there rather than behind it: at most ``prefill_beside_tokens`` (the backend's ``step-beside``
-    prefill step) past a saved prefix (past a claim the request waits for the claimed prefill
-    anyway). Session 51 measured the whole load moving the synthetic trace's 16-id continuations
-    of 544 cached ids to idle backends (docs/routing.md, "Seeding an empty backend"). Otherwise,
-    with ``progress`` (opt-in, `RoutingConfig.seed_progress`), the queued prefill counts what may
-    be left of it (``s.queued_left``): a prompt counts whole until its first token, however much
-    of it the backend has done."""
+#: Steps of the owner's running prefill a request kept beside it waits for its first token:
+#: half the step under way, its own step (its chunk beside the running one) and the first decode
+#: step (beside the next chunk). helper-94 measured 2.5 steps on a real backend (session 52).
+BESIDE_FIRST_STEPS = 2.5
+
+
+def seed_wait(s: Scored, block_size: int, beside: bool = True, progress: bool = False,
+              answer_tokens: Optional[int] = None) -> float:
+    """The wait (tokens of work) the seeding rule charges a request on ``s``: the time to its
+    answer's last token there, in tokens of prefill, against the prefix it would recompute on an
+    idle backend. By default the backend's load (its queued prefill, behind which the request
+    waits, plus its running decodes).
+
+    With ``beside`` (the default since session 53), past a saved prefix, a remainder
+    (``s.prefill`` tokens) of at most the backend's ``prefill_beside_tokens`` S (its
+    ``step-beside`` prefill step) starts beside the queued prefill Q rather than behind it, and
+    then decodes one step per chunk of it: the running decodes, plus its own chunk padded to S
+    (``min(S, Q)``), plus `BESIDE_FIRST_STEPS` steps of Q to its first token, plus one chunk of
+    Q per answer step for as many steps as the answer takes (``answer_tokens`` times the
+    backend's ``decode_steps_per_token``; ``None``: as long as the queue, which gives the load
+    plus the padded chunk). helper-94 (session 52, real backends): a 16-token turn kept beside a
+    7,053-token prefill answered after 3.4-5.3 s, moved after 0.92 s; charging only the decodes
+    (session 52's opt-in rule) kept it. The idle backend's decode steps, short beside a prefill
+    chunk, are left out.
+
+    With ``progress`` (opt-in, `RoutingConfig.seed_progress`), Q counts only what may be left of
+    this gateway's queued prefill (``s.queued_left``): a prompt counts whole until its first
+    token, however much of it the backend has done."""
     c = s.cand
-    if (beside and 0 < s.prefill <= c.prefill_beside_tokens
-            and c.saved_blocks * block_size >= s.matched):
-        return max(0.0, s.load - s.queued)
-    return s.load - s.queued + s.queued_left if progress else s.load
+    queued = s.queued_left if progress else s.queued
+    decode = max(0.0, s.load - s.queued)
+    step = c.prefill_beside_tokens
+    if (beside and 0 < s.prefill <= step and c.saved_blocks * block_size >= s.matched):
+        first = min(queued, BESIDE_FIRST_STEPS * step)
+        rest = max(0.0, queued - first)
+        if answer_tokens is not None:
+            rest = min(rest, answer_tokens * max(c.decode_steps_per_token, 1.0) * step)
+        return decode + min(step, queued) + first + rest
+    return decode + queued
 
 
 def _seed(out: list[Scored], block_size: int, claim_factor: float, when_full: bool = True,
-          beside: bool = False, progress: bool = False) -> Optional[Scored]:
+          beside: bool = True, progress: bool = False, answer_tokens: Optional[int] = None) -> Optional[Scored]:
     """An idle backend holding no prefix of the request to take it instead of ``out[0]`` (the
     choice so far), or None: see "Seeding" in the module docstring. Empty (of this request):
     no prefix of it saved or claimed there (helper-86: requiring an empty cache left a backend
@@ -317,7 +341,7 @@ def _seed(out: list[Scored], block_size: int, claim_factor: float, when_full: bo
         return None
     slots = best.cand.decode_slots
     if not (when_full and slots > 0 and best.active >= slots):
-        if seed_wait(best, block_size, beside, progress) <= best.matched:
+        if seed_wait(best, block_size, beside, progress, answer_tokens) <= best.matched:
             return None
         if best.cand.saved_blocks * block_size < best.matched and (
                 claim_factor <= 0 or best.load <= claim_factor * best.matched):
@@ -363,6 +387,7 @@ def rank(
     session: Optional[str] = None,
     pending: Optional[dict[str, int]] = None,
     prefill_age: Optional[dict[str, float]] = None,
+    answer_tokens: Optional[int] = None,
 ) -> Decision:
     """Rank live backends for one request.
 
@@ -382,6 +407,8 @@ def rank(
             there and the backend has not reported yet (`gateway.pending`).
         prefill_age: backend id -> seconds since the oldest request counted in this gateway's
             prefill tokens there was sent (`gateway.proxy.InFlight.prefill_ages`).
+        answer_tokens: the most tokens the answer may take (the request's ``max_tokens``, capped
+            to the context), None when unbounded; the seeding rule's estimate reads it (`seed_wait`).
     """
     cfg = cfg or RoutingConfig()
     inflight = inflight or {}
@@ -449,7 +476,7 @@ def rank(
             out.insert(0, pick)
             reason = "affinity"
     seeded = (_seed(out, block_size, cfg.seed_claim_factor, cfg.seed_when_full, cfg.seed_beside,
-                    cfg.seed_progress) if cfg.seed_empty else None)
+                    cfg.seed_progress, answer_tokens) if cfg.seed_empty else None)
     if seeded is not None:
         out.remove(seeded)
         out.insert(0, seeded)

@@ -66,6 +66,8 @@ def test_short_prompt_goes_beside_a_long_one_and_long_ones_keep_their_order(make
     # What each publishes for the gateways' seeding rule (gateway.route.seed_wait): only step-beside
     # bounds what starts beside a running prefill by a figure they know, its step.
     assert [get_json(b.url + "/health")["prefill_beside_tokens"] for b in st.backends] == [0, 0, 64]
+    # A sim token stands for 8 real ones, so one output token is 8 decode steps (each beside a chunk).
+    assert [get_json(b.url + "/health")["decode_steps_per_token"] for b in st.backends] == [8.0] * 3
     out: dict[str, dict[str, float]] = {}
     runs = [threading.Thread(target=lambda b=b: out.__setitem__(b.name, _timed_requests(b.url))) for b in st.backends]
     for t in runs:

@@ -183,3 +183,6 @@ def test_cache_figures_reach_the_registry_with_each_save(make_stack, redis_serve
     assert cand.victim_used_at == first["used_at"] and cand.kv_bytes_per_token == float(rec["kv_bytes_per_token"])
     # ... and what a short remainder starts beside: one prefill step (512, step-beside by default).
     assert cand.prefill_beside_tokens == int(rec["prefill_beside_tokens"]) == 512
+    # ... and the engine steps one output token takes (mlx-lm: one), which turns an answer's
+    # tokens into the prefill chunks it decodes beside.
+    assert cand.decode_steps_per_token == float(rec["decode_steps_per_token"]) == 1.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.route import RoutingConfig, rank
+from gateway.route import RoutingConfig, rank, seed_wait
 from mlxgw.schema import Candidate
 
 
@@ -213,38 +213,60 @@ def test_an_empty_idle_backend_takes_a_shared_prefix_once_its_owner_is_busier_th
     assert d.best.cand.backend_id == "a" and d.reason == "prefix"
 
 
-def test_with_seed_beside_a_remainder_that_starts_beside_the_owners_prefill_is_not_seeded():
-    """Session 51's synthetic-trace case (sim ids, 16-id blocks, decode weight 8): a 560-id
-    prompt whose first 544 ids "a" holds saved, one 1,216-id prompt prefilling there; "b" idle
-    and empty. The 16 ids left are one prefill step there (``prefill_beside_tokens`` 16,
-    step-beside), so they start beside that prefill: the wait is the one running request's 8
-    ids, not 1,224, and the owner keeps it (the whole load moved it: 560 ids of prefill on "b"
-    for 16 on "a", 0.971 of the oracle against 1.000)."""
-    def cands(beside: int, saved: bool = True, queued: int = 1216):
-        a = Candidate("a", 1, "http://a", active=0, queued_prefill_tokens=0, state="ready", depth_blocks=34,
-                      saved_blocks=34 if saved else 0, gw_requests=1, gw_prefill_tokens=queued,
-                      cache_bytes=10**9, min_hit_tokens=32, prefill_beside_tokens=beside)
+def test_a_turn_beside_the_owners_prefill_stays_only_when_its_answer_ends_before_the_move_would_pay():
+    """helper-94's case (session 52, two real backends, 64-token blocks, 512-token prefill
+    steps, step-beside): a turn with 50 new tokens past 1,536 saved on "a", where a 7,053-token
+    prompt is prefilling (6,285 queued in the figures, one request running), "b" idle and empty.
+    Kept, its 16-token answer decodes one token per 512-token chunk of that prefill (measured
+    E2E 3.4-5.3 s kept, 0.92 s moved): 256 running + 512 (its chunk, padded) + 1,280 (2.5 steps
+    to its first token) + 5,005 (the rest of the prefill, under 16 chunks) = 7,053 > 1,536.
+    Past 6,016 saved tokens a 4-token answer stays: 256 + 512 + 1,280 + 4 x 512 = 4,096 < 6,016,
+    where the move would recompute 6,016 tokens (about 3 s there) for an answer done in about
+    7 steps (session 52's rule charged 256 and kept both; session 51's charges 6,541 and moves both)."""
+    def cands(saved: int, beside: int = 512, steps_per_token: float = 1.0, queued: int = 6285, block: int = 64):
+        a = Candidate("a", 1, "http://a", active=0, queued_prefill_tokens=0, state="ready", depth_blocks=saved // block,
+                      saved_blocks=saved // block, gw_requests=1, gw_prefill_tokens=queued,
+                      cache_bytes=10**9, min_hit_tokens=512, prefill_beside_tokens=beside,
+                      decode_steps_per_token=steps_per_token)
         b = Candidate("b", 2, "http://b", active=0, queued_prefill_tokens=0, state="ready")
         return [a, b]
 
-    cfg = RoutingConfig(decode_weight=8, seed_beside=True)  # opt-in (--seed-beside)
-    d = rank(cands(16), 560, 16, cfg=cfg)
-    assert (d.best.cand.backend_id, d.reason, d.best.matched, d.best.load) == ("a", "prefix", 544, 1224)
-    # The default (helper-94: a turn kept beside a long prefill decodes at its pace), or a backend
-    # whose step is shorter than the remainder or that publishes none (fifo, shorter-beside, older
-    # backends): the whole queue is the wait.
-    assert rank(cands(16), 560, 16, cfg=RoutingConfig(decode_weight=8)).reason == "seed"
-    assert rank(cands(15), 560, 16, cfg=cfg).reason == "seed"
-    assert rank(cands(0), 560, 16, cfg=cfg).reason == "seed"
+    d = rank(cands(1536), 1586, 64, answer_tokens=16)
+    assert (d.best.cand.backend_id, d.reason, d.ranked[1].load) == ("b", "seed", 6541)
+    assert seed_wait(d.ranked[1], 64, answer_tokens=16) == 7053
+    d = rank(cands(6016), 6066, 64, answer_tokens=4)
+    assert (d.best.cand.backend_id, d.reason, d.best.matched) == ("a", "prefix", 6016)
+    assert seed_wait(d.best, 64, answer_tokens=4) == 4096
+    # A longer answer, or no max_tokens (as long as the queue: the load plus the padded chunk).
+    assert rank(cands(6016), 6066, 64, answer_tokens=16).reason == "seed"
+    assert rank(cands(6016), 6066, 64).reason == "seed"
+    # The rule before (--no-seed-beside): the whole load, 6,541 > 6,016.
+    assert rank(cands(6016), 6066, 64, cfg=RoutingConfig(seed_beside=False), answer_tokens=4).reason == "seed"
+    # A remainder longer than the backend's step, or a backend that publishes none (fifo,
+    # shorter-beside, older backends): behind the queue, the whole load.
+    assert rank(cands(6016, beside=32), 6066, 64, answer_tokens=4).reason == "seed"
+    assert rank(cands(6016, beside=0), 6066, 64, answer_tokens=4).reason == "seed"
     # Past a claim (the prefix still computing there) the request waits for that prefill whatever
-    # its remainder: the whole load counts, past twice the prefix (1,224 > 1,088).
-    assert rank(cands(16, saved=False), 560, 16, cfg=cfg).reason == "seed"
-    # Busy with running decodes (the part a remainder does not start beside): 80 running x 8 =
-    # 640 > 544 seeds even with nothing queued.
-    busy = cands(16, queued=0)
+    # its remainder: the whole load counts (6,541 > 2 x 3,008 past a 3,008-token claim).
+    claim = cands(6016)
+    claim[0].saved_blocks = 0
+    claim[0].depth_blocks = 47
+    assert rank(claim, 3058, 64, answer_tokens=4).reason == "seed"
+    # Session 51's synthetic-trace case in the sim's units (16 ids a 512-token block, a step of
+    # 16 ids, decode weight 8): 544 of 560 ids saved beside a 1,216-id prompt. A sim token stands
+    # for 32 real decode steps (`decode_steps_per_token`), so even a 1-token answer decodes beside
+    # 32 chunks: 8 + 16 + 40 + 512 = 576 > 544, seeded. Read as one step a token it would stay.
+    cfg = RoutingConfig(decode_weight=8)
+    sim = cands(544, beside=16, steps_per_token=32.0, queued=1216, block=16)
+    d = rank(sim, 560, 16, cfg=cfg, answer_tokens=1)
+    assert (d.best.cand.backend_id, d.reason, seed_wait(d.ranked[1], 16, answer_tokens=1)) == ("b", "seed", 576)
+    sim[0].decode_steps_per_token = 1.0
+    d = rank(sim, 560, 16, cfg=cfg, answer_tokens=1)
+    assert (d.best.cand.backend_id, d.reason, seed_wait(d.best, 16, answer_tokens=1)) == ("a", "prefix", 80)
+    # Busy with running decodes (charged whatever the remainder): 80 running x 8 = 640 > 544.
+    busy = cands(544, beside=16, steps_per_token=32.0, queued=0, block=16)
     busy[0].gw_requests = 80
-    d = rank(busy, 560, 16, cfg=cfg)
-    assert (d.best.cand.backend_id, d.reason) == ("b", "seed")
+    assert rank(busy, 560, 16, cfg=cfg, answer_tokens=1).reason == "seed"
 
 
 def test_the_owners_queued_prefill_counts_less_what_its_rate_did_since_it_was_sent():

@@ -250,6 +250,53 @@ def test_a_backend_added_beside_a_busy_owner_of_the_system_prompt_takes_a_new_co
     assert int(third["X-Mlxgw-Matched-Tokens"]) >= 128 and third["X-Mlxgw-Route-Reason"] == "prefix"
 
 
+def test_a_turn_beside_its_owners_long_prefill_stays_for_a_short_answer_and_moves_for_a_long_one(make_stack):
+    """An owner of a ~1,900-token system prompt starts a ~5,000-token prompt; a backend beside
+    it is idle and empty. A turn on that system prompt (a few tokens to compute: one 128-token
+    prefill step there, step-beside) decodes one token per step of that prefill if it stays, so
+    the seeding rule charges its answer's steps (`gateway.route.seed_wait`): with
+    ``max_tokens`` 2 it stays (960 tokens of wait against the ~1,900 it would recompute on the
+    idle backend; session 51's rule charged the whole queue and moved it); with ``max_tokens``
+    200 it moves (the whole prefill; session 52's opt-in rule charged only the running decodes
+    and kept it: helper-94 measured such a turn answering after 3.4-5.3 s kept, 0.92 s moved)."""
+    s = make_stack()
+    flags = ("--engine", "sim", "--sim-prefill-rate", "1000", "--prefill-step-size", "128")
+    s.add_backend("b0", None, *flags)
+    g0 = s.add_gateway()
+    s.wait()
+    system = {"role": "system", "content": words(1150, seed=81)}
+
+    def ask(user: str, max_tokens: int) -> dict:
+        status, h, body = post(g0.url + "/v1/chat/completions", {
+            "messages": [system, {"role": "user", "content": user}], "max_tokens": max_tokens})
+        assert status == 200, body
+        return h
+
+    assert ask(words(10, seed=82), 1)["X-Mlxgw-Backend"] == "b0"  # b0 saves the system prompt
+    s.add_backend("b1", None, *flags)
+    s.wait()
+    time.sleep(1.2)  # the first turn's pending claim has expired
+    got: dict[str, dict] = {}
+    long = threading.Thread(target=lambda: got.__setitem__("long", ask(words(3000, seed=83), 1)))
+    long.start()
+    deadline = time.time() + 30
+    while get_json(g0.url + "/health")["pending_claims"] < 1 and time.time() < deadline:
+        time.sleep(0.01)
+    short = threading.Thread(target=lambda: got.__setitem__("short", ask(words(10, seed=84), 2)))
+    short.start()
+    while get_json(g0.url + "/health")["pending_claims"] < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    got["answer"] = ask(words(10, seed=85), 200)
+    short.join(60)
+    long.join(60)
+    assert (got["long"]["X-Mlxgw-Backend"], got["long"]["X-Mlxgw-Route-Reason"]) == ("b0", "prefix")
+    short, answer = got["short"], got["answer"]
+    assert (short["X-Mlxgw-Backend"], short["X-Mlxgw-Route-Reason"]) == ("b0", "prefix"), short["X-Mlxgw-Candidates"]
+    assert int(short["X-Mlxgw-Matched-Tokens"]) >= 1408
+    assert (answer["X-Mlxgw-Backend"], answer["X-Mlxgw-Route-Reason"]) == ("b1", "seed"), answer["X-Mlxgw-Candidates"]
+    assert answer["X-Mlxgw-Matched-Tokens"] == "0"
+
+
 def test_a_backend_added_beside_an_owner_with_every_decode_slot_taken_takes_the_next_request(make_stack):
     """An owner of a long shared prefix whose every decode slot is taken cannot start the next
     request sharing it, however little load its running requests count for (256 tokens each,
