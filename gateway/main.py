@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a served model's tokenizer dir (repeatable); NAME defaults to the dir name")
     p.add_argument("--host", default="127.0.0.1", type=non_empty_arg,
                    help="listen address (default %(default)s; :: is IPv6 only, 0.0.0.0 IPv4 only (asyncio's binding, as nginx's [::]))")
-    p.add_argument("--port", type=port_arg, default=8000)
+    p.add_argument("--port", type=port_arg, default=8000, help="listen port (default 8000)")
     p.add_argument("--redis-url", type=redis_url_arg,
                    default=os.environ.get("MLXGW_REDIS_URL", schema.DEFAULT_REDIS_URL))
     p.add_argument("--namespace", type=namespace_arg, default=schema.DEFAULT_NAMESPACE)
@@ -77,11 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=RoutingConfig.seed_when_full,
                    help="seed an empty, idle backend only by load against prefix, not also when the chosen backend "
                         "has a request in flight for each of its decode slots (the rule before session 48)")
-    p.add_argument("--no-seed-beside", dest="seed_beside", action="store_false", default=RoutingConfig.seed_beside,
-                   help="in the seeding comparison, charge the chosen backend's whole queue even when the "
-                        "request's remainder would start beside its running prefill there and its answer "
-                        "(max_tokens) ends before that prefill does (the rule before session 53, for A/B runs; "
-                        "docs/routing.md, \"Seeding an empty backend\")")
+    p.add_argument("--seed-beside", action="store_true", default=RoutingConfig.seed_beside,
+                   help="in the seeding comparison, charge a request whose remainder would start beside the "
+                        "chosen backend's running prefill its first steps and one prefill chunk per step of its "
+                        "answer (max_tokens), not the whole queue (opt-in: real backends answered later where it "
+                        "kept a turn the default moves; docs/routing.md, \"Seeding an empty backend\")")
     p.add_argument("--seed-progress", action="store_true", default=RoutingConfig.seed_progress,
                    help="in the seeding comparison, count this gateway's queued prefill on the chosen backend less "
                         "what its measured prefill rate has done since those requests were sent (opt-in; "
@@ -97,7 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how often this gateway's in-flight work is written to Redis for the other gateways, "
                         "when it changed (ms)")
     # An empty one overrode MLXGW_INTERNAL_TOKEN, and every backend refused the gateway (helper-67).
-    p.add_argument("--internal-token", default=os.environ.get("MLXGW_INTERNAL_TOKEN") or None, type=non_empty_arg)
+    p.add_argument("--internal-token", default=os.environ.get("MLXGW_INTERNAL_TOKEN") or None, type=non_empty_arg,
+                   help="the token this gateway sends to backends that require one (their --internal-token; "
+                        "default: $MLXGW_INTERNAL_TOKEN, as `mlxgw serve`'s join line sets it)")
     p.add_argument("--read-timeout", type=non_negative_float, default=300.0,
                    help="seconds of backend silence before failing over (0: no limit); a backend sends a "
                         "keep-alive each second while a request waits there or a whole answer is computed")

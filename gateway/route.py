@@ -37,14 +37,14 @@ full (Dynamo's overlap weight 1, the request's own wait), not at
 ``load_weight``. At ``load_weight`` alone a prefix every backend shares (a
 system prompt) kept a new backend idle until its owners were ~33 times its
 length busier; once it has taken one such request it owns the prefix too and
-the usual cost applies. A request kept past a saved prefix whose remainder starts
-beside the chosen backend's running prefill there (at most its published
-``prefill_beside_tokens``, its ``step-beside`` prefill step) is charged, instead
-of the whole queue, the steps to its first token plus one prefill chunk per step
-of its answer (``max_tokens``) while that prefill lasts (`seed_wait`;
-``seed_beside``, session 53): a long prefix with a short answer stays, a short
-prefix beside a long prefill moves (helper-94, real backends: a 16-token turn
-kept beside a 7,053-token prefill answered after 3.4-5.3 s, moved after 0.92 s).
+the usual cost applies. With ``seed_beside`` (opt-in) a request past a saved
+prefix whose remainder starts beside the chosen backend's running prefill there
+(at most its published ``prefill_beside_tokens``, its ``step-beside`` prefill
+step) is charged, instead of the whole queue, the steps to its first token plus
+one prefill chunk per step of its answer (``max_tokens``) while that prefill
+lasts (`seed_wait`; session 53). Opt-in because real backends answered later
+where it kept a turn the default moves (helper-95: the owner's chunks, deep in
+a long context, cost more per token than the fresh prefill a move does).
 Past a prefix the chosen backend is still computing (a
 claim: a burst or a fan-out that pending ownership gathers there) the load must
 exceed ``seed_claim_factor`` (2) times it: the claim's own prefill, which a
@@ -146,7 +146,10 @@ class RoutingConfig:
     seed_beside: in that comparison, charge a request whose remainder starts beside the chosen
         backend's running prefill (``Candidate.prefill_beside_tokens``) the steps to its first
         token and one prefill chunk per step of its answer (``max_tokens``) while that prefill
-        lasts, not the whole queue (`seed_wait`; False: the rule before session 53, for A/B runs).
+        lasts, not the whole queue (`seed_wait`). Opt-in: on real backends the one case where it
+        kept a turn the default moved answered later kept (helper-95, session 53: E2E 2.85-3.22 s
+        against 1.34-1.43 s; the owner's chunks, deep in a long context, cost more than the
+        estimate's fresh tokens; docs/routing.md).
     seed_progress: in that comparison, count of this gateway's queued prefill on the chosen backend
         only what its prefill rate has not had time to do since the oldest of those requests was sent
         (`seed_wait`; off by default: session 52's replays could not tell it from the whole figure,
@@ -169,7 +172,7 @@ class RoutingConfig:
     seed_empty: bool = True
     seed_claim_factor: float = 2.0
     seed_when_full: bool = True
-    seed_beside: bool = True
+    seed_beside: bool = False
     seed_progress: bool = False
     slot_wait_weight: float = 1.0
     _turn: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
@@ -289,14 +292,14 @@ def _relieve(out: list[Scored], weight: float) -> Optional[Scored]:
 BESIDE_FIRST_STEPS = 2.5
 
 
-def seed_wait(s: Scored, block_size: int, beside: bool = True, progress: bool = False,
+def seed_wait(s: Scored, block_size: int, beside: bool = False, progress: bool = False,
               answer_tokens: Optional[int] = None) -> float:
     """The wait (tokens of work) the seeding rule charges a request on ``s``: the time to its
     answer's last token there, in tokens of prefill, against the prefix it would recompute on an
     idle backend. By default the backend's load (its queued prefill, behind which the request
     waits, plus its running decodes).
 
-    With ``beside`` (the default since session 53), past a saved prefix, a remainder
+    With ``beside`` (opt-in, `RoutingConfig.seed_beside`), past a saved prefix, a remainder
     (``s.prefill`` tokens) of at most the backend's ``prefill_beside_tokens`` S (its
     ``step-beside`` prefill step) starts beside the queued prefill Q rather than behind it, and
     then decodes one step per chunk of it: the running decodes, plus its own chunk padded to S
@@ -306,7 +309,10 @@ def seed_wait(s: Scored, block_size: int, beside: bool = True, progress: bool = 
     plus the padded chunk). helper-94 (session 52, real backends): a 16-token turn kept beside a
     7,053-token prefill answered after 3.4-5.3 s, moved after 0.92 s; charging only the decodes
     (session 52's opt-in rule) kept it. The idle backend's decode steps, short beside a prefill
-    chunk, are left out.
+    chunk, are left out. So is the depth of the owner's chunks: helper-95 (session 53, real
+    backends) found the one turn it kept where the default moves (4,096 charged against 4,160
+    cached) answered later kept (TTFT 1.48-1.93 s against 1.34-1.42 s, E2E 2.85-3.22 s against
+    1.34-1.43 s): chunks 4-8k tokens deep took ~2.7 times a fresh chunk's time on that CPU model.
 
     With ``progress`` (opt-in, `RoutingConfig.seed_progress`), Q counts only what may be left of
     this gateway's queued prefill (``s.queued_left``): a prompt counts whole until its first
@@ -325,14 +331,14 @@ def seed_wait(s: Scored, block_size: int, beside: bool = True, progress: bool = 
 
 
 def _seed(out: list[Scored], block_size: int, claim_factor: float, when_full: bool = True,
-          beside: bool = True, progress: bool = False, answer_tokens: Optional[int] = None) -> Optional[Scored]:
+          beside: bool = False, progress: bool = False, answer_tokens: Optional[int] = None) -> Optional[Scored]:
     """An idle backend holding no prefix of the request to take it instead of ``out[0]`` (the
     choice so far), or None: see "Seeding" in the module docstring. Empty (of this request):
     no prefix of it saved or claimed there (helper-86: requiring an empty cache left a backend
     holding one unrelated 32-token entry idle for 6 minutes beside a busy peer); idle: no load
-    in the gateways' figures nor in its own heartbeat. The chosen backend's load, less what
-    the request would start beside (`seed_wait`, with ``beside``, opt-in), must exceed the prefix it
-    would reuse there. Past a prefix the chosen backend only claims (still computing it), its
+    in the gateways' figures nor in its own heartbeat. The request's wait on the chosen backend
+    (`seed_wait`: its load; with ``beside``, opt-in, its answer's steps beside a running prefill)
+    must exceed the prefix it would reuse there. Past a prefix the chosen backend only claims (still computing it), its
     load must exceed ``claim_factor`` times the prefix (0: never;
     `RoutingConfig.seed_claim_factor`). With ``when_full``, a chosen backend with a request in
     flight for each of its decode slots is passed whatever its load and prefix."""

@@ -785,6 +785,6 @@ def test_the_gateway_start_log_names_the_routing_settings_that_differ_from_the_d
     assert routing_changes(RoutingConfig()) == []
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--seed-progress", "--no-seed-beside", "--load-weight", "0.1", "--model", "m=/x"])
-    assert routing_changes(config_from_args(args).routing) == ["load_weight=0.1", "seed_beside=False",
+    args = p.parse_args(["--seed-progress", "--seed-beside", "--load-weight", "0.1", "--model", "m=/x"])
+    assert routing_changes(config_from_args(args).routing) == ["load_weight=0.1", "seed_beside=True",
                                                                "seed_progress=True"]
