@@ -303,15 +303,15 @@ def seed_wait(s: Scored, block_size: int, beside: bool = False, progress: bool =
     (``s.prefill`` tokens) of at most the backend's ``prefill_beside_tokens`` S (its
     ``step-beside`` prefill step) starts beside the queued prefill Q rather than behind it, and
     then decodes one step per chunk of it: the running decodes, plus its own chunk padded to S
-    (``min(S, Q)``), plus `BESIDE_FIRST_STEPS` steps of Q to its first token, plus one chunk of
-    Q per answer step for as many steps as the answer takes (``answer_tokens`` times the
-    backend's ``decode_steps_per_token``; ``None``: as long as the queue, which gives the load
-    plus the padded chunk). helper-94 (session 52, real backends): a 16-token turn kept beside a
+    (``min(S, Q)``), plus `BESIDE_FIRST_STEPS` steps of Q to its first token (the last of them
+    its first decode step), plus one chunk of Q per decode step of the rest of its answer
+    (``answer_tokens - 1`` times the backend's ``decode_steps_per_token``; ``None``: as long as
+    the queue, which gives the load plus the padded chunk). helper-94 (session 52, real backends): a 16-token turn kept beside a
     7,053-token prefill answered after 3.4-5.3 s, moved after 0.92 s; charging only the decodes
     (session 52's opt-in rule) kept it. The idle backend's decode steps, short beside a prefill
     chunk, are left out. So is the depth of the owner's chunks: helper-95 (session 53, real
-    backends) found the one turn it kept where the default moves (4,096 charged against 4,160
-    cached) answered later kept (TTFT 1.48-1.93 s against 1.34-1.42 s, E2E 2.85-3.22 s against
+    backends) found the one turn it kept where the default moves (charged 4,096 by this rule's
+    first version, which counted the first token's step twice, against 4,160 cached) answered later kept (TTFT 1.48-1.93 s against 1.34-1.42 s, E2E 2.85-3.22 s against
     1.34-1.43 s): chunks 4-8k tokens deep took ~2.7 times a fresh chunk's time on that CPU model.
 
     With ``progress`` (opt-in, `RoutingConfig.seed_progress`), Q counts only what may be left of
@@ -325,7 +325,7 @@ def seed_wait(s: Scored, block_size: int, beside: bool = False, progress: bool =
         first = min(queued, BESIDE_FIRST_STEPS * step)
         rest = max(0.0, queued - first)
         if answer_tokens is not None:
-            rest = min(rest, answer_tokens * max(c.decode_steps_per_token, 1.0) * step)
+            rest = min(rest, max(0, answer_tokens - 1) * max(c.decode_steps_per_token, 1.0) * step)
         return decode + min(step, queued) + first + rest
     return decode + queued
 

@@ -219,8 +219,8 @@ def test_a_turn_beside_the_owners_prefill_stays_only_when_its_answer_ends_before
     prompt is prefilling (6,285 queued in the figures, one request running), "b" idle and empty.
     Kept, its 16-token answer decodes one token per 512-token chunk of that prefill (measured
     E2E 3.4-5.3 s kept, 0.92 s moved): 256 running + 512 (its chunk, padded) + 1,280 (2.5 steps
-    to its first token) + 5,005 (the rest of the prefill, under 16 chunks) = 7,053 > 1,536.
-    Past 6,016 saved tokens a 4-token answer stays: 256 + 512 + 1,280 + 4 x 512 = 4,096 < 6,016,
+    to its first token) + 5,005 (the rest of the prefill, under 15 more chunks) = 7,053 > 1,536.
+    Past 6,016 saved tokens a 4-token answer stays: 256 + 512 + 1,280 + 3 x 512 = 3,584 < 6,016,
     where the move would recompute 6,016 tokens (about 3 s there) for an answer done in about
     7 steps (session 52's rule charged 256 and kept both; the default, session 51's, charges 6,541
     and moves both). Opt-in (``--seed-beside``): helper-95 measured on real backends that where it
@@ -239,7 +239,7 @@ def test_a_turn_beside_the_owners_prefill_stays_only_when_its_answer_ends_before
     assert seed_wait(d.ranked[1], 64, beside=True, answer_tokens=16) == 7053
     d = rank(cands(6016), 6066, 64, cfg=beside, answer_tokens=4)
     assert (d.best.cand.backend_id, d.reason, d.best.matched) == ("a", "prefix", 6016)
-    assert seed_wait(d.best, 64, beside=True, answer_tokens=4) == 4096
+    assert seed_wait(d.best, 64, beside=True, answer_tokens=4) == 3584
     # A longer answer, or no max_tokens (as long as the queue: the load plus the padded chunk).
     assert rank(cands(6016), 6066, 64, cfg=beside, answer_tokens=16).reason == "seed"
     assert rank(cands(6016), 6066, 64, cfg=beside).reason == "seed"
@@ -256,16 +256,20 @@ def test_a_turn_beside_the_owners_prefill_stays_only_when_its_answer_ends_before
     claim[0].depth_blocks = 47
     assert rank(claim, 3058, 64, cfg=beside, answer_tokens=4).reason == "seed"
     # Session 51's synthetic-trace case in the sim's units (16 ids a 512-token block, a step of
-    # 16 ids, decode weight 8): 544 of 560 ids saved beside a 1,216-id prompt. A sim token stands
-    # for 32 real decode steps (`decode_steps_per_token`), so even a 1-token answer decodes beside
-    # 32 chunks: 8 + 16 + 40 + 512 = 576 > 544, seeded. Read as one step a token it would stay.
+    # 16 ids, decode weight 8): 544 of 560 ids saved beside a 1,216-id prompt. A 1-token answer
+    # ends with its first decode step: 8 + 16 + 40 = 64 < 544, it stays (the replay's kept ones
+    # answered in 12-19 ms, seeded in 96-160 ms). A sim token stands for 32 real decode steps
+    # (`decode_steps_per_token`), so a 2-token answer decodes beside 32 more chunks:
+    # 8 + 16 + 40 + 512 = 576 > 544, seeded. Read as one step a token it would stay (80).
     cfg = RoutingConfig(decode_weight=8, seed_beside=True)
     sim = cands(544, beside=16, steps_per_token=32.0, queued=1216, block=16)
     d = rank(sim, 560, 16, cfg=cfg, answer_tokens=1)
-    assert (d.best.cand.backend_id, d.reason, seed_wait(d.ranked[1], 16, True, answer_tokens=1)) == ("b", "seed", 576)
+    assert (d.best.cand.backend_id, d.reason, seed_wait(d.best, 16, True, answer_tokens=1)) == ("a", "prefix", 64)
+    d = rank(sim, 560, 16, cfg=cfg, answer_tokens=2)
+    assert (d.best.cand.backend_id, d.reason, seed_wait(d.ranked[1], 16, True, answer_tokens=2)) == ("b", "seed", 576)
     sim[0].decode_steps_per_token = 1.0
-    d = rank(sim, 560, 16, cfg=cfg, answer_tokens=1)
-    assert (d.best.cand.backend_id, d.reason, seed_wait(d.best, 16, True, answer_tokens=1)) == ("a", "prefix", 80)
+    d = rank(sim, 560, 16, cfg=cfg, answer_tokens=2)
+    assert (d.best.cand.backend_id, d.reason, seed_wait(d.best, 16, True, answer_tokens=2)) == ("a", "prefix", 80)
     # Busy with running decodes (charged whatever the remainder): 80 running x 8 = 640 > 544.
     busy = cands(544, beside=16, steps_per_token=32.0, queued=0, block=16)
     busy[0].gw_requests = 80

@@ -255,7 +255,7 @@ def test_a_turn_beside_its_owners_long_prefill_stays_for_a_short_answer_and_move
     it is idle and empty. A turn on that system prompt (a few tokens to compute: one 128-token
     prefill step there, step-beside) decodes one token per step of that prefill if it stays, so
     the seeding rule charges its answer's steps (`gateway.route.seed_wait`): with
-    ``max_tokens`` 2 it stays (960 tokens of wait against the ~1,900 it would recompute on the
+    ``max_tokens`` 2 it stays (832 tokens of wait against the ~1,900 it would recompute on the
     idle backend; the default, session 51's rule, charges the whole queue and moves it); with ``max_tokens``
     200 it moves (the whole prefill; session 52's opt-in rule charged only the running decodes
     and kept it: helper-94 measured such a turn answering after 3.4-5.3 s kept, 0.92 s moved)."""
