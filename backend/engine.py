@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import math
 import queue
@@ -53,6 +54,7 @@ import numpy as np
 from mlxgw.util import count
 
 from . import persist
+from .attention import attention_parity_tokens
 from .cache import CacheHit, PromptCache, common_prefix, kv_trimmable
 from .metrics import BackendMetrics
 from .processors import AllowedTokens, BadWords, MinTokens
@@ -419,6 +421,7 @@ class MLXEngine(Engine):
         # ~10 (`DECODE_SECONDS_SMOOTHING`): gateways turn requests in flight past the decode
         # slots into a wait for one (gateway.route.slot_wait).
         self.decode_seconds = 0.0
+        self._attention_parity = 0  # from the model's config at load (`attention_parity_tokens`)
         self.metrics = metrics or BackendMetrics()
 
     # -- public API (any thread) ------------------------------------------
@@ -497,6 +500,24 @@ class MLXEngine(Engine):
         (`gateway.route.seed_wait`)."""
         return self.prefill_step_size if self.prefill_order == "step-beside" and self.prefill_concurrency > 1 else 0
 
+    def _model_config(self, args) -> dict:
+        """The model's ``config.json`` (a local model directory), else mlx-lm's parsed model args
+        (which drop the keys its model class does not read), else {}."""
+        try:
+            return json.loads((Path(self.model_path).expanduser() / "config.json").read_text())
+        except (OSError, ValueError):
+            pass
+        try:
+            return dict(vars(args))
+        except TypeError:
+            return {}
+
+    def attention_parity_tokens(self) -> int:
+        """The depth (tokens) at which a prompt token's attention costs as much as the rest of its
+        prefill, from the model's config (`backend.attention`; 0: unknown). Gateways weigh a
+        request kept beside a deep running prefill by it (`gateway.route.seed_wait`)."""
+        return self._attention_parity
+
     def decode_steps_per_token(self) -> float:
         """Engine steps one output token takes: 1 (mlx-lm's ``BatchGenerator`` emits one token per
         running sequence per step; the sim, whose token stands for several real ones, says more).
@@ -514,6 +535,7 @@ class MLXEngine(Engine):
             # (the gateways' seeding rule, gateway.route.seed_wait); 0: it waits behind the queue
             "prefill_beside_tokens": self.prefill_beside_tokens(),
             "decode_steps_per_token": self.decode_steps_per_token(),
+            "attention_parity_tokens": self.attention_parity_tokens(),
             "queued_prefill_tokens": max(0, self.queued_prefill_tokens),
             **self.cache_figures(),
             "requests": self.requests_total,
@@ -689,6 +711,7 @@ class MLXEngine(Engine):
             getattr(cfg, "max_position_embeddings", 0) or getattr(cfg, "context_length", 0) or 32768
         )
         self.logits_size = int(getattr(cfg, "vocab_size", 0) or 0)
+        self._attention_parity = attention_parity_tokens(self._model_config(cfg))
         self._stream = mx.default_stream(mx.default_device())
         self._bg = self._new_batch()
         self._init_loop_state()

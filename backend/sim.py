@@ -14,8 +14,10 @@ time and the KV caches are `SimKV` token counters.
 Timing model (all "real" tokens: a sim token stands for ``token_scale`` real
 ones, so a trace replay can send short prompts; see docs/sim.md):
 
-* prefill: ``tokens / prefill_rate`` seconds (compute bound, attention's
-  quadratic term ignored).
+* prefill: ``tokens / prefill_rate`` seconds (compute bound); attention's growth
+  with depth is left out unless ``--sim-attention-parity P`` is given: then a
+  token at depth d costs ``1 + d/P`` times one at depth 0 (`backend.attention`),
+  normalised to the cited benchmark's 2,048-token prompt.
 * decode, batched: one step reads the weights once for the whole batch and
   each running sequence's KV once (decode is memory-bandwidth bound):
   ``step = t_weights + sum(context_i) * kv_bytes_per_token / bandwidth`` with
@@ -69,6 +71,7 @@ from .engine import MLXEngine
 DEFAULT_PREFILL_RATE = 1622.27
 DEFAULT_DECODE_RATE = 134.52
 DEFAULT_REF_CONTEXT = 2048 + 64  # the benchmark's prompt plus half its generation
+BENCH_MEAN_DEPTH = 1024  # the benchmark's 2,048-token prompt: its tokens' mean depth
 #: Qwen3-4B config.json: num_hidden_layers, num_key_value_heads, head_dim; bf16.
 DEFAULT_LAYERS, DEFAULT_KV_HEADS, DEFAULT_HEAD_DIM, DEFAULT_DTYPE_BYTES = 36, 8, 128, 2
 DEFAULT_BANDWIDTH = 546e9  # bytes/s, Apple M4 Max (16-core CPU, 40-core GPU)
@@ -116,6 +119,10 @@ class SimTiming:
     speed: float = 1.0
     disk_read_rate: float = DEFAULT_DISK_READ_RATE
     disk_write_rate: float = DEFAULT_DISK_WRITE_RATE
+    #: --sim-attention-parity: real tokens of depth at which a prompt token's attention costs as
+    #: much as the rest of its prefill (`backend.attention`); 0: every token costs the same (the
+    #: model before session 53, and still the default, so the benchmarks' runs compare).
+    attention_parity: int = 0
     fail_after: int = 0  # --sim-fail-after: the engine thread dies past this many requests (0: never)
     hang_after: int = 0  # --sim-hang-after: the engine thread hangs past this many requests (0: never)
 
@@ -125,8 +132,18 @@ class SimTiming:
         step = 1.0 / self.decode_rate
         return max(0.1 * step, step - self.ref_context * self.kv_bytes_per_token / self.bandwidth)
 
-    def prefill_seconds(self, sim_tokens: int) -> float:
-        return sim_tokens * self.token_scale / self.prefill_rate / self.speed
+    def prefill_seconds(self, sim_tokens: int, depth: int = 0) -> float:
+        """Seconds to prefill ``sim_tokens`` of a prompt whose KV already holds ``depth`` sim tokens.
+
+        With ``attention_parity`` P, a token at depth d costs ``1 + d / P`` times one at depth 0
+        (`backend.attention`), scaled so the cited benchmark's prompt (2,048 tokens from depth 0,
+        mean depth `BENCH_MEAN_DEPTH`) still runs at ``prefill_rate``; without, depth costs nothing."""
+        n = sim_tokens * self.token_scale
+        t = n / self.prefill_rate / self.speed
+        if self.attention_parity > 0:
+            p = self.attention_parity
+            t *= (1 + (depth * self.token_scale + n / 2) / p) / (1 + BENCH_MEAN_DEPTH / p)
+        return t
 
     def decode_seconds(self, contexts: list[int], real_steps: float = 1.0) -> float:
         """``real_steps`` batched real decode steps over sequences holding ``contexts`` sim tokens each.
@@ -412,7 +429,9 @@ class SimBatchGenerator:
         self._prompt = still
 
         widest = 0
+        depths = []
         for s in self._prompt:
+            depths.append(len(s.tokens))
             seg = s.segments[0]
             k = min(len(seg), self.prefill_step_size)
             s.tokens.extend(seg[:k])
@@ -426,9 +445,8 @@ class SimBatchGenerator:
             widest = max(widest, k)
             prompt_resps.append(PromptResponse(s.uid, (s.processed, s.total), end_seg, False))
         # mlx-lm right-pads the step's chunks to the longest, and the model
-        # computes the padding too.
-        chunk_tokens = widest * len(self._prompt)
-        self._spend(began, t_decode + self.timing.prefill_seconds(chunk_tokens))
+        # computes the padding too (each chunk at its own prompt's depth).
+        self._spend(began, t_decode + sum(self.timing.prefill_seconds(widest, d) for d in depths))
         return prompt_resps, gen_resps
 
     def _spend(self, began: float, seconds: float) -> None:
@@ -508,6 +526,11 @@ class SimEngine(MLXEngine):
         """A sim output token stands for ``token_scale`` real decode steps (`SimBatchGenerator.next`)."""
         return self.timing.token_scale
 
+    def attention_parity_tokens(self) -> int:
+        """``--sim-attention-parity`` in sim tokens (the gateways' unit), 0 when off."""
+        p = self.timing.attention_parity
+        return max(1, round(p / self.timing.token_scale)) if p > 0 else 0
+
     def _load(self) -> None:
         from mlx_lm.utils import load_tokenizer
 
@@ -555,6 +578,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes/s reading KV files (the disk tier, --cache-dir)")
     g.add_argument("--sim-disk-write-rate", type=positive_float, default=DEFAULT_DISK_WRITE_RATE,
                    help="bytes/s writing KV files")
+    g.add_argument("--sim-attention-parity", type=int, default=0, metavar="TOKENS",
+                   help="make a prompt token at depth d cost 1 + d/TOKENS times one at depth 0 (attention's "
+                        "growth with context; 12320 for Qwen3-4B by its FLOPs, backend/attention.py); 0, the "
+                        "default: every prompt token costs the same")
     g.add_argument("--sim-fail-after", type=int, default=0,
                    help="a fault to test supervision with: the engine thread raises once more than this many "
                         "requests arrived (0, the default: never)")
@@ -576,6 +603,8 @@ def timing_from_args(args) -> SimTiming:
                  "sim_disk_read_rate", "sim_disk_write_rate"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    if args.sim_attention_parity < 0:
+        raise ValueError("--sim-attention-parity must be >= 0 (0: off)")
     if args.sim_token_scale < 1:
         raise ValueError("--sim-token-scale must be >= 1 (a sim token stands for at least one real token)")
     return SimTiming(
@@ -588,6 +617,7 @@ def timing_from_args(args) -> SimTiming:
         speed=args.sim_speed,
         disk_read_rate=args.sim_disk_read_rate,
         disk_write_rate=args.sim_disk_write_rate,
+        attention_parity=args.sim_attention_parity,
         fail_after=max(0, args.sim_fail_after),
         hang_after=max(0, args.sim_hang_after),
     )

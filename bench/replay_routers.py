@@ -94,13 +94,18 @@ def working_set_bytes(reqs, kv_per_token: int) -> int:
 
 
 def offered_load(reqs, span_s: float, o_hit_tokens: int, timing: simmod.SimTiming, n_backends: int,
-                 decode_batch: int) -> float:
+                 decode_batch: int, prefixes: list[int] | None = None) -> float:
     """Cluster utilisation the trace asks for at real speed (work seconds / capacity seconds).
 
-    Prefill of the oracle's uncached tokens at the prefill rate, plus decode
+    Prefill of the oracle's uncached tokens at the prefill rate (each request's ``prefixes``
+    entry, its oracle hit, sets their depth when the timing charges depth), plus decode
     steps at the single-sequence rate shared by ``decode_batch`` sequences.
     """
-    prefill = (sum(r.input_length for r in reqs) - o_hit_tokens) / timing.prefill_rate
+    if timing.attention_parity > 0 and prefixes is not None:
+        s = timing.token_scale
+        prefill = sum(timing.prefill_seconds((r.input_length - h) / s, h / s) for r, h in zip(reqs, prefixes))
+    else:
+        prefill = (sum(r.input_length for r in reqs) - o_hit_tokens) / timing.prefill_rate
     decode = sum(r.output_length for r in reqs) / timing.decode_rate / decode_batch
     return (prefill + decode) / max(1e-9, span_s * n_backends)
 
@@ -119,6 +124,7 @@ class SimReplay:
     speed: float  # the sim speed
     working_set: int  # KV bytes of every distinct block
     mapper: BlockMapper
+    attention_parity: int = 0  # --sim-attention-parity of the backends (0: depth costs nothing)
 
     @property
     def period_ms(self) -> float:
@@ -132,18 +138,19 @@ class SimReplay:
 
 
 def sim_replay(reqs, model_path: str, k: int, compress: float, target_load: float, backends: int,
-               sim_speed: float | None = None) -> SimReplay:
+               sim_speed: float | None = None, attention_parity: int = 0) -> SimReplay:
     """Map ``reqs`` to ``k`` ids per 512-token block and pick the sim speed that offers
-    ``target_load`` of ``backends``' capacity at ``compress`` (unless ``sim_speed``)."""
+    ``target_load`` of ``backends``' capacity at ``compress`` (unless ``sim_speed``), with the
+    backends' prefill charging depth when ``attention_parity`` (`backend.attention`)."""
     scale = TRACE_BLOCK / k
-    timing = simmod.SimTiming(token_scale=scale)
+    timing = simmod.SimTiming(token_scale=scale, attention_parity=attention_parity)
     o_hit, o_total = oracle_hits(reqs, TRACE_BLOCK)
     span = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000
-    load = offered_load(reqs, span, o_hit, timing, backends, 8)
+    load = offered_load(reqs, span, o_hit, timing, backends, 8, oracle_prefixes(reqs, TRACE_BLOCK))
     lo, hi = vocab_range(model_path)
     return SimReplay(reqs, scale, o_hit, o_total, span, load,
                      sim_speed or max(1.0, compress * load / target_load),
-                     working_set_bytes(reqs, timing.kv_bytes_per_token), BlockMapper(k, lo, hi))
+                     working_set_bytes(reqs, timing.kv_bytes_per_token), BlockMapper(k, lo, hi), attention_parity)
 
 
 def load_sim_replay(args, model_path: str | None = None) -> tuple[str, SimReplay] | None:
@@ -159,7 +166,7 @@ def load_sim_replay(args, model_path: str | None = None) -> tuple[str, SimReplay
         print(e, file=sys.stderr)
         return None
     return model_path, sim_replay(reqs, model_path, args.k, args.compress, args.target_load, args.backends,
-                                  getattr(args, "sim_speed", None))
+                                  getattr(args, "sim_speed", None), getattr(args, "sim_attention_parity", 0))
 
 
 def add_sim_replay_args(p: argparse.ArgumentParser, requests: int | None, budget: float) -> None:
@@ -318,11 +325,14 @@ def sim_unit_flags(scale: float) -> list[str]:
             "--placement-slack-tokens", ids(d.placement_slack_tokens)]
 
 
-def sim_backend_flags(scale: float, speed: float, cache_bytes: int, mult: int = 1) -> list[str]:
+def sim_backend_flags(scale: float, speed: float, cache_bytes: int, mult: int = 1,
+                      attention_parity: int = 0) -> list[str]:
     """``mlxgw backend`` flags of one replay sim backend: ``scale`` real tokens per sim id,
     ``speed`` times the cited hardware, ``cache_bytes`` of KV memory; ``mult`` > 1 makes it
-    the pooled backend (that many backends' memory, rates and batch sizes in one)."""
-    return ["--engine", "sim", "--sim-token-scale", str(scale), "--sim-speed", str(speed * mult),
+    the pooled backend (that many backends' memory, rates and batch sizes in one);
+    ``attention_parity`` > 0 makes its prefill charge depth (``--sim-attention-parity``)."""
+    depth = ["--sim-attention-parity", str(attention_parity)] if attention_parity > 0 else []
+    return [*depth, "--engine", "sim", "--sim-token-scale", str(scale), "--sim-speed", str(speed * mult),
             "--cache-bytes", str(cache_bytes * mult), "--cache-entries", "1000000",
             "--min-hit-tokens", str(max(1, round(1000 / scale))),
             "--prefill-step-size", str(max(1, round(512 / scale))),
@@ -355,7 +365,7 @@ def run_one(name: str, args, model_path: str, redis_url: str, per_backend_bytes:
     n = 1 if pooled else args.backends
     mult = args.backends if pooled else 1
     st = Stack(redis_url, model_path, block_size=args.k, lookup_deadline_ms=None)
-    sim_flags = [*sim_backend_flags(scale, speed, per_backend_bytes, mult),
+    sim_flags = [*sim_backend_flags(scale, speed, per_backend_bytes, mult, getattr(args, "sim_attention_parity", 0)),
                  *shlex.split(dict(v.split("=", 1) for v in args.backend_variant).get(base, ""))]
     routers: list = []
     try:
@@ -737,6 +747,9 @@ def main(argv=None) -> int:
     p.add_argument("--target-load", type=float, default=0.6,
                    help="offered work / cluster capacity the sim speed is chosen for")
     p.add_argument("--sim-speed", type=float, help="override the computed sim speed")
+    p.add_argument("--sim-attention-parity", type=int, default=0, metavar="TOKENS",
+                   help="the sim backends' --sim-attention-parity (real tokens; 12320 for the cited Qwen3-4B), "
+                        "counted in the offered load too; 0, the default: prefill cost flat in depth")
     p.add_argument("--backends", type=int, default=4)
     p.add_argument("--budgets", default="0.05,0.2,1.0",
                    help="cluster cache budgets as fractions of the trace's KV working set")
@@ -818,7 +831,9 @@ def main(argv=None) -> int:
     head = (f"# Router replay: {Path(args.trace).name}, first {len(reqs)} requests\n\n"
             f"Command: `{cmd}` (commit {revision()})\n\n"
             f"Oracle hit ratio {res['oracle_ratio']:.3f}; {args.backends} sim backends "
-            f"(Qwen3-4B-Instruct-2507-4bit on M4 Max rates, docs/sim.md); trace time compressed "
+            f"(Qwen3-4B-Instruct-2507-4bit on M4 Max rates, docs/sim.md"
+            f"{'; prefill cost growing with depth, attention parity %d tokens' % args.sim_attention_parity if args.sim_attention_parity else ''}"
+            f"); trace time compressed "
             f"{args.compress:g}x; sim speed {speed:.1f}x (offered load {load:.2f} of capacity at real speed, "
             f"target {args.target_load:g}); KV working set {ws / 2**30:.1f} GiB; token scale {scale:g} (our "
             f"gateway's token-denominated defaults converted to sim ids: `{' '.join(sim_unit_flags(scale))}`); "

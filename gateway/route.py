@@ -313,6 +313,8 @@ def seed_wait(s: Scored, block_size: int, beside: bool = False, progress: bool =
     backends) found the one turn it kept where the default moves (charged 4,096 by this rule's
     first version, which counted the first token's step twice, against 4,160 cached) answered later kept (TTFT 1.48-1.93 s against 1.34-1.42 s, E2E 2.85-3.22 s against
     1.34-1.43 s): chunks 4-8k tokens deep took ~2.7 times a fresh chunk's time on that CPU model.
+    So the beside part is weighed by `depth_ratio` (the backend's published attention parity):
+    a move recomputes the prefix from depth 0, while the owner's chunks are deep.
 
     With ``progress`` (opt-in, `RoutingConfig.seed_progress`), Q counts only what may be left of
     this gateway's queued prefill (``s.queued_left``): a prompt counts whole until its first
@@ -326,8 +328,20 @@ def seed_wait(s: Scored, block_size: int, beside: bool = False, progress: bool =
         rest = max(0.0, queued - first)
         if answer_tokens is not None:
             rest = min(rest, max(0, answer_tokens - 1) * max(c.decode_steps_per_token, 1.0) * step)
-        return decode + min(step, queued) + first + rest
+        return decode + (min(step, queued) + first + rest) * depth_ratio(s.matched, c.attention_parity_tokens)
     return decode + queued
+
+
+def depth_ratio(depth: int, parity: int) -> float:
+    """What a prefill token ``depth`` tokens deep costs against the mean token of a fresh prompt
+    ``depth`` tokens long: ``(1 + depth/P) / (1 + depth/(2P))`` with the backend's attention
+    parity ``P`` (`backend.attention`; 1 when 0, unknown). The seeding estimate weighs the owner's
+    chunks, taken to sit as deep as the request's own prefix, against the prefix a move
+    recomputes from depth 0 by it: on the demo model (P = 360) a 4,160-token prefix gives 1.9,
+    where helper-95 measured ~2.7 for chunks 4-8k deep against a fresh 4,200-token prompt."""
+    if parity <= 0 or depth <= 0:
+        return 1.0
+    return (1 + depth / parity) / (1 + depth / (2 * parity))
 
 
 def _seed(out: list[Scored], block_size: int, claim_factor: float, when_full: bool = True,

@@ -479,7 +479,8 @@ def block_value(epoch: int, saved: bool) -> str:
 # state, cache_bytes, cache_budget_bytes, depth_in_blocks, gw_requests,
 # gw_prefill_tokens, saved_depth_in_blocks, min_hit_tokens, cache_victim_used_at,
 # kv_bytes_per_token, block_size, tokenizer, auth, decode_slots, prefill_tps,
-# decode_seconds, prefill_beside_tokens, decode_steps_per_token} (gw_* summed over
+# decode_seconds, prefill_beside_tokens, decode_steps_per_token, attention_parity_tokens}
+# (gw_* summed over
 # the other live gateways; the depth counts saved copies and claims, the saved
 # depth saved copies only). A backend is live while its registry hash exists
 # (the heartbeat TTL); ownership counts only when the stored epoch equals the
@@ -495,11 +496,13 @@ for _, id in ipairs(ids) do
   local h = redis.call('HMGET', ARGV[1] .. id, 'epoch', 'url', 'active', 'queued_prefill_tokens', 'state',
                       'cache_bytes', 'cache_budget_bytes', 'min_hit_tokens', 'cache_victim_used_at',
                       'kv_bytes_per_token', 'block_size', 'tokenizer', 'auth', 'decode_slots',
-                      'prefill_tps', 'decode_seconds', 'prefill_beside_tokens', 'decode_steps_per_token')
+                      'prefill_tps', 'decode_seconds', 'prefill_beside_tokens', 'decode_steps_per_token',
+                      'attention_parity_tokens')
   if h[1] then
     table.insert(rows, {id, h[1], h[2] or '', h[3] or '0', h[4] or '0', h[5] or '', h[6] or '0', h[7] or '0', 0, 0, 0,
                         0, h[8] or '0', h[9] or '0', h[10] or '0', h[11] or '0', h[12] or '',
-                        h[13] or '', h[14] or '0', h[15] or '0', h[16] or '0', h[17] or '0', h[18] or '1'})
+                        h[13] or '', h[14] or '0', h[15] or '0', h[16] or '0', h[17] or '0', h[18] or '1',
+                        h[19] or '0'})
     table.insert(cids, id)
     table.insert(claimed, h[1] .. 'c')
   end
@@ -626,7 +629,9 @@ class Candidate:
     a running prefill there rather than behind its queue (its ``step-beside`` prefill step; 0:
     not published, or it waits behind the queue); the seeding rule reads it (gateway.route), and
     ``decode_steps_per_token``: engine steps one output token takes there (1, mlx-lm; the sim's
-    token stands for ``--sim-token-scale`` real ones; 1 when not published).
+    token stands for ``--sim-token-scale`` real ones; 1 when not published);
+    ``attention_parity_tokens``: the depth at which a prompt token's attention costs as much as the
+    rest of its prefill there (`backend.attention`; 0: unknown or flat).
     """
 
     backend_id: str
@@ -652,6 +657,7 @@ class Candidate:
     decode_seconds: float = 0.0
     prefill_beside_tokens: int = 0
     decode_steps_per_token: float = 1.0
+    attention_parity_tokens: int = 0
 
     @property
     def free_cache_bytes(self) -> int:
@@ -688,6 +694,7 @@ def parse_lookup(rows: list) -> list[Candidate]:
                 decode_seconds=float(as_str(r[20]) or 0) if len(r) > 20 else 0.0,
                 prefill_beside_tokens=int(float(as_str(r[21]) or 0)) if len(r) > 21 else 0,
                 decode_steps_per_token=float(as_str(r[22]) or 1) if len(r) > 22 else 1.0,
+                attention_parity_tokens=int(float(as_str(r[23]) or 0)) if len(r) > 23 else 0,
             )
         )
     return out

@@ -186,3 +186,6 @@ def test_cache_figures_reach_the_registry_with_each_save(make_stack, redis_serve
     # ... and the engine steps one output token takes (mlx-lm: one), which turns an answer's
     # tokens into the prefill chunks it decodes beside.
     assert cand.decode_steps_per_token == float(rec["decode_steps_per_token"]) == 1.0
+    # ... and the depth at which its prompt tokens' attention costs as much as the rest (the demo
+    # model's config: 64 wide, MLP 176, 4 heads of 16; backend.attention).
+    assert cand.attention_parity_tokens == int(rec["attention_parity_tokens"]) == 360

@@ -276,6 +276,39 @@ def test_a_turn_beside_the_owners_prefill_stays_only_when_its_answer_ends_before
     assert rank(busy, 560, 16, cfg=cfg, answer_tokens=1).reason == "seed"
 
 
+def test_a_turn_beside_a_deep_prefill_is_weighed_by_the_backends_attention_parity():
+    """helper-95's case A2 (session 53, two real demo-model backends): a turn with 50 new tokens
+    past 4,160 saved on "a", where a prompt with 3,961 tokens left is prefilling 4-8k tokens deep;
+    a 4-token answer. Flat (no parity published) the estimate keeps it: 256 + 512 + 1,280 +
+    3 x 512 = 3,584 < 4,160. Measured, the move answered sooner (TTFT 1.34-1.42 s against
+    1.48-1.93 s, E2E 1.34-1.43 s against 2.85-3.22 s): the owner's chunks sat deep (~0.45 s a step
+    against 0.17 s for a fresh 512-token chunk). With the demo model's attention parity (360) the
+    owner's part counts (1 + 4160/360) / (1 + 2080/360) = 1.85 times: 256 + 3,328 x 1.85 = 6,421,
+    and it moves. The sim's Qwen3-4B (12,320 real tokens, 385 in 32-token sim ids) past 544 ids
+    keeps a one-token answer: 8 + 56 x 1.41 = 87."""
+    from gateway.route import depth_ratio
+
+    def cands(parity: int):
+        a = Candidate("a", 1, "http://a", active=0, queued_prefill_tokens=0, state="ready", depth_blocks=65,
+                      saved_blocks=65, gw_requests=1, gw_prefill_tokens=3961, cache_bytes=10**9, min_hit_tokens=512,
+                      prefill_beside_tokens=512, attention_parity_tokens=parity)
+        b = Candidate("b", 2, "http://b", active=0, queued_prefill_tokens=0, state="ready")
+        return [a, b]
+
+    beside = RoutingConfig(seed_beside=True)
+    d = rank(cands(0), 4210, 64, cfg=beside, answer_tokens=4)
+    assert (d.best.cand.backend_id, d.reason, seed_wait(d.best, 64, True, answer_tokens=4)) == ("a", "prefix", 3584)
+    d = rank(cands(360), 4210, 64, cfg=beside, answer_tokens=4)
+    assert (d.best.cand.backend_id, d.reason) == ("b", "seed")
+    assert round(seed_wait(d.ranked[1], 64, True, answer_tokens=4)) == 6421
+    assert round(depth_ratio(4160, 360), 3) == 1.852 and depth_ratio(4160, 0) == depth_ratio(0, 360) == 1.0
+    sim = cands(385)
+    sim[0].depth_blocks = sim[0].saved_blocks = 34
+    sim[0].gw_prefill_tokens, sim[0].prefill_beside_tokens, sim[0].decode_steps_per_token = 1216, 16, 32.0
+    d = rank(sim, 560, 16, cfg=RoutingConfig(decode_weight=8, seed_beside=True), answer_tokens=1)
+    assert (d.best.cand.backend_id, d.reason, round(seed_wait(d.best, 16, True, answer_tokens=1))) == ("a", "prefix", 87)
+
+
 def test_the_owners_queued_prefill_counts_less_what_its_rate_did_since_it_was_sent():
     """Session 52's synthetic replay (sim ids): an 832-id prompt, 784 cached on "a", 48 to compute
     (three prefill steps: not beside); "a" has one 1,504-id prompt of this gateway queued. Counted

@@ -96,8 +96,13 @@ def test_sim_cached_tokens_equal_real(make_stack):
 
 def test_sim_sglang_endpoints(make_stack):
     st = make_stack()
-    sim = st.add_backend("sim", None, "--engine", "sim", "--sim-speed", "50", "--sim-token-scale", "8")
+    sim = st.add_backend("sim", None, "--engine", "sim", "--sim-speed", "50", "--sim-token-scale", "8",
+                         "--sim-attention-parity", "12320")
     st.wait()
+    # What the gateways weigh a turn kept beside a running prefill by, in their unit (sim ids):
+    # 8 decode steps a sim token, Qwen3-4B's attention parity 12,320 real tokens = 1,540 ids.
+    h = httpget.get_json(sim.url + "/health")
+    assert (h["decode_steps_per_token"], h["attention_parity_tokens"]) == (8.0, 1540)
     info = httpget.get_json(sim.url + "/server_info")
     assert info["served_model_name"] == st.model_name and info["dp_size"] == 1 and info["context_length"] == 8192
     assert httpget.get_json(sim.url + "/model_info")["is_generation"] is True
@@ -208,6 +213,59 @@ def test_sim_step_times_follow_mlx_lm_steps_with_scaled_tokens():
     assert step() == (0.01, [(b, "length")])                  # b's first token, one real step later
     assert step() == (0.02, [(a, "length")])                  # a was due in 2 more real steps
     assert step() == (0.0, [])                                # nothing left
+
+
+def test_attention_parity_comes_from_the_models_flops():
+    """The depth at which a prompt token's attention FLOPs equal its matmuls' (`backend.attention`):
+    Qwen3-4B's config.json (hidden 2560, MLP 9728, 36 layers, 32 heads of 128, 8 KV heads) gives
+    12,320 tokens; the demo model 360 (64 wide, MLP 176, 4 heads of 16, 2 KV heads), and twice that
+    with half its layers sliding-window; none when no layer attends over the whole context or the
+    config says too little; a mixture of experts counts its active experts' width."""
+    from backend.attention import attention_parity_tokens
+    from mlxgw.demo_model import VARIANTS
+
+    qwen3_4b = {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
+    assert attention_parity_tokens(qwen3_4b) == 12320
+    assert attention_parity_tokens({"text_config": qwen3_4b}) == 12320
+    assert attention_parity_tokens(VARIANTS["tiny"]) == 360
+    assert attention_parity_tokens(VARIANTS["swa"]) == 720  # layer_types: one of two is full
+    assert attention_parity_tokens({**VARIANTS["tiny"], "layer_types": ["sliding_attention"] * 2}) == 0
+    assert attention_parity_tokens({**VARIANTS["tiny"], "use_sliding_window": True}) == 0
+    assert attention_parity_tokens({"hidden_size": 64}) == 0
+    # 8 of 128 experts of width 768 active, heads as Qwen3-30B-A3B (48 layers, 32 x 128, 4 KV heads)
+    moe = {"hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts_per_tok": 8,
+           "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128}
+    assert attention_parity_tokens(moe) == round(2 * (2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048 + 3 * 2048 * 6144)
+                                                 / (4 * 4096))
+
+
+def test_sim_prefill_cost_grows_with_depth_only_when_asked():
+    """``--sim-attention-parity P``: a chunk of n tokens d deep costs ``1 + (d + n/2)/P`` times the
+    flat rate's time, over the cited benchmark's (2,048 tokens from depth 0) ``1 + 1024/P``; off
+    (0, the default) depth costs nothing, as before. A step's chunks each count at their own
+    prompt's depth, padded to the widest."""
+    from backend.sim import SimBatchGenerator, SimTiming
+
+    flat = SimTiming(prefill_rate=1000, token_scale=4)
+    assert flat.prefill_seconds(512, 0) == flat.prefill_seconds(512, 10_000) == 512 * 4 / 1000
+    deep = SimTiming(prefill_rate=1000, token_scale=4, attention_parity=1024)
+    assert deep.prefill_seconds(512, 0) == pytest.approx(2.048)  # the benchmark's prompt: the flat rate
+    assert deep.prefill_seconds(128, 512) == pytest.approx(0.512 * (1 + (2048 + 256) / 1024) / 2)
+    timing = SimTiming(prefill_rate=1000, decode_rate=100, kv_bytes_per_token=0, ref_context=0, token_scale=4,
+                       attention_parity=1024)
+    clock = FakeClock()
+    gen = SimBatchGenerator(timing, (16, 100), completion_batch_size=8, prefill_batch_size=2,
+                            prefill_step_size=10, sleep=clock.sleep, clock=clock)
+    gen.insert_segments([[list(range(20, 41))]], [3], [None], [[]])  # 21 ids: 20 prefilled + the last
+    gen.next()
+    gen.next()
+    # chunks of 10 ids (40 real tokens) at depth 0 and then 10 ids (40 real) deep
+    assert clock.slept == [pytest.approx(0.04 * (1 + 20 / 1024) / 2), pytest.approx(0.04 * (1 + 60 / 1024) / 2)]
+    gen.insert_segments([[list(range(50, 71))]], [1], [None], [[]])  # a second prompt beside the first one's end
+    clock.slept.clear()
+    gen.next()  # the first prompt ends (its last id joins the decode batch); the second's first chunk
+    assert clock.slept == [pytest.approx(0.04 * (1 + 20 / 1024) / 2)]
 
 
 def test_sim_real_step_overhead_is_taken_out_of_the_modelled_time():
