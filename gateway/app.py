@@ -215,8 +215,9 @@ async def _route(request: web.Request, kind: str, path: str, body: Optional[dict
         if transform is not None:  # a length stop is then the context's (the Anthropic dialect says so)
             transform.context_capped = True
 
+    answer = None if pr.max_tokens is None else min(pr.max_tokens, info.context_length - longest)
     return await route_and_forward(request, st, info, body, ids, system_tokens, path, pr.stream, t0, transform,
-                                   batch=batch if pr.batch else None, answer_tokens=None if pr.max_tokens is None else min(pr.max_tokens, info.context_length - longest))
+                                   batch=batch if pr.batch else None, answer_tokens=answer)
 
 
 def session_key(request: web.Request, body: dict) -> Optional[str]:

@@ -80,8 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed-beside", action="store_true", default=RoutingConfig.seed_beside,
                    help="in the seeding comparison, charge a request whose remainder would start beside the "
                         "chosen backend's running prefill its first steps and one prefill chunk per step of its "
-                        "answer (max_tokens), not the whole queue (opt-in: real backends answered later where it "
-                        "kept a turn the default moves; docs/routing.md, \"Seeding an empty backend\")")
+                        "answer (max_tokens), weighed by depth, not the whole queue (opt-in; docs/routing.md, "
+                        "\"Seeding an empty backend\")")
     p.add_argument("--seed-progress", action="store_true", default=RoutingConfig.seed_progress,
                    help="in the seeding comparison, count this gateway's queued prefill on the chosen backend less "
                         "what its measured prefill rate has done since those requests were sent (opt-in; "

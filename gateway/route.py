@@ -42,9 +42,10 @@ prefix whose remainder starts beside the chosen backend's running prefill there
 (at most its published ``prefill_beside_tokens``, its ``step-beside`` prefill
 step) is charged, instead of the whole queue, the steps to its first token plus
 one prefill chunk per step of its answer (``max_tokens``) while that prefill
-lasts (`seed_wait`; session 53). Opt-in because real backends answered later
-where it kept a turn the default moves (helper-95: the owner's chunks, deep in
-a long context, cost more per token than the fresh prefill a move does).
+lasts, weighed by the chunks' depth (`seed_wait`; session 53). With
+``seed_progress`` as well it kept the synthetic trace's hits in the sim (0.998 /
+1.000 of the oracle against 0.944 / 0.970) at a p99 TTFT 4-10% higher, so both
+stay opt-in (docs/routing.md, "Seeding an empty backend").
 Past a prefix the chosen backend is still computing (a
 claim: a burst or a fan-out that pending ownership gathers there) the load must
 exceed ``seed_claim_factor`` (2) times it: the claim's own prefill, which a
@@ -146,10 +147,9 @@ class RoutingConfig:
     seed_beside: in that comparison, charge a request whose remainder starts beside the chosen
         backend's running prefill (``Candidate.prefill_beside_tokens``) the steps to its first
         token and one prefill chunk per step of its answer (``max_tokens``) while that prefill
-        lasts, not the whole queue (`seed_wait`). Opt-in: on real backends the one case where it
-        kept a turn the default moved answered later kept (helper-95, session 53: E2E 2.85-3.22 s
-        against 1.34-1.43 s; the owner's chunks, deep in a long context, cost more than the
-        estimate's fresh tokens; docs/routing.md).
+        lasts, weighed by the chunks' depth, not the whole queue (`seed_wait`; opt-in: with
+        ``seed_progress`` it kept the synthetic trace's hits in the sim at a p99 TTFT 4-10%
+        higher, session 53; docs/routing.md).
     seed_progress: in that comparison, count of this gateway's queued prefill on the chosen backend
         only what its prefill rate has not had time to do since the oldest of those requests was sent
         (`seed_wait`; off by default: session 52's replays could not tell it from the whole figure,
@@ -301,20 +301,17 @@ def seed_wait(s: Scored, block_size: int, beside: bool = False, progress: bool =
 
     With ``beside`` (opt-in, `RoutingConfig.seed_beside`), past a saved prefix, a remainder
     (``s.prefill`` tokens) of at most the backend's ``prefill_beside_tokens`` S (its
-    ``step-beside`` prefill step) starts beside the queued prefill Q rather than behind it, and
-    then decodes one step per chunk of it: the running decodes, plus its own chunk padded to S
-    (``min(S, Q)``), plus `BESIDE_FIRST_STEPS` steps of Q to its first token (the last of them
-    its first decode step), plus one chunk of Q per decode step of the rest of its answer
+    ``step-beside`` prefill step) starts beside the queued prefill Q rather than behind it, then
+    decodes one token per chunk of Q: charged the running decodes, plus, times `depth_ratio`, its
+    own chunk padded to S (``min(S, Q)``), `BESIDE_FIRST_STEPS` steps of Q to its first token (the
+    last its first decode step) and one chunk of Q per decode step of the rest of its answer
     (``answer_tokens - 1`` times the backend's ``decode_steps_per_token``; ``None``: as long as
-    the queue, which gives the load plus the padded chunk). helper-94 (session 52, real backends): a 16-token turn kept beside a
-    7,053-token prefill answered after 3.4-5.3 s, moved after 0.92 s; charging only the decodes
-    (session 52's opt-in rule) kept it. The idle backend's decode steps, short beside a prefill
-    chunk, are left out. So is the depth of the owner's chunks: helper-95 (session 53, real
-    backends) found the one turn it kept where the default moves (charged 4,096 by this rule's
-    first version, which counted the first token's step twice, against 4,160 cached) answered later kept (TTFT 1.48-1.93 s against 1.34-1.42 s, E2E 2.85-3.22 s against
-    1.34-1.43 s): chunks 4-8k tokens deep took ~2.7 times a fresh chunk's time on that CPU model.
-    So the beside part is weighed by `depth_ratio` (the backend's published attention parity):
-    a move recomputes the prefix from depth 0, while the owner's chunks are deep.
+    the queue). helper-94 (session 52, real backends): a 16-token turn kept beside a 7,053-token
+    prefill answered after 3.4-5.3 s, moved after 0.92 s. helper-95 (session 53): without
+    `depth_ratio` a 4-token turn past 4,160 cached tokens stayed and answered later (TTFT
+    1.48-1.93 s against 1.34-1.42 s, E2E 2.85-3.22 s against 1.34-1.43 s moved): the owner's
+    chunks, 4-8k tokens deep, took ~2.7 times a fresh chunk's time. The idle backend's own decode
+    steps, short beside a prefill chunk, are left out.
 
     With ``progress`` (opt-in, `RoutingConfig.seed_progress`), Q counts only what may be left of
     this gateway's queued prefill (``s.queued_left``): a prompt counts whole until its first
