@@ -199,10 +199,14 @@ class Scored:
     evicts: bool = False
     wait: float = 0.0  # its wait for a decode slot, in prefill tokens, when it has none free (`_relieve`)
     queued_left: float = 0.0  # of ``queued``, what may be left to do (`seed_wait`)
+    # The seeding rule's charge here when it is not the load (`seed_wait` with --seed-beside or
+    # --seed-progress): shown, as helper-96 read a move past load < matched as a broken rule.
+    seed_charge: float = 0.0
 
     def explain(self) -> str:
         flag = (",overloaded" if self.overloaded else "") + (",evicts" if self.evicts else "")
         wait = f",wait={self.wait:.0f}" if self.wait else ""
+        wait += f",seed_wait={self.seed_charge:.0f}" if self.seed_charge else ""
         return (
             f"{self.cand.backend_id}:matched={self.matched},queued={self.queued},"
             f"active={self.active},load={self.load:.0f}{wait},cost={self.cost:.0f}{flag}"
@@ -358,7 +362,10 @@ def _seed(out: list[Scored], block_size: int, claim_factor: float, when_full: bo
         return None
     slots = best.cand.decode_slots
     if not (when_full and slots > 0 and best.active >= slots):
-        if seed_wait(best, block_size, beside, progress, answer_tokens) <= best.matched:
+        charge = seed_wait(best, block_size, beside, progress, answer_tokens)
+        if round(charge) != round(best.load):
+            best.seed_charge = charge
+        if charge <= best.matched:
             return None
         if best.cand.saved_blocks * block_size < best.matched and (
                 claim_factor <= 0 or best.load <= claim_factor * best.matched):

@@ -301,6 +301,9 @@ def test_a_turn_beside_a_deep_prefill_is_weighed_by_the_backends_attention_parit
     d = rank(cands(360), 4210, 64, cfg=beside, answer_tokens=4)
     assert (d.best.cand.backend_id, d.reason) == ("b", "seed")
     assert round(seed_wait(d.ranked[1], 64, True, answer_tokens=4)) == 6421
+    # The candidates header shows the charge beside the load (helper-96 read a move past
+    # load=2801 < matched=5184 as the rule broken).
+    assert "load=4217,seed_wait=6421,cost=" in d.ranked[1].explain()
     assert round(depth_ratio(4160, 360), 3) == 1.852 and depth_ratio(4160, 0) == depth_ratio(0, 360) == 1.0
     sim = cands(385)
     sim[0].depth_blocks = sim[0].saved_blocks = 34
