@@ -124,7 +124,6 @@ class SimReplay:
     speed: float  # the sim speed
     working_set: int  # KV bytes of every distinct block
     mapper: BlockMapper
-    attention_parity: int = 0  # --sim-attention-parity of the backends (0: depth costs nothing)
 
     @property
     def period_ms(self) -> float:
@@ -146,11 +145,12 @@ def sim_replay(reqs, model_path: str, k: int, compress: float, target_load: floa
     timing = simmod.SimTiming(token_scale=scale, attention_parity=attention_parity)
     o_hit, o_total = oracle_hits(reqs, TRACE_BLOCK)
     span = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000
-    load = offered_load(reqs, span, o_hit, timing, backends, 8, oracle_prefixes(reqs, TRACE_BLOCK))
+    load = offered_load(reqs, span, o_hit, timing, backends, 8,
+                        oracle_prefixes(reqs, TRACE_BLOCK) if attention_parity > 0 else None)
     lo, hi = vocab_range(model_path)
     return SimReplay(reqs, scale, o_hit, o_total, span, load,
                      sim_speed or max(1.0, compress * load / target_load),
-                     working_set_bytes(reqs, timing.kv_bytes_per_token), BlockMapper(k, lo, hi), attention_parity)
+                     working_set_bytes(reqs, timing.kv_bytes_per_token), BlockMapper(k, lo, hi))
 
 
 def load_sim_replay(args, model_path: str | None = None) -> tuple[str, SimReplay] | None:

@@ -338,7 +338,7 @@ def depth_ratio(depth: int, parity: int) -> float:
     ``depth`` tokens long: ``(1 + depth/P) / (1 + depth/(2P))`` with the backend's attention
     parity ``P`` (`backend.attention`; 1 when 0, unknown). The seeding estimate weighs the owner's
     chunks, taken to sit as deep as the request's own prefix, against the prefix a move
-    recomputes from depth 0 by it: on the demo model (P = 360) a 4,160-token prefix gives 1.9,
+    recomputes from depth 0 by it: on the demo model (P = 360) a 4,160-token prefix gives 1.85,
     where helper-95 measured ~2.7 for chunks 4-8k deep against a fresh 4,200-token prompt."""
     if parity <= 0 or depth <= 0:
         return 1.0
@@ -353,8 +353,8 @@ def _seed(out: list[Scored], block_size: int, claim_factor: float, when_full: bo
     holding one unrelated 32-token entry idle for 6 minutes beside a busy peer); idle: no load
     in the gateways' figures nor in its own heartbeat. The request's wait on the chosen backend
     (`seed_wait`: its load; with ``beside``, opt-in, its answer's steps beside a running prefill)
-    must exceed the prefix it would reuse there. Past a prefix the chosen backend only claims (still computing it), its
-    load must exceed ``claim_factor`` times the prefix (0: never;
+    must exceed the prefix it would reuse there. Past a prefix the chosen backend only claims
+    (still computing it), its load must exceed ``claim_factor`` times the prefix (0: never;
     `RoutingConfig.seed_claim_factor`). With ``when_full``, a chosen backend with a request in
     flight for each of its decode slots is passed whatever its load and prefix."""
     best = out[0]
