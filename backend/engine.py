@@ -247,6 +247,7 @@ class _Live:
     prompt_left: int
     save_system_at: int = 0
     prompt_done: int = 0  # of ``prompt_left``, tokens already prefilled
+    queued_out: int = 0  # of ``prompt_left``, tokens already taken out of ``queued_prefill_tokens``
     started: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0  # time.monotonic() of its first generated token (0: none yet)
     prompt_saved: bool = False  # `_save_prompt` already saved it for a waiting request
@@ -1096,10 +1097,16 @@ class MLXEngine(Engine):
             done, total = r.progress
             stepped += max(0, done - live.prompt_done)
             live.prompt_done = done
+            # The published queue follows the prompt chunk by chunk: counted whole until its end, a
+            # long prompt mostly done read as all still to do, and gateways' seeding rule moved
+            # turns that would have answered sooner beside its last chunks (session 53's sim A/B).
+            out = max(0, min(done, live.prompt_left) - live.queued_out)
+            self.queued_prefill_tokens -= out
+            live.queued_out += out
             cached = live.req.cached
             live.req.emit(GenEvent("progress", done=cached + done, total=cached + total))
             if r.end_of_prompt:
-                self.queued_prefill_tokens -= live.prompt_left
+                self.queued_prefill_tokens -= live.prompt_left - live.queued_out
                 prefilled += live.prompt_left
                 live.prompt_left = 0
                 if self.save_at_prefill_end:
@@ -1349,7 +1356,7 @@ class MLXEngine(Engine):
         self._abandoned.discard(live.req.rid)
         self.active -= 1
         if live.prompt_left:
-            self.queued_prefill_tokens -= live.prompt_left
+            self.queued_prefill_tokens -= live.prompt_left - live.queued_out
             live.prompt_left = 0
         self._release(live.req)
         if live.first_token_at and reason != "error":  # a failed batch's requests end at once

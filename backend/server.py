@@ -583,7 +583,7 @@ async def _stream(request, choices: list[Choice], pr, reporter, engine, timeout:
                     for obj in _chunks(c, None, pr, engine, choices):
                         await resp.write(_sse(obj))
             if ev.kind == "progress":
-                await resp.write(f": keepalive {ev.done}/{ev.total}\n\n".encode())
+                await resp.write(schema.progress_comment(ev.done, ev.total))
                 continue
             if failed:
                 # The batch it ran in failed, or the engine thread died and this backend is exiting

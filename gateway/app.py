@@ -515,6 +515,7 @@ def make_app(cfg: GatewayConfig) -> web.Application:
         proxy = Proxy(cfg.internal_token, read_timeout=cfg.read_timeout, keepalive=cfg.keepalive,
                       write_timeout=cfg.limits.write_timeout, url_of=index.url_of, gone_after=cfg.gone_after)
         proxy.gateway_id = cfg.gateway_id
+        proxy.prefill_progress = cfg.routing.prefill_progress
         await proxy.start()
         index.skipped = proxy.skipped
         index.refused = proxy.refused

@@ -86,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="in the seeding comparison, count this gateway's queued prefill on the chosen backend less "
                         "what its measured prefill rate has done since those requests were sent (opt-in; "
                         "docs/routing.md, \"Seeding an empty backend\")")
+    p.add_argument("--no-prefill-progress", dest="prefill_progress", action="store_false",
+                   default=RoutingConfig.prefill_progress,
+                   help="count a streamed request's queued prefill whole for its first second, not down by its "
+                        "backend's progress comments (the rule before session 54, for A/B runs; docs/routing.md)")
     p.add_argument("--slot-wait-weight", type=non_negative_float, default=RoutingConfig.slot_wait_weight,
                    help="cost per token of the wait for a decode slot on the chosen backend when it has a "
                         "request in flight for each of its slots (its measured decode time and prefill rate turned "
@@ -227,7 +231,7 @@ def config_from_args(args) -> GatewayConfig:
                               short_claims=args.short_claims, placement_slack_tokens=args.placement_slack_tokens,
                               seed_empty=args.seed_empty, seed_claim_factor=args.seed_claim_factor,
                               seed_when_full=args.seed_when_full, seed_beside=args.seed_beside,
-                              seed_progress=args.seed_progress,
+                              seed_progress=args.seed_progress, prefill_progress=args.prefill_progress,
                               slot_wait_weight=args.slot_wait_weight),
         gateway_id=args.gateway_id or f"{socket.gethostname()}:{args.port}",
         janitor_grace=args.janitor_grace,

@@ -80,6 +80,13 @@ class InFlight:
         if handle in d:
             d[handle] = (d[handle][0], 0, d[handle][2])
 
+    def progress(self, backend: str, handle: int, left: int) -> None:
+        """The backend reports ``left`` prompt tokens still to prefill for this request: its
+        figure drops to that (never rises: ours may have counted a cache hit it did not find)."""
+        d = self._live.get(backend, {})
+        if handle in d and d[handle][1] > left:
+            d[handle] = (d[handle][0], left, d[handle][2])
+
     def end(self, backend: str, handle: int) -> None:
         self._live.get(backend, {}).pop(handle, None)
 
@@ -321,6 +328,9 @@ class Proxy:
         self.read_timeout = read_timeout
         self.session: Optional[aiohttp.ClientSession] = None
         self.inflight = InFlight()
+        # Count a stream's queued prefill down by its backend's progress comments
+        # (`RoutingConfig.prefill_progress`; `gateway.app` sets it).
+        self.prefill_progress = True
         self.retries = 0
         # Circuit breaker: a backend that failed (refused, reset, hung) is
         # skipped until its /health answers again (probed every second).
@@ -804,6 +814,10 @@ class Proxy:
                 a.failed = True
             if chunk:
                 tail = (tail + chunk)[-2:]
+                if prefill_open and self.prefill_progress and schema.PROGRESS_MARK in chunk:
+                    left = schema.parse_progress(chunk)
+                    if left is not None:
+                        self.inflight.progress(a.backend_id, handle, left)
                 if prefill_open and b"data:" in chunk:
                     self.inflight.started(a.backend_id, handle)
                     a.first_byte_at = time.perf_counter()

@@ -342,6 +342,30 @@ def parse_queue_comments(chunk: bytes, at_line_start: bool = True) -> tuple[byte
     return chunk, queued, cached
 
 
+# A streamed answer's prefill progress, one comment per prefill step: the prompt tokens done and
+# in all, cache hit included. Clients see it as a keep-alive; a gateway counts the request's
+# queued prefill down by it (`parse_progress`; not with ``--no-prefill-progress``).
+PROGRESS_MARK = b": keepalive "
+
+
+def progress_comment(done: int, total: int) -> bytes:
+    """`PROGRESS_MARK`'s comment: ``done`` of the prompt's ``total`` tokens (ints) are in the KV cache."""
+    return PROGRESS_MARK + f"{int(done)}/{int(total)}".encode() + b"\n\n"
+
+
+def parse_progress(chunk: bytes) -> Optional[int]:
+    """Prompt tokens left to prefill by the last whole `progress_comment` in ``chunk`` (None: none,
+    or only a piece of one: a comment split between reads is skipped, the next step sends another)."""
+    at = chunk.rfind(PROGRESS_MARK)
+    while at >= 0:
+        end = chunk.find(b"\n\n", at)
+        done, sep, total = chunk[at + len(PROGRESS_MARK):end].partition(b"/")
+        if end > 0 and sep and done.isdigit() and total.isdigit():
+            return max(0, int(total) - int(done))
+        at = chunk.rfind(PROGRESS_MARK, 0, at)
+    return None
+
+
 # The header every backend answer carries with its backend id: a gateway that reached something
 # else at a backend's registered URL (another backend, another server) can tell.
 SERVED_BY = "X-Mlxgw-Served-By"

@@ -164,6 +164,45 @@ def test_a_waiting_request_pinned_to_a_prompt_saved_meanwhile_queues_only_its_ta
     assert health["queued_prefill_tokens"] == n - usage["prompt_tokens_details"]["cached_tokens"], (health, usage)
 
 
+@pytest.mark.timeout(120)
+def test_the_queued_figure_follows_a_long_prompt_chunk_by_chunk(make_stack):
+    """``queued_prefill_tokens`` drops by each prefill step's chunk as the running prompt
+    progresses, not by the whole prompt at its end: session 53's sim A/B found gateways reading
+    "1,504 queued" beside a prompt mostly done, and moving turns that would have answered sooner
+    beside its last chunks (gateway.route.seed_wait)."""
+    st = make_stack()
+    # 2,000 tokens at 1,000 tokens/s in 128-token steps: about 2 s, 16 chunks.
+    b = st.add_backend("one", None, "--engine", "sim", "--sim-prefill-rate", "1000", "--prefill-step-size", "128",
+                       "--cache-bytes", "1TB")
+    st.wait()
+    prompt = np.random.default_rng(9).integers(16, 3000, 2000).tolist()
+
+    async def run():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async def complete():
+                async with s.post(b.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}) as r:
+                    return r.status, await r.json()
+
+            call = asyncio.create_task(complete())
+            seen = []
+            while not call.done():
+                async with s.get(b.url + "/health") as h:
+                    seen.append((await h.json())["queued_prefill_tokens"])
+                await asyncio.sleep(0.02)
+            status, body = await call
+            assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, body
+            async with s.get(b.url + "/health") as h:
+                return seen, (await h.json())["queued_prefill_tokens"]
+
+    seen, after = asyncio.run(run())
+    seen = seen[next(i for i, q in enumerate(seen) if q):]  # from the request's arrival
+    mid = sorted({q for q in seen if 0 < q < len(prompt)})
+    # the figure steps down by whole chunks (the prompt's last token is fed to its first decode step)
+    assert len(mid) >= 5 and all((len(prompt) - q) % 128 == 0 for q in mid), seen
+    assert seen == sorted(seen, reverse=True), seen
+    assert after == 0
+
+
 def test_one_decode_slot_runs_one_answer_whatever_the_prefill_concurrency(make_stack):
     """``--decode-concurrency 1`` with the default ``--prefill-concurrency`` 2 ran two answers at
     once (mlx-lm raises its completion batch to the prefill batch) while ``/health``, the registry

@@ -5,6 +5,7 @@ import json
 import threading
 import time
 
+import pytest
 import redis
 
 from gateway.route import RoutingConfig, rank
@@ -295,6 +296,42 @@ def test_a_turn_beside_its_owners_long_prefill_stays_for_a_short_answer_and_move
     assert int(short["X-Mlxgw-Matched-Tokens"]) >= 1408
     assert (answer["X-Mlxgw-Backend"], answer["X-Mlxgw-Route-Reason"]) == ("b1", "seed"), answer["X-Mlxgw-Candidates"]
     assert answer["X-Mlxgw-Matched-Tokens"] == "0"
+
+
+@pytest.mark.parametrize("progress", [True, False], ids=["default", "no-prefill-progress"])
+def test_a_streamed_prompts_queued_prefill_counts_down_by_its_backends_progress(make_stack, redis_server, progress):
+    """By default the gateway's queued figure for a streamed request (what it
+    routes on and publishes to the other gateways) drops by each prefill step its backend reports
+    (`schema.progress_comment`), not whole at its first token: a long prompt mostly done no longer
+    reads as all still to do (`RoutingConfig.prefill_progress`). With ``--no-prefill-progress``, the whole prompt."""
+    import numpy as np
+
+    from mlxgw import schema
+
+    s = make_stack()
+    # 1,500 tokens at 2,000 tokens/s in 128-token steps: ~0.75 s, within the figure's 1 s window.
+    s.add_backend("b0", None, "--engine", "sim", "--sim-prefill-rate", "2000", "--prefill-step-size", "128")
+    g0 = s.add_gateway(*(() if progress else ("--no-prefill-progress",)))
+    s.wait()
+    keys, r = schema.Keys(s.namespace, s.model_name), redis_server.client()
+    prompt = np.random.default_rng(86).integers(16, 3000, 1500).tolist()
+    got = {}
+    call = threading.Thread(target=lambda: got.update(r=post(g0.url + "/v1/completions", {
+        "model": s.model_name, "prompt": prompt, "max_tokens": 1, "stream": True})))
+    call.start()
+    seen = []
+    while call.is_alive():  # the gateway publishes its figures every 0.1 s
+        for gid in r.zrange(keys.gateways, 0, -1):
+            seen += [int(v.split(":")[1]) for v in r.hgetall(keys.gateway_load(gid)).values()]
+        time.sleep(0.01)
+    call.join()
+    assert got["r"][0] == 200, got
+    assert seen and max(seen) <= 1500, seen  # counted whole as it was sent (a busy machine may publish later)
+    mid = sorted({q for q in seen if 0 < q < 1500})
+    if progress:
+        assert len(mid) >= 3 and all((1500 - q) % 128 == 0 for q in mid), seen
+    else:
+        assert mid == [] and 1500 in seen, seen
 
 
 def test_a_backend_added_beside_an_owner_with_every_decode_slot_taken_takes_the_next_request(make_stack):

@@ -142,6 +142,18 @@ def test_the_queue_comments_are_taken_out_and_the_cached_count_read():
     assert schema.parse_queue_comments(c + b"data: [DONE]\n\n") == (b"data: [DONE]\n\n", 0, 573)
 
 
+def test_the_progress_comment_gives_the_tokens_left_from_the_last_whole_one():
+    """A stream's prefill progress (`schema.progress_comment`): the tokens left by the last whole
+    comment in a read; a piece of one split between reads is skipped for the whole one before it."""
+    one, two = schema.progress_comment(512, 2000), schema.progress_comment(640, 2000)
+    assert one == b": keepalive 512/2000\n\n"
+    assert schema.parse_progress(b"data: {}\n\n" + one + two) == 1360
+    assert schema.parse_progress(one + two[:14]) == 1488
+    assert schema.parse_progress(two[:14]) is None
+    assert schema.parse_progress(b": keepalive\n\n") is None  # the gateway's own keep-alive
+    assert schema.parse_progress(schema.progress_comment(2000, 2000)) == 0
+
+
 def test_the_failed_comment_is_found_in_any_chunk_and_taken_out():
     """A backend's reason for cutting a stream (`schema.failed_comment`) may arrive glued to the
     data before it: the gateway takes it out whole and keeps the rest."""
