@@ -54,14 +54,17 @@ class InFlight:
     ``view()`` gives (running decodes, prefill tokens): a request counts as
     many decodes as it has choices (``n``); prefill tokens count the requests
     not yet answering that were sent within the last ``fresh`` seconds. A
-    streamed request stops counting at its first token; a non-streamed one
-    sends its first byte only at the end, so the window bounds how long its
-    prefill is assumed to be waiting. The window cuts streamed requests too:
-    counting them until their first token (a prefill queued past a second
-    stays in the figure, as the backend still has it to do: helper-84) lost
-    hits and p99 TTFT in all four rounds of a side-by-side replay, the load
-    weight having been measured with the window (session 45,
-    ``bench/results/session45/queued-window-ab/``; docs/routing.md).
+    streamed request stops counting at its first token, and counts down by
+    its backend's progress comments before it (`progress`; session 54); a
+    non-streamed one sends its first byte only at the end, so the window
+    bounds how long its prefill is assumed to be waiting. The window cuts
+    streamed requests too: counting them until their first token (a prefill
+    queued past a second stays in the figure, as the backend still has it to
+    do: helper-84) lost hits and p99 TTFT in all four rounds of a side-by-side
+    replay, the load weight having been measured with the window (session 45,
+    ``bench/results/session45/queued-window-ab/``; docs/routing.md). Session
+    54 counted a stream that had reported progress past the window, until its
+    first token: level on the traces (``bench/results/session54/progress-hold-*``).
     """
 
     def __init__(self, fresh: float = 1.0):
