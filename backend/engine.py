@@ -1097,9 +1097,9 @@ class MLXEngine(Engine):
             done, total = r.progress
             stepped += max(0, done - live.prompt_done)
             live.prompt_done = done
-            # The published queue follows the prompt chunk by chunk: counted whole until its end, a
-            # long prompt mostly done read as all still to do, and gateways' seeding rule moved
-            # turns that would have answered sooner beside its last chunks (session 53's sim A/B).
+            # The published queue (/health, metrics, `--heartbeat-load` gateways) follows the prompt
+            # chunk by chunk: counted whole until its end, a long prompt mostly done read as all
+            # still to do (the gateways' own figure counts down by the progress comments).
             out = max(0, min(done, live.prompt_left) - live.queued_out)
             self.queued_prefill_tokens -= out
             live.queued_out += out
