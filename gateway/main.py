@@ -88,8 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "docs/routing.md, \"Seeding an empty backend\")")
     p.add_argument("--no-prefill-progress", dest="prefill_progress", action="store_false",
                    default=RoutingConfig.prefill_progress,
-                   help="count a streamed request's queued prefill whole for its first second, not down by its "
-                        "backend's progress comments (the rule before session 54, for A/B runs; docs/routing.md)")
+                   help="routing only: count a streamed request's prefill as all still to do until its first "
+                        "token (for its first second), not down by the backend's progress comments, which still "
+                        "reach the client (for comparisons; docs/routing.md)")
     p.add_argument("--slot-wait-weight", type=non_negative_float, default=RoutingConfig.slot_wait_weight,
                    help="cost per token of the wait for a decode slot on the chosen backend when it has a "
                         "request in flight for each of its slots (its measured decode time and prefill rate turned "
@@ -112,7 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the requests waiting on it go to another backend, or a stream it began ends with an "
                         "error event (0: wait for --read-timeout)")
     p.add_argument("--keepalive", type=non_negative_float, default=5.0,
-                   help="seconds of silence on a streamed answer before the gateway sends an SSE keep-alive (0: off)")
+                   help="seconds of silence on a streamed answer before the gateway sends an SSE keep-alive (default 5; "
+                        "0: off; the backends' prefill progress comments still pass)")
     p.add_argument("--strip-line", action="append", default=None, metavar="REGEX",
                    help="volatile system-prompt lines to remove before templating (repeatable; "
                         "default: Claude Code's x-anthropic-billing-header line)")

@@ -85,7 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--routing-policy", choices=POLICIES,
                    help="default cache_aware; other routing settings: [routing] in the config (docs/routing.md)")
-    p.add_argument("--keepalive", type=non_negative_float, help="seconds of stream silence before an SSE keep-alive (default 5)")
+    p.add_argument("--keepalive", type=non_negative_float, help="seconds of stream silence before an SSE keep-alive (default 5; 0: off; "
+                   "the backends' prefill progress comments still pass)")
     from gateway.main import add_security_arguments
 
     add_security_arguments(p, defaults=False)
