@@ -247,11 +247,15 @@ class _Live:
     prompt_left: int
     save_system_at: int = 0
     prompt_done: int = 0  # of ``prompt_left``, tokens already prefilled
-    queued_out: int = 0  # of ``prompt_left``, tokens already taken out of ``queued_prefill_tokens``
     started: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0  # time.monotonic() of its first generated token (0: none yet)
     prompt_saved: bool = False  # `_save_prompt` already saved it for a waiting request
 
+    @property
+    def queued_out(self) -> int:
+        """Tokens of ``prompt_left`` already taken out of the engine's ``queued_prefill_tokens``:
+        those prefilled, as the figure follows the prompt chunk by chunk."""
+        return min(self.prompt_done, self.prompt_left)
 
 
 def _age(seconds: float) -> str:
@@ -1096,13 +1100,11 @@ class MLXEngine(Engine):
                 continue
             done, total = r.progress
             stepped += max(0, done - live.prompt_done)
-            live.prompt_done = done
             # The published queue (/health, metrics, `--heartbeat-load` gateways) follows the prompt
             # chunk by chunk: counted whole until its end, a long prompt mostly done read as all
             # still to do (the gateways' own figure counts down by the progress comments).
-            out = max(0, min(done, live.prompt_left) - live.queued_out)
-            self.queued_prefill_tokens -= out
-            live.queued_out += out
+            self.queued_prefill_tokens -= max(0, min(done, live.prompt_left) - live.queued_out)
+            live.prompt_done = done
             cached = live.req.cached
             live.req.emit(GenEvent("progress", done=cached + done, total=cached + total))
             if r.end_of_prompt:

@@ -166,10 +166,9 @@ def test_a_waiting_request_pinned_to_a_prompt_saved_meanwhile_queues_only_its_ta
 
 @pytest.mark.timeout(120)
 def test_the_queued_figure_follows_a_long_prompt_chunk_by_chunk(make_stack):
-    """``queued_prefill_tokens`` drops by each prefill step's chunk as the running prompt
-    progresses, not by the whole prompt at its end: session 53's sim A/B found gateways reading
-    "1,504 queued" beside a prompt mostly done, and moving turns that would have answered sooner
-    beside its last chunks (gateway.route.seed_wait)."""
+    """``queued_prefill_tokens`` (``/health``, the registry, the metrics; gateways with
+    ``--heartbeat-load``) drops by each prefill step's chunk as the running prompt progresses,
+    not by the whole prompt at its end, when a long prompt mostly done read as all still to do."""
     st = make_stack()
     # 2,000 tokens at 1,000 tokens/s in 128-token steps: about 2 s, 16 chunks.
     b = st.add_backend("one", None, "--engine", "sim", "--sim-prefill-rate", "1000", "--prefill-step-size", "128",
