@@ -3,7 +3,7 @@
 One invocation starts one simulated backend (``mlxgw backend --engine sim``
 with ``--sim-speed`` 1e9, so a 32k-token prefill is modelled as ~20 µs), our
 gateway, a second gateway with the token-id segment cache off
-(``--token-cache-mb 0``), a third on asyncio's standard event loop and ``sglang-router --policy cache_aware`` (PyPI,
+(``--token-cache-mb 0``) and ``sglang-router --policy cache_aware`` (PyPI,
 default thresholds), all in front of that backend, and measures client
 latency of the same chat requests (``POST /v1/chat/completions``, one user
 message, ``max_tokens`` 1, not streamed) on each path:
@@ -21,8 +21,6 @@ message, ``max_tokens`` 1, not streamed) on each path:
 * ``aiohttp``: through `bench/bare_hop.py`, a bare aiohttp pass-through
   proxy (no parsing, routing or Redis): the cost of the extra hop alone,
   which any aiohttp gateway pays before doing any work of its own.
-* ``mlxgw-asyncio``: our gateway again, on asyncio's standard event loop
-  (``--event-loop asyncio``) instead of the default uvloop: what uvloop saves.
 
 "Added latency" is a path's percentile minus ``direct``'s at the same
 percentile (same client request, routed vs not). Because our gateway takes
@@ -81,7 +79,7 @@ from mlxgw import schema  # noqa: E402
 from mlxgw.harness import RedisServer, Stack  # noqa: E402
 from mlxgw.protocol import INTERNAL_FIELD  # noqa: E402
 
-PATHS = ("direct", "mlxgw", "mlxgw-asyncio", "sglang", "floor", "aiohttp")
+PATHS = ("direct", "mlxgw", "sglang", "floor", "aiohttp")
 VOCAB = ("the of and to in is for that with on as by at from this which are be was it an or not have has but "
          "gateway backend cache prefix token router request response stream session model prompt memory latency "
          "function return value error result config server client file path import class module test run edit "
@@ -368,9 +366,8 @@ def tables(res: dict) -> str:
         out.append(f"\n**{title}** (ms; added = path − direct at the same percentile)\n")
         out.append("| prompt tokens | direct p50 / p99 | mlxgw p50 / p99 | sglang p50 / p99 | floor p50 / p99 "
                    "| mlxgw added p50 / p99 | sglang added p50 / p99 | bare aiohttp hop added p50 / p99 "
-                   "| mlxgw work (− floor) p50 / p99 | mlxgw on asyncio's loop added p50 / p99 | n/path "
-                   "| load avg before → after |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+                   "| mlxgw work (− floor) p50 / p99 | n/path | load avg before → after |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in runs:
             s = r["summary"]
             g = s.get("mlxgw", {})
@@ -383,9 +380,7 @@ def tables(res: dict) -> str:
                 f"| **{fmt(g.get('added_p50_ms'))}** / {fmt(g.get('added_p99_ms'))} "
                 f"| **{fmt(sg.get('added_p50_ms'))}** / {fmt(sg.get('added_p99_ms'))} "
                 f"| {fmt(hop.get('added_p50_ms'))} / {fmt(hop.get('added_p99_ms'))} "
-                f"| {fmt(g.get('work_p50_ms'))} / {fmt(g.get('work_p99_ms'))} "
-                f"| {fmt(s.get('mlxgw-asyncio', {}).get('added_p50_ms'))} / "
-                f"{fmt(s.get('mlxgw-asyncio', {}).get('added_p99_ms'))} | {s['direct']['n']} "
+                f"| {fmt(g.get('work_p50_ms'))} / {fmt(g.get('work_p99_ms'))} | {s['direct']['n']} "
                 f"| {r['load_before'][0]} → {r['load_after'][0]} |"
                 + (f" errors: {r['errors']} {r['error_samples'][:1]}" if r["errors"] else ""))
     seq = [r for r in res["overhead"] if r["mode"] == "sequential"
@@ -394,13 +389,12 @@ def tables(res: dict) -> str:
         out.append("\n**One request at a time, paired**: added latency request by request (each path's "
                    "request i minus direct's request i, sent in the same interleaved round), median and "
                    "its distribution-free 95% interval, ms\n")
-        out.append("| prompt tokens | mlxgw | sglang | bare aiohttp hop | mlxgw on asyncio's loop "
-                   "| mlxgw − sglang (difference of medians) |")
-        out.append("|---|---|---|---|---|---|")
+        out.append("| prompt tokens | mlxgw | sglang | bare aiohttp hop | mlxgw − sglang (difference of medians) |")
+        out.append("|---|---|---|---|---|")
         for r in seq:
             s = r["summary"]
             cells = []
-            for k in ("mlxgw", "sglang", "aiohttp", "mlxgw-asyncio"):
+            for k in ("mlxgw", "sglang", "aiohttp"):
                 pa = s.get(k, {}).get("paired_added")
                 cells.append(f"{fmt(pa['median_ms'])} [{fmt(pa['lo_ms'])}, {fmt(pa['hi_ms'])}]" if pa else "")
             g, sg = (s.get(k, {}).get("paired_added") for k in ("mlxgw", "sglang"))
@@ -484,15 +478,13 @@ def main(argv=None) -> int:
         st.add_backend("b0", None, "--engine", "sim", "--sim-speed", str(args.sim_speed), *shlex.split(args.backend_args))
         st.add_gateway()
         st.add_gateway("--token-cache-mb", "0")
-        st.add_gateway("--event-loop", "asyncio")
         st.wait()
         res["load_at_start"] = wait_idle(args.idle_load, args.idle_wait)
         router = SglangRouter([st.backends[0].url], "overhead")
         router.wait(1)
         hop = bare_hop.start(st.backends[0].url, st.env())
         urls = {"direct": st.backends[0].url, "mlxgw": st.gateways[0].url, "sglang": router.url,
-                "mlxgw-nocache": st.gateways[1].url, "aiohttp": hop.url,
-                "mlxgw-asyncio": st.gateways[2].url}
+                "mlxgw-nocache": st.gateways[1].url, "aiohttp": hop.url}
         paths = Paths(urls, st.model_name, tok)
         for mode in ("sequential", "concurrent"):
             if mode in skip:
@@ -563,9 +555,7 @@ def main(argv=None) -> int:
             "not tokenize); **sglang** = through sglang-router (it takes the same chat request, routes on the "
             "messages' text and forwards the JSON; the backend tokenizes); **floor** = our gateway's msgpack "
             "forward sent straight to the backend (what the backend costs on the mlxgw path); **aiohttp** = "
-            "through a bare aiohttp pass-through proxy (`bench/bare_hop.py`: the extra hop alone, no work, on "
-            "asyncio's standard loop); **mlxgw-asyncio** = our gateway on asyncio's standard loop (`--event-loop "
-            "asyncio`; **mlxgw** runs on uvloop, the default). "
+            "through a bare aiohttp pass-through proxy (`bench/bare_hop.py`: the extra hop alone, no work). "
             "Added = path − direct; work = mlxgw − floor (everything the gateway does).\n")
     body = head + md + "\n"
     out = Path(args.out_dir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import re
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from mlxgw import eventloop, schema
+from mlxgw import schema
 
 from mlxgw.rlimit import open_files_limit, raise_open_files_limit
 from mlxgw.stopping import EMBEDDED_REDIS_ENV, Stopper, shut_down_embedded_redis
@@ -111,9 +112,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a backend may be out of the Redis registry (no heartbeat: hung or dead) before "
                         "the requests waiting on it go to another backend, or a stream it began ends with an "
                         "error event (0: wait for --read-timeout)")
-    p.add_argument("--event-loop", choices=eventloop.EVENT_LOOPS, default="auto",
-                   help="asyncio event loop: auto (default) is uvloop when installed (a pyproject dependency "
-                        "on macOS and Linux), else the standard one")
     p.add_argument("--keepalive", type=non_negative_float, default=5.0,
                    help="seconds of silence on a streamed answer before the gateway sends an SSE keep-alive (default 5; "
                         "0: off; the backends' prefill progress comments still pass)")
@@ -257,14 +255,13 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         check_exposure(args.host, cfg.api_keys, args.allow_unauthenticated)
         compile_patterns(cfg.strip_lines)
-        factory, loop_name = eventloop.loop_factory(args.event_loop)
     except AuthConfigError as e:
         log.error("%s", e)
         return EXIT_INSECURE
     except re.error as e:
         log.error("--strip-line: invalid regex: %s", e)
         return 2
-    except (ValueError, RuntimeError) as e:
+    except ValueError as e:
         log.error("bad setting: %s", e)
         return 2
     if cfg.api_keys:
@@ -276,14 +273,13 @@ def run(args: argparse.Namespace) -> int:
     app = make_app(cfg)
     lim = cfg.limits
     log.info("gateway %s starting on %s: Redis %s (namespace %s), models %s, at most %s in flight "
-             "and %s connections, event loop %s", cfg.gateway_id,
+             "and %s connections", cfg.gateway_id,
              host_port(args.host, args.port),  # helper-68: ":::8743"
              redact_url(cfg.redis_url), cfg.namespace,
-             ", ".join(cfg.models) or "-", count(lim.max_in_flight, "request") if lim.max_in_flight else "unlimited requests", lim.max_connections or "unlimited",
-             loop_name)
+             ", ".join(cfg.models) or "-", count(lim.max_in_flight, "request") if lim.max_in_flight else "unlimited requests", lim.max_connections or "unlimited")
     changed = routing_changes(cfg.routing)
     log.info("routing: %s", ", ".join(changed) if changed else f"{cfg.routing.policy}, the defaults")
-    code = eventloop.run(lambda: _serve(app, cfg, args.host, args.port, args.drain_seconds), factory)
+    code = asyncio.run(_serve(app, cfg, args.host, args.port, args.drain_seconds))
     if code == 0:
         log.info("gateway %s stopped", cfg.gateway_id)
     return code
