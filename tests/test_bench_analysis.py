@@ -355,3 +355,32 @@ def test_results_name_the_commit_they_ran(tmp_path):
     revision.cache_clear()
     assert revision(clone) == c_head + " + uncommitted changes"
     assert revision(tmp_path) == "unknown"  # not a checkout
+
+
+def test_decisions_splits_the_tokens_a_run_lost_by_the_requests_it_seeded(tmp_path):
+    """`bench/decisions.py` (session 55's reading of two gateways' losses): per run the
+    decisions by reason and the prefix seeded requests left; against the base's same round,
+    the cached tokens lost and gained and the part lost on seeded requests."""
+    import json
+
+    from bench.decisions import load_runs, owner_matched, summary
+
+    assert owner_matched("b1:matched=0,queued=0,active=0 b0:matched=976,queued=1136,active=3") == 976
+    assert owner_matched("") == 0
+
+    def req(router, i, cached, reason, cands="b0:matched=0"):
+        return {"budget": 1.0, "round": 1, "router": router, "i": i, "prompt": 100, "cached": cached,
+                "reason": reason, "candidates": cands}
+
+    rows = [req("mlxgw", 0, 90, "prefix"), req("mlxgw", 1, 0, "load"), req("mlxgw", 2, 50, "prefix"),
+            req("mlxgw-x2", 0, 0, "seed", "b1:matched=0 b0:matched=96"), req("mlxgw-x2", 1, 7, "load"),
+            req("mlxgw-x2", 2, 40, "prefix")]
+    f = tmp_path / "dump.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = load_runs([str(f)])
+    assert sorted(runs) == [(1.0, "mlxgw", 1), (1.0, "mlxgw-x2", 1)]
+    lines = summary(runs, "mlxgw")
+    assert "| 1 | mlxgw | 1 | 300 | 140 | load 1, prefix 2 | 0 / 0 / 0 |" in lines
+    assert "| 1 | mlxgw-x2 | 1 | 300 | 47 | load 1, prefix 1, seed 1 | 100 / 96 / 0 |" in lines
+    # lost 90 on request 0 (seeded) and 10 on request 2; gained 7 on request 1
+    assert "| 1 | mlxgw-x2 | 1 | 100 (2) | 90 | 7 (1) |" in lines
