@@ -9,6 +9,7 @@ three, so every view computes a hit ratio the same way.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -769,9 +770,11 @@ def run(args) -> int:
         _print_events(con, gone.get(m, []))
     now = time.time()
     for m, d in data.items():
-        t = status_table(m, d["backends"], now)
+        t, dropped = status_table(m, d["backends"], now, con.width if con.is_terminal else None)
         if d["backends"]:
             con.print(t)
+            if dropped:
+                con.print(dropped_line(dropped), markup=False, highlight=False, soft_wrap=True)
         else:  # an empty table's header says nothing; the model's name heads its line instead
             con.print(f"model {m}", markup=False, highlight=False)
         for line in problem_lines(d, args.namespace):
@@ -780,21 +783,57 @@ def run(args) -> int:
     return code
 
 
-def add_whole_column(table, header: str, cells: list[str]) -> None:
-    """Add a column to rich ``table`` that a narrow terminal never cuts nor wraps: as wide as
-    ``header`` and its longest cell (the backend id and state columns of `mlxgw status` and
-    `mlxgw top`; helper-94 saw ids cut to ``demo-t…``)."""
-    table.add_column(header, no_wrap=True, min_width=max([len(header)] + [len(c) for c in cells]))
+@dataclasses.dataclass
+class Col:
+    """One column of a backends table: its ``header``, a ``short`` header for a narrow
+    terminal, its ``cells`` (one a row, the total row's last) and ``drop``: the order in which
+    it leaves a table too wide for the terminal (1 first; 0: never)."""
+    header: str
+    short: str
+    cells: list[str]
+    drop: int = 0
 
 
-def status_table(model: str, records: list[dict], now: float):
-    """The rich Table of one model's backends (`backend_view` of each registry record in
-    ``records``, and a ``total`` row when there are several). On a narrow terminal rich narrows the
-    columns: the backend id and state keep their whole width (helper-94: ``demo-t…`` at 120
-    columns) and a URL folds onto a second line instead of being cut."""
+def _need(header: str, cells: list[str]) -> int:
+    """Terminal columns one table column takes whole: its header or widest cell, plus rich's
+    padding and rule (3)."""
+    return max([len(c) for c in cells] + [len(header)]) + 3
+
+
+def fit_table(title: Optional[str], cols: list[Col], width: Optional[int]):
+    """A rich Table of ``cols`` that fits ``width`` terminal columns (None: all columns, whole
+    headers) without cutting or folding a figure: the whole headers when every column fits at
+    its widest cell; else the short ones; then columns leave in their ``drop`` order until the
+    rest fit. Cells never wrap (helper-98: at 80 columns a URL broke over 8 lines, ``0/16`` into
+    ``0/1`` and ``6``); headers do not wrap either. Returns ``(table, headers of the columns
+    left out)``."""
     from rich.table import Table
 
-    t = Table(title=f"model {model}{layouts_note(records)}")
+    shown, heads = list(cols), [c.header for c in cols]
+    if width is not None and 1 + sum(_need(c.header, c.cells) for c in cols) > width:
+        heads = [c.short for c in cols]
+        for c in sorted((c for c in cols if c.drop), key=lambda c: c.drop):
+            if 1 + sum(_need(h, x.cells) for h, x in zip(heads, cols) if x in shown) <= width:
+                break
+            shown.remove(c)
+    t = Table(title=title) if title is not None else Table(expand=False)
+    for c, h in zip(cols, heads):
+        if c in shown:
+            t.add_column(h, no_wrap=True, min_width=_need(h, c.cells) - 3)
+    return t, [c.header for c in cols if c not in shown]
+
+
+def dropped_line(headers: list[str]) -> str:
+    """The line under a table that left columns out for a narrow terminal."""
+    return (f"(left out to fit this terminal: {', '.join(headers)}; a wider terminal or --json shows them)")
+
+
+def status_table(model: str, records: list[dict], now: float, width: Optional[int] = None):
+    """The rich Table of one model's backends (`backend_view` of each registry record in
+    ``records``, and a ``total`` row when there are several), fitted to ``width`` terminal
+    columns (`fit_table`: short headers, then the URL, rates, evictions, disk tier, uptime,
+    heartbeat age, entries and cache size leave in that order; the backend id, state, active
+    requests, queued tokens and hit ratio stay). Returns ``(table, headers left out)``."""
     disk = has_disk_tier(records)
     views = [backend_view(r, now) for r in records]
     rows = [[b["id"], b["state"], b["url"], b["active_text"], str(b["queued"]), b["rates_text"], str(b["entries"]),
@@ -802,19 +841,21 @@ def status_table(model: str, records: list[dict], now: float):
              f"{b['hit_ratio']:.2f}", f"{b['age_s']:.1f}", f"{duration_text(b['up_s'])} ({b['epoch']})"]
             for b in views]
     total = total_row(records) if len(records) > 1 else None
-    for i, col in enumerate(("backend", "state", "url", "active/slots", "queued tok", "prefill tok/s / decode s",
-                             "entries", "cache MiB", "evictions", *(["disk MiB / reads"] if disk else []),
-                             "hit ratio (tokens)", "heartbeat s", "up (epoch)")):
-        if i < 2:  # never cut: what an operator reads a row by
-            add_whole_column(t, col, [r[i] for r in rows + ([total] if total else [])])
-        else:
-            t.add_column(col, overflow="fold")
+    spec = [("backend", "backend", 0), ("state", "state", 0), ("url", "url", 1), ("active/slots", "act/slots", 0),
+            ("queued tok", "queued", 0), ("prefill tok/s / decode s", "pf tok/s / dec s", 2),
+            ("entries", "entries", 7), ("cache MiB", "MiB", 8), ("evictions", "evict", 3),
+            *([("disk MiB / reads", "disk", 4)] if disk else []), ("hit ratio (tokens)", "hit", 0),
+            ("heartbeat s", "hb s", 6), ("up (epoch)", "up", 5)]
+    body = rows + ([total] if total else [])
+    cols = [Col(h, sh, [r[i] for r in body], d) for i, (h, sh, d) in enumerate(spec)]
+    t, dropped = fit_table(f"model {model}{layouts_note(records)}", cols, width)
+    keep = [i for i, c in enumerate(cols) if c.header not in dropped]
     for r in rows:
-        t.add_row(*r)
+        t.add_row(*[r[i] for i in keep])
     if total:
         t.add_section()
-        t.add_row(*total)
-    return t
+        t.add_row(*[total[i] for i in keep])
+    return t, dropped
 
 
 def _print_events(con, events: list[dict]) -> None:

@@ -13,11 +13,10 @@ from typing import Optional, Sequence
 import redis
 from rich.console import Group
 from rich.live import Live
-from rich.table import Table
 from rich.text import Text
 
-from .status import (REPLY_TIMEOUT, History, add_whole_column, backend_view, collect, connect, console, event_line,
-                     live_text, model_total, problem_lines, unreachable)
+from .status import (REPLY_TIMEOUT, Col, History, backend_view, collect, connect, console, dropped_line, event_line,
+                     fit_table, live_text, model_total, problem_lines, unreachable)
 from .redis_client import connect as redis_connect
 from .util import redact_url, serve_url_file
 
@@ -47,8 +46,10 @@ def _fmt(v: Optional[float], spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def render(data: dict, hist: History, namespace: str, now: Optional[float] = None) -> Group:
-    """One frame: per model a totals line, the backends table (by load) and recent events."""
+def render(data: dict, hist: History, namespace: str, now: Optional[float] = None,
+           width: Optional[int] = None) -> Group:
+    """One frame: per model a totals line, the backends table (by load, fitted to ``width``
+    terminal columns: `mlxgw.status.fit_table`; None: every column) and recent events."""
     now = time.time() if now is None else now
     parts: list = [Text(f"mlxgw top  namespace {namespace}  {time.strftime('%H:%M:%S', time.localtime(now))}",
                         style="bold")]
@@ -63,26 +64,29 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
             f"model {m}: {len(views)} backends ({live_text(t)}), {t['active']} active, "
             f"{_fmt(last.get('rps'), '.2f')} req/s, token hit ratio {_fmt(last.get('hit_ratio'), '.2f')}, "
             f"{_fmt(last.get('gen_tps'), '.1f')} gen tok/s, TTFT {_fmt(last.get('ttft_ms'), '.1f')} ms"))
-        t = Table(expand=False)
-        for i, col in enumerate(("backend", "state", "active/slots", "queued tok", "cache MiB", "use", "req",
-                                 "hit ratio (tokens)", "hit ratio / interval", "gen tok/s", "TTFT ms",
-                                 "heartbeat s")):  # sorted by load
-            # id and state never cut; the rest wrap on a narrow terminal (helper-94: with every column
-            # unwrappable, some rendered at zero width at 100 columns)
-            if i < 2:
-                add_whole_column(t, col, [str(v["id" if i == 0 else "state"]) for v in views])
-            else:
-                t.add_column(col)
+        rows = []
         for v in views:
             s = hist.backend_series(m, v["id"])
             cur = s[-1] if s else {}
-            t.add_row(v["id"], v["state"], v["active_text"], str(v["queued"]), f"{v['cache_mb']:.1f}",
-                      f"{v['cache_use']:.0%}", str(v["requests"]), f"{v['hit_ratio']:.2f}",
-                      sparkline([p["hit_ratio"] for p in s], hi=1.0),
-                      f"{sparkline([p['gen_tps'] for p in s], width=10)} {_fmt(cur.get('gen_tps'), '.1f')}",
-                      _fmt(cur.get("ttft_ms"), ".1f"), f"{v['age_s']:.1f}")
+            rows.append([v["id"], v["state"], v["active_text"], str(v["queued"]), f"{v['cache_mb']:.1f}",
+                         f"{v['cache_use']:.0%}", str(v["requests"]), f"{v['hit_ratio']:.2f}",
+                         sparkline([p["hit_ratio"] for p in s], hi=1.0),
+                         f"{sparkline([p['gen_tps'] for p in s], width=10)} {_fmt(cur.get('gen_tps'), '.1f')}",
+                         _fmt(cur.get("ttft_ms"), ".1f"), f"{v['age_s']:.1f}"])
+        # sorted by load; on a narrow terminal short headers, then columns leave (`fit_table`)
+        spec = [("backend", "backend", 0), ("state", "state", 0), ("active/slots", "act/slots", 0),
+                ("queued tok", "queued", 0), ("cache MiB", "MiB", 5), ("use", "use", 1), ("req", "req", 2),
+                ("hit ratio (tokens)", "hit", 0), ("hit ratio / interval", "hit/interval", 4),
+                ("gen tok/s", "gen tok/s", 7), ("TTFT ms", "TTFT ms", 6), ("heartbeat s", "hb s", 3)]
+        cols = [Col(h, sh, [r[i] for r in rows], d) for i, (h, sh, d) in enumerate(spec)]
+        t, dropped = fit_table(None, cols, width)
+        keep = [i for i, c in enumerate(cols) if c.header not in dropped]
+        for r in rows:
+            t.add_row(*[r[i] for i in keep])
         if views:
             parts.append(t)
+            if dropped:
+                parts.append(Text(dropped_line(dropped)))
         # status's warning lines (helper-77: top showed none: a gateway waiting for backends,
         # backends no gateway serves, a gateway routing to none, why a backend is left out)
         for line in problem_lines(d, namespace):
@@ -128,7 +132,7 @@ def run(args) -> int:
                             style="bold red")
             last_ok = time.time()
             hist.add(data)
-            return render(data, hist, args.namespace)
+            return render(data, hist, args.namespace, width=con.width if con.is_terminal else None)
 
         # Per-interval rates need two snapshots: take one first, so even the first frame (and
         # `--iterations 1`) has them, over a window of at most a second.

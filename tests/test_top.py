@@ -470,37 +470,63 @@ def test_an_idle_backend_beside_one_whose_requests_wait_for_a_slot_is_named():
     assert idle_beside_busy_lines([{**b0, "last_heartbeat": str(now - 60)}, b1]) == []  # the busy one silent
 
 
-def test_status_table_keeps_backend_ids_and_states_whole_on_a_narrow_terminal():
-    """helper-94: at 120 columns the table cut every backend id (``demo-t…``) and read a 48 ms
-    decode as ``0.0``; ids and states keep their width, a URL folds, short decodes keep two digits."""
+def _cells(text: str, ids: str = "demo-tiny-") -> list[list[str]]:
+    """The stripped cells of a rendered table's rows whose text has ``ids``."""
+    return [[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines() if ids in line]
+
+
+def test_status_table_fits_a_narrow_terminal_with_short_headers_and_whole_figures():
+    """helper-94: at 120 columns the table cut every backend id (``demo-t…``). helper-98: at 80
+    columns the cells wrapped character by character (the URL over 8 lines, ``0/16`` as ``0/1``
+    and ``6``, the hit ratio as ``0.`` and ``74``). Now: every column at full width when they
+    fit; else short headers, and columns leave (URL first) with a line naming them; no figure
+    is ever split, and a 48 ms decode keeps two digits."""
     import io
 
     from rich.console import Console
 
-    from mlxgw.status import status_table
+    from mlxgw.status import dropped_line, status_table
 
     now = time.time()
     base = {"state": "ready", "queued_prefill_tokens": "0", "last_heartbeat": str(now), "heartbeat_interval": "1",
-            "decode_slots": "16", "started_at": str(now - 100), "epoch": "1"}
+            "decode_slots": "16", "started_at": str(now - 100), "epoch": "1", "prompt_tokens": "1000",
+            "cached_tokens": "740"}
     recs = [{**base, "id": "demo-tiny-0", "url": "http://127.0.0.1:11941", "active": "1", "prefill_tps": "3369",
              "decode_seconds": "0.048"},
             {**base, "id": "demo-tiny-1", "url": "http://127.0.0.1:11942", "active": "0", "state": "draining"}]
-    for width in (80, 120):
+
+    def show(width):
         con = Console(width=width, file=io.StringIO(), record=True)
-        con.print(status_table("demo-tiny", recs, now))
+        t, dropped = status_table("demo-tiny", recs, now, width)
+        con.print(t)
         text = con.export_text()
-        rows = [line for line in text.splitlines() if "demo-tiny-" in line]
-        assert [r.split("│")[1:3] for r in rows] == [[" demo-tiny-0 ", " ready    "],
-                                                      [" demo-tiny-1 ", " draining "]], text
-        assert max(len(line) for line in text.splitlines()) <= width
-    con = Console(width=200, file=io.StringIO(), record=True)
-    con.print(status_table("demo-tiny", recs, now))
-    assert "│ 3369 / 0.048 " in con.export_text()
+        assert max(len(line) for line in text.splitlines()) <= width, text
+        return text, dropped
+
+    text, dropped = show(200)
+    assert dropped == []
+    assert "┃ prefill tok/s / decode s ┃" in text and "┃ hit ratio (tokens) ┃" in text
+    assert _cells(text)[0][:6] == ["demo-tiny-0", "ready", "http://127.0.0.1:11941", "1/16", "0", "3369 / 0.048"]
+    text, dropped = show(120)
+    assert dropped == ["url"]
+    assert "┃ pf tok/s / dec s ┃" in text
+    assert _cells(text)[1][:5] == ["demo-tiny-1", "draining", "0/16", "0", "- / -"], text
+    text, dropped = show(80)
+    assert dropped == ["url", "prefill tok/s / decode s", "evictions", "up (epoch)"]
+    assert _cells(text) == [["demo-tiny-0", "ready", "1/16", "0", "0", "0.0", "0.74", "0.0"],
+                            ["demo-tiny-1", "draining", "0/16", "0", "0", "0.0", "0.74", "0.0"]], text
+    assert _cells(text, "total") == [["total", "2 live", "1/32", "0", "0", "0.0", "0.74", ""]], text
+    assert dropped_line(dropped) == ("(left out to fit this terminal: url, prefill tok/s / decode s, evictions, "
+                                     "up (epoch); a wider terminal or --json shows them)")
+    # Without a width (output piped or captured): every column, whole headers.
+    assert status_table("demo-tiny", recs, now)[1] == []
 
 
-def test_top_at_100_columns_wraps_headers_instead_of_dropping_columns():
+def test_top_on_a_narrow_terminal_keeps_whole_figures_and_names_the_columns_left_out():
     """helper-94: with every column unwrappable, `mlxgw top` at 100 columns drew some at zero
-    width (empty headers); now ids and states stay whole and every column keeps its figures."""
+    width (empty headers); helper-98: at 80 columns most cells were cut to ellipses (``0/…``).
+    Now ids, states, active/slots and the hit ratio stay whole at 80 and 100 columns, the
+    columns left out are named, and at 200 every column shows."""
     import io
 
     from mlxgw.top import History, render
@@ -514,10 +540,18 @@ def test_top_at_100_columns_wraps_headers_instead_of_dropping_columns():
     hist = History()
     hist.add(data, t=now - 2)
     hist.add(data, t=now)
-    con = Console(width=100, file=io.StringIO(), record=True)
-    con.print(render(data, hist, "ns", now=now))
-    text = con.export_text()
-    rows = [line.split("│") for line in text.splitlines() if "demo-tiny-" in line]
-    assert [(r[1].strip(), r[2].strip(), r[3].strip(), r[8].strip()) for r in rows] == [
-        ("demo-tiny-0", "ready", "1/16", "0.46"), ("demo-tiny-1", "draining", "0/16", "0.46")], text
-    assert "┃  ┃" not in text and "┃┃" not in text, text
+    for width, left_out in ((80, "cache MiB, use, req, hit ratio / interval, heartbeat s"),
+                            (100, "use, req, heartbeat s"), (200, None)):
+        con = Console(width=width, file=io.StringIO(), record=True)
+        con.print(render(data, hist, "ns", now=now, width=width))
+        text = con.export_text()
+        assert max(len(line) for line in text.splitlines()) <= width, text
+        rows = _cells(text)
+        assert [r[:4] for r in rows] == [["demo-tiny-0", "ready", "1/16", "0"],
+                                         ["demo-tiny-1", "draining", "0/16", "0"]], text
+        assert all("0.46" in r for r in rows) and "…" not in text, text
+        if left_out is None:
+            assert "left out" not in text and "┃ hit ratio / interval ┃" in text, text
+        else:
+            flat = " ".join(text.split())  # the line wraps at the terminal's width
+            assert f"(left out to fit this terminal: {left_out}; a wider terminal or --json shows them)" in flat, text
