@@ -796,7 +796,8 @@ def test_cache_floor_share_keeps_entries_the_kv_in_flight_would_evict(make_stack
     y, d, sh, more = (rng.integers(16, 3000, n).tolist() for n in (300, 1800, 120, 20))
     st, _, body = post(b.url + "/v1/completions", {"prompt": y, "max_tokens": 1, "temperature": 0})
     assert st == 200, body
-    sk = _open_stream(b.port, {"prompt": d, "max_tokens": 800, "temperature": 0, "ignore_eos": True})
+    # 3,000 steps: D decodes well past the checks below (with 800, a fast run once saw D end first)
+    sk = _open_stream(b.port, {"prompt": d, "max_tokens": 3000, "temperature": 0, "ignore_eos": True})
     try:
         deadline = time.monotonic() + 30
         while get_json(b.url + "/health")["active"] < 1 and time.monotonic() < deadline:
