@@ -257,7 +257,6 @@ async def route_and_forward(request, st: GatewayState, info: ModelInfo, body: di
         cfg.routing,
         session_key(request, body),
         pending,
-        st.proxy.inflight.prefill_ages() if cfg.routing.seed_progress else None,
         answer_tokens,
     )
     ranked = [s for s in decision.ranked if not st.proxy.recently_failed(s.cand.backend_id)] or decision.ranked

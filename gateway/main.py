@@ -23,10 +23,17 @@ from .app import ADMISSION, STATE, GatewayConfig, GatewayIdInUse, RedisRefused, 
 from .connguard import GuardedRunner, auto_max_connections
 from .auth import AuthConfigError, check_exposure, read_keys
 from .limits import DECODE_BODIES, LimitConfig, auto_max_in_flight
-from .route import POLICIES, RoutingConfig
+from .route import POLICIES, RETIRED, RoutingConfig
 from .stability import DEFAULT_STRIP, compile_patterns
 
 log = logging.getLogger("mlxgw.gateway")
+
+
+class _Retired(argparse.Action):
+    """A removed routing flag: the parser exits with `gateway.route.RETIRED`'s reason."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was {RETIRED[self.dest]}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,10 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "chosen backend's running prefill its first steps and one prefill chunk per step of its "
                         "answer (max_tokens), weighed by depth, not the whole queue (opt-in; docs/routing.md, "
                         "\"Seeding an empty backend\")")
-    p.add_argument("--seed-progress", action="store_true", default=RoutingConfig.seed_progress,
-                   help="in the seeding comparison, count this gateway's queued prefill on the chosen backend less "
-                        "what its measured prefill rate has done since those requests were sent (opt-in; "
-                        "docs/routing.md, \"Seeding an empty backend\")")
+    for key in RETIRED:  # refused with the reason, not as an unknown flag
+        p.add_argument("--" + key.replace("_", "-"), action=_Retired, nargs=0, help=argparse.SUPPRESS)
     p.add_argument("--no-prefill-progress", dest="prefill_progress", action="store_false",
                    default=RoutingConfig.prefill_progress,
                    help="routing only: count a streamed request's prefill as all still to do until its first "
@@ -233,7 +238,7 @@ def config_from_args(args) -> GatewayConfig:
                               short_claims=args.short_claims, placement_slack_tokens=args.placement_slack_tokens,
                               seed_empty=args.seed_empty, seed_claim_factor=args.seed_claim_factor,
                               seed_when_full=args.seed_when_full, seed_beside=args.seed_beside,
-                              seed_progress=args.seed_progress, prefill_progress=args.prefill_progress,
+                              prefill_progress=args.prefill_progress,
                               slot_wait_weight=args.slot_wait_weight),
         gateway_id=args.gateway_id or f"{socket.gethostname()}:{args.port}",
         janitor_grace=args.janitor_grace,

@@ -97,18 +97,6 @@ class InFlight:
         """Backends with at least one request in flight from this gateway."""
         return {b for b, d in self._live.items() if d}
 
-    def prefill_ages(self) -> dict[str, float]:
-        """Backend id -> seconds since the oldest request counted in its prefill tokens (not
-        answering yet, sent within ``fresh`` s) was sent: the backend has been prefilling at least
-        that long since, so that much of the figure may be done (`gateway.route.seed_wait`)."""
-        now = time.monotonic()
-        out = {}
-        for b, d in self._live.items():
-            sent = [t for t, tok, _ in d.values() if tok and now - t < self.fresh]
-            if sent:
-                out[b] = now - min(sent)
-        return out
-
     def view(self) -> dict[str, tuple[int, int]]:
         now = time.monotonic()
         return {

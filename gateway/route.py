@@ -42,10 +42,8 @@ prefix whose remainder starts beside the chosen backend's running prefill there
 (at most its published ``prefill_beside_tokens``, its ``step-beside`` prefill
 step) is charged, instead of the whole queue, the steps to its first token plus
 one prefill chunk per step of its answer (``max_tokens``) while that prefill
-lasts, weighed by the chunks' depth (`seed_wait`; session 53). With
-``seed_progress`` as well it kept the synthetic trace's hits in the sim (0.998 /
-1.000 of the oracle against 0.944 / 0.970) at a p99 TTFT 4-10% higher, so both
-stay opt-in (docs/routing.md, "Seeding an empty backend").
+lasts, weighed by the chunks' depth (`seed_wait`; session 53; opt-in,
+docs/routing.md, "Seeding an empty backend").
 Past a prefix the chosen backend is still computing (a
 claim: a burst or a fan-out that pending ownership gathers there) the load must
 exceed ``seed_claim_factor`` (2) times it: the claim's own prefill, which a
@@ -111,6 +109,15 @@ from mlxgw.schema import Candidate
 POLICIES = ("cache_aware", "longest_prefix", "least_loaded", "round_robin")
 
 
+#: Routing settings that were removed, with what replaced them: a config key or flag that still
+#: names one is refused with this reason (`mlxgw.config`, `gateway.main`), not as an unknown key.
+RETIRED = {
+    "seed_progress": "retired: the queued figure now follows each stream's prefill progress "
+                     "(`prefill_progress`, the default), which the time-based estimate counted a second time "
+                     "(docs/routing.md, \"Seeding an empty backend\"); remove it",
+}
+
+
 @dataclass
 class RoutingConfig:
     """Routing policy and weights.
@@ -147,12 +154,7 @@ class RoutingConfig:
     seed_beside: in that comparison, charge a request whose remainder starts beside the chosen
         backend's running prefill (``Candidate.prefill_beside_tokens``) the steps to its first
         token and one prefill chunk per step of its answer (``max_tokens``) while that prefill
-        lasts, weighed by the chunks' depth, not the whole queue (`seed_wait`; opt-in: with
-        ``seed_progress`` it kept the synthetic trace's hits in the sim at a p99 TTFT 4-10%
-        higher, session 53; docs/routing.md).
-    seed_progress: in that comparison, count of this gateway's queued prefill on the chosen backend
-        only what its prefill rate has not had time to do since the oldest of those requests was sent
-        (`seed_wait`; off by default: session 52's replays could not tell it from the whole figure,
+        lasts, weighed by the chunks' depth, not the whole queue (`seed_wait`; opt-in, session 53;
         docs/routing.md).
     prefill_progress: count a streamed request's prefill tokens in this gateway's ``queued``
         figure down by its backend's progress comments (`schema.progress_comment`, one a prefill
@@ -179,7 +181,6 @@ class RoutingConfig:
     seed_claim_factor: float = 2.0
     seed_when_full: bool = True
     seed_beside: bool = False
-    seed_progress: bool = False
     prefill_progress: bool = True
     slot_wait_weight: float = 1.0
     _turn: itertools.count = field(default_factory=itertools.count, repr=False, compare=False)
@@ -205,9 +206,8 @@ class Scored:
     tiebreak: int = 0
     evicts: bool = False
     wait: float = 0.0  # its wait for a decode slot, in prefill tokens, when it has none free (`_relieve`)
-    queued_left: float = 0.0  # of ``queued``, what may be left to do (`seed_wait`)
-    # The seeding rule's charge here when it is not the load (`seed_wait` with --seed-beside or
-    # --seed-progress): shown, as helper-96 read a move past load < matched as a broken rule.
+    # The seeding rule's charge here when it is not the load (`seed_wait` with --seed-beside):
+    # shown, as helper-96 read a move past load < matched as a broken rule.
     seed_charge: float = 0.0
 
     def explain(self) -> str:
@@ -303,8 +303,7 @@ def _relieve(out: list[Scored], weight: float) -> Optional[Scored]:
 BESIDE_FIRST_STEPS = 2.5
 
 
-def seed_wait(s: Scored, block_size: int, beside: bool = False, progress: bool = False,
-              answer_tokens: Optional[int] = None) -> float:
+def seed_wait(s: Scored, block_size: int, beside: bool = False, answer_tokens: Optional[int] = None) -> float:
     """The wait (tokens of work) the seeding rule charges a request on ``s``: the time to its
     answer's last token there, in tokens of prefill, against the prefix it would recompute on an
     idle backend. By default the backend's load (its queued prefill, behind which the request
@@ -322,13 +321,9 @@ def seed_wait(s: Scored, block_size: int, beside: bool = False, progress: bool =
     `depth_ratio` a 4-token turn past 4,160 cached tokens stayed and answered later (TTFT
     1.48-1.93 s against 1.34-1.42 s, E2E 2.85-3.22 s against 1.34-1.43 s moved): the owner's
     chunks, 4-8k tokens deep, took ~2.7 times a fresh chunk's time. The idle backend's own decode
-    steps, short beside a prefill chunk, are left out.
-
-    With ``progress`` (opt-in, `RoutingConfig.seed_progress`), Q counts only what may be left of
-    this gateway's queued prefill (``s.queued_left``): a prompt counts whole until its first
-    token, however much of it the backend has done."""
+    steps, short beside a prefill chunk, are left out."""
     c = s.cand
-    queued = s.queued_left if progress else s.queued
+    queued = s.queued
     decode = max(0.0, s.load - s.queued)
     step = c.prefill_beside_tokens
     if (beside and 0 < s.prefill <= step and c.saved_blocks * block_size >= s.matched):
@@ -353,7 +348,7 @@ def depth_ratio(depth: int, parity: int) -> float:
 
 
 def _seed(out: list[Scored], block_size: int, claim_factor: float, when_full: bool = True,
-          beside: bool = False, progress: bool = False, answer_tokens: Optional[int] = None) -> Optional[Scored]:
+          beside: bool = False, answer_tokens: Optional[int] = None) -> Optional[Scored]:
     """An idle backend holding no prefix of the request to take it instead of ``out[0]`` (the
     choice so far), or None: see "Seeding" in the module docstring. Empty (of this request):
     no prefix of it saved or claimed there (helper-86: requiring an empty cache left a backend
@@ -369,7 +364,7 @@ def _seed(out: list[Scored], block_size: int, claim_factor: float, when_full: bo
         return None
     slots = best.cand.decode_slots
     if not (when_full and slots > 0 and best.active >= slots):
-        charge = seed_wait(best, block_size, beside, progress, answer_tokens)
+        charge = seed_wait(best, block_size, beside, answer_tokens)
         if round(charge) != round(best.load):
             best.seed_charge = charge
         if charge <= best.matched:
@@ -417,7 +412,6 @@ def rank(
     cfg: Optional[RoutingConfig] = None,
     session: Optional[str] = None,
     pending: Optional[dict[str, int]] = None,
-    prefill_age: Optional[dict[str, float]] = None,
     answer_tokens: Optional[int] = None,
 ) -> Decision:
     """Rank live backends for one request.
@@ -436,15 +430,12 @@ def rank(
         session: the client's session key, if any (affinity tie-break).
         pending: backend id -> prefix depth in blocks this gateway routed
             there and the backend has not reported yet (`gateway.pending`).
-        prefill_age: backend id -> seconds since the oldest request counted in this gateway's
-            prefill tokens there was sent (`gateway.proxy.InFlight.prefill_ages`).
         answer_tokens: the most tokens the answer may take (the request's ``max_tokens``, capped
             to the context), None when unbounded; the seeding rule's estimate reads it (`seed_wait`).
     """
     cfg = cfg or RoutingConfig()
     inflight = inflight or {}
     pending = pending or {}
-    prefill_age = prefill_age or {}
     out: list[Scored] = []
     for c in candidates:
         if c.state not in ("ready", ""):
@@ -459,19 +450,12 @@ def rank(
             queued = own_tok + c.gw_prefill_tokens
             active = own_req + c.gw_requests
         load = queued + cfg.decode_weight * active
-        # The backend has been prefilling since the oldest of this gateway's requests queued there
-        # was sent: at its measured rate, that much of them may be done (the running prompt counts
-        # whole in the figure until its first token).
-        age = prefill_age.get(c.backend_id, 0.0)
-        own_left = max(0.0, own_tok - age * c.prefill_tps) if c.prefill_tps > 0 else own_tok
-        queued_left = queued - (own_tok - own_left)
         prefill = prompt_tokens - matched
         cost = prefill + cfg.load_weight * load
         tb = _hash(first_block, c.backend_id)
         # Would storing this prompt's new tokens, after the queued ones, make the cache evict?
         evicts = c.kv_bytes_per_token > 0 and c.free_cache_bytes < (queued + prefill) * c.kv_bytes_per_token
-        out.append(Scored(c, matched, prefill, queued, active, cost, load, False, c.free_cache_bytes, tb, evicts,
-                          queued_left=queued_left))
+        out.append(Scored(c, matched, prefill, queued, active, cost, load, False, c.free_cache_bytes, tb, evicts))
     if not out:
         return Decision([], "none")
 
@@ -507,7 +491,7 @@ def rank(
             out.insert(0, pick)
             reason = "affinity"
     seeded = (_seed(out, block_size, cfg.seed_claim_factor, cfg.seed_when_full, cfg.seed_beside,
-                    cfg.seed_progress, answer_tokens) if cfg.seed_empty else None)
+                    answer_tokens) if cfg.seed_empty else None)
     if seeded is not None:
         out.remove(seeded)
         out.insert(0, seeded)

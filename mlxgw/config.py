@@ -169,10 +169,12 @@ def load(path: str) -> ServeConfig:
     why = schema.namespace_error(cfg.namespace) if isinstance(cfg.namespace, str) else "namespace must be a string"
     if why:
         raise ValueError(f"{path} [redis]: {why}")
-    from gateway.route import POLICIES, RoutingConfig
+    from gateway.route import POLICIES, RETIRED, RoutingConfig
 
     known = {f.name for f in fields(RoutingConfig) if not f.name.startswith("_")}
     for k, v in routing.items():
+        if k in RETIRED:
+            raise ValueError(f"{path} [routing]: {k!r} was {RETIRED[k]}")
         if k not in known:
             raise ValueError(f"{path} [routing]: unknown key {k!r} (known: {', '.join(sorted(known))})")
         if k == "policy" and v not in POLICIES:

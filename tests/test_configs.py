@@ -777,7 +777,7 @@ def test_serve_flag_errors_name_the_flags_not_a_config_table(tmp_path):
 
 
 def test_the_gateway_start_log_names_the_routing_settings_that_differ_from_the_defaults():
-    """helper-94 could tell `seed_progress = true` had reached the gateway only from `ps`: the
+    """helper-94 could tell `seed_progress = true` (retired since) had reached the gateway only from `ps`: the
     start-up log's ``routing:`` line names each setting that is not the default."""
     from gateway.main import add_arguments, config_from_args, routing_changes
     from gateway.route import RoutingConfig
@@ -785,6 +785,25 @@ def test_the_gateway_start_log_names_the_routing_settings_that_differ_from_the_d
     assert routing_changes(RoutingConfig()) == []
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--seed-progress", "--seed-beside", "--load-weight", "0.1", "--model", "m=/x"])
+    args = p.parse_args(["--no-prefill-progress", "--seed-beside", "--load-weight", "0.1", "--model", "m=/x"])
     assert routing_changes(config_from_args(args).routing) == ["load_weight=0.1", "seed_beside=True",
-                                                               "seed_progress=True"]
+                                                               "prefill_progress=False"]
+
+
+def test_a_retired_routing_setting_is_refused_with_what_replaced_it(tmp_path, capsys):
+    """``seed_progress`` (session 52, opt-in) was retired in session 55: a config key or flag
+    naming it stops the start with the reason, not as an unknown key or a silent no-op."""
+    from gateway.main import add_arguments
+
+    f = tmp_path / "c.toml"
+    f.write_text("[routing]\nseed_progress = true\n")
+    with pytest.raises(ValueError, match=r"\[routing\]: 'seed_progress' was retired: the queued figure now follows "
+                                         r"each stream's prefill progress"):
+        config.load(str(f))
+    p = argparse.ArgumentParser(prog="mlxgw gateway")
+    add_arguments(p)
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(["--seed-progress"])
+    assert e.value.code == 2
+    assert "--seed-progress was retired: the queued figure now follows each stream's prefill progress" in \
+        capsys.readouterr().err

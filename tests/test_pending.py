@@ -242,25 +242,6 @@ def test_in_flight_prefill_counts_for_a_second_and_choices_as_decodes():
     assert f.view() == {"b0": (3, 0)}
 
 
-def test_in_flight_prefill_age_is_the_oldest_queued_requests():
-    """`InFlight.prefill_ages`: seconds since the oldest request still counted in a backend's
-    prefill tokens was sent (the seeding rule takes what its prefill rate did since as done);
-    a started request, one past the window, and a backend with none queued have no age."""
-    from gateway.proxy import InFlight
-
-    f = InFlight(fresh=0.5)
-    a = f.begin("b0", 4000)
-    time.sleep(0.1)
-    f.begin("b0", 300)
-    f.begin("b1", 0)  # a prompt wholly cached there: nothing to prefill
-    ages = f.prefill_ages()
-    assert set(ages) == {"b0"} and 0.1 <= ages["b0"] < 0.3, ages
-    f.started("b0", a)
-    assert f.prefill_ages()["b0"] < 0.1
-    time.sleep(0.6)
-    assert f.prefill_ages() == {}
-
-
 def test_a_next_turn_after_its_answer_is_not_held_by_a_claim_the_backend_did_not_keep(make_stack):
     """A claim ends with its request (`RoutingConfig.pending_grace` 0, session 47): an owner
     whose cache keeps nothing (here a budget below one prompt; in helper-87's fleet the KV in

@@ -312,29 +312,30 @@ def test_a_turn_beside_a_deep_prefill_is_weighed_by_the_backends_attention_parit
     assert (d.best.cand.backend_id, d.reason, round(seed_wait(d.best, 16, True, answer_tokens=1))) == ("a", "prefix", 87)
 
 
-def test_the_owners_queued_prefill_counts_less_what_its_rate_did_since_it_was_sent():
-    """Session 52's synthetic replay (sim ids): an 832-id prompt, 784 cached on "a", 48 to compute
-    (three prefill steps: not beside); "a" has one 1,504-id prompt of this gateway queued. Counted
-    whole (1,512 > 784) it seeded the idle "b", and the request's TTFT there (832 ids of prefill,
-    170 ms) was no better than staying (157 ms in another round): the prompt was sent a while ago
-    and partly done. At 10,000 ids/s, 0.1 s since it was sent leave 504: 512 < 784, it stays."""
-    def cands(tps: float):
+def test_the_owners_queued_prefill_after_its_reported_progress_decides_the_seeding():
+    """Session 52's synthetic replay (sim ids): an 832-id prompt, 784 cached on "a", 48 to compute;
+    "a" has one 1,504-id prompt of this gateway queued. Counted whole (8 + 1,504 > 784) it seeded
+    the idle "b", though that prompt was partly done. Its backend's progress comments now lower
+    the figure (`InFlight.progress`): with 1,000 of it done, 8 + 504 < 784 and the request stays.
+    (Session 52's opt-in ``seed_progress`` estimated the same from the time since it was sent;
+    retired in session 55, as it counted reported progress twice.)"""
+    from gateway.proxy import InFlight
+
+    def cands():
         a = Candidate("a", 1, "http://a", active=0, queued_prefill_tokens=0, state="ready", depth_blocks=49,
                       saved_blocks=49, cache_bytes=10**9, min_hit_tokens=32, prefill_beside_tokens=16,
-                      prefill_tps=tps)
+                      prefill_tps=10000.0)
         b = Candidate("b", 2, "http://b", active=0, queued_prefill_tokens=0, state="ready")
         return [a, b]
 
-    cfg = RoutingConfig(decode_weight=8, seed_progress=True)  # opt-in (--seed-progress)
-    own = {"a": (1, 1504)}
-    d = rank(cands(10000.0), 832, 16, own, cfg=cfg, prefill_age={"a": 0.1})
-    assert (d.best.cand.backend_id, d.reason, d.best.queued, d.best.queued_left) == ("a", "prefix", 1504, 504)
-    # Sent just now, or no rate measured yet, or the default (the whole figure): seeded.
-    assert rank(cands(10000.0), 832, 16, own, cfg=cfg, prefill_age={"a": 0.01}).reason == "seed"
-    assert rank(cands(0.0), 832, 16, own, cfg=cfg, prefill_age={"a": 0.1}).reason == "seed"
-    assert rank(cands(10000.0), 832, 16, own, cfg=RoutingConfig(decode_weight=8),
-                prefill_age={"a": 0.1}).reason == "seed"
-    # Another gateway's queued prefill there (published without its age) counts whole.
-    other = cands(10000.0)
+    cfg = RoutingConfig(decode_weight=8)
+    f = InFlight()
+    h = f.begin("a", 1504)
+    assert rank(cands(), 832, 16, f.view(), cfg=cfg).reason == "seed"
+    f.progress("a", h, 504)
+    d = rank(cands(), 832, 16, f.view(), cfg=cfg)
+    assert (d.best.cand.backend_id, d.reason, d.best.queued) == ("a", "prefix", 504)
+    # Another gateway's queued prefill there (as published) counts too: 8 + 504 + 1000 > 784.
+    other = cands()
     other[0].gw_prefill_tokens = 1000
-    assert rank(other, 832, 16, own, cfg=cfg, prefill_age={"a": 0.1}).reason == "seed"  # 8 + 504 + 1000 > 784
+    assert rank(other, 832, 16, f.view(), cfg=cfg).reason == "seed"
