@@ -25,7 +25,8 @@ from aiohttp import web
 
 from mlxgw import prompt as prompt_mod
 from mlxgw import schema
-from mlxgw.protocol import INTERNAL_FIELD, RequestError, context_exceeded, loads_body, parse_openai
+from mlxgw.protocol import (DEFAULT_MAX_TOKENS, INTERNAL_FIELD, RequestError, context_exceeded, loads_body,
+                            parse_openai)
 
 from .engine import Engine, GenEvent, GenParams, GenRequest
 from .processors import bad_words_ids
@@ -70,7 +71,6 @@ class RequestIdFilter(logging.Filter):
 _REQUEST_ID_FILTER = RequestIdFilter()
 
 MSGPACK = "application/x-msgpack"
-DEFAULT_MAX_TOKENS = 512
 
 
 @dataclass

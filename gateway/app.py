@@ -20,7 +20,8 @@ import msgpack
 from aiohttp import web
 
 from mlxgw import schema
-from mlxgw.protocol import INTERNAL_FIELD, RequestError, context_exceeded, loads_body, overloaded, parse_openai
+from mlxgw.protocol import (DEFAULT_MAX_TOKENS, INTERNAL_FIELD, RequestError, context_exceeded, loads_body, overloaded,
+                            parse_openai)
 from mlxgw.redis_client import is_setting_error
 
 from . import auth, dashboard, dialects, limits
@@ -207,17 +208,29 @@ async def _route(request: web.Request, kind: str, path: str, body: Optional[dict
         if len(b) >= info.context_length:
             raise context_exceeded(len(b), info.context_length, pr.prompt_param(i))
     longest = max(map(len, batch))
-    if pr.max_tokens is not None and longest + pr.max_tokens > info.context_length:
-        body["max_tokens"] = info.context_length - longest
-        body.pop("max_completion_tokens", None)
-        if pr.min_tokens > body["max_tokens"]:  # what fits of it (the backend refuses more than max_tokens)
-            body["min_tokens"] = body["max_tokens"]
+    room = info.context_length - longest
+    # What the backend would give: the request's max_tokens, else its default (`DEFAULT_MAX_TOKENS`).
+    asked = pr.max_tokens if pr.max_tokens is not None else max(DEFAULT_MAX_TOKENS, pr.min_tokens)
+    cap = st.cfg.limits.max_answer_tokens
+    answer = pr.max_tokens  # None: the backend's default; the seeding rule reads it as unbounded
+    if 0 < cap < min(asked, room + 1):  # the operator's bound (--max-answer-tokens), under the context's
+        answer = _lower_max_tokens(body, pr, cap)
+    elif pr.max_tokens is not None and pr.max_tokens > room:
+        answer = _lower_max_tokens(body, pr, room)
         if transform is not None:  # a length stop is then the context's (the Anthropic dialect says so)
             transform.context_capped = True
-
-    answer = None if pr.max_tokens is None else min(pr.max_tokens, info.context_length - longest)
     return await route_and_forward(request, st, info, body, ids, system_tokens, path, pr.stream, t0, transform,
                                    batch=batch if pr.batch else None, answer_tokens=answer)
+
+
+def _lower_max_tokens(body: dict, pr, n: int) -> int:
+    """Set the forwarded request's ``max_tokens`` to ``n`` (and its ``min_tokens`` to at most
+    that: the backend refuses more); returns ``n``."""
+    body["max_tokens"] = n
+    body.pop("max_completion_tokens", None)
+    if pr.min_tokens > n:
+        body["min_tokens"] = n
+    return n
 
 
 def session_key(request: web.Request, body: dict) -> Optional[str]:

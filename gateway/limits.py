@@ -57,6 +57,9 @@ class LimitConfig:
             body is answered 408 after this).
         write_timeout: seconds a client may leave an answer chunk unread
             before the gateway drops the connection.
+        max_answer_tokens: most tokens one answer (each choice) may take; a larger
+            ``max_tokens`` (or the backend's default without one) is lowered to it, as one
+            past the context is (`gateway.app._route`). 0: only the context bounds it.
     """
 
     max_connections: int = 0
@@ -67,6 +70,7 @@ class LimitConfig:
     max_messages: int = 10_000
     body_timeout: float = 60.0
     write_timeout: float = 60.0
+    max_answer_tokens: int = 0
 
     def burst(self) -> float:
         return float(self.rate_burst) if self.rate_burst > 0 else max(1.0, self.rate_per_minute / 6)

@@ -13,6 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from mlxgw import schema
+from mlxgw.protocol import DEFAULT_MAX_TOKENS
 
 from mlxgw.rlimit import open_files_limit, raise_open_files_limit
 from mlxgw.stopping import EMBEDDED_REDIS_ENV, Stopper, shut_down_embedded_redis
@@ -155,6 +156,10 @@ def add_security_arguments(p: argparse.ArgumentParser, defaults: bool = True) ->
     p.add_argument("--rate-burst", type=non_negative_int, default=dflt(d.rate_burst),
                    help="token-bucket size (default: 10 seconds of --rate-limit-rpm)")
     p.add_argument("--max-messages", type=non_negative_int, default=dflt(d.max_messages), help=f"most messages per chat request (default {d.max_messages})")
+    p.add_argument("--max-answer-tokens", type=non_negative_int, default=dflt(d.max_answer_tokens), metavar="N",
+                   help="most tokens one answer may take: a larger max_tokens, or none when the backends' default "
+                        f"({DEFAULT_MAX_TOKENS}) is larger, is lowered to it (finish_reason length), as one past the "
+                        "context is (default 0: only the context bounds it)")
     p.add_argument("--max-body-bytes", type=size_arg, default=dflt("32MiB"),
                    help="largest request body, e.g. 32MiB or 32M (binary units; default 32MiB)")
     p.add_argument("--body-timeout", type=non_negative_float, default=dflt(d.body_timeout),
@@ -219,6 +224,7 @@ def config_from_args(args) -> GatewayConfig:
             rate_per_minute=args.rate_limit_rpm,
             rate_burst=args.rate_burst,
             max_messages=args.max_messages,
+            max_answer_tokens=args.max_answer_tokens,
             body_timeout=args.body_timeout,
             write_timeout=args.write_timeout,
         ),

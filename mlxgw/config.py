@@ -104,6 +104,7 @@ class ServeConfig:
     rate_limit_rpm: float = 0.0
     rate_burst: int = 0
     max_messages: int = 10_000
+    max_answer_tokens: int = 0  # 0: only the context bounds an answer
     max_body_bytes: str = "32MiB"
     body_timeout: float = 60.0
     write_timeout: float = 60.0
@@ -116,7 +117,7 @@ class ServeConfig:
 # Keys allowed in [gateway]: ServeConfig fields of the same name.
 GATEWAY_KEYS = ("host", "port", "block_size", "api_key_file", "allow_unauthenticated", "max_in_flight",
                 "max_connections", "max_concurrent_per_key", "rate_limit_rpm", "rate_burst", "max_messages",
-                "max_body_bytes", "body_timeout", "write_timeout", "keepalive", "drain_seconds")
+                "max_answer_tokens", "max_body_bytes", "body_timeout", "write_timeout", "keepalive", "drain_seconds")
 
 
 def _pick(cls, d: dict, where: str):

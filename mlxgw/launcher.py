@@ -483,6 +483,7 @@ def gateway_security_flags(cfg: config_mod.ServeConfig) -> list[str]:
     """The gateway flags for ``cfg``'s key and limit settings (keys travel by file or env, never argv)."""
     out = ["--max-concurrent-per-key", str(cfg.max_concurrent_per_key), "--rate-limit-rpm", str(cfg.rate_limit_rpm),
            "--rate-burst", str(cfg.rate_burst), "--max-messages", str(cfg.max_messages),
+           "--max-answer-tokens", str(cfg.max_answer_tokens),
            "--max-body-bytes", str(cfg.max_body_bytes), "--body-timeout", str(cfg.body_timeout),
            "--write-timeout", str(cfg.write_timeout), "--keepalive", str(cfg.keepalive),
            "--drain-seconds", str(cfg.drain_seconds)]

@@ -175,6 +175,10 @@ class ParsedRequest:
 #: Most choices one request may ask for (``n``): OpenAI's bound.
 MAX_N = 128
 
+#: Tokens an answer may take when the request sets no ``max_tokens`` (``mlx_lm.server``'s
+#: ``--max-tokens`` default), or its ``min_tokens`` when larger (helper-80).
+DEFAULT_MAX_TOKENS = 512
+
 # Deepest JSON nesting accepted. Real requests (tool schemas included) stay
 # far below it; deeper bodies could exhaust recursion in the chat template or
 # msgpack downstream.

@@ -404,7 +404,7 @@ def test_serve_passes_every_shared_gateway_flag_on():
     launcher.add_arguments(parser)
     argv = ["--api-key-file", "/k", "--allow-unauthenticated", "--max-in-flight", "7", "--max-connections", "9",
             "--max-concurrent-per-key", "3", "--rate-limit-rpm", "11", "--rate-burst", "4", "--max-messages", "5",
-            "--max-body-bytes", "2MiB", "--body-timeout", "6", "--drain-seconds", "13", "--write-timeout", "12",
+            "--max-answer-tokens", "8", "--max-body-bytes", "2MiB", "--body-timeout", "6", "--drain-seconds", "13", "--write-timeout", "12",
             "--keepalive", "2"]
     assert sorted(f for f in argv if f.startswith("--") and f != "--keepalive") == sorted(flags)  # all of them
     out = launcher.gateway_security_flags(config.apply_flags(config.ServeConfig(), parser.parse_args(argv)))

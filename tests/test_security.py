@@ -592,7 +592,7 @@ def test_gateway_config_keys_reach_the_gateway(tmp_path, demo_model):
     toml = tmp_path / "c.toml"
     toml.write_text(f'[gateway]\nhost = "0.0.0.0"\napi_key_file = "{keys}"\nmax_concurrent_per_key = 3\n'
                     'rate_limit_rpm = 30\nrate_burst = 2\nmax_messages = 20\nmax_body_bytes = "1MiB"\n'
-                    'body_timeout = 5\nwrite_timeout = 7\nmax_in_flight = 40\n')
+                    'body_timeout = 5\nwrite_timeout = 7\nmax_in_flight = 40\nmax_answer_tokens = 64\n')
     cfg = config.load(str(toml))
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -600,7 +600,7 @@ def test_gateway_config_keys_reach_the_gateway(tmp_path, demo_model):
     assert gw.api_keys == ["k1", "k2"] and gw.max_body_bytes == 2**20
     lim = gw.limits
     assert (lim.max_in_flight, lim.max_concurrent_per_key, lim.rate_per_minute, lim.rate_burst, lim.max_messages,
-            lim.body_timeout, lim.write_timeout) == (40, 3, 30.0, 2, 20, 5.0, 7.0)
+            lim.body_timeout, lim.write_timeout, lim.max_answer_tokens) == (40, 3, 30.0, 2, 20, 5.0, 7.0, 64)
     assert all("k1" not in f for f in gateway_security_flags(cfg))  # keys travel by file, not argv
     # Left out, the gateway picks its own cap from its open-files limit; a cap must be a whole number.
     toml.write_text('[gateway]\n')
@@ -826,3 +826,34 @@ def test_the_503_names_every_backend_that_refused_the_token(make_stack):
         assert sorted(msg.split("backends ", 1)[1].split(" rejected")[0].split(", ")) == ["b0", "b1"], msg
         assert msg.count("rejected this gateway's internal token") == 1, msg
     assert sorted(get_json(g.url + "/health")["token_rejected"]) == ["b0", "b1"]
+
+
+def test_max_answer_tokens_lowers_every_answer_past_it(make_stack):
+    """helper-98: ``max_tokens: 100000000`` ran a backend for 24 s (lowered only to the context).
+    ``--max-answer-tokens 5`` lowers a larger ``max_tokens``, ``max_completion_tokens`` (which
+    wins over ``max_tokens``), the backend's default of 512 when none is sent, and a
+    ``min_tokens`` past it; a smaller ``max_tokens`` stands; the Anthropic dialect too. The sim
+    engine always generates ``max_tokens``, so the usage counts the bound."""
+    import anthropic
+
+    from chat import ask
+
+    s = make_stack()
+    s.add_backend("b0", None, "--engine", "sim", "--sim-speed", "1e6")
+    gw = s.add_gateway("--max-answer-tokens", "5")
+    s.wait()
+
+    def answer(**kw):
+        status, _, body = ask(gw.url, "count the tokens of this answer", **kw)
+        assert status == 200, body
+        out = json.loads(body)
+        return out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]
+
+    assert answer(max_tokens=100_000_000) == (5, "length")
+    assert answer(max_tokens=None) == (5, "length")  # no max_tokens: the default 512, lowered
+    assert answer(max_tokens=3) == (3, "length")
+    assert answer(max_tokens=2, max_completion_tokens=50) == (5, "length")
+    assert answer(max_tokens=100, min_tokens=10) == (5, "length")
+    msg = anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0).messages.create(
+        model="demo-tiny", max_tokens=1000, messages=[{"role": "user", "content": "hi"}])
+    assert (msg.usage.output_tokens, msg.stop_reason) == (5, "max_tokens")
