@@ -284,10 +284,11 @@ def run(args: argparse.Namespace) -> int:
     app = make_app(cfg)
     lim = cfg.limits
     log.info("gateway %s starting on %s: Redis %s (namespace %s), models %s, at most %s in flight "
-             "and %s connections", cfg.gateway_id,
+             "and %s connections%s", cfg.gateway_id,
              host_port(args.host, args.port),  # helper-68: ":::8743"
              redact_url(cfg.redis_url), cfg.namespace,
-             ", ".join(cfg.models) or "-", count(lim.max_in_flight, "request") if lim.max_in_flight else "unlimited requests", lim.max_connections or "unlimited")
+             ", ".join(cfg.models) or "-", count(lim.max_in_flight, "request") if lim.max_in_flight else "unlimited requests", lim.max_connections or "unlimited",
+             f", answers of at most {count(lim.max_answer_tokens, 'token')}" if lim.max_answer_tokens else "")
     changed = routing_changes(cfg.routing)
     log.info("routing: %s", ", ".join(changed) if changed else f"{cfg.routing.policy}, the defaults")
     code = asyncio.run(_serve(app, cfg, args.host, args.port, args.drain_seconds))

@@ -823,9 +823,10 @@ def fit_table(title: Optional[str], cols: list[Col], width: Optional[int]):
     return t, [c.header for c in cols if c not in shown]
 
 
-def dropped_line(headers: list[str]) -> str:
-    """The line under a table that left columns out for a narrow terminal."""
-    return (f"(left out to fit this terminal: {', '.join(headers)}; a wider terminal or --json shows them)")
+def dropped_line(headers: list[str], json_hint: str = "--json") -> str:
+    """The line under a table that left columns out for a narrow terminal; ``json_hint``: the
+    command that shows every field (helper-99: `mlxgw top` pointed at a --json it lacks)."""
+    return f"(left out to fit this terminal: {', '.join(headers)}; a wider terminal or {json_hint} shows them)"
 
 
 def status_table(model: str, records: list[dict], now: float, width: Optional[int] = None):

@@ -86,7 +86,7 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
         if views:
             parts.append(t)
             if dropped:
-                parts.append(Text(dropped_line(dropped)))
+                parts.append(Text(dropped_line(dropped, "`mlxgw status --json`")))
         # status's warning lines (helper-77: top showed none: a gateway waiting for backends,
         # backends no gateway serves, a gateway routing to none, why a backend is left out)
         for line in problem_lines(d, namespace):

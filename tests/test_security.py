@@ -842,6 +842,7 @@ def test_max_answer_tokens_lowers_every_answer_past_it(make_stack):
     s.add_backend("b0", None, "--engine", "sim", "--sim-speed", "1e6")
     gw = s.add_gateway("--max-answer-tokens", "5")
     s.wait()
+    assert "answers of at most 5 tokens" in gw.log_path.read_text()  # helper-99: the bound in effect, said
 
     def answer(**kw):
         status, _, body = ask(gw.url, "count the tokens of this answer", **kw)

@@ -554,4 +554,5 @@ def test_top_on_a_narrow_terminal_keeps_whole_figures_and_names_the_columns_left
             assert "left out" not in text and "┃ hit ratio / interval ┃" in text, text
         else:
             flat = " ".join(text.split())  # the line wraps at the terminal's width
-            assert f"(left out to fit this terminal: {left_out}; a wider terminal or --json shows them)" in flat, text
+            assert (f"(left out to fit this terminal: {left_out}; a wider terminal or `mlxgw status --json` shows "
+                    "them)") in flat, text
