@@ -61,7 +61,8 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
         # helper-69: a backend with a URL problem (or left out, or silent) was counted as serving
         t = model_total(d["backends"])
         parts.append(Text(
-            f"model {m}: {len(views)} backends ({live_text(t)}), {t['active']} active, "
+            # helper-99: the rates are the last interval's, beside the rows' figures since start
+            f"model {m}: {len(views)} backends ({live_text(t)}), {t['active']} active; last interval: "
             f"{_fmt(last.get('rps'), '.2f')} req/s, token hit ratio {_fmt(last.get('hit_ratio'), '.2f')}, "
             f"{_fmt(last.get('gen_tps'), '.1f')} gen tok/s, TTFT {_fmt(last.get('ttft_ms'), '.1f')} ms"))
         rows = []
@@ -75,7 +76,7 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
                          _fmt(cur.get("ttft_ms"), ".1f"), f"{v['age_s']:.1f}"])
         # sorted by load; on a narrow terminal short headers, then columns leave (`fit_table`)
         spec = [("backend", "backend", 0), ("state", "state", 0), ("active/slots", "act/slots", 0),
-                ("queued tok", "queued", 0), ("cache MiB", "MiB", 5), ("use", "use", 1), ("req", "req", 2),
+                ("queued tok", "queued", 0), ("cache MiB", "MiB", 5), ("cache use", "use", 1), ("requests", "req", 2),
                 ("hit ratio (tokens)", "hit", 0), ("hit ratio / interval", "hit/interval", 4),
                 ("gen tok/s", "gen tok/s", 7), ("TTFT ms", "TTFT ms", 6), ("heartbeat s", "hb s", 3)]
         cols = [Col(h, sh, [r[i] for r in rows], d) for i, (h, sh, d) in enumerate(spec)]

@@ -38,7 +38,8 @@ def test_top_live_against_stack(make_stack, redis_server):
     frames = stdout.split("mlxgw top  namespace")[1:]
     assert len(frames) == 4  # bounded: exactly --iterations frames
     # Even the first frame has measured rates (a baseline snapshot is taken before it), not "-".
-    assert re.search(r"model demo-tiny: 2 backends \(2 live\), \d+ active, \d+\.\d\d req/s, token hit ratio \d\.\d\d",
+    assert re.search(r"model demo-tiny: 2 backends \(2 live\), \d+ active; last interval: \d+\.\d\d req/s, "
+                     r"token hit ratio \d\.\d\d",
                      frames[0])
     last = frames[-1]
     assert "model demo-tiny: 2 backends" in last
@@ -80,7 +81,7 @@ def test_top_sorts_by_load_and_rates_follow_counters(make_stack, redis_server):
     text = con.export_text()
     rows = [ln.split("│")[1].strip() for ln in text.splitlines() if ln.startswith("│")]
     assert rows == ["b1", "b0"]
-    assert "model demo-tiny: 2 backends (2 live), 3 active, 2.00 req/s" in text, text
+    assert "model demo-tiny: 2 backends (2 live), 3 active; last interval: 2.00 req/s" in text, text
     # helper-69: one whose check of its own URL failed was counted as serving
     for x in later[s.model_name]["backends"]:
         if x["id"] == "b1":
@@ -540,8 +541,8 @@ def test_top_on_a_narrow_terminal_keeps_whole_figures_and_names_the_columns_left
     hist = History()
     hist.add(data, t=now - 2)
     hist.add(data, t=now)
-    for width, left_out in ((80, "cache MiB, use, req, hit ratio / interval, heartbeat s"),
-                            (100, "use, req, heartbeat s"), (200, None)):
+    for width, left_out in ((80, "cache MiB, cache use, requests, hit ratio / interval, heartbeat s"),
+                            (100, "cache use, requests, heartbeat s"), (200, None)):
         con = Console(width=width, file=io.StringIO(), record=True)
         con.print(render(data, hist, "ns", now=now, width=width))
         text = con.export_text()
