@@ -25,8 +25,7 @@ from aiohttp import web
 
 from mlxgw import prompt as prompt_mod
 from mlxgw import schema
-from mlxgw.protocol import (DEFAULT_MAX_TOKENS, INTERNAL_FIELD, RequestError, context_exceeded, loads_body,
-                            parse_openai)
+from mlxgw.protocol import INTERNAL_FIELD, RequestError, context_exceeded, loads_body, parse_openai
 
 from .engine import Engine, GenEvent, GenParams, GenRequest
 from .processors import bad_words_ids
@@ -275,8 +274,7 @@ async def _complete(request: web.Request, kind: str, body: Optional[dict] = None
     for name in ("stop_token_ids", "allowed_token_ids"):
         if any(t >= len(engine.tokenizer) for t in getattr(pr, name) or ()):
             raise RequestError(f"'{name}' holds token ids outside the vocabulary", param=name)
-    # Without a max_tokens, at least min_tokens (helper-80: min_tokens 600 gave the 512 default)
-    max_tokens = min(pr.max_tokens or max(DEFAULT_MAX_TOKENS, pr.min_tokens), ctx - max(map(len, prompts)))
+    max_tokens = min(pr.answer_budget(), ctx - max(map(len, prompts)))
     min_tokens = min(pr.min_tokens, max_tokens)
     # Redis must reflect earlier saves before this request is answered.
     await reporter.settle(answer=False)

@@ -20,8 +20,7 @@ import msgpack
 from aiohttp import web
 
 from mlxgw import schema
-from mlxgw.protocol import (DEFAULT_MAX_TOKENS, INTERNAL_FIELD, RequestError, context_exceeded, loads_body, overloaded,
-                            parse_openai)
+from mlxgw.protocol import INTERNAL_FIELD, RequestError, context_exceeded, loads_body, overloaded, parse_openai
 from mlxgw.redis_client import is_setting_error
 
 from . import auth, dashboard, dialects, limits
@@ -209,11 +208,9 @@ async def _route(request: web.Request, kind: str, path: str, body: Optional[dict
             raise context_exceeded(len(b), info.context_length, pr.prompt_param(i))
     longest = max(map(len, batch))
     room = info.context_length - longest
-    # What the backend would give: the request's max_tokens, else its default (`DEFAULT_MAX_TOKENS`).
-    asked = pr.max_tokens if pr.max_tokens is not None else max(DEFAULT_MAX_TOKENS, pr.min_tokens)
     cap = st.cfg.limits.max_answer_tokens
     answer = pr.max_tokens  # None: the backend's default; the seeding rule reads it as unbounded
-    if 0 < cap < min(asked, room + 1):  # the operator's bound (--max-answer-tokens), under the context's
+    if 0 < cap < min(pr.answer_budget(), room + 1):  # the operator's bound (--max-answer-tokens), under the context's
         answer = _lower_max_tokens(body, pr, cap)
     elif pr.max_tokens is not None and pr.max_tokens > room:
         answer = _lower_max_tokens(body, pr, room)

@@ -166,6 +166,13 @@ class ParsedRequest:
     # is also ``prompt`` / ``prompt_ids``. Empty for one prompt.
     batch: list = field(default_factory=list)
 
+    def answer_budget(self) -> int:
+        """Tokens the answer may take before the context bounds it: ``max_tokens``, else
+        `DEFAULT_MAX_TOKENS`, or ``min_tokens`` when larger (helper-80: ``min_tokens`` 600 got
+        the 512 default). The backend generates that many at most; the gateway compares it
+        with its ``--max-answer-tokens``."""
+        return self.max_tokens if self.max_tokens is not None else max(DEFAULT_MAX_TOKENS, self.min_tokens)
+
     def prompt_param(self, i: int = 0) -> str:
         """The client's field holding prompt ``i``, for errors: ``messages`` (chat), ``prompt``,
         or ``prompt[i]`` in a completions batch."""

@@ -9,7 +9,6 @@ three, so every view computes a hit ratio the same way.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -783,44 +782,42 @@ def run(args) -> int:
     return code
 
 
-@dataclasses.dataclass
-class Col:
-    """One column of a backends table: its ``header``, a ``short`` header for a narrow
-    terminal, its ``cells`` (one a row, the total row's last) and ``drop``: the order in which
-    it leaves a table too wide for the terminal (1 first; 0: never)."""
-    header: str
-    short: str
-    cells: list[str]
-    drop: int = 0
-
-
 def _need(header: str, cells: list[str]) -> int:
     """Terminal columns one table column takes whole: its header or widest cell, plus rich's
     padding and rule (3)."""
     return max([len(c) for c in cells] + [len(header)]) + 3
 
 
-def fit_table(title: Optional[str], cols: list[Col], width: Optional[int]):
-    """A rich Table of ``cols`` that fits ``width`` terminal columns (None: all columns, whole
-    headers) without cutting or folding a figure: the whole headers when every column fits at
-    its widest cell; else the short ones; then columns leave in their ``drop`` order until the
-    rest fit. Cells never wrap (helper-98: at 80 columns a URL broke over 8 lines, ``0/16`` into
-    ``0/1`` and ``6``); headers do not wrap either. Returns ``(table, headers of the columns
-    left out)``."""
+def fit_table(title: Optional[str], spec: list[tuple[str, str, int]], rows: list[list[str]],
+              width: Optional[int], total: Optional[list[str]] = None):
+    """A rich Table of ``rows`` (and a ``total`` row in a section of its own) that fits ``width``
+    terminal columns (None: every column, whole headers) without cutting or folding a figure.
+    ``spec`` gives each column's ``(header, short header, drop)``: the whole headers when every
+    column fits at its widest cell; else the short ones, then columns leave in ``drop`` order (1
+    first; 0: never) until the rest fit. Cells never wrap (helper-98: at 80 columns a URL broke
+    over 8 lines, ``0/16`` into ``0/1`` and ``6``); headers do not wrap either. Returns
+    ``(table, whole headers of the columns left out)``."""
     from rich.table import Table
 
-    shown, heads = list(cols), [c.header for c in cols]
-    if width is not None and 1 + sum(_need(c.header, c.cells) for c in cols) > width:
-        heads = [c.short for c in cols]
-        for c in sorted((c for c in cols if c.drop), key=lambda c: c.drop):
-            if 1 + sum(_need(h, x.cells) for h, x in zip(heads, cols) if x in shown) <= width:
+    body = rows + ([total] if total else [])
+    cells = [[r[i] for r in body] for i in range(len(spec))]
+    heads = [h for h, _, _ in spec]
+    shown = list(range(len(spec)))
+    if width is not None and 1 + sum(_need(h, c) for h, c in zip(heads, cells)) > width:
+        heads = [sh for _, sh, _ in spec]
+        for i in sorted((i for i, (_, _, d) in enumerate(spec) if d), key=lambda i: spec[i][2]):
+            if 1 + sum(_need(heads[j], cells[j]) for j in shown) <= width:
                 break
-            shown.remove(c)
+            shown.remove(i)
     t = Table(title=title) if title is not None else Table(expand=False)
-    for c, h in zip(cols, heads):
-        if c in shown:
-            t.add_column(h, no_wrap=True, min_width=_need(h, c.cells) - 3)
-    return t, [c.header for c in cols if c not in shown]
+    for i in shown:
+        t.add_column(heads[i], no_wrap=True, min_width=_need(heads[i], cells[i]) - 3)
+    for r in rows:
+        t.add_row(*[r[i] for i in shown])
+    if total:
+        t.add_section()
+        t.add_row(*[total[i] for i in shown])
+    return t, [spec[i][0] for i in range(len(spec)) if i not in shown]
 
 
 def dropped_line(headers: list[str], json_hint: str = "--json") -> str:
@@ -847,16 +844,7 @@ def status_table(model: str, records: list[dict], now: float, width: Optional[in
             ("entries", "entries", 7), ("cache MiB", "MiB", 8), ("evictions", "evict", 3),
             *([("disk MiB / reads", "disk", 4)] if disk else []), ("hit ratio (tokens)", "hit", 0),
             ("heartbeat s", "hb s", 6), ("up (epoch)", "up", 5)]
-    body = rows + ([total] if total else [])
-    cols = [Col(h, sh, [r[i] for r in body], d) for i, (h, sh, d) in enumerate(spec)]
-    t, dropped = fit_table(f"model {model}{layouts_note(records)}", cols, width)
-    keep = [i for i, c in enumerate(cols) if c.header not in dropped]
-    for r in rows:
-        t.add_row(*[r[i] for i in keep])
-    if total:
-        t.add_section()
-        t.add_row(*[total[i] for i in keep])
-    return t, dropped
+    return fit_table(f"model {model}{layouts_note(records)}", spec, rows, width, total)
 
 
 def _print_events(con, events: list[dict]) -> None:

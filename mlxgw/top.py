@@ -15,7 +15,7 @@ from rich.console import Group
 from rich.live import Live
 from rich.text import Text
 
-from .status import (REPLY_TIMEOUT, Col, History, backend_view, collect, connect, console, dropped_line, event_line,
+from .status import (REPLY_TIMEOUT, History, backend_view, collect, connect, console, dropped_line, event_line,
                      fit_table, live_text, model_total, problem_lines, unreachable)
 from .redis_client import connect as redis_connect
 from .util import redact_url, serve_url_file
@@ -79,11 +79,7 @@ def render(data: dict, hist: History, namespace: str, now: Optional[float] = Non
                 ("queued tok", "queued", 0), ("cache MiB", "MiB", 5), ("cache use", "use", 1), ("requests", "req", 2),
                 ("hit ratio (tokens)", "hit", 0), ("hit ratio / interval", "hit/interval", 4),
                 ("gen tok/s", "gen tok/s", 7), ("TTFT ms", "TTFT ms", 6), ("heartbeat s", "hb s", 3)]
-        cols = [Col(h, sh, [r[i] for r in rows], d) for i, (h, sh, d) in enumerate(spec)]
-        t, dropped = fit_table(None, cols, width)
-        keep = [i for i, c in enumerate(cols) if c.header not in dropped]
-        for r in rows:
-            t.add_row(*[r[i] for i in keep])
+        t, dropped = fit_table(None, spec, rows, width)
         if views:
             parts.append(t)
             if dropped:
